@@ -1,0 +1,3 @@
+from xmem.cli import main
+
+main()

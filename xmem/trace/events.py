@@ -1,0 +1,81 @@
+"""The trace's output record: what crosses from `trace` to `orchestrate`.
+
+Owns only the data types (no torch import here, so the simulator and the CLI load fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+# Phases of a training step, and memory categories named once (the words of torch's mem_tracker).
+Phase = Literal["forward", "backward", "optimizer", "other"]
+Category = Literal[
+    "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "other", "workspace"
+]
+
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
+CATEGORIES: tuple[str, ...] = (
+    "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace", "other"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MemEvent:
+    """One GPU storage allocation or free, in program order.
+
+    `block` identifies the storage: an alloc and its free share it. `nbytes` is the storage's requested size
+    (unrounded: rounding is the simulator's job). A free repeats the alloc's size, stream and device.
+    """
+
+    action: Literal["alloc", "free"]
+    block: int
+    nbytes: int
+    device: int = 0
+    stream: int = 0
+    op: str = ""
+    module: str = ""
+    phase: str = "other"
+    iteration: int = -1  # -1: before the first optimizer step's iteration started (model load, setup)
+    category: str = "other"
+
+
+@dataclass(slots=True)
+class Trace:
+    """Everything the tracer learned about one run of the user's program under fake CUDA."""
+
+    events: list[MemEvent] = field(default_factory=list)
+    iterations: int = 0  # optimizer steps completed
+    warnings: list[str] = field(default_factory=list)  # stand-ins used (loss.item() etc.), said once each
+    libraries: list[str] = field(default_factory=list)  # GPU libraries the job would load: "cublas", "cudnn", ...
+    op_counts: dict[str, int] = field(default_factory=dict)
+    capability: tuple[int, int] = (9, 0)  # compute capability the trace pretended to have
+    arch_sensitive: bool = False  # True if a capability-dependent choice was taken (SDPA backend, bf16 check...)
+    used_cuda: bool = False
+    threads: int = 1  # host threads that issued GPU work (forward thread, autograd device thread...)
+    alloc_conf: str = ""  # PYTORCH_(CUDA_)ALLOC_CONF seen in the job's environment
+    seconds: float = 0.0
+    torch_version: str = ""
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        # events as compact rows: they dominate the size
+        d["events"] = [dataclasses.astuple(e) for e in self.events]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Trace":
+        d = dict(d)
+        d["events"] = [MemEvent(*row) for row in d.get("events", [])]
+        d["capability"] = tuple(d.get("capability", (9, 0)))
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: Path) -> "Trace":
+        return cls.from_json(json.loads(path.read_text()))
