@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install xmem-slurm into ./.venv (idempotent).
+#   XMEM_TORCH=cuda (default): torch 2.14.1 + torchvision 0.29.1, the CUDA build a login node usually has
+#                              (it runs without a GPU; torchvision is needed by the CNN benchmark jobs).
+#   XMEM_TORCH=cpu:            torch 2.13.0, the small CPU build.
+#   XMEM_WITH_CPU_BUILD=1:     also make ./.venv-cpu (CPU build), so the tests trace on both builds.
+# The fake-CUDA tracer compiles a small native shim at first use: it needs g++ (Debian: build-essential).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+make_venv() {  # make_venv DIR TORCH-REQUIREMENTS...
+  local dir=$1; shift
+  [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 | grep -v '^WARNING: Location' || true
+  "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
+}
+
+command -v g++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; }
+case "${XMEM_TORCH:-cuda}" in
+  cuda) make_venv .venv torch==2.14.1 torchvision==0.29.1 ;;
+  cpu)  make_venv .venv torch==2.13.0 ;;
+  *) echo "XMEM_TORCH must be cuda or cpu" >&2; exit 2 ;;
+esac
+if [ "${XMEM_WITH_CPU_BUILD:-0}" = 1 ]; then make_venv .venv-cpu torch==2.13.0; fi
