@@ -72,12 +72,18 @@ class SyntheticCifar(Dataset):
         return torch.randn(3, IMAGE_SIZE, IMAGE_SIZE), index % CIFAR_CLASSES
 
 
+def build_optimizer(name: str, params, fused: bool = False) -> torch.optim.Optimizer:
+    # fused=True only when asked: the measured jobs used torch's default (foreach on CUDA)
+    extra = {"fused": True} if fused else {}
+    return getattr(torch.optim, name)(params, lr=1e-3, **extra)
+
+
 def train(model_name: str, optimizer_name: str, batch_size: int, zero_grad_mode: int, iterations: int,
-          device: str) -> None:
+          device: str, amp: str = "none", fused: bool = False) -> None:
     model = build_model(model_name)
     model.to(device)
     model.train()
-    optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=1e-3)
+    optimizer = build_optimizer(optimizer_name, model.parameters(), fused)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.1)
     criterion = nn.CrossEntropyLoss()
     loader = DataLoader(SyntheticCifar(batch_size * iterations), batch_size=batch_size, shuffle=True)
@@ -87,8 +93,9 @@ def train(model_name: str, optimizer_name: str, batch_size: int, zero_grad_mode:
         if zero_grad_mode == 0:
             optimizer.zero_grad()
         inputs, labels = inputs.to(device), labels.to(device)
-        outputs = model(inputs)
-        loss = criterion(outputs, labels)
+        with autocast(device, amp):
+            outputs = model(inputs)
+            loss = criterion(outputs, labels)
         if zero_grad_mode == 1:
             optimizer.zero_grad()
         loss.backward()
@@ -97,6 +104,12 @@ def train(model_name: str, optimizer_name: str, batch_size: int, zero_grad_mode:
         if zero_grad_mode == 2:
             optimizer.zero_grad()
         scheduler.step()
+
+
+def autocast(device: str, amp: str) -> torch.autocast:
+    """Mixed precision for the modern variants; "none" (the measured jobs) is a disabled autocast."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp, torch.float32)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=amp != "none")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,8 +121,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="0: start of the iteration, 1: just before backward, 2: after optimizer.step()")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast (modern variants)")
+    parser.add_argument("--fused", action="store_true", help="fused optimizer (modern variants)")
     args = parser.parse_args(argv)
-    train(args.model, args.optimizer, args.batch_size, args.zero_grad_mode, args.iterations, args.device)
+    train(args.model, args.optimizer, args.batch_size, args.zero_grad_mode, args.iterations, args.device,
+          args.amp, args.fused)
 
 
 if __name__ == "__main__":

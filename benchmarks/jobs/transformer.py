@@ -30,20 +30,25 @@ def config_path(model_id: str, config_dir: Path = CONFIG_DIR) -> Path:
     return config_dir / (model_id.replace("/", "--") + ".json")
 
 
-def build_model(model_id: str, config_dir: Path = CONFIG_DIR) -> torch.nn.Module:
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_model(model_id: str, config_dir: Path = CONFIG_DIR, dtype: str = "float32") -> torch.nn.Module:
     path = config_path(model_id, config_dir)
     if not path.is_file():
         known = sorted(p.stem.replace("--", "/") for p in config_dir.glob("*.json"))
         raise SystemExit(f"transformer.py: no configuration {path}; known models: {', '.join(known)}")
     config = AutoConfig.for_model(**json.loads(path.read_text()))
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    return auto.from_config(config, dtype=torch.float32)
+    return auto.from_config(config, dtype=DTYPES[dtype])
 
 
-def build_optimizer(name: str, params) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params, fused: bool = False) -> torch.optim.Optimizer:
     if name == "Adafactor":
         return transformers.Adafactor(params, lr=1e-3, relative_step=False)
-    return getattr(torch.optim, name)(params, lr=1e-3)
+    # fused=True only when asked: the measured jobs used torch's default (foreach on CUDA)
+    extra = {"fused": True} if fused else {}
+    return getattr(torch.optim, name)(params, lr=1e-3, **extra)
 
 
 def synthetic_batch(batch_size: int, vocab_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -57,9 +62,10 @@ def synthetic_batch(batch_size: int, vocab_size: int, seq_len: int) -> dict[str,
 
 
 def train(model_id: str, optimizer_name: str, batch_size: int, zero_grad_mode: int, iterations: int,
-          device: str, seq_len: int = SEQUENCE_LENGTH) -> None:
-    model = build_model(model_id)
-    optimizer = build_optimizer(optimizer_name, model.parameters())  # on the CPU parameters, as measured
+          device: str, seq_len: int = SEQUENCE_LENGTH, dtype: str = "float32", amp: str = "none",
+          fused: bool = False) -> None:
+    model = build_model(model_id, dtype=dtype)
+    optimizer = build_optimizer(optimizer_name, model.parameters(), fused)  # on the CPU parameters, as measured
     model.to(device)
     model.train()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.1)
@@ -67,7 +73,8 @@ def train(model_id: str, optimizer_name: str, batch_size: int, zero_grad_mode: i
         if zero_grad_mode == 0:
             optimizer.zero_grad()
         batch = {k: v.to(device) for k, v in synthetic_batch(batch_size, model.config.vocab_size, seq_len).items()}
-        out = model(**batch)
+        with autocast(device, amp):
+            out = model(**batch)
         if zero_grad_mode == 1:
             optimizer.zero_grad()
         out.loss.backward()
@@ -75,6 +82,12 @@ def train(model_id: str, optimizer_name: str, batch_size: int, zero_grad_mode: i
         if zero_grad_mode == 2:
             optimizer.zero_grad()
         scheduler.step()
+
+
+def autocast(device: str, amp: str) -> torch.autocast:
+    """Mixed precision for the modern variants; "none" (the measured jobs) is a disabled autocast."""
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp, torch.float32)
+    return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype, enabled=amp != "none")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,9 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=SEQUENCE_LENGTH)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="model weights (modern variants)")
+    parser.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast (modern variants)")
+    parser.add_argument("--fused", action="store_true", help="fused optimizer (modern variants)")
     args = parser.parse_args(argv)
     train(args.model, args.optimizer, args.batch_size, args.zero_grad_mode, args.iterations, args.device,
-          args.seq_len)
+          args.seq_len, args.dtype, args.amp, args.fused)
 
 
 if __name__ == "__main__":
