@@ -1,0 +1,185 @@
+"""The GPU catalog: names, totals as the driver reports them, MIG profiles, overheads and their overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from xmem.gpus import (
+    CatalogError,
+    UnknownGpuError,
+    cublas_workspace_bytes,
+    find_gpu,
+    load_catalog,
+    mig_profile,
+    overhead_bytes,
+)
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog(calibration_path=None)
+
+
+REQUIRED = ["A100-SXM4-40GB", "A100-PCIE-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H100-PCIE-80GB", "H200-141GB",
+            "L40S", "A10", "V100-16GB", "V100-32GB", "T4", "RTX-3060-12GB", "RTX-4060-8GB", "RTX-4090"]
+
+
+def test_catalog_has_every_required_type(catalog):
+    assert set(REQUIRED) <= set(catalog)
+
+
+@pytest.mark.parametrize("name, canonical", [
+    ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB"),
+    ("a100", "A100-SXM4-40GB"),
+    ("A100", "A100-SXM4-40GB"),
+    ("a100_80gb", "A100-SXM4-80GB"),
+    ("h100", "H100-SXM5-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-SXM5-80GB"),
+    ("nvidia geforce rtx 3060", "RTX-3060-12GB"),
+    ("NVIDIA GeForce RTX 4060", "RTX-4060-8GB"),
+    ("Tesla V100-SXM2-32GB", "V100-32GB"),
+    ("Tesla T4", "T4"),
+    ("l40s", "L40S"),
+    ("h200", "H200-141GB"),
+    ("rtx-4090", "RTX-4090"),
+])
+def test_find_gpu_matches_aliases_case_insensitively(catalog, name, canonical):
+    assert find_gpu(name, catalog).name == canonical
+
+
+def test_unknown_gpu_error_lists_known_names(catalog):
+    with pytest.raises(UnknownGpuError) as e:
+        find_gpu("B200", catalog)
+    message = str(e.value)
+    assert "'B200'" in message and "A100-SXM4-40GB" in message and "\n" not in message
+
+
+def test_totals_measured_on_real_gpus_are_exact(catalog):
+    # The three totals measured by NVML in shared/data/xmem-dev.jsonl.
+    assert catalog["RTX-3060-12GB"].total_bytes == 12_622_168_064
+    assert catalog["RTX-4060-8GB"].total_bytes == 8_318_222_336
+    assert catalog["A100-SXM4-40GB"].total_bytes == 42_474_471_424
+
+
+def test_public_totals_are_nvidia_smi_mib(catalog):
+    assert catalog["H200-141GB"].total_bytes == 143_771 * MIB
+    assert catalog["RTX-4090"].total_bytes == 24_564 * MIB
+
+
+def test_capabilities(catalog):
+    assert catalog["H100-SXM5-80GB"].capability == (9, 0)
+    assert catalog["A100-SXM4-80GB"].capability == (8, 0)
+    assert catalog["V100-16GB"].capability == (7, 0)
+    assert catalog["T4"].capability == (7, 5)
+    assert catalog["RTX-4060-8GB"].capability == (8, 9)
+
+
+def test_a100_40gb_mig_profiles(catalog):
+    gpu = catalog["A100-SXM4-40GB"]
+    assert [p.name for p in gpu.mig_profiles] == ["1g.5gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"]
+    profile = mig_profile(gpu, "MIG 3g.20gb")
+    assert profile.compute_slices == 3
+    assert profile.memory_bytes == round(19.62 * GIB)
+    assert mig_profile(gpu, "1G.5GB").memory_bytes == 4864 * MIB  # 4.75 GiB
+
+
+def test_a100_80gb_and_hopper_mig_profiles(catalog):
+    names = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+    for gpu in ("A100-SXM4-80GB", "H100-SXM5-80GB", "H100-PCIE-80GB"):
+        assert [p.name for p in catalog[gpu].mig_profiles] == names
+    assert [p.name for p in catalog["H200-141GB"].mig_profiles][-1] == "7g.141gb"
+
+
+def test_mig_profile_unknown_or_no_mig(catalog):
+    with pytest.raises(UnknownGpuError, match="no MIG"):
+        mig_profile(catalog["T4"], "1g.5gb")
+    with pytest.raises(UnknownGpuError, match="1g.5gb"):
+        mig_profile(catalog["A100-SXM4-40GB"], "1g.10gb")
+
+
+def test_overhead_adds_only_the_libraries_the_job_used(catalog):
+    gpu = catalog["A100-SXM4-40GB"]
+    libs = gpu.libraries
+    assert overhead_bytes(gpu, []) == gpu.context_bytes == 446_693_376
+    assert overhead_bytes(gpu, ["cublas"]) == 446_693_376 + libs["cublas"]
+    assert overhead_bytes(gpu, ["cublas", "cudnn", "cublas", "unknown-lib"]) == 446_693_376 + libs["cublas"] + libs["cudnn"]
+
+
+def test_cublas_workspace_size_per_architecture(catalog):
+    assert cublas_workspace_bytes(catalog["A100-SXM4-40GB"]) == 8_519_680
+    assert cublas_workspace_bytes(catalog["T4"]) == 8_519_680
+    assert cublas_workspace_bytes(catalog["H100-SXM5-80GB"]) == 32 * MIB
+
+
+def test_cublas_workspace_config_env_wins(catalog):
+    h100 = catalog["H100-SXM5-80GB"]
+    assert cublas_workspace_bytes(h100, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MIB
+    assert cublas_workspace_bytes(h100, {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}) == 8_519_680
+    assert cublas_workspace_bytes(h100, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 16 * 1024 * 8
+    assert cublas_workspace_bytes(h100, {"OTHER": "x"}) == 32 * MIB
+
+
+def test_site_override_changes_a_type_and_adds_one():
+    catalog = load_catalog({
+        "gpus": {"tesla t4": {"total_bytes": 15_000 * MIB},
+                 "B200": {"total_bytes": 190 * GIB, "capability": [10, 0], "aliases": ["b200"]}},
+        "overhead": {"default": {"context_bytes": 500 * MIB}, "b200": {"context_bytes": 700 * MIB}},
+    }, calibration_path=None)
+    assert catalog["T4"].total_bytes == 15_000 * MIB
+    assert catalog["T4"].context_bytes == 500 * MIB
+    assert find_gpu("b200", catalog).context_bytes == 700 * MIB
+    assert catalog["B200"].libraries["cublas"] == catalog["T4"].libraries["cublas"]  # defaults still apply
+
+
+def test_calibration_file_overrides_defaults_and_keeps_provenance(tmp_path: Path):
+    calibration = tmp_path / "calibration.toml"
+    calibration.write_text(
+        '[overhead."RTX-3060-12GB"]\n'
+        "context_bytes = 300000000\n"
+        "library_bytes = { cublas = 1000000 }\n"
+        'provenance = "xmem-slurm calibrate on node gpu01, driver 550.54"\n'
+    )
+    catalog = load_catalog(calibration_path=calibration)
+    rtx = catalog["RTX-3060-12GB"]
+    assert rtx.context_bytes == 300_000_000
+    assert rtx.libraries["cublas"] == 1_000_000
+    assert rtx.libraries["cudnn"] == catalog["T4"].libraries["cudnn"]  # not calibrated: the default stays
+    assert rtx.overhead_provenance == "xmem-slurm calibrate on node gpu01, driver 550.54"
+    assert catalog["T4"].context_bytes == 446_693_376
+    assert "defaults" in catalog["T4"].overhead_provenance
+
+
+def test_site_override_wins_over_calibration(tmp_path: Path):
+    calibration = tmp_path / "calibration.toml"
+    calibration.write_text('[overhead."T4"]\ncontext_bytes = 1\nprovenance = "measured"\n')
+    catalog = load_catalog({"overhead": {"T4": {"context_bytes": 2}}}, calibration_path=calibration)
+    assert catalog["T4"].context_bytes == 2
+    assert catalog["T4"].overhead_provenance == "measured"
+
+
+def test_calibration_for_unknown_gpu_is_an_error(tmp_path: Path):
+    calibration = tmp_path / "calibration.toml"
+    calibration.write_text('[overhead."Z9000"]\ncontext_bytes = 1\n')
+    with pytest.raises(CatalogError, match="Z9000"):
+        load_catalog(calibration_path=calibration)
+
+
+def test_broken_calibration_file_names_the_file(tmp_path: Path):
+    calibration = tmp_path / "calibration.toml"
+    calibration.write_text("[overhead\n")
+    with pytest.raises(CatalogError, match="calibration.toml"):
+        load_catalog(calibration_path=calibration)
+
+
+def test_alias_used_twice_is_an_error():
+    with pytest.raises(CatalogError, match="a100"):
+        load_catalog({"gpus": {"MyA100": {"total_bytes": 1, "capability": [8, 0], "aliases": ["A100"]}}},
+                     calibration_path=None)
+
+
+def test_new_type_without_total_is_an_error():
+    with pytest.raises(CatalogError, match="total_bytes"):
+        load_catalog({"gpus": {"X1": {"capability": [8, 0]}}}, calibration_path=None)

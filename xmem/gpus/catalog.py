@@ -1,0 +1,208 @@
+"""The GPU catalog: which GPU types exist, how much memory each gives a job, and what it costs besides tensors.
+
+Owns `catalog.toml` (shipped defaults), the merge with `calibration.toml` (measured overheads, written by
+`xmem-slurm calibrate`) and with a site's overrides, name lookup (canonical names, Slurm GRES names, NVML names),
+MIG profiles, the non-allocator overhead model and the cuBLAS workspace size per architecture.
+
+Everything here is pure except `load_catalog`, which reads the two TOML files shipped in this folder.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")
+GIB = 1 << 30
+
+# aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize(): ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB.
+CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
+# Same file: Hopper (major 9) gets 32 MiB. Newer code also gives it to Blackwell (10, 12; PR #175344), which
+# a later PR proposed to revert; no Blackwell type is in the catalog, so only Hopper is listed.
+CUBLAS_LARGE_WORKSPACE_BYTES = 32 * 1024 * 1024
+CUBLAS_LARGE_WORKSPACE_MAJORS = frozenset({9})
+
+
+class UnknownGpuError(ValueError):
+    """A GPU name that is neither a canonical name nor an alias in the catalog."""
+
+
+class CatalogError(ValueError):
+    """A catalog, calibration file or site override that cannot be used as written."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfile:
+    """One MIG GPU-instance profile, e.g. `3g.20gb`, with the memory the driver gives it."""
+
+    name: str
+    memory_bytes: int
+
+    @property
+    def compute_slices(self) -> int:
+        """Sevenths of the GPU's compute: the `N` of `Ng.XXgb`."""
+        return int(self.name.split("g.", 1)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class GpuType:
+    """One GPU type of the cluster: memory as the driver reports it, architecture, MIG profiles, overheads."""
+
+    name: str
+    total_bytes: int
+    capability: tuple[int, int]
+    aliases: tuple[str, ...] = ()
+    mig_profiles: tuple[MigProfile, ...] = ()
+    context_bytes: int = 0
+    library_bytes: tuple[tuple[str, int], ...] = ()  # (library, bytes), sorted; a tuple keeps the record hashable
+    overhead_provenance: str = ""
+
+    @property
+    def libraries(self) -> dict[str, int]:
+        return dict(self.library_bytes)
+
+
+def normalize_name(name: str) -> str:
+    """The form names are compared in: lower case, vendor prefix dropped, spaces and underscores as '-'."""
+    text = re.sub(r"[\s_]+", "-", name.strip().lower())
+    for prefix in ("nvidia-", "tesla-", "geforce-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text
+
+
+def load_catalog(overrides: Mapping[str, Any] | None = None, *,
+                 calibration_path: Path | None = CALIBRATION_PATH) -> dict[str, GpuType]:
+    """Every GPU type by canonical name: shipped catalog, then calibration file (if present), then `overrides`.
+
+    `overrides` has the catalog's shape: `{"gpus": {name: {field: value}}, "overhead": {name|"default": {...}}}`;
+    a `gpus` entry for an unknown name adds a new type (it then needs `total_bytes` and `capability`).
+    """
+    base = _read_toml(CATALOG_PATH)
+    calibration = _read_toml(calibration_path) if calibration_path and calibration_path.exists() else {}
+    return catalog_from_tables(base, calibration, overrides or {})
+
+
+def catalog_from_tables(base: Mapping[str, Any], calibration: Mapping[str, Any],
+                        overrides: Mapping[str, Any]) -> dict[str, GpuType]:
+    """The pure part of `load_catalog`: merge the three tables and build the records."""
+    gpus = {name: dict(fields) for name, fields in base.get("gpus", {}).items()}
+    for name, fields in overrides.get("gpus", {}).items():
+        gpus.setdefault(_canonical(name, gpus), {}).update(fields)
+    overhead = _merge_overhead(dict(base.get("overhead", {})), calibration.get("overhead", {}), gpus, "calibration")
+    overhead = _merge_overhead(overhead, overrides.get("overhead", {}), gpus, "site override [overhead]")
+    catalog = {name: _build_gpu(name, fields, overhead) for name, fields in gpus.items()}
+    _check_aliases_unique(catalog)
+    return catalog
+
+
+def find_gpu(name: str, catalog: Mapping[str, GpuType]) -> GpuType:
+    """The GPU type called `name` (canonical name or alias, any case); a clear error listing the known names."""
+    wanted = normalize_name(name)
+    for gpu in catalog.values():
+        if wanted == normalize_name(gpu.name) or wanted in (normalize_name(a) for a in gpu.aliases):
+            return gpu
+    raise UnknownGpuError(f"unknown GPU type {name!r}; known types: {', '.join(sorted(catalog))}")
+
+
+def mig_profile(gpu: GpuType, profile: str) -> MigProfile:
+    """The MIG profile `profile` (e.g. '3g.20gb', any case, optional 'MIG ' prefix) of `gpu`."""
+    wanted = profile.strip().lower().removeprefix("mig").strip()
+    for p in gpu.mig_profiles:
+        if p.name == wanted:
+            return p
+    known = ", ".join(p.name for p in gpu.mig_profiles) or "none (no MIG on this type)"
+    raise UnknownGpuError(f"{gpu.name} has no MIG profile {profile!r}; its profiles: {known}")
+
+
+def overhead_bytes(gpu: GpuType, libraries: Iterable[str]) -> int:
+    """GPU memory the job's process holds outside the caching allocator: CUDA context + libraries it used."""
+    per_library = gpu.libraries
+    return gpu.context_bytes + sum(per_library.get(lib, 0) for lib in set(libraries))
+
+
+def cublas_workspace_bytes(gpu: GpuType, env: Mapping[str, str] | None = None) -> int:
+    """Bytes of one cuBLAS workspace (one per host thread and stream), as torch chooses it for `gpu`.
+
+    `CUBLAS_WORKSPACE_CONFIG=:SIZE_KiB:COUNT[:SIZE_KiB:COUNT...]` wins when set (torch sums SIZE x COUNT).
+    """
+    config = (env or {}).get("CUBLAS_WORKSPACE_CONFIG", "")
+    if config:
+        return _parse_cublas_workspace_config(config)
+    if gpu.capability[0] in CUBLAS_LARGE_WORKSPACE_MAJORS:
+        return CUBLAS_LARGE_WORKSPACE_BYTES
+    return CUBLAS_DEFAULT_WORKSPACE_BYTES
+
+
+def _parse_cublas_workspace_config(config: str) -> int:
+    # parseChosenWorkspaceSize(): pairs of ":SIZE:COUNT", SIZE in KiB; a malformed string makes torch use the
+    # default, and so do we.
+    numbers = re.findall(r":(\d+):(\d+)", config)
+    if not numbers:
+        return CUBLAS_DEFAULT_WORKSPACE_BYTES
+    return sum(int(size) * 1024 * int(count) for size, count in numbers)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise CatalogError(f"{path}: not valid TOML ({e})") from None
+
+
+def _canonical(name: str, gpus: Mapping[str, Mapping[str, Any]]) -> str:
+    """The canonical name `name` refers to among `gpus` (raw tables), or `name` itself if it is new."""
+    wanted = normalize_name(name)
+    for canonical, fields in gpus.items():
+        if wanted == normalize_name(canonical) or wanted in (normalize_name(a) for a in fields.get("aliases", ())):
+            return canonical
+    return name
+
+
+def _merge_overhead(overhead: dict[str, Any], update: Mapping[str, Any], gpus: Mapping[str, Any],
+                    where: str) -> dict[str, Any]:
+    merged = {name: dict(entry) for name, entry in overhead.items()}
+    for name, entry in update.items():
+        key = name if name == "default" else _canonical(name, gpus)
+        if key != "default" and key not in gpus:
+            raise CatalogError(f"{where}: overhead for unknown GPU type {name!r}; known types: {', '.join(sorted(gpus))}")
+        target = merged.setdefault(key, {})
+        libraries = {**target.get("library_bytes", {}), **entry.get("library_bytes", {})}
+        target.update(entry)
+        target["library_bytes"] = libraries
+    return merged
+
+
+def _build_gpu(name: str, fields: Mapping[str, Any], overhead: Mapping[str, Mapping[str, Any]]) -> GpuType:
+    if "total_bytes" not in fields or "capability" not in fields:
+        raise CatalogError(f"GPU type {name!r} needs total_bytes and capability")
+    total, capability = fields["total_bytes"], tuple(fields["capability"])
+    if not isinstance(total, int) or total <= 0:
+        raise CatalogError(f"GPU type {name!r}: total_bytes must be a positive integer, got {total!r}")
+    if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
+        raise CatalogError(f"GPU type {name!r}: capability must be [major, minor], got {fields['capability']!r}")
+    default, own = overhead.get("default", {}), overhead.get(name, {})
+    libraries = {**default.get("library_bytes", {}), **own.get("library_bytes", {})}
+    return GpuType(
+        name=name,
+        total_bytes=total,
+        capability=(capability[0], capability[1]),
+        aliases=tuple(fields.get("aliases", ())),
+        mig_profiles=tuple(MigProfile(p.lower(), round(gib * GIB)) for p, gib in fields.get("mig", {}).items()),
+        context_bytes=int(own.get("context_bytes", default.get("context_bytes", 0))),
+        library_bytes=tuple(sorted((lib, int(n)) for lib, n in libraries.items())),
+        overhead_provenance=str(own.get("provenance", default.get("provenance", ""))),
+    )
+
+
+def _check_aliases_unique(catalog: Mapping[str, GpuType]) -> None:
+    owner: dict[str, str] = {}
+    for gpu in catalog.values():
+        for alias in {normalize_name(gpu.name), *(normalize_name(a) for a in gpu.aliases)}:
+            if owner.setdefault(alias, gpu.name) != gpu.name:
+                raise CatalogError(f"GPU name {alias!r} is used by both {owner[alias]!r} and {gpu.name!r}")
