@@ -1,0 +1,259 @@
+"""The estimate pipeline: trace the job once per capability class, then per GPU type orchestrate, simulate and
+add the non-allocator overhead.
+
+Owns the `Estimate` record (what `xmem-slurm estimate --json` prints, what policy and the Slurm glue consume) and
+the breakdown at the peak. Pure apart from the trace: no caching here (the Slurm glue caches whole estimates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from xmem.gpus import GpuType, find_gpu, load_catalog, overhead_bytes
+from xmem.orchestrate import GpuOps, orchestrate, trace_devices
+from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate
+from xmem.trace import run_trace
+from xmem.trace.events import Trace
+
+NO_CUDA_WARNING = "the program never used CUDA"
+# Compute capability 8.0 (Ampere) is where the GPU-dependent choices a trace can take change: bf16 support,
+# the flash-attention SDPA backend, TF32. One trace per side of it is enough.
+CAPABILITY_SPLIT = (8, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuEstimate:
+    """The predicted peak of the job on one GPU type."""
+
+    gpu: str
+    total_bytes: int
+    peak_bytes: int  # what NVML would show: peak reserved + overhead
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    overhead_bytes: int  # CUDA context + libraries, outside the caching allocator
+    capacity_bytes: int  # what the caching allocator may reserve: total - overhead
+    fits: bool
+    oom: OomInfo | None
+    fragmentation: float
+    traced_capability: tuple[int, int]
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.total_bytes - self.peak_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "total_bytes": self.total_bytes,
+            "fits": self.fits,
+            "oom": dataclasses.asdict(self.oom) if self.oom is not None else None,
+            "fragmentation": self.fragmentation,
+            "traced_capability": list(self.traced_capability),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The whole answer for one command: every requested GPU type, and what was live at the peak.
+
+    `breakdown` is taken on `breakdown_gpu`, the requested type with the most memory (the one least likely to stop
+    at an OOM): bytes live per category at the op where reserved memory peaked, plus `allocator_slack` (reserved
+    minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
+    (context and libraries). Its values add up to that type's `peak_bytes`.
+    """
+
+    command: tuple[str, ...]
+    gpus: dict[str, GpuEstimate]
+    breakdown: dict[str, int]
+    breakdown_gpu: str
+    iterations: int
+    seconds: float
+    warnings: tuple[str, ...]
+    libraries: tuple[str, ...]
+    used_cuda: bool
+    torch_version: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "command": list(self.command),
+            "gpus": {name: g.to_json() for name, g in self.gpus.items()},
+            "breakdown": dict(self.breakdown),
+            "breakdown_gpu": self.breakdown_gpu,
+            "iterations": self.iterations,
+            "seconds": round(self.seconds, 3),
+            "warnings": list(self.warnings),
+            "libraries": list(self.libraries),
+            "used_cuda": self.used_cuda,
+            "torch_version": self.torch_version,
+        }
+
+
+def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
+             env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+             timeout: float | None = None, python: str | None = None,
+             catalog_overrides: Mapping[str, Any] | None = None,
+             on_progress: Callable[[str], None] | None = None) -> Estimate:
+    """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
+
+    Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as it comes.
+    """
+    started = time.perf_counter()
+    catalog = load_catalog(catalog_overrides)
+    targets = resolve_gpus(gpus, catalog)
+    traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
+                                        timeout=timeout, python=python, on_progress=on_progress)
+    first = next(iter(traces.values()))
+    if not first.used_cuda:
+        return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
+
+    config = _allocator_config(first, env)
+    results: dict[str, tuple[GpuEstimate, GpuOps, SimResult]] = {}
+    for gpu in targets:
+        if on_progress:
+            on_progress(f"simulating the caching allocator on {gpu.name}")
+        results[gpu.name] = estimate_gpu(traces[capability_class(gpu.capability)], gpu, config, env)
+
+    biggest = max(targets, key=lambda g: g.total_bytes).name
+    gpu_estimate, ops, sim = results[biggest]
+    breakdown = breakdown_at(ops, sim.peak_reserved_index, sim.peak_reserved, gpu_estimate.overhead_bytes)
+    return Estimate(
+        command=tuple(command),
+        gpus={name: r[0] for name, r in results.items()},
+        breakdown=breakdown,
+        breakdown_gpu=biggest,
+        iterations=min(t.iterations for t in traces.values()),
+        seconds=time.perf_counter() - started,
+        warnings=_warnings(traces),
+        libraries=tuple(sorted({lib for t in traces.values() for lib in t.libraries})),
+        used_cuda=True,
+        torch_version=first.torch_version,
+    )
+
+
+def resolve_gpus(names: Sequence[str] | None, catalog: Mapping[str, GpuType]) -> list[GpuType]:
+    """The requested GPU types, in the order given, without repeats; every catalog type for None or []."""
+    if not names:
+        return list(catalog.values())
+    found = [find_gpu(name, catalog) for name in names]
+    return list({g.name: g for g in found}.values())
+
+
+def capability_class(capability: tuple[int, int]) -> str:
+    """The class of GPUs one trace is valid for when the trace is architecture-sensitive."""
+    return "sm80+" if tuple(capability) >= CAPABILITY_SPLIT else "pre-sm80"
+
+
+def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType], *, iterations: int,
+                               env: Mapping[str, str] | None, cwd: str | os.PathLike | None,
+                               timeout: float | None, python: str | None,
+                               on_progress: Callable[[str], None] | None) -> dict[str, Trace]:
+    """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
+
+    Each class is traced at its highest capability among `targets`; the newest class goes first.
+    """
+    representative: dict[str, tuple[int, int]] = {}
+    for gpu in targets:
+        cls = capability_class(gpu.capability)
+        representative[cls] = max(representative.get(cls, gpu.capability), gpu.capability)
+    order = sorted(representative, key=lambda cls: representative[cls], reverse=True)
+
+    def trace(capability: tuple[int, int]) -> Trace:
+        return run_trace(list(command), iterations=iterations, capability=capability,
+                         env=dict(env) if env is not None else None, cwd=cwd, timeout=timeout, python=python,
+                         on_progress=on_progress)
+
+    first = trace(representative[order[0]])
+    traces = {order[0]: first}
+    for cls in order[1:]:
+        traces[cls] = trace(representative[cls]) if first.used_cuda and first.arch_sensitive else first
+    return traces
+
+
+def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig,
+                 env: Mapping[str, str] | None = None) -> tuple[GpuEstimate, GpuOps, SimResult]:
+    """Orchestrate and simulate `trace` on `gpu`; with several devices, the device with the highest peak counts."""
+    overhead = overhead_bytes(gpu, trace.libraries)
+    capacity = gpu.total_bytes - overhead
+    worst: tuple[GpuOps, SimResult] | None = None
+    for device in trace_devices(trace):
+        ops = orchestrate(trace, gpu, env, device=device)
+        sim = simulate(ops.ops, config, capacity=capacity)
+        if worst is None or (sim.oom is not None, sim.peak_reserved) > (worst[1].oom is not None, worst[1].peak_reserved):
+            worst = (ops, sim)
+    assert worst is not None  # trace_devices never returns an empty list
+    ops, sim = worst
+    peak = sim.peak_reserved + overhead
+    gpu_estimate = GpuEstimate(
+        gpu=gpu.name,
+        total_bytes=gpu.total_bytes,
+        peak_bytes=peak,
+        peak_reserved_bytes=sim.peak_reserved,
+        peak_allocated_bytes=sim.peak_allocated,
+        overhead_bytes=overhead,
+        capacity_bytes=capacity,
+        fits=sim.oom is None and peak <= gpu.total_bytes,
+        oom=sim.oom,
+        fragmentation=sim.fragmentation_at_peak,
+        traced_capability=tuple(trace.capability),
+    )
+    return gpu_estimate, ops, sim
+
+
+def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[str, int]:
+    """Bytes live per category just after `ops.ops[index]`, plus the allocator's slack and the overhead."""
+    live: dict[int, tuple[str, int]] = {}
+    for (action, block, nbytes, _stream), (category, _phase, _iteration) in zip(ops.ops[: index + 1], ops.labels):
+        if action == ALLOC:
+            live[block] = (category, nbytes)
+        elif action == FREE:
+            live.pop(block, None)
+    breakdown: dict[str, int] = {}
+    for category, nbytes in live.values():
+        breakdown[category] = breakdown.get(category, 0) + nbytes
+    breakdown["allocator_slack"] = reserved - sum(breakdown.values())
+    breakdown["overhead"] = overhead
+    return breakdown
+
+
+def _allocator_config(trace: Trace, env: Mapping[str, str] | None) -> AllocatorConfig:
+    # What the job really ran with wins: the tracer saw PYTORCH_(CUDA_)ALLOC_CONF as the job set it, even when
+    # the script sets it itself before importing torch.
+    if trace.alloc_conf:
+        return AllocatorConfig.parse(trace.alloc_conf)
+    return AllocatorConfig.from_environ(dict(env) if env is not None else dict(os.environ))
+
+
+def _warnings(traces: Mapping[str, Trace]) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for trace in traces.values():
+        seen.update(dict.fromkeys(trace.warnings))
+    distinct = {id(t) for t in traces.values()}
+    if len(distinct) > 1:
+        classes = ", ".join(f"{cls} at sm_{t.capability[0]}{t.capability[1]}" for cls, t in traces.items())
+        seen[f"the job takes GPU-dependent code paths; traced once per class ({classes})"] = None
+    devices = {d for t in traces.values() for d in trace_devices(t)}
+    if len(devices) > 1:
+        seen[f"the job used {len(devices)} GPUs; figures are for the busiest one"] = None
+    return tuple(seen)
+
+
+def _no_cuda_estimate(command: Sequence[str], targets: Sequence[GpuType], trace: Trace, seconds: float) -> Estimate:
+    gpus = {
+        gpu.name: GpuEstimate(gpu=gpu.name, total_bytes=gpu.total_bytes, peak_bytes=0, peak_reserved_bytes=0,
+                              peak_allocated_bytes=0, overhead_bytes=0, capacity_bytes=gpu.total_bytes, fits=True,
+                              oom=None, fragmentation=0.0, traced_capability=tuple(trace.capability))
+        for gpu in targets
+    }
+    return Estimate(command=tuple(command), gpus=gpus, breakdown={},
+                    breakdown_gpu=max(targets, key=lambda g: g.total_bytes).name, iterations=trace.iterations,
+                    seconds=seconds, warnings=tuple(dict.fromkeys([*trace.warnings, NO_CUDA_WARNING])),
+                    libraries=tuple(trace.libraries), used_cuda=False, torch_version=trace.torch_version)
