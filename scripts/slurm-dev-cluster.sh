@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# A real single-node Slurm 22.05 cluster on this machine, for development and the integration tests, with
+# xmem-slurm's cli_filter, TaskProlog and Epilog installed from the project's slurm/ files.
+#
+#   scripts/slurm-dev-cluster.sh up   [--lab DIR] [--port N]   start (idempotent); prints the `export SLURM_CONF=...` line
+#   scripts/slurm-dev-cluster.sh down [--lab DIR]              cancel jobs, stop slurmd and slurmctld by PID
+#
+# DIR defaults to /tmp/xmem-slurm-lab; N (slurmctld's port, slurmd uses N+1) to 6817. Run as root (jobs run as root).
+# Fake GPUs: gpu:a100:2, gpu:h100:1 and a MIG-style gpu:1g.10gb:1 (symlinks to /dev/null named nvidiaN), and
+# mps:100 on each a100. Why MPS and no shard: with both configured, Slurm 22.05 unsets CUDA_VISIBLE_DEVICES for
+# MPS jobs (slurm-local.md §6.3); MPS alone gives every job a correct environment, and MPS is what the TaskProlog's
+# CUDA_MPS_PINNED_DEVICE_MEM_LIMIT protects. The cluster's config ($LAB/etc/xmem.toml, also $XMEM_CONFIG for the
+# filter) is the project's etc/xmem.toml with shard switched off to match. The xmem-slurm executable is
+# $XMEM_SLURM, else <repo>/.venv/bin/xmem-slurm. Layout: slurm-local.md §3; every client call runs under `timeout`.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cmd=${1:-}; shift || true
+LAB=/tmp/xmem-slurm-lab
+PORT=6817
+while [ $# -gt 0 ]; do
+  case $1 in
+    --lab) LAB=$2; shift 2 ;;
+    --port) PORT=$2; shift 2 ;;
+    *) echo "slurm-dev-cluster: unknown argument $1 (use: up|down [--lab DIR] [--port N])" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$LAB"; LAB=$(cd "$LAB" && pwd)
+export SLURM_CONF=$LAB/etc/slurm.conf
+XMEM_SLURM=${XMEM_SLURM:-$REPO/.venv/bin/xmem-slurm}
+
+alive() { local st; st=$(ps -o stat= -p "$1" 2>/dev/null || true); [ -n "$st" ] && [ "${st:0:1}" != Z ]; }
+pid_alive() { [ -f "$1" ] && alive "$(cat "$1")"; }
+ctld_up() { timeout 3 scontrol ping 2>/dev/null | grep -q 'is UP'; }
+
+install_packages() {
+  command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+    && command -v munged >/dev/null && return 0
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge >/dev/null
+}
+
+write_slurm_conf() {
+  cat > "$LAB/etc/slurm.conf" <<EOF
+# Written by scripts/slurm-dev-cluster.sh; see slurm/slurm.conf.example for what xmem-slurm itself needs.
+ClusterName=xmemdev
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=$LAB/state
+SlurmdSpoolDir=$LAB/spool
+SlurmctldPidFile=$LAB/run/slurmctld.pid
+SlurmdPidFile=$LAB/run/slurmd.pid
+SlurmctldLogFile=$LAB/log/slurmctld.log
+SlurmdLogFile=$LAB/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=5
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+Waittime=0
+SlurmdParameters=config_overrides
+GresTypes=gpu,mps
+CliFilterPlugins=cli_filter/lua
+TaskProlog=$LAB/etc/task_prolog.sh
+Epilog=$LAB/etc/epilog.sh
+NodeName=localhost CPUs=16 Sockets=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:a100:2,gpu:h100:1,gpu:1g.10gb:1,mps:200 State=UNKNOWN
+PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  cat > "$LAB/etc/gres.conf" <<EOF
+AutoDetect=off
+Name=gpu Type=a100 File=$LAB/dev/nvidia0
+Name=gpu Type=a100 File=$LAB/dev/nvidia1
+Name=gpu Type=h100 File=$LAB/dev/nvidia2
+Name=gpu Type=1g.10gb File=$LAB/dev/nvidia3
+Name=mps Count=100 File=$LAB/dev/nvidia0
+Name=mps Count=100 File=$LAB/dev/nvidia1
+EOF
+}
+
+# The site config: etc/xmem.toml with shard support off (no shard GRES here), store and cache inside the LAB.
+write_xmem_config() {
+  local src=$REPO/etc/xmem.toml
+  if [ -f "$src" ]; then
+    "$REPO/.venv/bin/python" - "$src" "$LAB" > "$LAB/etc/xmem.toml" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+# In the [shard] table, `enabled = true` becomes false: this cluster has no shard GRES (see the header).
+def off(m): return re.sub(r"(?m)^(\s*enabled\s*=\s*)true", r"\1false", m.group(0), count=1)
+text = re.sub(r"(?ms)^\[shard\].*?(?=^\[|\Z)", off, text, count=1)
+text = re.sub(r'(?m)^(\s*cache_dir\s*=\s*).*$', r'\1"%s/cache"' % sys.argv[2], text, count=1)
+sys.stdout.write(text)
+EOF
+  else
+    : > "$LAB/etc/xmem.toml"  # built-in defaults until etc/xmem.toml exists
+  fi
+}
+
+# slurm/ files -> $LAB/etc, with the install-time settings filled in. cli_filter.lua must sit next to slurm.conf.
+install_xmem_files() {
+  local timeout_s=${XMEM_FILTER_TIMEOUT_S:-300}
+  sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@TIMEOUT_S@|$timeout_s|g" -e "s|@FAILURE@|open|g" \
+      -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" "$REPO/slurm/cli_filter.lua" > "$LAB/etc/cli_filter.lua"
+  for f in task_prolog.sh epilog.sh; do
+    sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" \
+        -e "s|@XMEM_STORE@|$LAB/records.jsonl|g" -e "s|@XMEM_MEASURE_DIR@|$LAB/measure|g" \
+        "$REPO/slurm/$f" > "$LAB/etc/$f"
+    chmod 755 "$LAB/etc/$f"
+  done
+  mkdir -p "$LAB/measure" "$LAB/cache"; chmod 1777 "$LAB/measure"
+}
+
+start_munge() {
+  munge -n </dev/null >/dev/null 2>&1 && return 0
+  install -d -o munge -g munge -m 0755 /run/munge
+  install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
+  if [ ! -s /etc/munge/munge.key ]; then
+    mungekey -c 2>/dev/null || dd if=/dev/urandom of=/etc/munge/munge.key bs=1k count=1 2>/dev/null
+    chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
+  fi
+  runuser -u munge -- /usr/sbin/munged
+  for _ in $(seq 50); do munge -n </dev/null >/dev/null 2>&1 && return 0; sleep 0.1; done
+  echo "slurm-dev-cluster: munged did not start" >&2; return 1
+}
+
+up() {
+  install_packages
+  mkdir -p "$LAB"/{etc,state,spool,log,run,dev}
+  for i in 0 1 2 3; do ln -sfn /dev/null "$LAB/dev/nvidia$i"; done
+  write_slurm_conf; write_xmem_config; install_xmem_files
+  local t0; t0=$(date +%s.%N)
+  start_munge
+  if ! pid_alive "$LAB/run/slurmctld.pid"; then slurmctld; fi
+  for _ in $(seq 100); do ctld_up && break; sleep 0.1; done
+  if ! ctld_up; then
+    echo "slurm-dev-cluster: slurmctld not UP; last log lines:" >&2; tail -5 "$LAB/log/slurmctld.log" >&2; return 1
+  fi
+  if pid_alive "$LAB/run/slurmd.pid"; then timeout 10 scontrol reconfigure >/dev/null; else slurmd; fi
+  local state=
+  for _ in $(seq 150); do
+    state=$(timeout 3 sinfo -h -N -o '%T' 2>/dev/null | head -1 || true)
+    [ "$state" = idle ] || [ "$state" = mixed ] || [ "$state" = allocated ] && break
+    sleep 0.2
+  done
+  echo "slurm-dev-cluster: node $state after $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" >&2
+  case $state in idle|mixed|allocated) ;; *) tail -5 "$LAB/log/slurmd.log" >&2; return 1 ;; esac
+  echo "export SLURM_CONF=$SLURM_CONF XMEM_CONFIG=$LAB/etc/xmem.toml"
+}
+
+stop_pid() {
+  [ -f "$1" ] || return 0
+  local pid; pid=$(cat "$1")
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do alive "$pid" || break; sleep 0.1; done
+  if alive "$pid"; then echo "slurm-dev-cluster: SIGKILL $pid ($1)" >&2; kill -9 "$pid" 2>/dev/null || true; fi
+  rm -f "$1"
+}
+
+down() {
+  if pid_alive "$LAB/run/slurmctld.pid" && ctld_up; then
+    local ids; ids=$(timeout 5 squeue -h -o %i 2>/dev/null || true)
+    if [ -n "$ids" ]; then  # a job's slurmstepd outlives slurmd: cancel first
+      timeout 5 scancel $ids || true
+      for _ in $(seq 100); do [ -z "$(timeout 3 squeue -h -t PD,R,CG -o %i 2>/dev/null)" ] && break; sleep 0.1; done
+    fi
+  fi
+  stop_pid "$LAB/run/slurmd.pid"
+  stop_pid "$LAB/run/slurmctld.pid"
+  echo "slurm-dev-cluster: stopped ($LAB)" >&2
+}
+
+case $cmd in
+  up) up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down [--lab DIR] [--port N]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,174 @@
+"""The on-disk cache of job analyses, so that resubmitting an unchanged job costs a file read, not an estimate.
+
+Owns the cache key (what makes two submissions "the same job" for the estimator) and the store: one JSON file
+per key in a directory, written atomically (temporary file + rename), safe for concurrent sbatch processes,
+bounded in entries by evicting the least recently used. Also owns the slot lock that caps how many estimates
+run at once on a login node. It does not know what an analysis contains: values are plain JSON objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+DEFAULT_CACHE_DIR = "~/.cache/xmem-slurm/estimates"
+DEFAULT_MAX_ENTRIES = 500
+KEY_VERSION = "1"  # bump when the meaning of a cached value changes
+
+# Environment variables that change what the estimator sees or how the job allocates GPU memory.
+RELEVANT_ENV_PREFIXES = ("CUDA_", "PYTORCH_", "TORCH_", "NCCL_", "XMEM_")
+RELEVANT_ENV_NAMES = ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "TRANSFORMERS_CACHE")
+
+
+def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment that can change an estimate: CUDA/PyTorch settings, the venv, and which
+    `python` the PATH finds (not the whole PATH, which differs between shells for no reason that matters)."""
+    picked = {k: v for k, v in env.items() if k.startswith(RELEVANT_ENV_PREFIXES) or k in RELEVANT_ENV_NAMES}
+    picked.pop("XMEM_CONFIG", None)  # the config file is keyed by its content, not its name
+    picked["which python"] = _which("python", env.get("PATH", "")) or ""
+    picked["which python3"] = _which("python3", env.get("PATH", "")) or ""
+    return picked
+
+
+def _which(name: str, path: str) -> str | None:
+    for d in path.split(os.pathsep):
+        candidate = os.path.join(d, name)
+        if d and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return os.path.realpath(candidate)
+    return None
+
+
+def package_versions() -> dict[str, str]:
+    """xmem's and torch's versions, read from package metadata (importing torch would cost seconds)."""
+    versions = {}
+    for name in ("xmem-slurm", "torch", "transformers"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = ""
+    versions["python"] = sys.version.split()[0]
+    return versions
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's bytes, or "" if it cannot be read (a missing file is part of the key too)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def cache_key(
+    *,
+    script: bytes,
+    script_args: Sequence[str] = (),
+    options: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    files: Sequence[str | os.PathLike[str]] = (),
+    extra: Mapping[str, object] | None = None,
+) -> str:
+    """sha256 over everything an analysis depends on: the batch script's bytes, its arguments, the sbatch
+    options that matter, the relevant environment, the bytes of the files its commands run (train.py...),
+    package versions, and `extra` (e.g. the site config's digest)."""
+    material = {
+        "v": KEY_VERSION,
+        "script": hashlib.sha256(script).hexdigest(),
+        "args": list(script_args),
+        "options": {k: options[k] for k in sorted(options or {})},
+        "env": relevant_env(env or {}),
+        "files": {str(f): file_digest(f) for f in sorted(map(str, files))},
+        "versions": package_versions(),
+        "extra": dict(extra or {}),
+    }
+    blob = json.dumps(material, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class AnalysisCache:
+    """JSON values by key, one file each under `directory`; at most `max_entries` kept (least recently used go).
+
+    Readers never see a half-written file (writes go to a temporary file renamed into place); a corrupt or
+    vanished entry reads as a miss. Two processes writing the same key both write the same value, so the
+    last rename winning is harmless.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] = DEFAULT_CACHE_DIR,
+                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self.directory = Path(os.path.expanduser(str(directory)))
+        self.max_entries = max_entries
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def get(self, key: str) -> dict | None:
+        path = self._path(key)
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # mark as recently used, for eviction
+        return value if isinstance(value, dict) else None
+
+    def put(self, key: str, value: Mapping[str, object]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(value, f)
+            os.replace(tmp, self._path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._evict()
+
+    def _evict(self) -> None:
+        entries = []
+        for path in self.directory.glob("*.json"):
+            with contextlib.suppress(OSError):
+                entries.append((path.stat().st_mtime, path))
+        entries.sort()
+        for _, path in entries[: max(0, len(entries) - self.max_entries)]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+class NoSlotFree(Exception):
+    """All estimate slots stayed busy for the whole wait."""
+
+
+@contextlib.contextmanager
+def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s: float) -> Iterator[int]:
+    """Hold one of `max_concurrent` slots (flock'ed files in `directory/slots`) while an estimate runs, so a
+    burst of submissions does not start more estimates than the login node can take. Waits up to `wait_s`
+    for a slot, then raises NoSlotFree. A slot is released when its holder exits, however it exits."""
+    slots = Path(os.path.expanduser(str(directory))) / "slots"
+    slots.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        for i in range(max(1, max_concurrent)):
+            fd = os.open(slots / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            try:
+                yield i
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            return
+        if time.monotonic() >= deadline:
+            raise NoSlotFree(f"{max_concurrent} estimates already running")
+        time.sleep(0.2)

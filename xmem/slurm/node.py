@@ -1,0 +1,242 @@
+"""What xmem-slurm does on the compute node: the TaskProlog's exports and the Epilog's record.
+
+Owns the job stamp (the estimate the filter attaches to a job, as `XMEM_*` variables in the job's environment
+and as a `xmem:...` token in its comment, since the TaskProlog sees only the first and the Epilog only the
+second), the MPS memory limit derived from it, and reading a job's measured peak (a file the job wrote, or
+NVML accounting). Functions take the environment as a mapping and return data; the CLI does the printing and
+the store writing. Nothing here may fail a job: callers catch everything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from xmem.slurm.store import JobRecord
+
+MIB = 1 << 20
+COMMENT_TAG = "xmem:"
+MEASURE_FILE_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class JobStamp:
+    """The estimate behind a job's request, as the filter left it on the job."""
+
+    peak_bytes: int | None = None  # predicted peak on gpu_type, no margin
+    needed_bytes: int | None = None  # peak plus the site's margin: what the request was sized for
+    gpu_type: str | None = None
+    request: str | None = None  # the GRES (or --gpus) request the job went in with, e.g. "mps:40"
+    action: str | None = None  # the policy's action: rewrite, keep, ...
+
+    _ENV = {"peak_bytes": "XMEM_PEAK_BYTES", "needed_bytes": "XMEM_NEEDED_BYTES", "gpu_type": "XMEM_GPU_TYPE",
+            "request": "XMEM_REQUEST", "action": "XMEM_ACTION"}
+    _COMMENT = {"peak_bytes": "peak", "needed_bytes": "need", "gpu_type": "type", "request": "req",
+                "action": "act"}
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self._ENV)
+
+    def env(self) -> dict[str, str]:
+        """`XMEM_*` variables. Values never hold commas (sbatch's --export splits on them) or quotes."""
+        return {var: _plain(getattr(self, f)) for f, var in self._ENV.items() if getattr(self, f) is not None}
+
+    def comment(self) -> str:
+        """One token: `xmem:peak=...;need=...;type=...;req=...;act=...`."""
+        parts = [f"{key}={_plain(getattr(self, f))}" for f, key in self._COMMENT.items()
+                 if getattr(self, f) is not None]
+        return COMMENT_TAG + ";".join(parts)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> JobStamp:
+        return cls._build({f: env.get(var) for f, var in cls._ENV.items()})
+
+    @classmethod
+    def from_comment(cls, comment: str | None) -> JobStamp:
+        """The stamp in a job comment (anywhere in it: the user's own comment may come first)."""
+        match = re.search(r"xmem:(\S*)", comment or "")
+        if not match:
+            return cls()
+        pairs = dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p)
+        return cls._build({f: pairs.get(key) for f, key in cls._COMMENT.items()})
+
+    @classmethod
+    def _build(cls, raw: Mapping[str, str | None]) -> JobStamp:
+        def as_int(v: str | None) -> int | None:
+            return int(v) if v and v.isdigit() else None
+
+        return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")),
+                   gpu_type=raw.get("gpu_type") or None, request=raw.get("request") or None,
+                   action=raw.get("action") or None)
+
+
+def _plain(value: object) -> str:
+    return re.sub(r"[,;\s\"'\\]", "+", str(value))
+
+
+def add_to_comment(user_comment: str | None, stamp: JobStamp) -> str:
+    """The job comment with the stamp in it: the user's comment kept, an older stamp replaced."""
+    kept = re.sub(r"\s*xmem:\S*", "", user_comment or "").strip()
+    return f"{kept} {stamp.comment()}".strip()
+
+
+# --- TaskProlog ------------------------------------------------------------------------------------------------
+
+def comment_from_scontrol(job_id: str, timeout_s: float = 5.0) -> str | None:
+    """The job's comment, asked of slurmctld (the TaskProlog's environment has no SLURM_JOB_COMMENT)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             timeout=timeout_s, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bComment=(.*?)(?= \w+=|$)", out)
+    return match.group(1) if match and match.group(1) != "(null)" else None
+
+
+def job_stamp(env: Mapping[str, str], comment_of: Callable[[str], str | None] = comment_from_scontrol) -> JobStamp:
+    """The stamp from the job's XMEM_* variables, else (e.g. --export=NONE) from its comment."""
+    stamp = JobStamp.from_env(env)
+    if stamp.is_empty() and env.get("SLURM_JOB_ID"):
+        stamp = JobStamp.from_comment(comment_of(env["SLURM_JOB_ID"]))
+    return stamp
+
+
+def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int | None) -> str | None:
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for an MPS job: the estimate plus margin, never above the share's
+    memory (the GPU's memory times the share's thread percentage, Slurm's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
+    Device ordinals are as the MPS client enumerates them: 0..n-1 over CUDA_VISIBLE_DEVICES."""
+    percentage = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    if not percentage.isdigit() or int(percentage) <= 0:
+        return None
+    limit = stamp.needed_bytes or stamp.peak_bytes
+    share = total_bytes * int(percentage) // 100 if total_bytes else None
+    if limit is None or (share is not None and limit > share):
+        limit = share
+    if not limit:
+        return None
+    devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "0").split(",") if d.strip()] or ["0"]
+    mib = math.ceil(limit / MIB)
+    return ",".join(f"{i}={mib}M" for i in range(len(devices)))
+
+
+def measure_file_path(measure_dir: str | None, job_id: str | None) -> str | None:
+    if not measure_dir or not job_id:
+        return None
+    return os.path.join(measure_dir, f"xmem-measure-{job_id}.json")
+
+
+def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], int | None],
+                   measure_dir: str | None,
+                   comment_of: Callable[[str], str | None] = comment_from_scontrol) -> list[tuple[str, str]]:
+    """The (name, value) pairs the TaskProlog exports into the task. Empty for a job xmem-slurm never saw."""
+    stamp = job_stamp(env, comment_of)
+    if stamp.is_empty():
+        return []
+    exports = list(stamp.env().items())
+    measure = measure_file_path(measure_dir, env.get("SLURM_JOB_ID"))
+    if measure:
+        exports.append(("XMEM_MEASURE_FILE", measure))
+    total = total_bytes_of(stamp.gpu_type) if stamp.gpu_type else None
+    limit = mps_memory_limit(env, stamp, total)
+    if limit:
+        exports.append(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit))
+    return exports
+
+
+# --- Epilog ----------------------------------------------------------------------------------------------------
+
+def read_measure_file(path: str) -> int | None:
+    """The peak the job wrote: a bare integer or {"peak_bytes": N}. The epilog runs as root and the file is the
+    user's, so symlinks, non-regular files and large files are refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, MEASURE_FILE_MAX_BYTES).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    value = data.get("peak_bytes") if isinstance(data, dict) else data
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def nvml_peak(gpu_indices: list[int], since: float | None) -> int | None:
+    """Largest per-process peak (context included) NVML accounting recorded on the job's GPUs for processes
+    started after `since`. Needs pynvml and accounting mode on (`nvidia-smi -am 1`); None otherwise."""
+    try:
+        import pynvml  # optional: only on GPU nodes
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        peaks = []
+        for index in gpu_indices:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            for pid in pynvml.nvmlDeviceGetAccountingPids(handle):
+                stats = pynvml.nvmlDeviceGetAccountingStats(handle, pid)
+                if since is None or stats.startTime / 1e6 >= since:
+                    peaks.append(int(stats.maxMemoryUsage))
+        return max(peaks) if peaks else None
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def exit_code_of(env: Mapping[str, str]) -> int | None:
+    """The job's exit status: SLURM_JOB_EXIT_CODE2 is "status:signal"; SLURM_JOB_EXIT_CODE a wait() status."""
+    code2 = env.get("SLURM_JOB_EXIT_CODE2", "")
+    if re.fullmatch(r"\d+:\d+", code2):
+        status, signal = (int(x) for x in code2.split(":"))
+        return status if signal == 0 else 128 + signal
+    raw = env.get("SLURM_JOB_EXIT_CODE", "")
+    return int(raw) >> 8 if raw.isdigit() else None
+
+
+def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
+                  nvml: Callable[[list[int], float | None], int | None] = nvml_peak,
+                  now: Callable[[], float] = time.time) -> JobRecord | None:
+    """The store record for a finished job, or None when there is nothing to learn from it (no estimate and
+    no measurement). Removes the job's measurement file once read."""
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    stamp = JobStamp.from_comment(env.get("SLURM_JOB_COMMENT"))
+    measured, measured_by = None, None
+    path = measure_file_path(measure_dir, job_id)
+    if path:
+        measured = read_measure_file(path)
+        measured_by = "file" if measured else None
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if measured is None:
+        gpus = [int(g) for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
+        start = env.get("SLURM_JOB_START_TIME", "")
+        measured = nvml(gpus, float(start) if start.isdigit() else None) if gpus else None
+        measured_by = "nvml" if measured else None
+    if stamp.is_empty() and measured is None:
+        return None
+    return JobRecord(job_id=job_id, user=env.get("SLURM_JOB_USER"), gpu_type=stamp.gpu_type,
+                     gres=stamp.request, estimate_bytes=stamp.peak_bytes, needed_bytes=stamp.needed_bytes,
+                     exit_code=exit_code_of(env), measured_bytes=measured, measured_by=measured_by,
+                     ended_at=now())
