@@ -1,0 +1,167 @@
+"""The estimate pipeline on hand-built traces: only the tracer is replaced; orchestrate, the real simulator and
+the catalog run. Expected figures are derived by hand from the caching allocator's rules (torch-allocator.md A.3/A.4):
+every request of 10 MiB or more gets its own segment rounded up to 2 MiB unless a cached free block of the same
+stream fits; an 8,519,680-B cuBLAS workspace takes a 20 MiB segment and is split."""
+
+import json
+
+import pytest
+
+import xmem.estimate as estimate_module
+from xmem.estimate import Estimate, capability_class, estimate
+from xmem.gpus import UnknownGpuError, load_catalog, overhead_bytes
+from xmem.trace.events import MemEvent, Trace
+
+MIB = 1 << 20
+WS_A100 = 8_519_680
+
+
+def ev(action, block, mib, op="", phase="forward", iteration=0, category="activation"):
+    return MemEvent(action, block, mib * MIB, 0, 0, op, "", phase, iteration, category)
+
+
+def training_trace(capability=(8, 0), arch_sensitive=False) -> Trace:
+    """One step of a one-layer model, sized so every block has its own segment (except the second workspace)."""
+    return Trace(events=[
+        ev("alloc", 1, 40, "empty", "other", -1, "parameter"),
+        ev("alloc", 2, 16, "to", "other", 0, "input"),
+        ev("alloc", 3, 24, "addmm", "forward", 0, "activation"),       # + cuBLAS workspace (main thread)
+        ev("alloc", 4, 40, "mm", "backward", 0, "gradient"),           # + cuBLAS workspace (autograd thread)
+        ev("free", 3, 24, "", "backward", 0, "activation"),
+        ev("alloc", 5, 40, "zeros_like", "optimizer", 0, "optimizer_state"),
+        ev("alloc", 6, 40, "zeros_like", "optimizer", 0, "optimizer_state"),
+        ev("alloc", 7, 40, "_foreach_sqrt", "optimizer", 0, "temporary"),
+        ev("free", 7, 40, "", "optimizer", 0, "temporary"),
+    ], iterations=1, used_cuda=True, libraries=["cublas"], capability=capability, arch_sensitive=arch_sensitive,
+        warnings=["loss.item() returned a stand-in value"], torch_version="2.14.1")
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Replace the tracer by a recorder of its calls that returns `traced.trace` (or one per capability)."""
+    calls = []
+
+    class Fake:
+        trace = training_trace()
+        by_capability: dict = {}
+
+    def fake_run_trace(command, *, capability=(9, 0), **kwargs):
+        calls.append((list(command), tuple(capability), kwargs))
+        return Fake.by_capability.get(tuple(capability), Fake.trace)
+
+    monkeypatch.setattr(estimate_module, "run_trace", fake_run_trace)
+    Fake.calls = calls
+    return Fake
+
+
+def test_peak_on_a100_is_reserved_plus_context_and_cublas(traced):
+    result = estimate(["python", "train.py"], gpus=["a100"])
+    a100 = result.gpus["A100-SXM4-40GB"]
+    catalog = load_catalog()
+    overhead = overhead_bytes(catalog["A100-SXM4-40GB"], ["cublas"])
+    # Segments: 40 + 16 + 24 + 20 (workspace, split; the second workspace reuses its remainder) + 40 + 40 + 40 + 40
+    # (the freed 24 MiB activation segment is too small for any later request).
+    assert a100.peak_reserved_bytes == 260 * MIB
+    assert a100.peak_allocated_bytes == 216 * MIB + 2 * WS_A100
+    assert a100.overhead_bytes == overhead
+    assert a100.peak_bytes == 260 * MIB + overhead
+    assert a100.capacity_bytes == 42_474_471_424 - overhead
+    assert a100.fits and a100.oom is None
+    assert a100.headroom_bytes == 42_474_471_424 - a100.peak_bytes
+
+
+def test_hopper_workspaces_take_their_own_segments(traced):
+    result = estimate(["python", "train.py"], gpus=["h100"])
+    # Two 32 MiB workspaces, each its own segment: 40 + 16 + 24 + 32 + 40 + 32 + 40 + 40 + 40.
+    assert result.gpus["H100-SXM5-80GB"].peak_reserved_bytes == 304 * MIB
+
+
+def test_breakdown_at_the_peak_adds_up_to_the_peak(traced):
+    result = estimate(["python", "train.py"], gpus=["a100", "rtx3060"])
+    assert result.breakdown_gpu == "A100-SXM4-40GB"
+    b = result.breakdown
+    assert b["parameter"] == 40 * MIB
+    assert b["input"] == 16 * MIB
+    assert b["gradient"] == 40 * MIB
+    assert b["optimizer_state"] == 80 * MIB
+    assert b["temporary"] == 40 * MIB
+    assert b["workspace"] == 2 * WS_A100
+    assert "activation" not in b  # freed in backward, before the peak
+    # The freed 24 MiB segment and the workspace segment's free 3,932,160-B remainder.
+    assert b["allocator_slack"] == 24 * MIB + (20 * MIB - 2 * WS_A100)
+    assert sum(b.values()) == result.gpus["A100-SXM4-40GB"].peak_bytes
+
+
+def test_too_small_gpu_reports_the_oom(traced):
+    overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}},
+                 "overhead": {"Tiny": {"context_bytes": 0, "library_bytes": {"cublas": 0}}}}
+    result = estimate(["python", "train.py"], gpus=["tiny"], catalog_overrides=overrides)
+    tiny = result.gpus["Tiny"]
+    assert not tiny.fits
+    assert tiny.oom is not None
+    assert tiny.oom.requested == 40 * MIB
+    assert tiny.capacity_bytes == 200 * MIB
+    assert result.to_json()["gpus"]["Tiny"]["oom"]["requested"] == 40 * MIB
+
+
+def test_json_has_the_documented_keys_and_round_trips(traced):
+    data = json.loads(json.dumps(estimate(["python", "train.py"], gpus=["a100"]).to_json()))
+    assert {"command", "gpus", "breakdown", "iterations", "seconds", "warnings", "libraries", "used_cuda",
+            "torch_version"} <= set(data)
+    assert {"peak_bytes", "peak_reserved_bytes", "peak_allocated_bytes", "overhead_bytes", "capacity_bytes", "fits",
+            "oom", "fragmentation"} <= set(data["gpus"]["A100-SXM4-40GB"])
+    assert data["command"] == ["python", "train.py"]
+    assert data["iterations"] == 1 and data["used_cuda"] is True and data["torch_version"] == "2.14.1"
+    assert data["libraries"] == ["cublas"]
+    assert "loss.item() returned a stand-in value" in data["warnings"]
+
+
+def test_every_catalog_type_when_no_gpu_is_named(traced):
+    result = estimate(["python", "train.py"])
+    assert set(result.gpus) == set(load_catalog())
+
+
+def test_unknown_gpu_fails_before_tracing(traced):
+    with pytest.raises(UnknownGpuError, match="'B300'"):
+        estimate(["python", "train.py"], gpus=["a100", "B300"])
+    assert traced.calls == []
+
+
+def test_one_trace_when_not_architecture_sensitive(traced):
+    estimate(["python", "train.py"], gpus=["a100", "h100", "t4", "v100"])
+    assert [c[1] for c in traced.calls] == [(9, 0)]
+
+
+def test_one_trace_per_capability_class_when_architecture_sensitive(traced):
+    traced.trace = training_trace(capability=(9, 0), arch_sensitive=True)
+    traced.by_capability = {(7, 5): training_trace(capability=(7, 5), arch_sensitive=True)}
+    result = estimate(["python", "train.py"], gpus=["a100", "h100", "t4", "v100"])
+    # Each class traced at its highest capability among the requested types, newest class first.
+    assert [c[1] for c in traced.calls] == [(9, 0), (7, 5)]
+    assert result.gpus["V100-16GB"].traced_capability == (7, 5)
+    assert result.gpus["A100-SXM4-40GB"].traced_capability == (9, 0)
+    assert any("traced once per class" in w for w in result.warnings)
+
+
+def test_capability_classes():
+    assert capability_class((7, 5)) == capability_class((7, 0)) == "pre-sm80"
+    assert capability_class((8, 0)) == capability_class((9, 0)) == "sm80+"
+
+
+def test_tracer_gets_the_job_settings(traced):
+    estimate(["python", "train.py", "--lr", "1"], gpus=["t4"], iterations=2, env={"A": "1"}, cwd="/tmp",
+             timeout=30, python="/usr/bin/python3")
+    command, capability, kwargs = traced.calls[0]
+    assert command == ["python", "train.py", "--lr", "1"] and capability == (7, 5)
+    assert kwargs["iterations"] == 2 and kwargs["env"] == {"A": "1"} and kwargs["cwd"] == "/tmp"
+    assert kwargs["timeout"] == 30 and kwargs["python"] == "/usr/bin/python3"
+
+
+def test_program_without_cuda_needs_no_gpu_memory(traced):
+    traced.trace = Trace(used_cuda=False, iterations=3, torch_version="2.14.1")
+    result = estimate(["python", "cpu_only.py"], gpus=["a100", "t4"])
+    assert not result.used_cuda
+    for g in result.gpus.values():
+        assert g.peak_bytes == 0 and g.overhead_bytes == 0 and g.fits
+    assert "the program never used CUDA" in result.warnings
+    assert isinstance(result, Estimate)
