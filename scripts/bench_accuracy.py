@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Score xmem-slurm's estimates against real GPU measurements, side by side with the recorded estimators.
+
+    .venv/bin/python scripts/bench_accuracy.py --data benchmarks/data/xmem-dev.jsonl --out benchmarks/results/dev --jobs 2
+
+For every record of the data (the xMem `evaluation_result.json` schema, or what scripts/measure_gpu.py writes), it
+re-creates the job with benchmarks/jobs/, estimates it with `xmem.estimate.estimate` for the record's GPU type with
+the record's total memory as capacity, and writes:
+
+- OUT/estimates.jsonl: one line per record, `{"path", "estimate_bytes", "oom", "seconds"}` plus details (reserved,
+  allocated, overhead, libraries, command); a record with no estimate carries `"error"`: why.
+- OUT/summary.json: MRE, p90, under-estimate share, OOM recall, PEF, MCP and median seconds, per model and overall,
+  for us and for every estimator recorded in the data; the targets and whether they are met.
+- OUT/accuracy.png: estimated vs measured, and the signed error distribution per estimator.
+
+`--rescore` skips estimating and rebuilds summary, table and picture from an existing OUT/estimates.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from xmem.bench.records import BadRecord, Reference, Unreproducible, job_command, job_env, load_references
+from xmem.bench.report import BenchResult, print_table, summary, write_picture
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS_DIR = ROOT / "benchmarks" / "jobs"
+
+
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def estimate_record(ref: Reference, python: str, iterations: int, timeout: float) -> BenchResult:
+    """Our estimate of one record; any failure becomes the result's `error` (the run goes on)."""
+    try:
+        command = job_command(ref, JOBS_DIR, python=python)
+    except Unreproducible as e:
+        return BenchResult(ref.path, error=f"job not re-creatable: {e}")
+    from xmem.estimate import estimate
+
+    overrides = {"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}}
+    env = {**os.environ, **job_env(ref)}
+    started = time.perf_counter()
+    try:
+        result = estimate(command, gpus=[ref.gpu_name], iterations=iterations, env=env, cwd=str(ROOT),
+                          timeout=timeout, catalog_overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - a failed estimate is a benchmark result, not a crash
+        return BenchResult(ref.path, seconds=time.perf_counter() - started,
+                           error=f"estimate failed: {type(e).__name__}: {last_line(str(e))}",
+                           details={"command": command})
+    seconds = time.perf_counter() - started
+    (gpu,) = result.gpus.values()
+    return BenchResult(
+        ref.path, estimate_bytes=gpu.peak_bytes, oom=not gpu.fits, seconds=seconds,
+        details={"gpu": gpu.gpu, "peak_reserved_bytes": gpu.peak_reserved_bytes,
+                 "peak_allocated_bytes": gpu.peak_allocated_bytes, "overhead_bytes": gpu.overhead_bytes,
+                 "libraries": list(result.libraries), "breakdown": result.breakdown,
+                 "warnings": list(result.warnings), "command": command},
+    )
+
+
+def run_estimates(refs: list[Reference], jobs: int, python: str, iterations: int, timeout: float,
+                  out_file: Path) -> dict[str, BenchResult]:
+    """Estimate every record (distinct paths), `jobs` at a time, appending each result line as it comes."""
+    results: dict[str, BenchResult] = {}
+    out_file.write_text("")
+    with ProcessPoolExecutor(max_workers=jobs) as pool, out_file.open("a") as sink:
+        futures = {pool.submit(estimate_record, ref, python, iterations, timeout): ref for ref in refs}
+        for done, future in enumerate(as_completed(futures), start=1):
+            ref = futures[future]
+            result = future.result()
+            results[ref.path] = result
+            sink.write(json.dumps(result.to_json()) + "\n")
+            sink.flush()
+            figure = (f"{result.estimate_bytes / 2**30:.2f} GiB vs {ref.ground_bytes / 2**30:.2f}"
+                      if result.estimate_bytes is not None else f"ERROR {result.error}")
+            print(f"[{done}/{len(refs)}] {ref.model} {ref.optimizer} b{ref.batch_size}: {figure} "
+                  f"({result.seconds or 0:.1f} s)", flush=True)
+    return results
+
+
+def read_results(path: Path) -> dict[str, BenchResult]:
+    return {r.path: r for r in (BenchResult.from_json(json.loads(line))
+                                for line in path.read_text().splitlines() if line.strip())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="JSONL of reference measurements")
+    parser.add_argument("--out", type=Path, required=True, help="directory for estimates.jsonl, summary.json, png")
+    parser.add_argument("--jobs", type=int, default=1, help="estimates run at once (default 1)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter that runs the jobs under the tracer")
+    parser.add_argument("--iterations", type=int, default=3, help="training iterations to trace (default 3)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per estimate (default 1800)")
+    parser.add_argument("--only", default="", help="estimate only records whose model contains this text")
+    parser.add_argument("--rescore", action="store_true", help="reuse OUT/estimates.jsonl, do not estimate")
+    args = parser.parse_args(argv)
+
+    try:
+        refs = load_references(args.data)
+    except (OSError, BadRecord) as e:
+        print(f"bench_accuracy: cannot read the data: {e}", file=sys.stderr)
+        return 2
+    if args.only:
+        refs = [r for r in refs if args.only.lower() in r.model.lower()]
+    duplicates = len(refs) - len({r.path for r in refs})
+    if duplicates:
+        print(f"bench_accuracy: {duplicates} records repeat a path; each path is estimated once", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    estimates_file = args.out / "estimates.jsonl"
+    started = time.perf_counter()
+    if args.rescore:
+        if not estimates_file.is_file():
+            print(f"bench_accuracy: --rescore needs {estimates_file}; run without --rescore first", file=sys.stderr)
+            return 2
+        results = read_results(estimates_file)
+    else:
+        unique = list({r.path: r for r in refs}.values())
+        results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file)
+
+    meta = {
+        "data": str(args.data),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jobs": args.jobs,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    report = summary(refs, results, meta)
+    (args.out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_picture(refs, results, args.out / "accuracy.png")
+    print_table(report)
+    for missing in report["not_estimated"]:
+        print(f"not estimated: {missing['path']}: {missing['reason']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The benchmark's report and its command line, on hand-made records (no estimator needed: --rescore)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xmem.bench.records import parse_reference
+from xmem.bench.report import OURS, BenchResult, summary, table_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_accuracy.py"
+GIB = 1 << 30
+
+
+def line(path: str, model: str, ground: int, real_oom: bool = False, xmem: int | None = None) -> dict:
+    section = {"memory": xmem if xmem is not None else ground, "oom": False, "runtime": 20_000_000_000,
+               "ground": ground, "real_oom": real_oom, "2nd verification": {"oom": None}}
+    return {"path": path, "study": "s", "result": {
+        "train info": {"model": model, "batch_size": 100, "optimiser": "SGD", "zero_grad_mode": None,
+                       "total_gpu_memory": 12 * GIB, "gpu_name": "NVIDIA GeForce RTX 3060"},
+        "solution": section}}
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_accuracy_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_record_whose_job_cannot_be_recreated_is_reported_with_the_reason():
+    ref = parse_reference(line("a", "AlexNet", 4 * GIB))
+    result = load_script().estimate_record(ref, sys.executable, iterations=3, timeout=60)
+    assert result.estimate_bytes is None
+    assert "unknown model 'AlexNet'" in result.error
+    report = summary([ref], {ref.path: result}, {})
+    assert report["not_estimated"] == [{"path": "a", "reason": result.error}]
+
+
+def test_summary_scores_ours_and_the_recorded_estimator_per_model():
+    refs = [parse_reference(line("a", "MnasNet", 4 * GIB, xmem=5 * GIB)),
+            parse_reference(line("b", "MnasNet", 4 * GIB, xmem=3 * GIB)),
+            parse_reference(line("c", "vgg16", 8 * GIB))]
+    results = {"a": BenchResult("a", 4 * GIB + GIB // 10, False, 2.0),  # +2.5 %
+               "b": BenchResult("b", 4 * GIB - GIB // 5, False, 4.0),  # -5 %, an under-estimate
+               "c": BenchResult("c", 8 * GIB, False, 3.0)}  # exact
+    report = summary(refs, results, {"data": "hand"})
+    ours = report["scores"][OURS]
+    assert ours["MnasNet"]["mre"] == pytest.approx(0.0375)  # median of 2.5 % and 5 %
+    assert ours["overall"]["mre"] == pytest.approx(0.025)  # median of 0, 2.5 %, 5 %
+    assert ours["overall"]["under_share"] == pytest.approx(1 / 3)
+    assert ours["overall"]["median_seconds"] == pytest.approx(3.0)
+    assert report["scores"]["xMem"]["MnasNet"]["mre"] == pytest.approx(0.25)  # 5 vs 4 and 3 vs 4 GiB
+    assert report["targets_met"]["under_share"] is False
+    assert [row[:2] for row in table_rows(report)][:2] == [["MnasNet", OURS], ["MnasNet", "xMem"]]
+
+
+def test_rescore_writes_summary_and_picture(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(line(p, "MnasNet", 4 * GIB)) for p in ("a", "b")) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "estimates.jsonl").write_text(
+        json.dumps({"path": "a", "estimate_bytes": 4 * GIB, "oom": False, "seconds": 1.0}) + "\n"
+        + json.dumps({"path": "b", "estimate_bytes": None, "oom": None, "seconds": 0.5,
+                      "error": "estimate failed: TraceError: boom"}) + "\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--rescore"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "summary.json").read_text())
+    assert report["estimated"] == 1
+    assert report["not_estimated"] == [{"path": "b", "reason": "estimate failed: TraceError: boom"}]
+    assert (out / "accuracy.png").stat().st_size > 10_000
+    assert "not estimated: b: estimate failed: TraceError: boom" in done.stdout
+
+
+def test_bad_data_file_is_a_one_line_error(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"path": "x"}\n')
+    done = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "data.jsonl:1: missing field 'result'" in done.stderr
