@@ -26,6 +26,10 @@ NO_CUDA_WARNING = "the program never used CUDA"
 CAPABILITY_SPLIT = (8, 0)
 
 
+class BadJobSettingError(ValueError):
+    """The job's environment holds a setting the estimate cannot use (e.g. a malformed PYTORCH_CUDA_ALLOC_CONF)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GpuEstimate:
     """The predicted peak of the job on one GPU type."""
@@ -227,9 +231,12 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
 def _allocator_config(trace: Trace, env: Mapping[str, str] | None) -> AllocatorConfig:
     # What the job really ran with wins: the tracer saw PYTORCH_(CUDA_)ALLOC_CONF as the job set it, even when
     # the script sets it itself before importing torch.
-    if trace.alloc_conf:
-        return AllocatorConfig.parse(trace.alloc_conf)
-    return AllocatorConfig.from_environ(dict(env) if env is not None else dict(os.environ))
+    try:
+        if trace.alloc_conf:
+            return AllocatorConfig.parse(trace.alloc_conf)
+        return AllocatorConfig.from_environ(dict(env) if env is not None else dict(os.environ))
+    except ValueError as e:
+        raise BadJobSettingError(f"the job's allocator settings: {e}") from None
 
 
 def _warnings(traces: Mapping[str, Trace]) -> tuple[str, ...]:

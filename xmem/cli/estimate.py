@@ -1,0 +1,136 @@
+"""`xmem-slurm estimate`: predict a training command's peak GPU memory on each GPU type.
+
+Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, and the exit
+codes (0 ok, 1 internal, 2 bad option or GPU name, 3 command not found, 4 not a Python program, 5 the user's code
+raised, 6 no optimizer step reached, 7 timeout). The work itself is `xmem.estimate.estimate`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from xmem.cli import app
+from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
+from xmem.gpus import CatalogError, UnknownGpuError
+from xmem.trace import TraceError
+
+EXIT_INTERNAL, EXIT_USAGE = 1, 2
+TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
+                    "internal": EXIT_INTERNAL}
+GIB = 1 << 30
+
+
+@app.command("estimate")
+def estimate_command(
+    command: list[str] = typer.Argument(..., metavar="-- COMMAND [ARGS]...",
+                                        help="The training command, after `--`, e.g. `-- python train.py --lr 1e-3`."),
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu", "-g", metavar="TYPE",
+                                            help="GPU type (repeatable; catalog name or alias). Default: all."),
+    iterations: int = typer.Option(3, "--iterations", "-n", min=1, help="Optimizer steps to trace."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
+    python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
+) -> None:
+    """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
+    err = Console(stderr=True)
+    try:
+        if as_json:
+            with _stdout_to_stderr() as out:
+                result = run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python)
+            out.write(json.dumps(result.to_json()) + "\n")
+            out.flush()
+        else:
+            result = _estimate_with_progress(err, command, gpu, iterations, timeout, python)
+            show_estimate(Console(), result)
+    except UnknownGpuError as e:
+        _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e))
+    except (CatalogError, BadJobSettingError) as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+    except TraceError as e:
+        _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback)
+    except Exception as e:  # noqa: BLE001 - anything else is our bug: say so in one line, keep the exit code
+        _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
+
+
+def _estimate_with_progress(err: Console, command: list[str], gpu: Optional[list[str]], iterations: int,
+                            timeout: Optional[float], python: Optional[str]) -> Estimate:
+    if not err.is_terminal:
+        return run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python)
+    with err.status(f"tracing {' '.join(command)}") as status:
+        return run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python,
+                            on_progress=lambda message: status.update(str(message)))
+
+
+def show_estimate(console: Console, result: Estimate) -> None:
+    """The estimate for people: one row per GPU type, then the breakdown at the peak, warnings and time."""
+    table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
+    for column in ("GPU type", "predicted peak", "GPU memory", "headroom", "verdict"):
+        table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
+    for g in sorted(result.gpus.values(), key=lambda g: g.total_bytes):
+        verdict = "[green]fits[/]" if g.fits else "[red]does not fit[/]" + (" (OOM)" if g.oom else "")
+        table.add_row(g.gpu, _gib(g.peak_bytes), _gib(g.total_bytes), _gib(g.headroom_bytes), verdict)
+    console.print(table)
+    if result.breakdown:
+        peak = sum(result.breakdown.values())
+        parts = Table(title=f"At the peak on {result.breakdown_gpu}")
+        parts.add_column("category")
+        parts.add_column("memory", justify="right")
+        parts.add_column("share", justify="right")
+        for category, nbytes in sorted(result.breakdown.items(), key=lambda kv: -kv[1]):
+            parts.add_row(category.replace("_", " "), _gib(nbytes), f"{100 * nbytes / peak:.1f} %" if peak else "-")
+        console.print(parts)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    console.print(f"{result.iterations} iteration(s) traced in {result.seconds:.1f} s"
+                  f" (torch {result.torch_version or 'unknown'}).")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "") -> NoReturn:
+    line = " ".join(message.split()) or kind
+    if traceback:
+        sys.stderr.write(traceback if traceback.endswith("\n") else traceback + "\n")
+    sys.stderr.write(f"xmem-slurm estimate: {line}\n")  # not through rich: it would wrap the one line
+    if as_json:
+        payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        sys.stdout.flush()
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _stdout_to_stderr() -> Iterator[io.TextIOBase]:
+    """Send everything written to stdout (by us, libraries or child processes) to stderr; yield the real stdout.
+
+    `--json` promises exactly one JSON object on stdout, and the traced program may print.
+    """
+    real = sys.stdout
+    real.flush()
+    try:
+        saved_fd = os.dup(real.fileno())
+    except (AttributeError, io.UnsupportedOperation, OSError):  # not a real file (e.g. a test runner's buffer)
+        saved_fd = None
+    if saved_fd is not None:
+        os.dup2(sys.stderr.fileno(), real.fileno())
+    sys.stdout = sys.stderr
+    try:
+        yield real
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
+        if saved_fd is not None:
+            os.dup2(saved_fd, real.fileno())
+            os.close(saved_fd)
