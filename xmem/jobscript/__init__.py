@@ -1,0 +1,126 @@
+"""Batch-script understanding: what a Slurm job asks for and which Python training command(s) it runs.
+
+`parse_jobscript(text, ...)` -> `JobScript`: the `#SBATCH` request (command-line options win), the training
+commands found by a static read, and the problems (with their line) that kept parts of the script from being
+understood. Nothing is run and nothing is guessed. Owns no I/O beyond looking for a named conda environment.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand
+from xmem.jobscript.directives import (DirectiveError, GresItem, SbatchRequest, build_request, parse_gpus,
+                                       parse_gres, scan_directives)
+from xmem.jobscript.shell import ShellSyntaxError, tokenize
+
+__all__ = ["JobScript", "SbatchRequest", "GresItem", "TrainCommand", "Problem", "parse_jobscript", "parse_gres",
+           "parse_gpus", "DirectiveError", "slurm_runtime_env"]
+
+# What a job's environment holds before its first line runs, that depends only on the request.
+# SLURM_JOB_ID is not known before submission; "0" stands in for it (it names files, it does not size memory).
+_PLACEHOLDER_JOB_ID = "0"
+
+
+@dataclass(frozen=True)
+class JobScript:
+    directives: SbatchRequest
+    commands: tuple[TrainCommand, ...]
+    problems: tuple[Problem, ...]
+    path: str | None = None
+
+    @property
+    def understood(self) -> bool:
+        """At least one training command was found (problems may still have been noted)."""
+        return bool(self.commands)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "directives": self.directives.to_json(),
+                "commands": [c.to_json() for c in self.commands],
+                "problems": [{"line_no": p.line_no, "line": p.line, "reason": p.reason} for p in self.problems]}
+
+
+def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence[str] = (),
+                    submit_cwd: str | None = None, cli_options: Mapping[str, str | None] | None = None,
+                    env: Mapping[str, str] | None = None) -> JobScript:
+    """Read a batch script as sbatch and bash would, without running it.
+
+    `cli_options`: sbatch's command-line options by long name (as cli_filter reports them); they override the
+    `#SBATCH` lines. `env`: the submitting environment (sbatch's default `--export=ALL` hands it to the job);
+    defaults to this process's environment. `submit_cwd`: where sbatch runs (the job's default working directory).
+    """
+    lines = text.splitlines()
+    scan = scan_directives(lines)
+    problems = [Problem(n, line, f"#SBATCH: {reason}") for n, line, reason in scan.errors]
+    request, request_errors = build_request(scan.directives, cli_options)
+    problems += [Problem(n, lines[n - 1] if 0 < n <= len(lines) else "", f"#SBATCH: {reason}")
+                 for n, reason in request_errors]
+
+    cwd = _job_cwd(request.chdir, submit_cwd)
+    base_env = {**(os.environ if env is None else env), **slurm_runtime_env(request, cwd)}
+    shebang = _python_shebang(lines)
+    if shebang is not None:
+        commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},
+                                 python=shebang, launcher="python", line_no=1),)
+        return JobScript(request, commands, tuple(problems), path)
+
+    state = ShellState(base_env=base_env, positional=list(script_args), script_name=path or "", cwd=cwd)
+    finder = Finder(state=state, lines=lines, default_ranks=request.ntasks_per_node or request.ntasks)
+    try:
+        finder.run(tokenize(text))
+    except ShellSyntaxError as e:
+        problems.append(Problem(e.line_no, lines[e.line_no - 1] if 0 < e.line_no <= len(lines) else "",
+                                f"shell syntax: {e.reason}"))
+    problems += finder.problems
+    if not finder.commands and not problems:
+        problems.append(Problem(0, "", "no training command found (python/python3, torchrun, srun python, "
+                                       "accelerate launch)"))
+    return JobScript(request, tuple(finder.commands), tuple(problems), path)
+
+
+def slurm_runtime_env(request: SbatchRequest, cwd: str | None) -> dict[str, str]:
+    """The SLURM_* variables of the batch step that follow from the request alone."""
+    env = {"SLURM_JOB_ID": _PLACEHOLDER_JOB_ID, "SLURM_JOBID": _PLACEHOLDER_JOB_ID,
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    if cwd:
+        env["SLURM_SUBMIT_DIR"] = cwd
+    optional = {
+        "SLURM_JOB_NAME": request.job_name, "SLURM_JOB_PARTITION": request.partition,
+        "SLURM_JOB_ACCOUNT": request.account,
+        "SLURM_NTASKS": str(request.ntasks) if request.ntasks else None,
+        "SLURM_NTASKS_PER_NODE": str(request.ntasks_per_node) if request.ntasks_per_node else None,
+        "SLURM_JOB_NUM_NODES": request.nodes if request.nodes and request.nodes.isdigit() else None,
+        "SLURM_GPUS_ON_NODE": str(request.gpu_count) if request.wants_gpu else None,
+    }
+    for option, name in (("cpus-per-task", "SLURM_CPUS_PER_TASK"),):
+        value = next((v for o, v, _ in reversed(request.raw) if o == option), None)
+        optional[name] = value
+    if optional["SLURM_NTASKS"]:
+        optional["SLURM_NPROCS"] = optional["SLURM_NTASKS"]
+    if optional["SLURM_JOB_NUM_NODES"]:
+        optional["SLURM_NNODES"] = optional["SLURM_JOB_NUM_NODES"]
+    env.update({k: v for k, v in optional.items() if v})
+    return env
+
+
+def _job_cwd(chdir: str | None, submit_cwd: str | None) -> str | None:
+    if chdir and submit_cwd and not chdir.startswith("/"):
+        return posixpath.normpath(posixpath.join(submit_cwd, chdir))
+    return chdir or submit_cwd
+
+
+def _python_shebang(lines: list[str]) -> str | None:
+    """`#!/usr/bin/env python3` or `#!/x/bin/python`: the batch script is itself the training script."""
+    if not lines or not lines[0].startswith("#!"):
+        return None
+    words = lines[0][2:].split()
+    if not words:
+        return None
+    program = words[1] if posixpath.basename(words[0]) == "env" and len(words) > 1 else words[0]
+    name = posixpath.basename(program)
+    if name == "python" or (name.startswith("python") and name[6:].replace(".", "").isdigit()):
+        return program if "/" in program else None
+    return None

@@ -1,0 +1,572 @@
+"""Find the training command(s) of a batch script by a static read of its shell text.
+
+Owns: following `cd`/`pushd`, `export`/assignments/`unset`, `source X/bin/activate` and `conda activate`, command
+wrappers (`exec`, `time`, `nohup`, `env`, `stdbuf`), and the launchers xmem understands: `python`/`python3`
+(script or `-m`), `torchrun` / `python -m torch.distributed.run` (one rank is estimated), `srun` and
+`accelerate launch`. Whatever a static read cannot settle (a launcher inside a loop or conditional, an argument
+that needs command output, an unsupported launcher) becomes a `Problem` naming the line: never a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from xmem.jobscript.shell import (HEREDOCS, REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something in the script xmem could not understand, with the line it is on (0: the script as a whole)."""
+
+    line_no: int
+    line: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"line {self.line_no}: " if self.line_no else ""
+        return f"{where}{self.reason}" + (f"  [{self.line.strip()}]" if self.line.strip() else "")
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """One training process to estimate: `argv` as `run_trace` takes it (`["python", "train.py", ...]` or
+    `["python", "-m", "pkg.train", ...]`), the working directory, the environment the script adds, the interpreter
+    (None: the default one), the launcher that started it and how many ranks per node it starts."""
+
+    argv: tuple[str, ...]
+    cwd: str | None
+    env: Mapping[str, str] = field(default_factory=dict)
+    python: str | None = None
+    launcher: str = "python"
+    ranks: int | None = None
+    line_no: int = 0
+
+    def to_json(self) -> dict:
+        return {"argv": list(self.argv), "cwd": self.cwd, "env": dict(self.env), "python": self.python,
+                "launcher": self.launcher, "ranks": self.ranks, "line_no": self.line_no}
+
+
+class Opaque:
+    """A word whose value is only known when the job runs."""
+
+    def __init__(self, source: str, what: str):
+        self.source = source
+        self.what = what
+
+
+Item = str | Opaque
+
+_WRAPPERS = {"exec", "time", "nohup", "command", "builtin", "nice", "ionice", "taskset", "numactl", "stdbuf"}
+_TEXT_COMMANDS = {"echo", "printf", "which", "type", "whereis", "module", "ml", "pip", "pip3", "hash", "alias",
+                  "conda", "mamba", "micromamba", "uv", "nvidia-smi", "cat", "tee", "grep", "export", "read"}
+_UNSUPPORTED_LAUNCHERS = {"deepspeed", "mpirun", "mpiexec", "horovodrun", "singularity", "apptainer", "docker",
+                          "podman", "enroot", "charliecloud", "parallel", "xargs"}
+_NOT_TRAINING_MODULES = {"pip", "venv", "ensurepip", "site", "json.tool", "http.server", "pytest",
+                         "torch.utils.collect_env", "sysconfig", "platform"}
+_TORCHRUN_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
+_ACCELERATE_MODULES = {"accelerate.commands.launch"}
+_PYTHON_VALUE_FLAGS = {"-W", "-X", "--check-hash-based-pycs"}
+_PYTHON_NO_SCRIPT = {"-c", "-V", "--version", "-h", "--help", "-", "-i"}
+_TORCHRUN_FLAGS = {"standalone", "module", "no_python", "run_path", "use_env", "m"}
+_ACCELERATE_FLAGS = {"multi_gpu", "cpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "use_xpu", "debug",
+                     "module", "m", "no_python", "quiet", "q", "same_network", "tpu", "tpu_use_cluster",
+                     "tpu_use_sudo", "downcast_bf16", "enable_cpu_affinity", "h", "help"}
+_SRUN_SHORT_VALUE = set("AbBcCdDeGiJLmMnNopqrStTwWx")
+_SRUN_LONG_FLAGS = {"contiguous", "exact", "help", "hold", "label", "multi-prog", "no-allocate", "no-kill",
+                    "overcommit", "overlap", "oversubscribe", "preserve-env", "pty", "quiet", "quit-on-interrupt",
+                    "reboot", "resv-ports", "spread-job", "test-only", "unbuffered", "usage", "use-min-nodes",
+                    "verbose", "version", "disable-status", "x11", "exclusive", "kill-on-bad-exit", "immediate",
+                    "compress", "send-libs", "propagate", "nice"}
+_BLOCK_OPENERS = {"if", "while", "until", "for", "case", "select", "{", "function"}
+_BLOCK_CLOSERS = {"fi", "done", "esac", "}"}
+_BLOCK_CONTINUATIONS = {"then", "do", "else", "elif", "!"}
+
+
+@dataclass
+class ShellState:
+    """What a static read knows at a point of the script."""
+
+    base_env: Mapping[str, str]
+    positional: list[str]
+    script_name: str
+    cwd: str | None
+    shell_vars: dict[str, str] = field(default_factory=dict)
+    exported: set[str] = field(default_factory=set)
+    unset: set[str] = field(default_factory=set)
+    dynamic: dict[str, str] = field(default_factory=dict)  # name -> why its value is unknown
+    env_changes: dict[str, str] = field(default_factory=dict)
+    python: str | None = None
+    cwd_unknown: str | None = None  # why the working directory is unknown
+
+    def lookup(self, name: str) -> str | None:
+        if name in self.dynamic:
+            raise Unknown(f"${name} ({self.dynamic[name]})")
+        if name in self.shell_vars:
+            return self.shell_vars[name]
+        if name in self.unset:
+            return None
+        value = self.base_env.get(name)
+        if value is None and (name in RUNTIME_ONLY or name.startswith("SLURM_")):
+            raise Unknown(f"${name} (set when the job runs)")
+        return value
+
+    def assign(self, name: str, value: str | Opaque) -> None:
+        self.unset.discard(name)
+        if isinstance(value, Opaque):
+            self.dynamic[name] = value.what
+            self.shell_vars.pop(name, None)
+            self.env_changes.pop(name, None)
+            return
+        self.dynamic.pop(name, None)
+        self.shell_vars[name] = value
+        if name in self.exported or name in self.base_env:
+            self.env_changes[name] = value  # an exported variable's new value reaches child processes
+
+    def export(self, name: str) -> None:
+        self.exported.add(name)
+        if name in self.shell_vars:
+            self.env_changes[name] = self.shell_vars[name]
+
+
+# Variables Slurm (or the node) sets when the job runs, whose value no static read can know.
+RUNTIME_ONLY = {"CUDA_VISIBLE_DEVICES", "HOSTNAME", "RANDOM", "PPID", "BASHPID", "TMPDIR"}
+
+
+@dataclass
+class Finder:
+    """Walks the token stream of a script, one simple command at a time."""
+
+    state: ShellState
+    lines: list[str]
+    default_ranks: int | None = None
+    commands: list[TrainCommand] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    depth: int = 0
+
+    def run(self, tokens: list[Token]) -> None:
+        for words in _simple_commands(tokens):
+            self._command(words)
+
+    def problem(self, line_no: int, reason: str) -> None:
+        line = self.lines[line_no - 1] if 0 < line_no <= len(self.lines) else ""
+        self.problems.append(Problem(line_no, line, reason))
+
+    # -- one simple command -------------------------------------------------------------------------------------
+    def _command(self, words: list[Word]) -> None:
+        words = self._strip_keywords(words)
+        if not words:
+            return
+        line_no = words[0].line_no
+        prefix_env: dict[str, Item] = {}
+        while words and _assignment_name(words[0]):
+            name, value = self._assignment(words[0])
+            prefix_env[name] = value
+            words = words[1:]
+        if not words:
+            for name, value in prefix_env.items():
+                self.state.assign(name, self._blocky(value, name))
+            return
+        items = [self._expand(w) for w in words]
+        flat = [item for group in items for item in group]
+        if not flat:
+            return
+        self._dispatch(flat, prefix_env, line_no, [w.source for w in words])
+
+    def _strip_keywords(self, words: list[Word]) -> list[Word]:
+        while words:
+            keyword = words[0].literal
+            if keyword in _BLOCK_OPENERS:
+                self.depth += 1
+                if keyword in ("for", "case", "select", "function"):
+                    return []  # their own words are loop variables and patterns, not commands
+                words = words[1:]
+            elif keyword in _BLOCK_CLOSERS:
+                self.depth = max(0, self.depth - 1)
+                words = words[1:]
+            elif keyword in _BLOCK_CONTINUATIONS:
+                words = words[1:]
+            else:
+                return words
+        return words
+
+    def _blocky(self, value: Item, name: str) -> Item:
+        """A variable set inside a loop or conditional may or may not hold that value afterwards."""
+        if self.depth and isinstance(value, str):
+            return Opaque(name, "set inside a loop or conditional")
+        return value
+
+    def _assignment(self, word: Word) -> tuple[str, Item]:
+        first = word.parts[0]
+        name, _, rest = first.text.partition("=")
+        value_word = Word((Part("lit", rest, False), *word.parts[1:]), word.line_no)
+        try:
+            return name, " ".join(expand(value_word, self.state.lookup, self.state.positional,
+                                         self.state.script_name))
+        except Unknown as e:
+            return name, Opaque(word.source, e.what)
+
+    def _expand(self, word: Word) -> list[Item]:
+        try:
+            return list(expand(word, self.state.lookup, self.state.positional, self.state.script_name))
+        except Unknown as e:
+            return [Opaque(word.source, e.what)]
+
+    def _dispatch(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, sources: list[str]) -> None:
+        head = items[0]
+        if isinstance(head, Opaque):
+            if _mentions_launcher(sources):
+                self.problem(line_no, f"the command itself is {head.source}, which depends on {head.what}")
+            return
+        name = posixpath.basename(head)
+        if name in _WRAPPERS or name == "env":
+            self._dispatch_wrapped(items, prefix_env, line_no, sources)
+        elif name in ("cd", "pushd"):
+            self._cd(items[1:], line_no)
+        elif name == "export":
+            self._export(items[1:], line_no)
+        elif name == "unset":
+            for item in items[1:]:
+                if isinstance(item, str) and not item.startswith("-"):
+                    self.state.shell_vars.pop(item, None)
+                    self.state.dynamic.pop(item, None)
+                    self.state.env_changes.pop(item, None)
+                    self.state.unset.add(item)
+        elif name in ("source", "."):
+            self._source(items[1:], line_no)
+        elif name in ("conda", "mamba", "micromamba") and len(items) > 1 and items[1] == "activate":
+            self._conda_activate(items[2:], line_no)
+        elif _is_python(name):
+            self._python(items, prefix_env, line_no, launcher="python", ranks=None)
+        elif name == "torchrun":
+            self._torchrun(items[1:], prefix_env, line_no, _sibling_python(head, self.state), "torchrun")
+        elif name == "accelerate" and len(items) > 1 and items[1] == "launch":
+            self._accelerate(items[2:], prefix_env, line_no, _sibling_python(head, self.state))
+        elif name == "srun":
+            self._srun(items[1:], prefix_env, line_no, sources)
+        elif name in _UNSUPPORTED_LAUNCHERS:
+            if _mentions_launcher(sources) or name in ("deepspeed", "horovodrun"):
+                self.problem(line_no, f"'{name}' launches the training in a way xmem does not follow")
+        elif name not in _TEXT_COMMANDS and _mentions_launcher(sources[1:]):
+            self.problem(line_no, f"python is started through '{name}', which xmem does not follow")
+
+    def _dispatch_wrapped(self, items: list[Item], prefix_env: dict[str, Item], line_no: int,
+                          sources: list[str]) -> None:
+        name = posixpath.basename(str(items[0]))
+        rest = items[1:]
+        env = dict(prefix_env)
+        while rest and isinstance(rest[0], str) and (rest[0].startswith("-") or
+                                                      (name == "env" and "=" in rest[0])):
+            word = rest.pop(0)
+            if name == "env" and "=" in word and not word.startswith("-"):
+                key, _, value = word.partition("=")
+                env[key] = value
+            elif name == "env" and word in ("-u", "--unset") and rest:
+                rest.pop(0)
+            elif name in ("nice", "numactl", "taskset", "ionice") and word in ("-n", "-c", "-p", "-C", "-m",
+                                                                                 "-N") and rest:
+                rest.pop(0)
+        if name == "taskset" and rest and isinstance(rest[0], str) and rest[0][:1].isdigit():
+            rest.pop(0)  # taskset MASK command
+        if rest:
+            self._dispatch(rest, env, line_no, sources[len(items) - len(rest):] or sources)
+
+    # -- state changes -------------------------------------------------------------------------------------------
+    def _cd(self, args: list[Item], line_no: int) -> None:
+        args = [a for a in args if not (isinstance(a, str) and a in ("-P", "-L", "--"))]
+        target: Item = args[0] if args else (self.state.lookup("HOME") or "~")
+        if self.depth:
+            self.state.cwd_unknown = f"'cd' on line {line_no} is inside a loop or conditional"
+        elif isinstance(target, Opaque):
+            self.state.cwd_unknown = f"'cd {target.source}' on line {line_no} depends on {target.what}"
+        elif target == "-":
+            self.state.cwd_unknown = f"'cd -' on line {line_no}"
+        else:
+            base = self.state.cwd or ""
+            self.state.cwd = posixpath.normpath(posixpath.join(base, target)) if base or target.startswith("/") \
+                else target
+
+    def _export(self, args: list[Item], line_no: int) -> None:
+        for arg in args:
+            if isinstance(arg, Opaque):
+                name = arg.source.partition("=")[0]
+                if name.isidentifier():
+                    self.state.exported.add(name)
+                    self.state.assign(name, arg)
+                continue
+            if arg.startswith("-"):
+                continue
+            name, eq, value = arg.partition("=")
+            if eq:
+                self.state.exported.add(name)
+                self.state.assign(name, self._blocky(value, name))
+            else:
+                self.state.export(name)
+
+    def _source(self, args: list[Item], line_no: int) -> None:
+        if not args:
+            return
+        path = args[0]
+        if isinstance(path, Opaque):
+            if path.source.endswith("/bin/activate"):
+                self.problem(line_no, f"cannot tell which virtual environment: {path.source} depends on "
+                                      f"{path.what}")
+            return
+        if path.endswith("bin/activate") and len(args) == 1:
+            self._activate(posixpath.dirname(posixpath.dirname(self._absolute(path))), line_no)
+        elif posixpath.basename(path) == "activate" and len(args) > 1 and isinstance(args[1], str):
+            self._conda_activate(args[1:], line_no)  # old conda: `source activate NAME`
+
+    def _activate(self, prefix: str, line_no: int) -> None:
+        if self.depth:
+            self.problem(line_no, "environment activated inside a loop or conditional: interpreter unknown")
+            return
+        self.state.python = posixpath.join(prefix, "bin", "python")
+        self.state.assign("VIRTUAL_ENV", prefix)
+        self.state.export("VIRTUAL_ENV")
+        path = self.state.lookup("PATH") or ""
+        self.state.assign("PATH", posixpath.join(prefix, "bin") + (":" + path if path else ""))
+        self.state.export("PATH")
+
+    def _conda_activate(self, args: list[Item], line_no: int) -> None:
+        names = [a for a in args if isinstance(a, Opaque) or not a.startswith("-")]
+        if not names or isinstance(names[0], Opaque):
+            self.problem(line_no, "cannot tell which conda environment is activated")
+            return
+        prefix = _conda_prefix(names[0], self.state.base_env)
+        if prefix is None:
+            self.problem(line_no, f"conda environment '{names[0]}' is not found from here (looked in the envs "
+                                  "folders of $CONDA_EXE / $CONDA_PREFIX and ~/.conda/envs)")
+            return
+        self._activate(prefix, line_no)
+
+    def _absolute(self, path: str) -> str:
+        if path.startswith("/") or not self.state.cwd:
+            return path
+        return posixpath.normpath(posixpath.join(self.state.cwd, path))
+
+    # -- launchers -----------------------------------------------------------------------------------------------
+    def _python(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, launcher: str,
+                ranks: int | None, interpreter: str | None = None) -> None:
+        python = interpreter or self._interpreter(items[0])
+        args = items[1:]
+        while args and isinstance(args[0], str) and args[0].startswith("-") and args[0] != "-m":
+            flag = args.pop(0)
+            if flag in _PYTHON_NO_SCRIPT:
+                return  # `python -c ...`, `python --version`: not a training script
+            if flag in _PYTHON_VALUE_FLAGS and args:
+                args.pop(0)
+        if not args:
+            return
+        if args[0] == "-m":
+            if len(args) < 2:
+                return
+            module = args[1]
+            if isinstance(module, str) and module in _TORCHRUN_MODULES:
+                self._torchrun(args[2:], prefix_env, line_no, python, "torchrun")
+                return
+            if isinstance(module, str) and module in _ACCELERATE_MODULES:
+                self._accelerate(args[2:], prefix_env, line_no, python)
+                return
+            if isinstance(module, str) and module.split(".")[0] in {m.split(".")[0] for m in
+                                                                     _NOT_TRAINING_MODULES} \
+                    and module in _NOT_TRAINING_MODULES:
+                return
+            self._emit(["python", "-m", *args[1:]], prefix_env, line_no, python, launcher, ranks)
+            return
+        self._emit(["python", *args], prefix_env, line_no, python, launcher, ranks)
+
+    def _torchrun(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None,
+                  launcher: str) -> None:
+        options, rest = _launcher_options(args, _TORCHRUN_FLAGS)
+        if "no_python" in options:
+            self.problem(line_no, "torchrun --no-python runs a program that is not Python")
+            return
+        ranks = self._rank_count(options.get("nproc_per_node"), line_no)
+        if not rest:
+            self.problem(line_no, "torchrun without a training script")
+            return
+        module = "module" in options or "m" in options
+        self._emit(["python", *(["-m"] if module else []), *rest], prefix_env, line_no, python, launcher, ranks)
+
+    def _accelerate(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None) -> None:
+        options, rest = _launcher_options(args, _ACCELERATE_FLAGS)
+        if "no_python" in options:
+            self.problem(line_no, "accelerate launch --no_python runs a program that is not Python")
+            return
+        if not rest:
+            self.problem(line_no, "accelerate launch without a training script")
+            return
+        env = dict(prefix_env)
+        precision = options.get("mixed_precision")
+        if precision is not None:
+            env["ACCELERATE_MIXED_PRECISION"] = precision  # what `accelerate launch` hands the script's Accelerator
+        ranks = self._rank_count(options.get("num_processes"), line_no)
+        module = "module" in options or "m" in options
+        self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, "accelerate", ranks)
+
+    def _srun(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, sources: list[str]) -> None:
+        options: dict[str, Item | None] = {}
+        rest = list(args)
+        while rest and isinstance(rest[0], str) and rest[0].startswith("-") and rest[0] != "-":
+            arg = rest.pop(0)
+            if arg == "--":
+                break
+            if arg.startswith("--"):
+                name, eq, value = arg[2:].partition("=")
+                if eq or name in _SRUN_LONG_FLAGS:
+                    options[name] = value if eq else None
+                elif rest:
+                    options[name] = rest.pop(0)
+            else:
+                letter = arg[1]
+                if letter in _SRUN_SHORT_VALUE:
+                    options[letter] = arg[2:] if len(arg) > 2 else (rest.pop(0) if rest else None)
+        if "multi-prog" in options:
+            if _mentions_launcher(sources):
+                self.problem(line_no, "srun --multi-prog: the programs are in a separate file xmem does not read")
+            return
+        if not rest:
+            return
+        per_node = options.get("ntasks-per-node")
+        ntasks = options.get("ntasks", options.get("n"))
+        ranks = self._rank_count(per_node if per_node is not None else ntasks, line_no)
+        if ranks is None:
+            ranks = self.default_ranks
+        head = rest[0]
+        name = posixpath.basename(head) if isinstance(head, str) else ""
+        if _is_python(name):
+            self._python(rest, prefix_env, line_no, launcher="srun", ranks=ranks)
+        elif name == "torchrun":
+            self._torchrun(rest[1:], prefix_env, line_no, _sibling_python(head, self.state), "srun")
+        elif name == "accelerate" and len(rest) > 1 and rest[1] == "launch":
+            self._accelerate(rest[2:], prefix_env, line_no, _sibling_python(head, self.state))
+        else:
+            self._dispatch(rest, prefix_env, line_no, sources[-len(rest):])
+
+    def _rank_count(self, value: Item | None, line_no: int) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+        return None  # "gpu", "auto", a range or a run-time value: the per-rank estimate does not depend on it
+
+    def _interpreter(self, head: Item) -> str | None:
+        if not isinstance(head, str):
+            return None
+        if "/" in head:
+            return self._absolute(head)
+        if self.state.python:
+            return self.state.python
+        if head in ("python", "python3"):
+            return None
+        return head  # e.g. python3.11: resolved on PATH by whoever runs it
+
+    def _emit(self, argv: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None,
+              launcher: str, ranks: int | None) -> None:
+        if self.depth:
+            self.problem(line_no, "training command inside a loop, conditional or function: xmem cannot tell "
+                                  "statically whether or how often it runs")
+            return
+        for item in [*argv, *prefix_env.values()]:
+            if isinstance(item, Opaque):
+                self.problem(line_no, f"{item.source} depends on {item.what}, only known when the job runs")
+                return
+        if self.state.cwd_unknown:
+            self.problem(line_no, f"working directory unknown: {self.state.cwd_unknown}")
+            return
+        env = {**self.state.env_changes, **{k: str(v) for k, v in prefix_env.items()}}
+        self.commands.append(TrainCommand(
+            argv=tuple(str(a) for a in argv), cwd=self.state.cwd, env=env,
+            python=python if python is not None else self.state.python, launcher=launcher, ranks=ranks,
+            line_no=line_no))
+
+
+def _simple_commands(tokens: list[Token]) -> list[list[Word]]:
+    """Group tokens into simple commands; redirections and their targets are dropped."""
+    commands: list[list[Word]] = []
+    current: list[Word] = []
+    skip_next = False
+    for token in tokens:
+        if isinstance(token, Op):
+            if token.text in REDIRECTIONS:
+                skip_next = True
+            elif token.text in SEPARATORS:
+                if current:
+                    commands.append(current)
+                current = []
+            elif token.text in HEREDOCS:
+                pass
+            continue
+        if skip_next:
+            skip_next = False
+            continue
+        current.append(token)
+    if current:
+        commands.append(current)
+    return commands
+
+
+def _assignment_name(word: Word) -> str | None:
+    first = word.parts[0]
+    if first.kind != "lit" or first.quoted or "=" not in first.text:
+        return None
+    name = first.text.partition("=")[0]
+    return name if name.isidentifier() else None
+
+
+def _is_python(name: str) -> bool:
+    return name == "python" or (name.startswith("python") and name[6:].replace(".", "").isdigit())
+
+
+def _mentions_launcher(sources: list[str]) -> bool:
+    return any(_is_python(posixpath.basename(s)) or posixpath.basename(s) in ("torchrun", "accelerate")
+               or s.endswith(".py") for s in sources)
+
+
+def _sibling_python(launcher_path: Item, state: ShellState) -> str | None:
+    """`/opt/env/bin/torchrun` runs `/opt/env/bin/python`; a bare `torchrun` runs the active environment's."""
+    if isinstance(launcher_path, str) and "/" in launcher_path:
+        return posixpath.join(posixpath.dirname(launcher_path), "python")
+    return state.python
+
+
+def _launcher_options(args: list[Item], flags: set[str]) -> tuple[dict[str, str | None], list[Item]]:
+    """Parse argparse-style options before the script: `--name value`, `--name=value`, flags; `-`/`_` alike."""
+    options: dict[str, str | None] = {}
+    rest = list(args)
+    while rest and isinstance(rest[0], str) and rest[0].startswith("-") and rest[0] != "-":
+        arg = rest.pop(0)
+        if arg == "--":
+            break
+        name, eq, value = arg.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if eq:
+            options[name] = value
+        elif name in flags:
+            options[name] = None
+        elif rest:
+            nxt = rest.pop(0)
+            options[name] = nxt if isinstance(nxt, str) else None
+    return options, rest
+
+
+def _conda_prefix(name: str, env: Mapping[str, str]) -> str | None:
+    if "/" in name:
+        return name
+    bases: list[str] = []
+    if env.get("CONDA_EXE"):
+        bases.append(posixpath.dirname(posixpath.dirname(env["CONDA_EXE"])))
+    prefix = env.get("CONDA_PREFIX")
+    if prefix:
+        bases.append(prefix.split("/envs/")[0])
+    home = env.get("HOME")
+    for base in bases:
+        if posixpath.basename(base) == name or name == "base":
+            return base
+    candidates = [posixpath.join(b, "envs", name) for b in bases]
+    if home:
+        candidates.append(posixpath.join(home, ".conda", "envs", name))
+    return next((c for c in candidates if os.path.isdir(c)), None)
