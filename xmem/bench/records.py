@@ -54,6 +54,7 @@ class Reference:
     ground_bytes: int  # NVML peak of the real run (level reached before the OOM when real_oom)
     real_oom: bool
     options: dict = field(default_factory=dict)  # modern variants: amp, fused, dtype, alloc_conf (measure_gpu.py)
+    measured_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved() of the real run, where measured
     estimators: dict[str, EstimatorRun] = field(default_factory=dict)
 
 
@@ -78,6 +79,10 @@ def _ground(result: dict) -> tuple[int, bool]:
     raise BadRecord("no measured peak: neither a 'ground' section nor an estimator section with 'ground'")
 
 
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
 def parse_reference(line: dict) -> Reference:
     try:
         result = line["result"]
@@ -96,6 +101,7 @@ def parse_reference(line: dict) -> Reference:
             ground_bytes=ground,
             real_oom=real_oom,
             options=dict(info.get("options") or {}),
+            measured_reserved_bytes=_optional_int((result.get("ground") or {}).get("max_memory_reserved")),
             estimators={name: _estimator_run(result[name]) for name in ESTIMATORS if name in result},
         )
     except KeyError as e:

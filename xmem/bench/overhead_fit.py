@@ -1,0 +1,99 @@
+"""Fit the per-GPU-type non-allocator overhead (CUDA context + a term per library the job uses) from real runs.
+
+Owns the overhead model's fit and the text of `xmem/gpus/calibration.toml`. Pure: the samples come in, the fit and
+the TOML text go out (`xmem-slurm calibrate` does the reading and writing).
+
+The model, per GPU type g and job j: NVML peak = allocator reserved + context_g + sum of term_l over the libraries l
+the traced job uses. A sample's residual is NVML peak minus the allocator's reserved peak (measured where the record
+has it, our simulated one otherwise). The fit, with no per-record or per-model term:
+
+1. A library's term is identifiable where one GPU type has runs with and without it (cuDNN: CNN vs transformer
+   jobs). It is the median over such GPU types of median(residual with l) - median(residual without l), at least 0.
+   It is pooled over GPU types, since the data rarely separates it on each.
+2. A library every run of a GPU type uses (cuBLAS: every training job) cannot be told apart from the context: its
+   term there is 0 and the context includes it.
+3. context_g = the `quantile` of (residual - identified library terms) over g's runs (0.5: the median).
+"""
+
+from __future__ import annotations
+
+import json  # a JSON string is a valid TOML basic string
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OverheadSample:
+    """One real run without OOM: its GPU type, what NVML showed beyond the allocator, the libraries it used."""
+
+    gpu: str  # canonical catalog name
+    residual_bytes: int  # NVML peak - allocator reserved peak
+    libraries: frozenset[str]
+
+
+@dataclass(frozen=True)
+class OverheadFit:
+    gpu: str
+    context_bytes: int
+    library_bytes: dict[str, int]
+    samples: int
+    spread_bytes: int  # 10th to 90th percentile of the fitted model's residuals: how well one constant fits
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile, q in [0, 1]."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def library_terms(samples: Iterable[OverheadSample]) -> dict[str, int]:
+    """Step 1: the pooled term of every library some GPU type has runs with and without."""
+    by_gpu: dict[str, list[OverheadSample]] = defaultdict(list)
+    for s in samples:
+        by_gpu[s.gpu].append(s)
+    differences: dict[str, list[float]] = defaultdict(list)
+    for runs in by_gpu.values():
+        for lib in set().union(*(s.libraries for s in runs)):
+            with_lib = [s.residual_bytes for s in runs if lib in s.libraries]
+            without = [s.residual_bytes for s in runs if lib not in s.libraries]
+            if with_lib and without:
+                differences[lib].append(statistics.median(with_lib) - statistics.median(without))
+    return {lib: max(0, round(statistics.median(d))) for lib, d in sorted(differences.items())}
+
+
+def fit_overheads(samples: list[OverheadSample], q: float = 0.5) -> dict[str, OverheadFit]:
+    """Steps 1-3 for every GPU type among `samples`."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile must be between 0 and 1, got {q}")
+    terms = library_terms(samples)
+    by_gpu: dict[str, list[OverheadSample]] = defaultdict(list)
+    for s in samples:
+        by_gpu[s.gpu].append(s)
+    fits = {}
+    for gpu, runs in sorted(by_gpu.items()):
+        used = set().union(*(s.libraries for s in runs))
+        own_terms = {lib: terms.get(lib, 0) for lib in sorted(used | set(terms))}  # step 2: unidentified -> 0
+        bases = [s.residual_bytes - sum(own_terms[lib] for lib in s.libraries) for s in runs]
+        context = round(quantile(bases, q))
+        fits[gpu] = OverheadFit(gpu, context, own_terms, len(runs),
+                                round(quantile(bases, 0.9) - quantile(bases, 0.1)))
+    return fits
+
+
+def calibration_toml(fits: dict[str, OverheadFit], provenance: str) -> str:
+    """The text of calibration.toml: one [overhead."<GPU>"] table per fitted type."""
+    lines = ["# Non-allocator overhead per GPU type, fitted by `xmem-slurm calibrate` (xmem/bench/overhead_fit.py).",
+             "# Do not edit by hand: re-run the command in `provenance`.", ""]
+    for fit in fits.values():
+        libraries = ", ".join(f"{lib} = {n}" for lib, n in fit.library_bytes.items())
+        lines += [f'[overhead."{fit.gpu}"]',
+                  f"context_bytes = {fit.context_bytes}",
+                  f"library_bytes = {{ {libraries} }}",
+                  "provenance = " + json.dumps(f"{provenance}; {fit.samples} runs, residual spread p10-p90 "
+                                               f"{fit.spread_bytes / 2**20:.0f} MiB"), ""]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""`xmem-slurm calibrate`: fit the per-GPU-type overhead (context + libraries) from real runs and our estimates.
+
+Owns the command's I/O: reading the measurements and the benchmark's estimates, joining them, printing the fit,
+and writing `xmem/gpus/calibration.toml` (or `--out`). The model and the fit are `xmem.bench.overhead_fit`.
+
+    xmem-slurm calibrate --data benchmarks/data/xmem-dev.jsonl --estimates benchmarks/results/dev/estimates.jsonl
+
+Exit codes: 0 written (or printed with --dry-run), 2 unusable input.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from xmem.bench.overhead_fit import OverheadSample, calibration_toml, fit_overheads
+from xmem.bench.records import BadRecord, Reference, load_references
+from xmem.cli import app
+from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
+from xmem.gpus.catalog import CALIBRATION_PATH
+
+MIB = 1 << 20
+
+
+class CalibrationInputError(ValueError):
+    pass
+
+
+def read_estimates(path: Path) -> dict[str, dict]:
+    """The benchmark's estimate lines by record path."""
+    lines = {}
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        if text.strip():
+            try:
+                line = json.loads(text)
+                lines[line["path"]] = line
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CalibrationInputError(f"{path}:{number}: not an estimates.jsonl line ({e})") from None
+    return lines
+
+
+def allocator_reserved(ref: Reference, line: dict) -> int | None:
+    """The allocator's reserved peak of the run: measured when the record has it, else our simulated one."""
+    if ref.measured_reserved_bytes is not None:
+        return ref.measured_reserved_bytes
+    return line.get("peak_reserved_bytes")
+
+
+def samples_from(refs: list[Reference], estimates: dict[str, dict]) -> list[OverheadSample]:
+    """One sample per run whose NVML peak is a real peak (no real OOM) and whose estimate reached the end."""
+    catalog = load_catalog(calibration_path=None)  # names only: the shipped catalog
+    samples = []
+    for ref in refs:
+        line = estimates.get(ref.path)
+        if ref.real_oom or line is None or line.get("oom") is not False:
+            continue
+        reserved = allocator_reserved(ref, line)
+        if reserved is None:
+            continue
+        gpu = find_gpu(ref.gpu_name, catalog).name
+        samples.append(OverheadSample(gpu, ref.ground_bytes - reserved, frozenset(line.get("libraries", ()))))
+    return samples
+
+
+def show_fits(console: Console, fits) -> None:
+    table = Table(title="Fitted non-allocator overhead per GPU type")
+    for name in ("GPU type", "runs", "context MiB", "library terms MiB", "spread p10-p90 MiB"):
+        table.add_column(name, justify="left" if name == "GPU type" else "right")
+    for fit in fits.values():
+        terms = ", ".join(f"{lib} {n / MIB:.0f}" for lib, n in fit.library_bytes.items())
+        table.add_row(fit.gpu, str(fit.samples), f"{fit.context_bytes / MIB:.0f}", terms,
+                      f"{fit.spread_bytes / MIB:.0f}")
+    console.print(table)
+
+
+@app.command("calibrate")
+def calibrate_command(
+    data: Path = typer.Option(..., "--data", help="Real runs (JSONL: the shared data's or measure_gpu.py's schema)."),
+    estimates: Path = typer.Option(..., "--estimates",
+                                   help="scripts/bench_accuracy.py's estimates.jsonl for the same records."),
+    out: Path = typer.Option(CALIBRATION_PATH, "--out", help="Where to write the calibration TOML."),
+    quantile: float = typer.Option(0.5, "--quantile", min=0.0, max=1.0,
+                                   help="Quantile of the residuals taken as the context (0.5: median)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the fit and the TOML; write nothing."),
+) -> None:
+    """Fit CUDA context + per-library overhead per GPU type from real runs, and write the calibration file."""
+    err = Console(stderr=True)
+    try:
+        samples = samples_from(load_references(data), read_estimates(estimates))
+    except (OSError, BadRecord, CalibrationInputError, UnknownGpuError) as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    if not samples:
+        err.print(f"[red]error:[/] no usable run: {estimates} has no estimate without OOM for a record of {data} "
+                  "without OOM; run scripts/bench_accuracy.py on the same data first")
+        raise typer.Exit(2)
+    fits = fit_overheads(samples, quantile)
+    today = datetime.date.today().isoformat()
+    provenance = (f"fitted on {data} against {estimates} by `xmem-slurm calibrate --data {data} "
+                  f"--estimates {estimates} --quantile {quantile}` on {today}")
+    text = calibration_toml(fits, provenance)
+    show_fits(err, fits)
+    if dry_run:
+        typer.echo(text)
+        return
+    out.write_text(text)
+    err.print(f"wrote {out}")
