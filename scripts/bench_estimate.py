@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Speed and memory of `xmem-slurm estimate` end to end, as a user sees it.
+
+Runs `xmem-slurm estimate --json` as a subprocess (Python start-up, tracing and simulation included) on plain user
+training scripts written to a temporary folder, and reports for each:
+- wall time of the whole command;
+- peak RSS: the largest single process of the estimate (kernel figure, `os.wait4`'s rusage over the process and
+  its reaped children) and the largest sum over the live process tree (parent + children, sampled every 50 ms
+  from /proc);
+- the predicted peak on the H100 and on the A100-80GB.
+
+Cases: (a) GPT-2 124M from config (transformers), batch 8 x 1024, AdamW; (b) a 7B Llama-shaped model
+(hidden 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000), batch 1 x 2048, AdamW.
+Targets: GPT-2 <= 10 s; 7B <= 60 s and <= 2 GiB peak RSS.
+
+    .venv/bin/python scripts/bench_estimate.py [--case gpt2|llama7b] [--iterations N] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+GPT2_SCRIPT = """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config()).cuda()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(10):
+        input_ids = torch.randint(0, 50257, (8, 1024), device="cuda")
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+LLAMA7B_SCRIPT = """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         intermediate_size=11008, vocab_size=32000)
+    device = torch.device("cuda")
+    model = LlamaForCausalLM(config).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for step in range(10):
+        input_ids = torch.randint(0, 32000, (1, 2048), device=device)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+CASES = {
+    "gpt2": (GPT2_SCRIPT, 10.0, None),  # (script, target seconds, target peak RSS bytes)
+    "llama7b": (LLAMA7B_SCRIPT, 60.0, 2 * GIB),
+}
+
+
+@dataclass
+class Run:
+    case: str
+    seconds: float
+    max_process_rss: int
+    max_tree_rss: int
+    returncode: int
+    result: dict
+
+
+def xmem_slurm_command() -> list[str]:
+    """The installed console script beside this interpreter, else `python -m xmem.cli`."""
+    script = Path(sys.executable).with_name("xmem-slurm")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "xmem.cli"]
+
+
+def tree_rss(root: int) -> int:
+    """Sum of VmRSS over `root` and its live descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pid, ppid = int(entry), int(fields.get("PPid", "0").strip() or 0)
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def run_case(case: str, workdir: Path, iterations: int) -> Run:
+    body, _, _ = CASES[case]
+    script = workdir / f"train_{case}.py"
+    script.write_text(textwrap.dedent(body))
+    command = [*xmem_slurm_command(), "estimate", "--json", "--iterations", str(iterations),
+               "--gpu", "h100", "--gpu", "a100-80gb", "--", sys.executable, str(script)]
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak_tree = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak_tree
+        while not done.is_set():
+            peak_tree = max(peak_tree, tree_rss(process.pid))
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out_chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: out_chunks.append(process.stdout.read()), daemon=True)
+    err_chunks: list[bytes] = []
+    err_reader = threading.Thread(target=lambda: err_chunks.append(process.stderr.read()), daemon=True)
+    reader.start()
+    err_reader.start()
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    done.set()
+    reader.join()
+    err_reader.join()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    stdout = b"".join(out_chunks).decode()
+    try:
+        result = json.loads(stdout)
+    except json.JSONDecodeError:
+        result = {"error": "no JSON", "message": stdout[-500:] + b"".join(err_chunks).decode()[-2000:]}
+    return Run(case, seconds, usage.ru_maxrss * 1024, peak_tree, process.returncode, result)
+
+
+def verdict(run: Run) -> str:
+    _, target_s, target_rss = CASES[run.case]
+    ok = run.returncode == 0 and run.seconds <= target_s
+    if target_rss is not None:
+        ok = ok and max(run.max_process_rss, run.max_tree_rss) <= target_rss
+    return "meets target" if ok else "MISSES target"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=sorted(CASES), action="append")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="xmem-bench-"))
+    runs: list[Run] = []
+    try:
+        for case in args.case or list(CASES):
+            for _ in range(args.repeat):
+                runs.append(run_case(case, workdir, args.iterations))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    header = f"{'case':<9} {'wall s':>7} {'max proc RSS':>13} {'max tree RSS':>13} {'peak H100':>10} {'peak A100-80':>12}  verdict"
+    print(header)
+    print("-" * len(header))
+    for run in runs:
+        gpus = run.result.get("gpus", {})
+        h100 = gpus.get("H100-SXM5-80GB", {}).get("peak_bytes")
+        a100 = gpus.get("A100-SXM4-80GB", {}).get("peak_bytes")
+        fmt = lambda b: f"{b / GIB:.2f} GiB" if b is not None else "-"  # noqa: E731
+        print(f"{run.case:<9} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB {run.max_tree_rss / MIB:>9.0f} MiB"
+              f" {fmt(h100):>10} {fmt(a100):>12}  {verdict(run)}")
+        if run.returncode != 0:
+            print(f"  exit {run.returncode}: {run.result.get('error')}: {run.result.get('message')}")
+        elif run.result.get("breakdown"):
+            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(run.result["breakdown"].items(), key=lambda kv: -kv[1]))
+            print(f"  breakdown (GiB) on {run.result.get('breakdown_gpu')}: {parts}")
+    return 0 if all(r.returncode == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The whole pipeline with the real tracer and simulator: a plain user training script, no GPU."""
+
+import json
+import sys
+import textwrap
+
+from xmem.estimate import estimate
+
+SCRIPT = """
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 2000), torch.nn.ReLU(), torch.nn.Linear(2000, 500)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(4):
+        opt.zero_grad()
+        x = torch.randn(32, 1000, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+"""
+PARAM_BYTES = 4 * (1000 * 2000 + 2000 + 2000 * 500 + 500)
+
+
+def test_mlp_adamw_breakdown_has_parameters_gradients_and_adam_states(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    result = estimate([sys.executable, str(script)], gpus=["a100", "h100"], cwd=tmp_path)
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["used_cuda"] and data["iterations"] == 3
+    assert set(data["gpus"]) == {"A100-SXM4-40GB", "H100-SXM5-80GB"}
+    b = data["breakdown"]
+    assert b["parameter"] == PARAM_BYTES
+    assert b["gradient"] == PARAM_BYTES
+    assert b["optimizer_state"] >= 2 * PARAM_BYTES  # exp_avg and exp_avg_sq (+ step counters)
+    assert b["workspace"] >= 8_519_680  # at least one cuBLAS workspace
+    a100 = data["gpus"]["A100-SXM4-40GB"]
+    assert sum(b.values()) == a100["peak_bytes"]
+    assert a100["peak_reserved_bytes"] >= a100["peak_allocated_bytes"] >= 4 * PARAM_BYTES
+    # Hopper's cuBLAS workspaces are 32 MiB instead of 8.125 MiB: never less memory than on the A100.
+    assert data["gpus"]["H100-SXM5-80GB"]["peak_reserved_bytes"] >= a100["peak_reserved_bytes"]
