@@ -69,8 +69,8 @@ local function fault(what)
   return slurm.SUCCESS
 end
 
--- The filter's reply is one flat JSON object: {"set": {name: string...}, "message": string|null,
--- "reject": string|null}. It is read with patterns, not a JSON library, so the values must be plain
+-- The filter's reply is one JSON object: {"set": {name: string...}, "message": string|null,
+-- "reject": string|null, "fault": string|null}. It is read with patterns, not a JSON library, so the values must be plain
 -- strings (the Python side guarantees it: no quotes or backslashes inside them).
 local function reply_field(out, name)
   return string.match(out, '"' .. name .. '"%s*:%s*"([^"\\]*)"')
@@ -105,7 +105,7 @@ function slurm_cli_pre_submit(options, pack_offset)
           ',"user":', json_string(os.getenv("USER")), ',"env":', slurm.json_env() or "{}", '}')
   f:close()
   local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. shquote(XMEM_SLURM) ..
-              " filter < " .. shquote(input) .. " > " .. shquote(output)
+              " filter < " .. shquote(input) .. " > " .. shquote(output) .. " 2>/dev/null"
   local ok, how, code = os.execute(cmd)
   local rf = io.open(output, "r")
   local out = rf and rf:read("*a") or ""
@@ -117,6 +117,8 @@ function slurm_cli_pre_submit(options, pack_offset)
 
   local set = reply_set(out)
   if set == nil then return fault("xmem-slurm filter gave no answer") end
+  local why = reply_field(out, "fault")
+  if why ~= nil then return fault(why) end
   local message = reply_field(out, "message")
   local reject = reply_field(out, "reject")
   if reject ~= nil then

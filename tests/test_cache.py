@@ -1,0 +1,103 @@
+"""The analysis cache: what changes the key, atomic store, eviction, and the estimate slots."""
+
+import os
+import threading
+
+import pytest
+
+from xmem.cache import AnalysisCache, NoSlotFree, cache_key, estimate_slot, relevant_env
+
+BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def key(**overrides):
+    args = dict(script=b"#!/bin/bash\npython train.py\n", script_args=("--lr", "1"), options={"gres": "gpu:1"},
+                env=BASE_ENV, files=(), extra={"config": "abc"})
+    args.update(overrides)
+    return cache_key(**args)
+
+
+def test_same_submission_gives_same_key():
+    assert key() == key()
+
+
+@pytest.mark.parametrize("change", [
+    {"script": b"#!/bin/bash\npython train.py --big\n"},
+    {"script_args": ("--lr", "2")},
+    {"options": {"gres": "gpu:2"}},
+    {"env": {**BASE_ENV, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+    {"env": {**BASE_ENV, "CUDA_VISIBLE_DEVICES": "0,1"}},
+    {"extra": {"config": "def"}},
+])
+def test_anything_the_estimate_depends_on_changes_the_key(change):
+    assert key(**change) != key()
+
+
+def test_unrelated_environment_does_not_change_the_key():
+    assert key(env={**BASE_ENV, "HOME": "/home/other", "TERM": "xterm"}) == key()
+
+
+def test_python_found_on_path_is_part_of_the_environment(tmp_path):
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    python = venv_bin / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    env = {**BASE_ENV, "PATH": f"{venv_bin}:/usr/bin"}
+    assert relevant_env(env)["which python"] == str(python.resolve())
+    assert key(env=env) != key()
+
+
+def test_content_of_files_the_command_runs_is_part_of_the_key(tmp_path):
+    train = tmp_path / "train.py"
+    train.write_text("model = 1\n")
+    before = key(files=(train,))
+    train.write_text("model = 2\n")
+    assert key(files=(train,)) != before
+
+
+def test_put_then_get_roundtrips(tmp_path):
+    cache = AnalysisCache(tmp_path / "c")
+    assert cache.get("k") is None
+    cache.put("k", {"peaks": {"a100": 123}})
+    assert cache.get("k") == {"peaks": {"a100": 123}}
+    assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_corrupt_entry_reads_as_miss(tmp_path):
+    cache = AnalysisCache(tmp_path)
+    (tmp_path / "k.json").write_text('{"peaks": ')
+    assert cache.get("k") is None
+
+
+def test_least_recently_used_entries_are_evicted(tmp_path):
+    cache = AnalysisCache(tmp_path, max_entries=2)
+    cache.put("old", {"n": 1})
+    cache.put("mid", {"n": 2})
+    os.utime(tmp_path / "old.json", (1, 1))
+    os.utime(tmp_path / "mid.json", (2, 2))
+    cache.put("new", {"n": 3})
+    assert cache.get("old") is None
+    assert cache.get("mid") == {"n": 2} and cache.get("new") == {"n": 3}
+
+
+def test_concurrent_writers_leave_a_whole_value(tmp_path):
+    cache = AnalysisCache(tmp_path)
+    value = {"peaks": {f"gpu{i}": i for i in range(2000)}}
+    threads = [threading.Thread(target=cache.put, args=("k", value)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.get("k") == value
+
+
+def test_slots_cap_concurrent_estimates(tmp_path):
+    with estimate_slot(tmp_path, 2, wait_s=0) as first:
+        with estimate_slot(tmp_path, 2, wait_s=0) as second:
+            assert {first, second} == {0, 1}
+            with pytest.raises(NoSlotFree):
+                with estimate_slot(tmp_path, 2, wait_s=0.3):
+                    pass
+    with estimate_slot(tmp_path, 2, wait_s=0) as again:  # released on exit
+        assert again == 0

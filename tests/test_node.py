@@ -1,0 +1,141 @@
+"""Node side: the job stamp, the TaskProlog's exports (MPS memory limit) and the Epilog's record."""
+
+import json
+import os
+
+from xmem.slurm.node import (
+    JobStamp,
+    add_to_comment,
+    epilog_record,
+    exit_code_of,
+    mps_memory_limit,
+    prolog_exports,
+    read_measure_file,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+STAMP = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:40", action="rewrite")
+
+
+def no_comment(job_id):
+    raise AssertionError("scontrol must not be asked when the environment has the stamp")
+
+
+def test_stamp_roundtrips_through_env_and_comment():
+    assert JobStamp.from_env(STAMP.env()) == STAMP
+    assert JobStamp.from_comment(STAMP.comment()) == STAMP
+    assert STAMP.comment() == f"xmem:peak={7 * GIB};need={8 * GIB};type=a100;req=mps:40;act=rewrite"
+
+
+def test_stamp_values_never_break_sbatch_export_lists():
+    stamp = JobStamp(request="gpu:a100:1,mps:10")
+    assert stamp.env() == {"XMEM_REQUEST": "gpu:a100:1+mps:10"}
+
+
+def test_comment_keeps_the_users_text_and_replaces_an_old_stamp():
+    assert add_to_comment(None, STAMP) == STAMP.comment()
+    assert add_to_comment("my run", STAMP) == "my run " + STAMP.comment()
+    assert add_to_comment("my run xmem:peak=1;req=gpu:1", STAMP) == "my run " + STAMP.comment()
+    assert JobStamp.from_comment("my run " + STAMP.comment()) == STAMP
+
+
+def test_mps_limit_is_the_estimate_with_margin():
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40", "CUDA_VISIBLE_DEVICES": "1"}
+    # 8 GiB needed, the 40 % share of a 40 GiB GPU is 16 GiB: the need wins, 8192 MiB on the client's device 0
+    assert mps_memory_limit(env, STAMP, 40 * GIB) == "0=8192M"
+
+
+def test_mps_limit_never_exceeds_the_share():
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10", "CUDA_VISIBLE_DEVICES": "0"}
+    # 10 % of 40 GiB = 4 GiB = 4096 MiB, below the 8 GiB the job would need
+    assert mps_memory_limit(env, STAMP, 40 * GIB) == "0=4096M"
+
+
+def test_mps_limit_rounds_up_to_whole_mib_and_covers_every_visible_device():
+    stamp = JobStamp(needed_bytes=100 * MIB + 1)
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert mps_memory_limit(env, stamp, None) == "0=101M,1=101M"
+
+
+def test_no_mps_limit_for_a_job_without_mps():
+    assert mps_memory_limit({"CUDA_VISIBLE_DEVICES": "0"}, STAMP, 40 * GIB) is None
+
+
+def test_prolog_exports_the_stamp_the_measure_file_and_the_mps_limit():
+    env = {"SLURM_JOB_ID": "42", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40", "CUDA_VISIBLE_DEVICES": "0",
+           **STAMP.env()}
+    exports = dict(prolog_exports(env, total_bytes_of=lambda t: 40 * GIB if t == "a100" else None,
+                                  measure_dir="/var/tmp/m", comment_of=no_comment))
+    assert exports == {**STAMP.env(), "XMEM_MEASURE_FILE": "/var/tmp/m/xmem-measure-42.json",
+                       "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M"}
+
+
+def test_prolog_reads_the_comment_when_the_job_exported_nothing():
+    asked = []
+
+    def comment_of(job_id):
+        asked.append(job_id)
+        return "note " + STAMP.comment()
+
+    exports = dict(prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
+                                  comment_of=comment_of))
+    assert asked == ["7"] and exports == STAMP.env()
+
+
+def test_prolog_exports_nothing_for_a_job_xmem_never_saw():
+    assert prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir="/m",
+                          comment_of=lambda j: "plain comment") == []
+
+
+def test_measure_file_forms(tmp_path):
+    bare, obj, junk = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    bare.write_text("123456\n")
+    obj.write_text(json.dumps({"peak_bytes": 2 * GIB, "device": "cuda:0"}))
+    junk.write_text("not a number")
+    assert read_measure_file(str(bare)) == 123456
+    assert read_measure_file(str(obj)) == 2 * GIB
+    assert read_measure_file(str(junk)) is None
+    assert read_measure_file(str(tmp_path / "missing")) is None
+
+
+def test_measure_file_symlink_is_refused(tmp_path):
+    target = tmp_path / "secret"
+    target.write_text("99")
+    (tmp_path / "link").symlink_to(target)
+    assert read_measure_file(str(tmp_path / "link")) is None
+
+
+def test_exit_code_from_slurm_variables():
+    assert exit_code_of({"SLURM_JOB_EXIT_CODE2": "3:0", "SLURM_JOB_EXIT_CODE": "768"}) == 3
+    assert exit_code_of({"SLURM_JOB_EXIT_CODE2": "0:9"}) == 137
+    assert exit_code_of({"SLURM_JOB_EXIT_CODE": "256"}) == 1
+    assert exit_code_of({}) is None
+
+
+def test_epilog_record_from_comment_and_measure_file(tmp_path):
+    (tmp_path / "xmem-measure-42.json").write_text(json.dumps({"peak_bytes": 6 * GIB}))
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_USER": "ann", "SLURM_JOB_COMMENT": "x " + STAMP.comment(),
+           "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_GPUS": "0"}
+    record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None, now=lambda: 5.0)
+    assert record.to_json() == {"job_id": "42", "user": "ann", "gpu_type": "a100", "gres": "mps:40",
+                                "estimate_bytes": 7 * GIB, "needed_bytes": 8 * GIB, "exit_code": 0,
+                                "measured_bytes": 6 * GIB, "measured_by": "file", "ended_at": 5.0}
+    assert not os.path.exists(tmp_path / "xmem-measure-42.json")
+
+
+def test_epilog_falls_back_to_nvml_on_the_jobs_gpus(tmp_path):
+    seen = []
+
+    def nvml(gpus, since):
+        seen.append(gpus)
+        return 3 * GIB
+
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_COMMENT": STAMP.comment(), "SLURM_JOB_GPUS": "1,3"}
+    record = epilog_record(env, measure_dir=str(tmp_path), nvml=nvml)
+    assert seen == [[1, 3]] and (record.measured_bytes, record.measured_by) == (3 * GIB, "nvml")
+
+
+def test_epilog_records_nothing_for_a_job_with_no_estimate_and_no_measurement(tmp_path):
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_COMMENT": "plain", "SLURM_JOB_GPUS": "0"}
+    assert epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None) is None

@@ -1,0 +1,161 @@
+"""Slurm glue commands: `filter` (for cli_filter.lua), `prolog` (TaskProlog), `epilog` (Epilog), `report`.
+
+Owns only the I/O: reading stdin and the environment, printing, exit codes, the site config's path. The logic
+is in xmem.slurm.filter, xmem.slurm.node and xmem.slurm.store. Nothing heavy is imported at module level:
+sbatch waits on `filter`, and a cached resubmission must stay well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Optional
+
+import typer
+
+from xmem.cli import app
+
+ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
+
+
+def _config_path(explicit: Optional[str]) -> Optional[str]:
+    """The config file the loader will use, for the cache key (None: built-in defaults)."""
+    for candidate in (explicit, os.environ.get("XMEM_CONFIG"), "/etc/xmem/xmem.toml"):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _load_config(explicit: Optional[str]) -> Any:
+    from xmem.config import load_site_config
+
+    return load_site_config(explicit)
+
+
+def _emit(reply: dict) -> None:
+    sys.stdout.write(json.dumps(reply, ensure_ascii=True) + "\n")
+    sys.stdout.flush()
+
+
+@app.command("filter")
+def filter_command(
+    failure_mode: bool = typer.Option(False, "--failure-mode", help="Print the site's failure mode (open|closed)."),
+    config: Optional[str] = ConfigOption,
+) -> None:
+    """For slurm/cli_filter.lua: read one submission as JSON on stdin, print what to change as JSON on stdout.
+
+    The contract is in slurm/README.md. Exits 0 whenever it printed a reply, a refusal included."""
+    from xmem.slurm.filter import FilterReply, FilterRequest, run_filter
+
+    try:
+        site = _load_config(config)
+    except Exception as e:  # the failure mode itself is unknown: let the Lua side apply its default
+        if failure_mode:
+            raise typer.Exit(3)
+        _emit(FilterReply(fault=f"site config: {e}").to_json())
+        return
+    if failure_mode:
+        typer.echo(site.failure)
+        return
+    try:
+        request = FilterRequest.from_json(json.load(sys.stdin))
+    except (ValueError, TypeError) as e:
+        _emit(FilterReply(fault=f"bad filter input: {e}").to_json())
+        return
+    try:
+        reply = run_filter(request, site, config_path=_config_path(config))
+    except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
+        from xmem.slurm.filter import failure_reply
+
+        reply = failure_reply(f"internal error: {type(e).__name__}: {e}", request, site.failure)
+    _emit(reply.to_json())
+
+
+def _gpu_total_bytes(config: Any) -> Any:
+    def total(gpu_type: str) -> Optional[int]:
+        try:
+            from xmem.gpus import find_gpu, load_catalog
+
+            overrides = getattr(config, "catalog_overrides", None) if config is not None else None
+            return find_gpu(gpu_type, load_catalog(overrides or None)).total_bytes
+        except Exception:
+            return None
+    return total
+
+
+@app.command("prolog")
+def prolog_command(
+    measure_dir: Optional[str] = typer.Option(None, "--measure-dir", envvar="XMEM_MEASURE_DIR",
+                                              help="Where jobs leave their measured peak (XMEM_MEASURE_FILE)."),
+    config: Optional[str] = ConfigOption,
+) -> None:
+    """For TaskProlog: print `export NAME=value` lines (estimate, MPS memory limit). Never fails the task."""
+    try:
+        from xmem.slurm.node import prolog_exports
+
+        try:
+            site = _load_config(config)
+        except Exception:
+            site = None
+        for name, value in prolog_exports(os.environ, total_bytes_of=_gpu_total_bytes(site),
+                                          measure_dir=measure_dir):
+            print(f"export {name}={value}")
+    except Exception as e:
+        print(f"xmem-slurm prolog: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+@app.command("epilog")
+def epilog_command(
+    store: str = typer.Option(os.environ.get("XMEM_STORE", "/var/lib/xmem/records.jsonl"), "--store",
+                              help="The JSONL store of job records."),
+    measure_dir: Optional[str] = typer.Option(None, "--measure-dir", envvar="XMEM_MEASURE_DIR",
+                                              help="Where jobs leave their measured peak (XMEM_MEASURE_FILE)."),
+) -> None:
+    """For Epilog (root, on the node): append the finished job's record to the store."""
+    from xmem.slurm.node import epilog_record
+    from xmem.slurm.store import append_record
+
+    try:
+        record = epilog_record(os.environ, measure_dir=measure_dir)
+        if record is not None:
+            append_record(store, record)
+    except Exception as e:
+        print(f"xmem-slurm epilog: job {os.environ.get('SLURM_JOB_ID')}: {type(e).__name__}: {e}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+@app.command("report")
+def report_command(
+    store: str = typer.Option(os.environ.get("XMEM_STORE", "/var/lib/xmem/records.jsonl"), "--store",
+                              help="The JSONL store the epilog writes."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Estimate against measured peak, per GPU type, from the epilog's records."""
+    import dataclasses
+
+    from xmem.slurm.store import read_records, summarize
+
+    if not os.path.exists(store):
+        typer.echo(f"error: no record store at {store} (set --store or $XMEM_STORE)", err=True)
+        raise typer.Exit(2)
+    records = read_records(store)
+    summaries = summarize(records)
+    if as_json:
+        typer.echo(json.dumps({"store": store, "records": len(records),
+                               "gpu_types": [dataclasses.asdict(s) for s in summaries]}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(x: Optional[float]) -> str:
+        return "-" if x is None else f"{100 * x:.1f} %"
+
+    table = Table(title=f"xmem-slurm: estimate vs measured peak ({len(records)} jobs, {store})")
+    for column in ("GPU type", "jobs", "measured", "median |err|", "p90 |err|", "mean err", "under-est.",
+                   "over request"):
+        table.add_column(column, justify="left" if column == "GPU type" else "right")
+    for s in summaries:
+        table.add_row(s.gpu_type, str(s.jobs), str(s.measured), pct(s.median_abs_rel_error),
+                      pct(s.p90_abs_rel_error), pct(s.mean_rel_error), str(s.underestimates), str(s.over_request))
+    Console().print(table)

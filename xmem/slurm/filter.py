@@ -1,0 +1,340 @@
+"""`xmem-slurm filter`: the Python side of slurm/cli_filter.lua, run by sbatch as the submitting user.
+
+Owns the I/O contract with the Lua side (documented in slurm/README.md), turning a job analysis into the sbatch
+options to set (`gres`/`gpus`, `comment` carrying the estimate, `export` carrying it to the TaskProlog), the
+one line the user sees, and the site's fail-open / fail-closed rule. Analyses are cached (xmem.cache), so an
+unchanged resubmission skips the estimate. Parsing the script, the estimate and the policy belong to
+xmem.jobscript, xmem.analyze and xmem.policy; nothing here second-guesses them.
+
+Contract, in:  {"script": abs path | null, "argv": [...], "options": {long option: value, as
+                slurm.json_cli_options gives them}, "user": str | null, "env": {name: value}}
+         out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null}
+`fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
+its install-time default). Every string in the reply is plain: no quotes, backslashes or control characters,
+so the Lua side can read it without a JSON library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xmem.cache import AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest
+from xmem.slurm.node import JobStamp, add_to_comment
+
+GIB = 1 << 30
+# sbatch options that say nothing about the job's GPU memory: left out of the cache key.
+OPTIONS_NOT_IN_KEY = frozenset({
+    "argv", "output", "error", "input", "job-name", "parsable", "wait", "quiet", "verbose", "comment", "export",
+    "mail-type", "mail-user", "open-mode", "begin", "hold", "dependency", "spank", "spank_job_env", "wrap",
+})
+# What the analysis needs from sbatch's options (everything else is the batch script's business).
+ANALYSIS_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task", "partition", "constraint", "account",
+                    "nodes", "ntasks", "ntasks-per-node", "chdir")
+
+
+@dataclass(frozen=True)
+class FilterRequest:
+    """What the Lua side sends for one submission."""
+
+    script: str | None
+    argv: tuple[str, ...] = ()
+    options: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FilterRequest:
+        if not isinstance(data, Mapping):
+            raise ValueError("filter input must be a JSON object")
+        options = {str(k): _option_text(v) for k, v in (data.get("options") or {}).items()}
+        return cls(script=data.get("script") or None, argv=tuple(str(a) for a in data.get("argv") or ()),
+                   options=options, user=data.get("user") or None,
+                   env={str(k): str(v) for k, v in (data.get("env") or {}).items()})
+
+    @property
+    def script_args(self) -> tuple[str, ...]:
+        return self.argv[1:] if self.script else ()
+
+    def cli_options(self) -> dict[str, str]:
+        """The options the analysis needs, as a user would have typed them: 22.05 reads `gres` back with a
+        `gres:` prefix (and repeats it per item), which is stripped here."""
+        picked = {k: self.options[k] for k in ANALYSIS_OPTIONS if self.options.get(k)}
+        if "gres" in picked:
+            picked["gres"] = ",".join(item.removeprefix("gres:") for item in picked["gres"].split(","))
+        return picked
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class FilterReply:
+    set: Mapping[str, str] = field(default_factory=dict)
+    message: str | None = None
+    reject: str | None = None
+    fault: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"set": {k: plain(v) for k, v in self.set.items()}, "message": plain(self.message),
+                "reject": plain(self.reject), "fault": plain(self.fault)}
+
+
+def plain(text: str | None) -> str | None:
+    """A string the Lua side can read with a pattern: one line, no double quotes or backslashes."""
+    if text is None:
+        return None
+    text = re.sub(r"[\x00-\x1f\x7f]+", " ", str(text)).replace('"', "'").replace("\\", "/")
+    return text.strip()
+
+
+# --- the analysis, cached -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the filter keeps of `xmem.analyze.JobAnalysis`: plain data, cached as JSON."""
+
+    decision: Mapping[str, Any] | None  # xmem.policy.Decision as a dict
+    peaks: Mapping[str, int] = field(default_factory=dict)
+    errors: tuple[str, ...] = ()
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"decision": dict(self.decision) if self.decision else None, "peaks": dict(self.peaks),
+                "errors": list(self.errors)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Analysis:
+        return cls(decision=data.get("decision"), peaks=data.get("peaks") or {},
+                   errors=tuple(data.get("errors") or ()), cached=cached)
+
+
+def analysis_from_job(job_analysis: Any) -> Analysis:
+    """Plain data from an `xmem.analyze.JobAnalysis`."""
+    decision = job_analysis.decision
+    if decision is not None and dataclasses.is_dataclass(decision):
+        decision = dataclasses.asdict(decision)
+    return Analysis(decision=decision, peaks={k: int(v) for k, v in (job_analysis.peaks or {}).items()},
+                    errors=tuple(_error_text(e) for e in job_analysis.errors or ()))
+
+
+def _error_text(error: Any) -> str:
+    kind, message = getattr(error, "kind", None), getattr(error, "message", None)
+    if kind and message:
+        return f"{kind}: {message}"
+    return str(error)
+
+
+def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
+    """Run the real analysis (parse, estimate, policy). Imported here: torch loads only on a cache miss."""
+    from xmem.analyze import analyze_job
+
+    try:
+        job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
+                                   config=config, env=dict(request.env) or None, user=request.user)
+    except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
+        return Analysis(decision=None, errors=(_error_text(e),))
+    return analysis_from_job(job_analysis)
+
+
+def command_files(script: str, request: FilterRequest) -> list[str]:
+    """Files the job's training commands name (train.py, a config...): their bytes belong in the cache key.
+    Uses the (cheap) batch-script parser; an unparseable script simply adds nothing."""
+    try:
+        from xmem.jobscript import parse_jobscript
+
+        job = parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                              script_args=list(request.script_args), submit_cwd=request.env.get("PWD"),
+                              cli_options=request.cli_options())
+    except Exception:
+        return []
+    files = []
+    for command in job.commands:
+        cwd = command.cwd or request.env.get("PWD") or os.path.dirname(script)
+        for arg in command.argv[1:]:
+            path = os.path.join(cwd, arg)
+            if os.path.isfile(path):
+                files.append(os.path.realpath(path))
+    return files
+
+
+def key_for(script: str, request: FilterRequest, config_digest: str) -> str:
+    options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
+    return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
+                     env=request.env, files=command_files(script, request),
+                     extra={"config": config_digest, "user": request.user or ""})
+
+
+def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
+                    config_digest: str, analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
+                    slots: Callable[[], contextlib.AbstractContextManager] | None = None) -> Analysis:
+    """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
+    Failures are not cached: the next submission tries again (the cause may have been transient)."""
+    key = key_for(script, request, config_digest)
+    hit = cache.get(key)
+    if hit is not None:
+        return Analysis.from_json(hit, cached=True)
+    with slots() if slots else contextlib.nullcontext():
+        analysis = analyzer(script, request, config)
+    if analysis.decision is not None and not analysis.errors:
+        cache.put(key, analysis.to_json())
+    return analysis
+
+
+# --- from analysis to reply ------------------------------------------------------------------------------------
+
+def gib(n: int | None) -> str:
+    return f"{n / GIB:.1f} GiB" if n is not None else "?"
+
+
+def user_request(options: Mapping[str, str]) -> str | None:
+    """The GPU request as it stands (gres read back without its `gres:` prefixes, or --gpus)."""
+    if options.get("gres"):
+        return ",".join(item.removeprefix("gres:") for item in options["gres"].split(","))
+    if options.get("gpus"):
+        return "gpus=" + options["gpus"]
+    return None
+
+
+def with_exports(export: str | None, variables: Mapping[str, str]) -> str | None:
+    """The --export value carrying `variables` to the job, or None to leave --export alone: `NONE` is the
+    user's explicit choice (the TaskProlog then reads the comment instead). Older XMEM_* entries are replaced."""
+    current = (export or "ALL").strip()
+    if current.upper() == "NONE" or current.upper().startswith("NONE,"):
+        return None
+    kept = [item for item in current.split(",") if item and not item.startswith("XMEM_")]
+    return ",".join(kept + [f"{k}={v}" for k, v in variables.items()])
+
+
+def stamp_for(analysis: Analysis, request_text: str | None) -> JobStamp:
+    d = analysis.decision or {}
+    gpu_type = d.get("gpu_type")
+    return JobStamp(peak_bytes=analysis.peaks.get(gpu_type) if gpu_type else None,
+                    needed_bytes=d.get("needed_bytes"), gpu_type=gpu_type, request=request_text,
+                    action=d.get("action"))
+
+
+def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> FilterReply:
+    """The options to set and the user's line, from the analysis and the site's failure mode."""
+    if analysis.decision is None or analysis.errors:
+        return failure_reply("; ".join(analysis.errors) or "no decision", request, failure)
+    d = analysis.decision
+    action, reason = d.get("action"), d.get("reason") or ""
+    cached = " (cached estimate)" if analysis.cached else ""
+    if action == "none":
+        return FilterReply()  # no GPU wanted: the job is not ours to touch
+    if action == "excluded":
+        return FilterReply(message=f"{reason}; submitted unchanged")
+    if action == "no_fit":
+        return FilterReply(message=f"warning: {reason}; submitted unchanged{cached}")
+    options: dict[str, str] = {}
+    if action == "rewrite":
+        options.update(rewrite_options(d, request.options))
+        request_text = d.get("gres") or (f"gpus={d['gpus']}" if d.get("gpus") else None)
+        line = f"{reason} -> {describe_request(d)}{cached}"
+    else:  # keep: the user's explicit request stands; the estimate still travels with the job
+        request_text = user_request(request.options)
+        line = f"{reason}; keeping {request_text}{cached}"
+    stamp = stamp_for(analysis, request_text)
+    options["comment"] = add_to_comment(request.options.get("comment"), stamp)
+    export = with_exports(request.options.get("export"), stamp.env())
+    if export is not None:
+        options["export"] = export
+    return FilterReply(set=options, message=line)
+
+
+def rewrite_options(decision: Mapping[str, Any], current: Mapping[str, str]) -> dict[str, str]:
+    """gres or gpus, whichever the decision uses. The other is not cleared: sbatch cannot unset an option from
+    cli_filter, so a decision in the other form than the user's request would double it; the policy answers in
+    the user's form, and a --gpus decision on a --gres job is refused by sbatch rather than silently doubled."""
+    if decision.get("gres"):
+        return {"gres": decision["gres"]}
+    if decision.get("gpus"):
+        return {"gpus": decision["gpus"]}
+    return {}
+
+
+def describe_request(decision: Mapping[str, Any]) -> str:
+    if decision.get("gres"):
+        return f"--gres={decision['gres']}"
+    if decision.get("gpus"):
+        return f"--gpus={decision['gpus']}"
+    return "no change"
+
+
+def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply:
+    what = f"cannot estimate this job's GPU memory ({why})"
+    if failure == "closed":
+        target = request.script or "the script"
+        return FilterReply(reject=f"{what}. This site requires an estimate: job refused. "
+                                  f"Run `xmem-slurm check {target}` to see why.")
+    return FilterReply(message=f"{what}; submitted unchanged")
+
+
+# --- the whole filter ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
+    """The batch script's path; for `sbatch --wrap CMD`, a temporary script holding CMD as sbatch builds it."""
+    if request.script:
+        yield request.script
+        return
+    if not request.options.get("wrap"):
+        yield None
+        return
+    fd, path = tempfile.mkstemp(prefix="xmem-wrap-", suffix=".sh")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("#!/bin/sh\n# This script was created by sbatch --wrap.\n\n" + request.options["wrap"] + "\n")
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def wants_gpu_cheaply(script: str, request: FilterRequest) -> bool:
+    """Whether the job asks for a GPU, from the parser alone (no estimate for CPU jobs). True if unsure."""
+    try:
+        from xmem.jobscript import parse_jobscript
+
+        job = parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                              script_args=list(request.script_args), cli_options=request.cli_options())
+        return bool(job.directives.wants_gpu)
+    except Exception:
+        return True
+
+
+def config_digest(config_path: str | None) -> str:
+    return file_digest(config_path) if config_path else ""
+
+
+def run_filter(request: FilterRequest, config: Any, *, config_path: str | None = None,
+               analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze) -> FilterReply:
+    """One submission, start to reply."""
+    failure = config.failure
+    estimate = config.estimate
+    cache = AnalysisCache(estimate.cache_dir or "~/.cache/xmem-slurm/estimates")
+
+    def slots() -> contextlib.AbstractContextManager:
+        return estimate_slot(cache.directory, estimate.max_concurrent, wait_s=float(estimate.timeout_s))
+
+    with wrapped_script(request) as script:
+        if script is None or not wants_gpu_cheaply(script, request):
+            return FilterReply()
+        try:
+            analysis = cached_analysis(script, request, config, cache=cache,
+                                       config_digest=config_digest(config_path), analyzer=analyzer, slots=slots)
+        except NoSlotFree as e:
+            return failure_reply(str(e), request, failure)
+        except OSError as e:
+            return failure_reply(f"cannot read {e.filename}: {e.strerror}", request, failure)
+    return reply_for(analysis, request, failure)
