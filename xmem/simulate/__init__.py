@@ -1,0 +1,15 @@
+"""The simulate stage: replay a GPU-side alloc/free sequence through a model of PyTorch's CUDA caching allocator.
+
+    from xmem.simulate import ALLOC, FREE, EMPTY_CACHE, AllocatorConfig, simulate
+    result = simulate(ops, AllocatorConfig.from_environ(job_env), capacity=device_bytes)
+
+`config.py` parses the allocator settings, `allocator.py` holds the rules (named as in
+c10/cuda/CUDACachingAllocator.cpp), `replay.py` drives a sequence through them and `result.py` holds what comes
+out. Everything here is pure: no I/O, no torch.
+"""
+
+from xmem.simulate.config import AllocatorConfig
+from xmem.simulate.replay import ALLOC, EMPTY_CACHE, FREE, simulate
+from xmem.simulate.result import OomInfo, SimResult
+
+__all__ = ["ALLOC", "EMPTY_CACHE", "FREE", "AllocatorConfig", "OomInfo", "SimResult", "simulate"]

@@ -1,0 +1,529 @@
+"""A replay model of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`, torch 2.13/2.14).
+
+Owns: the allocator's records (`Block`, `BlockPool`, `AllocParams`, `ExpandableSegment`) and its decisions, one
+function per upstream rule and under upstream's name: `round_size`, `get_pool`, `get_allocation_size`,
+`get_free_block`, `should_split`, `alloc_found_block`, `free_block`, `try_merge_blocks`, `alloc_block`,
+`release_block`, `release_available_cached_blocks`, `release_cached_blocks`, `garbage_collect_cached_blocks`,
+`malloc`, `free`, `empty_cache`, and for expandable segments `find_expandable_block`,
+`try_allocate_expandable_block`, `map_block`, `unmap_block`. The rules are re-stated from reading upstream (see
+shared/notes/torch-allocator.md, Part A), not copied.
+
+What is not modelled, on purpose:
+- `record_stream` / cross-stream uses: a freed block goes back to its pool at once (no deferred `free_block`, no
+  CUDA events); `trigger_free_memory_callbacks` has nothing registered in a replay.
+- CUDA graphs and MemPools (private pools), IPC, `release_lock_on_cudamalloc`, `cudaMallocAsync`.
+- Several devices: one `DeviceCachingAllocator` is one device.
+
+Model choices where upstream depends on the real device:
+- Addresses: every cudaMalloc (and every expandable segment's address reservation) gets a fresh, increasing
+  virtual address, so segments never touch, as with the driver.
+- `capacity` stands for what cudaMalloc / cuMemCreate can still obtain: an allocation fails when reserved + new
+  bytes would exceed it. A memory fraction is taken of `capacity` (upstream: of the device total), and is
+  inactive when `capacity` is None; garbage collection, which needs the fraction, is then inactive too.
+- An expandable segment reserves 1.125 x capacity of address space (upstream: 1.125 x device total).
+- Streams are kept in the order the replay first meets them (upstream orders them by handle value; the order
+  matters only to `release_available_cached_blocks` when it backs up across streams).
+
+Must not: do I/O or import torch; it is pure and deterministic.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+from xmem.simulate.config import AllocatorConfig, MiB
+
+kMinBlockSize = 512  # c10/core/AllocatorConfig.h: all sizes are rounded to at least 512 bytes
+kSmallSize = 1 * MiB  # c10/core/AllocatorConfig.h: largest "small" allocation is 1 MiB
+kSmallBuffer = 2 * MiB  # c10/core/AllocatorConfig.h: "small" allocations are packed in 2 MiB blocks
+kLargeBuffer = 20 * MiB  # CUDACachingAllocator.cpp: allocations between 1 and 10 MiB use 20 MiB (default)
+kMinLargeAlloc = 10 * MiB  # c10/core/AllocatorConfig.h: allocations of 10 MiB or more get their own segment
+kRoundLarge = 2 * MiB  # c10/core/AllocatorConfig.h: round up large allocations to 2 MiB
+
+_SIZE_MAX = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size when unset
+_ADDRESS_SPACE_UNLIMITED = 1 << 48  # expandable address reservation when capacity is unknown
+_FIRST_ADDRESS = 1 << 32
+
+
+def _key(stream: int, size: int, ptr: int) -> int:
+    """BlockComparatorSize as one integer: order by stream, then size, then address."""
+    return (stream << 128) | (size << 64) | ptr
+
+
+class Block:
+    """A piece of a segment, allocated or free; `prev`/`next` link the pieces of one segment in address order."""
+
+    __slots__ = ("stream", "size", "ptr", "pool", "prev", "next", "allocated", "mapped", "segment",
+                 "gc_count_base")
+
+    def __init__(self, stream: int, size: int, ptr: int, pool: BlockPool,
+                 segment: ExpandableSegment | None = None, mapped: bool = True) -> None:
+        self.stream = stream
+        self.size = size
+        self.ptr = ptr
+        self.pool = pool
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.allocated = False
+        self.mapped = mapped
+        self.segment = segment  # the expandable segment this block lives in (Block::expandable_segment_)
+        self.gc_count_base = 0
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def splice(self, before: Block | None, after: Block | None) -> None:
+        """Block::splice: link this block between `before` and `after`."""
+        if before is not None:
+            before.next = self
+        self.prev = before
+        if after is not None:
+            after.prev = self
+        self.next = after
+
+
+class BlockPool:
+    """The free blocks of one pool (small or large), all streams, best-fit ordered by (stream, size, ptr)."""
+
+    __slots__ = ("is_small", "keys", "blocks", "unmapped", "get_free_blocks_call_count")
+
+    def __init__(self, is_small: bool) -> None:
+        self.is_small = is_small
+        self.keys: list[int] = []  # sorted _key()s of the free mapped blocks (the upstream std::set)
+        self.blocks: dict[int, Block] = {}
+        self.unmapped: set[Block] = set()  # unmapped ranges of expandable segments
+        self.get_free_blocks_call_count = 0  # the clock of garbage collection ages
+
+    def insert_into_blocks(self, block: Block) -> None:
+        """BlockPool::insert_into_blocks: a block enters the pool and its gc age restarts."""
+        block.gc_count_base = self.get_free_blocks_call_count
+        key = _key(block.stream, block.size, block.ptr)
+        insort(self.keys, key)
+        self.blocks[key] = block
+
+    def erase(self, block: Block) -> None:
+        key = _key(block.stream, block.size, block.ptr)
+        del self.keys[bisect_left(self.keys, key)]
+        del self.blocks[key]
+
+
+class AllocParams:
+    """One malloc request in flight (upstream AllocParams): rounded size, stream, pool, segment size, result."""
+
+    __slots__ = ("size", "stream", "pool", "alloc_size", "block")
+
+    def __init__(self, size: int, stream: int, pool: BlockPool, alloc_size: int) -> None:
+        self.size = size
+        self.stream = stream
+        self.pool = pool
+        self.alloc_size = alloc_size
+        self.block: Block | None = None
+
+
+class ExpandableSegment:
+    """An address range reserved once (cuMemAddressReserve) and backed page by page (cuMemCreate + cuMemMap)."""
+
+    __slots__ = ("ptr", "size", "page_size", "stream", "mapped_pages")
+
+    def __init__(self, ptr: int, address_space: int, page_size: int, stream: int) -> None:
+        self.ptr = ptr
+        self.page_size = page_size
+        self.size = -(-address_space // page_size) * page_size
+        self.stream = stream
+        self.mapped_pages: set[int] = set()
+
+    def pages_to_map(self, ptr: int, size: int) -> range:
+        """ExpandableSegment::map: every page the range touches."""
+        begin = (ptr - self.ptr) // self.page_size
+        end = -(-(ptr + size - self.ptr) // self.page_size)
+        return range(begin, end)
+
+    def pages_to_unmap(self, ptr: int, size: int) -> range:
+        """ExpandableSegment::unmap: only the pages the range covers entirely."""
+        begin = -(-(ptr - self.ptr) // self.page_size)
+        end = (ptr + size - self.ptr) // self.page_size
+        return range(begin, max(begin, end))
+
+
+def roundup_power2_divisions(size: int, divisions: tuple[int, ...]) -> int:
+    """AcceleratorAllocatorConfig::roundup_power2_divisions: the divisions of size's power-of-2 interval."""
+    if not divisions:
+        return 0
+    index = max(size.bit_length() - 1 - 20, 0)  # intervals start at 1 MiB = 2**20
+    return divisions[min(index, len(divisions) - 1)]
+
+
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """CUDACachingAllocator.cpp roundup_power2_next_division: next of `divisions` steps between powers of 2."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    power2_division = power2_floor >> (divisions.bit_length() - 1)
+    if power2_division == 0:
+        return power2_floor << 1
+    round_size_floor = size & ~(power2_division - 1)
+    return size if round_size_floor == size else round_size_floor + power2_division
+
+
+def round_size(size: int, divisions: tuple[int, ...] = ()) -> int:
+    """DeviceCachingAllocator::round_size: at least 512 B, then 512-B steps or power-of-2 divisions."""
+    if size < kMinBlockSize:
+        return kMinBlockSize
+    division = roundup_power2_divisions(size, divisions)
+    if division > 1 and size > kMinBlockSize * division:
+        return roundup_power2_next_division(size, division)
+    return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
+
+
+def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> int:
+    """DeviceCachingAllocator::get_allocation_size: the cudaMalloc size for a rounded request."""
+    if size <= kSmallSize:
+        return kSmallBuffer
+    if size < kMinLargeAlloc:
+        return large_segment_size
+    return kRoundLarge * ((size + kRoundLarge - 1) // kRoundLarge)
+
+
+class DeviceCachingAllocator:
+    """One device's caching allocator; `allocated_bytes` / `total_allocated_memory` are allocated / reserved."""
+
+    def __init__(self, config: AllocatorConfig, capacity: int | None = None) -> None:
+        self.config = config
+        self.capacity = capacity
+        self.max_split_size = config.max_split_size if config.max_split_size is not None else _SIZE_MAX
+        self.divisions = config.roundup_power2_divisions
+        self.small_blocks = BlockPool(is_small=True)
+        self.large_blocks = BlockPool(is_small=False)
+        # setMemoryFraction: allowed_memory_maximum = fraction * total
+        self.set_fraction = config.memory_fraction is not None and capacity is not None
+        self.allowed_memory_maximum = int(config.memory_fraction * capacity) if self.set_fraction else None
+        self.gc_enabled = self.set_fraction and config.garbage_collection_threshold > 0.0
+        self.allocated_bytes = 0  # stats.allocated_bytes: sum of allocated block sizes
+        self.total_allocated_memory = 0  # stats.reserved_bytes: cudaMalloc'd segments + mapped pages
+        self.num_segments = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.last_oom_alloc_size = 0
+        self.next_address = _FIRST_ADDRESS
+        self.expandable_segments: list[ExpandableSegment] = []
+
+    # ---- the request path ------------------------------------------------------------------------------------
+
+    def malloc(self, orig_size: int, stream: int) -> Block | None:
+        """DeviceCachingAllocator::malloc: a block for `orig_size` bytes on `stream`, or None on out-of-memory."""
+        size = round_size(orig_size, self.divisions)
+        pool = self.get_pool(size)
+        p = AllocParams(size, stream, pool, get_allocation_size(size, self.config.large_segment_size))
+        if not self.get_free_block(p):
+            if self.gc_enabled:
+                self.garbage_collect_cached_blocks()
+            found = (self.alloc_block(p, is_retry=False)
+                     or (self.release_available_cached_blocks(p) and self.alloc_block(p, is_retry=False))
+                     or (self.release_cached_blocks() and self.alloc_block(p, is_retry=True)))
+            if not found:
+                self.num_ooms += 1
+                self.last_oom_alloc_size = p.alloc_size
+                return None
+        return self.alloc_found_block(p, self.should_split(p.block, size))
+
+    def get_pool(self, size: int) -> BlockPool:
+        """DeviceCachingAllocator::get_pool: small pool for rounded sizes up to kSmallSize."""
+        return self.small_blocks if size <= kSmallSize else self.large_blocks
+
+    def get_free_block(self, p: AllocParams) -> bool:
+        """DeviceCachingAllocator::get_free_block: smallest cached block >= size on the stream, lowest address."""
+        pool = p.pool
+        if self.gc_enabled:
+            pool.get_free_blocks_call_count += 1
+        keys = pool.keys
+        i = bisect_left(keys, _key(p.stream, p.size, 0))
+        if i == len(keys) or keys[i] >> 128 != p.stream:
+            return False
+        block = pool.blocks[keys[i]]
+        if block.segment is not None and self.config.expandable_segments:
+            i, block = self.best_expandable_fit(pool, i, block)
+        if p.size < self.max_split_size and block.size >= self.max_split_size:
+            return False  # a small request never takes an oversize block
+        if p.size >= self.max_split_size and block.size >= p.size + self.config.max_non_split_rounding:
+            return False  # nor does a large request take one much larger than itself
+        del pool.blocks[keys[i]]
+        del keys[i]
+        p.block = block
+        return True
+
+    @staticmethod
+    def best_expandable_fit(pool: BlockPool, i: int, block: Block) -> tuple[int, Block]:
+        """get_free_block's expandable branch: a block's size counts the unmapped space right after it."""
+        def expandable_size(b: Block) -> int:
+            return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+        keys, stream = pool.keys, block.stream
+        while block.segment is not None and i + 1 < len(keys) and keys[i + 1] >> 128 == stream:
+            candidate = pool.blocks[keys[i + 1]]
+            if expandable_size(candidate) >= expandable_size(block):
+                break
+            i, block = i + 1, candidate
+        return i, block
+
+    def should_split(self, block: Block, size: int) -> bool:
+        """DeviceCachingAllocator::should_split: small pool / expandable >= 512 B left; large > 1 MiB left."""
+        remaining = block.size - size
+        if block.pool.is_small or self.config.expandable_segments:
+            return remaining >= kMinBlockSize
+        return size < self.max_split_size and remaining > kSmallSize
+
+    def alloc_found_block(self, p: AllocParams, split_remainder: bool) -> Block:
+        """DeviceCachingAllocator::alloc_found_block: keep the front for the request, the rest back to the pool."""
+        block = p.block
+        if split_remainder:
+            remaining = block
+            block = Block(remaining.stream, p.size, remaining.ptr, remaining.pool, remaining.segment)
+            block.splice(remaining.prev, remaining)
+            remaining.ptr += p.size
+            remaining.size -= p.size
+            remaining.pool.insert_into_blocks(remaining)
+        block.allocated = True
+        self.allocated_bytes += block.size
+        return block
+
+    # ---- the free path ---------------------------------------------------------------------------------------
+
+    def free(self, block: Block) -> None:
+        """DeviceCachingAllocator::free: no stream uses are recorded in a replay, so free_block runs at once."""
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        self.free_block(block)
+
+    def free_block(self, block: Block) -> None:
+        """DeviceCachingAllocator::free_block: coalesce with free neighbours in the segment, back into the pool."""
+        pool = block.pool
+        self.try_merge_blocks(block, block.prev, pool)
+        self.try_merge_blocks(block, block.next, pool)
+        pool.insert_into_blocks(block)
+
+    @staticmethod
+    def try_merge_blocks(dst: Block, src: Block | None, pool: BlockPool) -> int:
+        """DeviceCachingAllocator::try_merge_blocks: absorb a free neighbour of the same mapped state."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return 0
+        if dst.prev is src:  # [src dst]
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:  # [dst src]
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        if src.mapped:
+            pool.erase(src)
+        else:
+            pool.unmapped.discard(src)
+        dst.size += src.size
+        return src.size
+
+    # ---- getting memory from the device ----------------------------------------------------------------------
+
+    def alloc_block(self, p: AllocParams, is_retry: bool) -> bool:
+        """DeviceCachingAllocator::alloc_block: a new segment (cudaMalloc) or new pages (expandable)."""
+        if is_retry:
+            self.num_alloc_retries += 1
+        if self.set_fraction and self.total_allocated_memory + p.alloc_size > self.allowed_memory_maximum:
+            return False
+        if self.config.expandable_segments:
+            p.block = self.try_allocate_expandable_block(p.stream, p.pool, p.size)
+            return p.block is not None
+        if self.capacity is not None and self.total_allocated_memory + p.alloc_size > self.capacity:
+            return False  # cudaMalloc: cudaErrorMemoryAllocation
+        ptr = self.next_address
+        self.next_address += p.alloc_size
+        self.total_allocated_memory += p.alloc_size
+        self.num_segments += 1
+        p.block = Block(p.stream, p.alloc_size, ptr, p.pool)
+        return True
+
+    def release_block(self, block: Block) -> None:
+        """DeviceCachingAllocator::release_block: cudaFree a whole cached segment."""
+        assert block.segment is None and not block.is_split(), "only whole cudaMalloc segments are released"
+        block.pool.erase(block)
+        self.total_allocated_memory -= block.size
+        self.num_segments -= 1
+
+    def release_available_cached_blocks(self, p: AllocParams) -> bool:
+        """DeviceCachingAllocator::release_available_cached_blocks: free oversize cached blocks (max_split only)."""
+        if self.max_split_size == _SIZE_MAX:
+            return False
+        pool, keys = p.pool, p.pool.keys
+        key_size = max(p.size, self.max_split_size)
+        i = bisect_left(keys, _key(p.stream, key_size, 0))
+        if i < len(keys) and keys[i] >> 128 == p.stream and pool.blocks[keys[i]].segment is None:
+            self.release_block(pool.blocks[keys[i]])
+            return True
+        # No single block is large enough: free oversize blocks, the largest of this stream first.
+        if i == 0:
+            return False
+        released = 0
+        for key in reversed(keys[:i]):
+            block = pool.blocks[key]
+            if released >= key_size or block.size < self.max_split_size or block.stream != p.stream:
+                break
+            if block.segment is None:
+                released += block.size
+                self.release_block(block)
+        return released >= key_size
+
+    def release_cached_blocks(self) -> bool:
+        """DeviceCachingAllocator::release_cached_blocks: cudaFree every unsplit cached block, unmap free pages."""
+        self.release_blocks(self.large_blocks)
+        self.release_blocks(self.small_blocks)
+        return True
+
+    def release_blocks(self, pool: BlockPool) -> None:
+        """DeviceCachingAllocator::release_blocks: one pool's part of release_cached_blocks."""
+        to_unmap = []
+        for key in list(pool.keys):
+            block = pool.blocks[key]
+            if block.segment is not None:
+                to_unmap.append(block)  # unmapping changes the pool: gather first
+            elif not block.is_split():
+                self.release_block(block)
+        for block in to_unmap:
+            self.unmap_block(block)
+            if not block.mapped and not block.is_split():
+                self.release_expandable_segment(block)
+
+    def empty_cache(self) -> None:
+        """DeviceCachingAllocator::emptyCache: what `torch.cuda.empty_cache()` does on one device."""
+        self.release_cached_blocks()
+
+    def garbage_collect_cached_blocks(self) -> None:
+        """DeviceCachingAllocator::garbage_collect_cached_blocks: free old unsplit large blocks above the threshold."""
+        gc_threshold = int(self.config.garbage_collection_threshold * self.allowed_memory_maximum)
+        if self.total_allocated_memory <= gc_threshold:
+            return
+        target_size = self.total_allocated_memory - gc_threshold
+        pool = self.large_blocks
+
+        def freeable() -> list[Block]:
+            return [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split()
+                    and pool.blocks[k].segment is None]
+
+        def gc_count(block: Block) -> int:
+            return pool.get_free_blocks_call_count - block.gc_count_base
+
+        candidates = freeable()
+        total_age = sum(gc_count(b) for b in candidates)
+        count = len(candidates)
+        reclaimed = 0
+        block_freed = True
+        while reclaimed < target_size and block_freed and count > 0:
+            age_threshold = total_age / count  # free blocks of above-average age first
+            block_freed = False
+            for block in freeable():  # all of them, past the target: GC should not run again soon
+                if gc_count(block) >= age_threshold:
+                    block_freed = True
+                    reclaimed += block.size
+                    total_age -= gc_count(block)
+                    count -= 1
+                    self.release_block(block)
+
+    # ---- expandable segments ---------------------------------------------------------------------------------
+
+    def try_allocate_expandable_block(self, stream: int, pool: BlockPool, size: int) -> Block | None:
+        """DeviceCachingAllocator::try_allocate_expandable_block: map pages until a free block holds `size`."""
+        candidate = self.find_expandable_block(stream, pool, size)
+        if not candidate.mapped and not self.map_block(candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:  # free -> unmapped -> ...: map some of the next and merge
+            new_candidate = candidate.next
+            if not self.map_block(new_candidate, min(size - candidate.size, new_candidate.size)):
+                return None
+            candidate = new_candidate
+        pool.erase(candidate)
+        return candidate
+
+    def find_expandable_block(self, stream: int, pool: BlockPool, size: int) -> Block:
+        """DeviceCachingAllocator::find_expandable_block: the lowest-address room for `size`, else a new segment."""
+        def allocatable(b: Block | None) -> bool:
+            return b is not None and not b.allocated
+
+        def has_available_address_space(b: Block | None) -> bool:
+            room = 0
+            while room < size and allocatable(b):
+                room += b.size
+                b = b.next
+            return room >= size
+
+        for unmapped in sorted((b for b in pool.unmapped if b.stream == stream), key=lambda b: b.ptr):
+            candidate = unmapped.prev if allocatable(unmapped.prev) else unmapped
+            if has_available_address_space(candidate):
+                return candidate
+        page_size = kSmallBuffer if pool.is_small else self.config.large_segment_size
+        address_space = self.capacity + self.capacity // 8 if self.capacity is not None else _ADDRESS_SPACE_UNLIMITED
+        segment = ExpandableSegment(self.next_address, address_space, page_size, stream)
+        self.next_address += segment.size
+        self.expandable_segments.append(segment)
+        candidate = Block(stream, segment.size, segment.ptr, pool, segment, mapped=False)
+        pool.unmapped.add(candidate)
+        return candidate
+
+    def map_block(self, to_map: Block, size: int) -> bool:
+        """DeviceCachingAllocator::map_block: back the front of an unmapped block with pages, merge, pool it."""
+        segment = to_map.segment
+        pages = segment.pages_to_map(to_map.ptr, size)
+        mapped_size = len(pages) * segment.page_size
+        if self.capacity is not None and self.total_allocated_memory + mapped_size > self.capacity:
+            return False  # cuMemCreate: out of memory
+        if not segment.mapped_pages:
+            self.num_segments += 1
+        segment.mapped_pages.update(pages)
+        pool = to_map.pool
+        pool.unmapped.discard(to_map)
+        to_map.mapped = True
+        if mapped_size < to_map.size:
+            remaining = Block(to_map.stream, to_map.size - mapped_size, to_map.ptr + mapped_size, pool, segment,
+                              mapped=False)
+            remaining.splice(to_map, to_map.next)
+            pool.unmapped.add(remaining)
+            to_map.size = mapped_size
+        self.try_merge_blocks(to_map, to_map.prev, pool)
+        self.try_merge_blocks(to_map, to_map.next, pool)
+        pool.insert_into_blocks(to_map)
+        self.total_allocated_memory += mapped_size
+        return True
+
+    def unmap_block(self, block: Block) -> None:
+        """DeviceCachingAllocator::unmap_block: give back the whole pages inside a free block."""
+        segment = block.segment
+        pages = segment.pages_to_unmap(block.ptr, block.size)
+        if not pages:
+            return
+        pool = block.pool
+        pool.erase(block)
+        unmapped_ptr = segment.ptr + pages.start * segment.page_size
+        unmapped_size = len(pages) * segment.page_size
+        before_size = unmapped_ptr - block.ptr
+        if before_size > 0:
+            before_free = Block(block.stream, before_size, block.ptr, pool, segment)
+            before_free.splice(block.prev, block)
+            pool.insert_into_blocks(before_free)
+        after_size = block.size - (before_size + unmapped_size)
+        if after_size > 0:
+            after_free = Block(block.stream, after_size, unmapped_ptr + unmapped_size, pool, segment)
+            after_free.splice(block, block.next)
+            pool.insert_into_blocks(after_free)
+        block.ptr = unmapped_ptr
+        block.size = unmapped_size
+        block.mapped = False
+        self.try_merge_blocks(block, block.prev, pool)
+        self.try_merge_blocks(block, block.next, pool)
+        pool.unmapped.add(block)
+        segment.mapped_pages.difference_update(pages)
+        if not segment.mapped_pages:
+            self.num_segments -= 1
+        self.total_allocated_memory -= unmapped_size
+
+    def release_expandable_segment(self, block: Block) -> None:
+        """DeviceCachingAllocator::release_expandable_segment: drop a segment with nothing mapped."""
+        block.pool.unmapped.discard(block)
+        self.expandable_segments.remove(block.segment)
