@@ -8,7 +8,7 @@ import json
 import pytest
 
 import xmem.estimate as estimate_module
-from xmem.estimate import Estimate, capability_class, estimate
+from xmem.estimate import BadJobSettingError, Estimate, capability_class, estimate
 from xmem.gpus import UnknownGpuError, load_catalog, overhead_bytes
 from xmem.trace.events import MemEvent, Trace
 
@@ -165,3 +165,25 @@ def test_program_without_cuda_needs_no_gpu_memory(traced):
         assert g.peak_bytes == 0 and g.overhead_bytes == 0 and g.fits
     assert "the program never used CUDA" in result.warnings
     assert isinstance(result, Estimate)
+
+
+def one_alloc_trace(alloc_conf=""):
+    return Trace(events=[MemEvent("alloc", 1, 12_000_000, 0, 0, "empty", "", "other", -1, "parameter")],
+                 iterations=1, used_cuda=True, alloc_conf=alloc_conf)
+
+
+def test_allocator_settings_the_job_ran_with_are_honoured(traced):
+    # 12,000,000 B rounds to 12,000,256: its own segment of 12,582,912 B (2 MiB rounding), while an expandable
+    # segment maps whole 20 MiB pages for the large pool.
+    traced.trace = one_alloc_trace()
+    assert estimate(["python", "t.py"], gpus=["t4"], env={}).gpus["T4"].peak_reserved_bytes == 12_582_912
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert estimate(["python", "t.py"], gpus=["t4"], env=env).gpus["T4"].peak_reserved_bytes == 20 * MIB
+    traced.trace = one_alloc_trace("expandable_segments:True")  # set by the script itself, seen by the tracer
+    assert estimate(["python", "t.py"], gpus=["t4"], env={}).gpus["T4"].peak_reserved_bytes == 20 * MIB
+
+
+def test_malformed_allocator_setting_is_a_clear_error(traced):
+    traced.trace = one_alloc_trace()
+    with pytest.raises(BadJobSettingError, match="PYTORCH_CUDA_ALLOC_CONF"):
+        estimate(["python", "t.py"], gpus=["t4"], env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:abc"})

@@ -119,12 +119,13 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     if not first.used_cuda:
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
 
-    config = _allocator_config(first, env)
+    job_env = dict(env) if env is not None else dict(os.environ)  # the tracer runs the job with this env too
+    config = _allocator_config(first, job_env)
     results: dict[str, tuple[GpuEstimate, GpuOps, SimResult]] = {}
     for gpu in targets:
         if on_progress:
             on_progress(f"simulating the caching allocator on {gpu.name}")
-        results[gpu.name] = estimate_gpu(traces[capability_class(gpu.capability)], gpu, config, env)
+        results[gpu.name] = estimate_gpu(traces[capability_class(gpu.capability)], gpu, config, job_env)
 
     biggest = max(targets, key=lambda g: g.total_bytes).name
     gpu_estimate, ops, sim = results[biggest]
@@ -228,13 +229,13 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
     return breakdown
 
 
-def _allocator_config(trace: Trace, env: Mapping[str, str] | None) -> AllocatorConfig:
+def _allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
     # What the job really ran with wins: the tracer saw PYTORCH_(CUDA_)ALLOC_CONF as the job set it, even when
     # the script sets it itself before importing torch.
     try:
         if trace.alloc_conf:
             return AllocatorConfig.parse(trace.alloc_conf)
-        return AllocatorConfig.from_environ(dict(env) if env is not None else dict(os.environ))
+        return AllocatorConfig.from_environ(env)
     except ValueError as e:
         raise BadJobSettingError(f"the job's allocator settings: {e}") from None
 
