@@ -1,0 +1,337 @@
+"""The site configuration: what the cluster offers (partitions, MIG, MPS, shards) and how xmem may act on jobs.
+
+Owns the `SiteConfig` records, loading a TOML file (`etc/xmem.toml` is the documented example) with `tomllib`,
+where the file is looked for, and validation: an unknown key or a bad value is a `ConfigError` naming the key path
+and what is allowed. Reads one file; decides nothing about jobs (that is `xmem.policy`).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/xmem/xmem.toml")
+REQUEST_KINDS = ("mig", "shard", "mps", "gpu")
+EXPLICIT_MODES = ("keep", "fill_generic", "rewrite")
+FAILURE_MODES = ("open", "closed")
+DEFERRED_MODES = ("inline", "partition")
+MIB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A site config that cannot be used as written: the message names the file, the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class PartitionsConfig:
+    """GPU types (GRES type names, as in gres.conf, or catalog names) offered per partition."""
+
+    gpu_types: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    default: str | None = None  # the partition of jobs that name none (slurm.conf's Default=YES)
+    from_cluster: bool = True  # partitions not listed: read their GPU types from Slurm
+
+
+@dataclass(frozen=True)
+class MigConfig:
+    """MIG profiles offered as GRES types (`gpu:1g.10gb:1`), per parent GPU type."""
+
+    profiles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def parent_of(self, gres_type: str) -> str | None:
+        """The GPU type a MIG GRES type is cut from, or None if it is not a MIG slice."""
+        wanted = gres_type.lower()
+        return next((gpu for gpu, profiles in self.profiles.items() if wanted in (p.lower() for p in profiles)),
+                    None)
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    """`--gres=mps:N`: a share N of count_per_gpu gets total_memory * N / count_per_gpu."""
+
+    enabled: bool = False
+    count_per_gpu: int = 100
+    gpu_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """`--gres=shard:N`: each of per_gpu shards of a GPU stands for 1/per_gpu of its memory."""
+
+    enabled: bool = False
+    per_gpu: int = 4
+    gpu_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MarginConfig:
+    """needed = peak * (1 + relative) + absolute_bytes."""
+
+    relative: float = 0.10
+    absolute_bytes: int = 0
+
+    def needed(self, peak_bytes: int) -> int:
+        return int(-(-peak_bytes * (1 + self.relative) // 1)) + self.absolute_bytes
+
+
+@dataclass(frozen=True)
+class ExcludeConfig:
+    users: tuple[str, ...] = ()
+    accounts: tuple[str, ...] = ()
+    partitions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EstimateConfig:
+    timeout_s: float = 300.0
+    iterations: int = 3
+    cache_dir: str = "~/.cache/xmem-slurm"
+    max_concurrent: int = 2
+    python: str | None = None  # interpreter for jobs that activate none (None: the one on the job's PATH)
+
+
+@dataclass(frozen=True)
+class DeferredConfig:
+    """Placeholder for a later issue: estimate in the submission (inline) or in a CPU job (partition)."""
+
+    mode: str = "inline"
+    cpu_partition: str | None = None
+    time_limit: str = "00:15:00"
+    mem: str = "16G"
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    partitions: PartitionsConfig = PartitionsConfig()
+    mig: MigConfig = MigConfig()
+    mps: MpsConfig = MpsConfig()
+    shard: ShardConfig = ShardConfig()
+    margin: MarginConfig = MarginConfig()
+    preference: tuple[str, ...] = REQUEST_KINDS
+    explicit_request: str = "fill_generic"
+    failure: str = "open"
+    exclude: ExcludeConfig = ExcludeConfig()
+    estimate: EstimateConfig = EstimateConfig()
+    catalog_overrides: Mapping[str, Any] = field(default_factory=dict)  # xmem.gpus.load_catalog(overrides)
+    deferred: DeferredConfig = DeferredConfig()
+    source: str | None = None  # the file it was read from; None: built-in defaults
+
+    def with_partitions(self, gpu_types: Mapping[str, tuple[str, ...]]) -> SiteConfig:
+        """A copy that also knows `gpu_types` (e.g. read from the cluster) for partitions the file leaves out."""
+        merged = {**gpu_types, **self.partitions.gpu_types}
+        return replace(self, partitions=replace(self.partitions, gpu_types=merged))
+
+
+def load_site_config(path: str | Path | None = None) -> SiteConfig:
+    """The explicit `path`, else `$XMEM_CONFIG`, else /etc/xmem/xmem.toml if it exists, else built-in defaults."""
+    if path is None:
+        path = os.environ.get("XMEM_CONFIG") or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
+    if path is None:
+        return SiteConfig()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the site config ({e.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    try:
+        return replace(config_from_dict(data), source=str(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
+    """Validate a parsed TOML document and build the config. Pure."""
+    _only_keys(data, "", ("partitions", "mig", "mps", "shard", "margin", "policy", "exclude", "estimate",
+                          "catalog", "deferred"))
+    policy = _table(data, "policy", ("preference", "explicit_request", "failure"))
+    config = SiteConfig(
+        partitions=_partitions(_table(data, "partitions", ("default", "from_cluster", "gpu_types"))),
+        mig=MigConfig({gpu: _strings(v, f"mig.{gpu}") for gpu, v in _table(data, "mig", None).items()}),
+        mps=_mps(_table(data, "mps", ("enabled", "count_per_gpu", "gpu_types"))),
+        shard=_shard(_table(data, "shard", ("enabled", "per_gpu", "gpu_types"))),
+        margin=_margin(_table(data, "margin", ("relative", "absolute_bytes", "absolute_mib"))),
+        preference=_preference(policy.get("preference", list(REQUEST_KINDS))),
+        explicit_request=_choice(policy.get("explicit_request", "fill_generic"), "policy.explicit_request",
+                                 EXPLICIT_MODES),
+        failure=_choice(policy.get("failure", "open"), "policy.failure", FAILURE_MODES),
+        exclude=_exclude(_table(data, "exclude", ("users", "accounts", "partitions"))),
+        estimate=_estimate(_table(data, "estimate", ("timeout_s", "iterations", "cache_dir", "max_concurrent",
+                                                     "python"))),
+        catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
+        deferred=_deferred(_table(data, "deferred", ("mode", "cpu_partition", "time_limit", "mem"))),
+    )
+    _check_mig_profiles(config)
+    return config
+
+
+# -- sections ---------------------------------------------------------------------------------------------------
+
+def _partitions(table: Mapping[str, Any]) -> PartitionsConfig:
+    gpu_types = _table(table, "gpu_types", None, prefix="partitions.")
+    config = PartitionsConfig(
+        gpu_types={name: _strings(types, f"partitions.gpu_types.{name}") for name, types in gpu_types.items()},
+        default=_optional_string(table.get("default"), "partitions.default"),
+        from_cluster=_bool(table.get("from_cluster", True), "partitions.from_cluster"),
+    )
+    if config.default and config.gpu_types and not config.from_cluster and config.default not in config.gpu_types:
+        raise ConfigError(f"partitions.default: {config.default!r} is not one of the partitions listed in "
+                          f"partitions.gpu_types ({', '.join(config.gpu_types)})")
+    return config
+
+
+def _mps(table: Mapping[str, Any]) -> MpsConfig:
+    return MpsConfig(enabled=_bool(table.get("enabled", False), "mps.enabled"),
+                     count_per_gpu=_positive_int(table.get("count_per_gpu", 100), "mps.count_per_gpu"),
+                     gpu_types=_strings(table.get("gpu_types", []), "mps.gpu_types"))
+
+
+def _shard(table: Mapping[str, Any]) -> ShardConfig:
+    return ShardConfig(enabled=_bool(table.get("enabled", False), "shard.enabled"),
+                       per_gpu=_positive_int(table.get("per_gpu", 4), "shard.per_gpu"),
+                       gpu_types=_strings(table.get("gpu_types", []), "shard.gpu_types"))
+
+
+def _margin(table: Mapping[str, Any]) -> MarginConfig:
+    if "absolute_bytes" in table and "absolute_mib" in table:
+        raise ConfigError("margin: give absolute_bytes or absolute_mib, not both")
+    relative = table.get("relative", 0.10)
+    if isinstance(relative, bool) or not isinstance(relative, (int, float)) or not 0 <= relative <= 10:
+        raise ConfigError(f"margin.relative: must be a number from 0 to 10 (0.1 = 10 %), got {relative!r}")
+    if "absolute_mib" in table:
+        absolute = _non_negative_number(table["absolute_mib"], "margin.absolute_mib") * MIB
+    else:
+        absolute = _non_negative_number(table.get("absolute_bytes", 0), "margin.absolute_bytes")
+    return MarginConfig(relative=float(relative), absolute_bytes=int(absolute))
+
+
+def _preference(value: Any) -> tuple[str, ...]:
+    kinds = _strings(value, "policy.preference")
+    for kind in kinds:
+        if kind not in REQUEST_KINDS:
+            raise ConfigError(f"policy.preference: {kind!r} is not a request kind; allowed: "
+                              f"{', '.join(REQUEST_KINDS)}")
+    if len(set(kinds)) != len(kinds) or not kinds:
+        raise ConfigError(f"policy.preference: list each of {', '.join(REQUEST_KINDS)} at most once, "
+                          f"and at least one; got {list(kinds)}")
+    return kinds
+
+
+def _exclude(table: Mapping[str, Any]) -> ExcludeConfig:
+    return ExcludeConfig(users=_strings(table.get("users", []), "exclude.users"),
+                         accounts=_strings(table.get("accounts", []), "exclude.accounts"),
+                         partitions=_strings(table.get("partitions", []), "exclude.partitions"))
+
+
+def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
+    timeout = _non_negative_number(table.get("timeout_s", 300), "estimate.timeout_s")
+    if timeout == 0:
+        raise ConfigError("estimate.timeout_s: must be more than 0 seconds")
+    return EstimateConfig(
+        timeout_s=float(timeout),
+        iterations=_positive_int(table.get("iterations", 3), "estimate.iterations"),
+        cache_dir=_optional_string(table.get("cache_dir", "~/.cache/xmem-slurm"), "estimate.cache_dir")
+        or "~/.cache/xmem-slurm",
+        max_concurrent=_positive_int(table.get("max_concurrent", 2), "estimate.max_concurrent"),
+        python=_optional_string(table.get("python"), "estimate.python"),
+    )
+
+
+def _catalog(table: Mapping[str, Any]) -> Mapping[str, Any]:
+    if not table:
+        return {}
+    from xmem.gpus import CatalogError, load_catalog
+
+    try:
+        load_catalog(table)  # the catalog's own checks: unknown type, missing total_bytes, bad capability
+    except (CatalogError, ValueError, TypeError) as e:
+        raise ConfigError(f"catalog: {e}") from None
+    return dict(table)
+
+
+def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
+    return DeferredConfig(
+        mode=_choice(table.get("mode", "inline"), "deferred.mode", DEFERRED_MODES),
+        cpu_partition=_optional_string(table.get("cpu_partition"), "deferred.cpu_partition"),
+        time_limit=_optional_string(table.get("time_limit", "00:15:00"), "deferred.time_limit") or "00:15:00",
+        mem=_optional_string(table.get("mem", "16G"), "deferred.mem") or "16G",
+    )
+
+
+def _check_mig_profiles(config: SiteConfig) -> None:
+    """Each MIG profile must be one the catalog knows for that GPU type (its memory comes from there)."""
+    if not config.mig.profiles:
+        return
+    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, mig_profile
+
+    catalog = load_catalog(config.catalog_overrides or None)
+    for gpu_name, profiles in config.mig.profiles.items():
+        try:
+            gpu = find_gpu(gpu_name, catalog)
+            for profile in profiles:
+                mig_profile(gpu, profile)
+        except UnknownGpuError as e:
+            raise ConfigError(f"mig.{gpu_name}: {e}") from None
+
+
+# -- value checks -----------------------------------------------------------------------------------------------
+
+def _only_keys(table: Mapping[str, Any], prefix: str, allowed: tuple[str, ...]) -> None:
+    for key in table:
+        if key not in allowed:
+            where = f"{prefix}{key}" if prefix else key
+            raise ConfigError(f"unknown key {where!r}; allowed here: {', '.join(allowed)}")
+
+
+def _table(data: Mapping[str, Any], key: str, allowed: tuple[str, ...] | None, prefix: str = "") -> Mapping:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{prefix}{key}: must be a table ([{prefix}{key}]), got {value!r}")
+    if allowed is not None:
+        _only_keys(value, f"{prefix}{key}.", allowed)
+    return value
+
+
+def _strings(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{key}: must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: must be a whole number above 0, got {value!r}")
+    return value
+
+
+def _non_negative_number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{key}: must be a number of at least 0, got {value!r}")
+    return value
+
+
+def _optional_string(value: Any, key: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string, got {value!r}")
+    return value
+
+
+def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{key}: must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+    return value
+
