@@ -147,19 +147,19 @@ def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
     return analysis_from_job(job_analysis)
 
 
-def command_files(script: str, request: FilterRequest) -> list[str]:
-    """Files the job's training commands name (train.py, a config...): their bytes belong in the cache key.
-    Uses the (cheap) batch-script parser; an unparseable script simply adds nothing."""
-    try:
-        from xmem.jobscript import parse_jobscript
+def parse_job(script: str, request: FilterRequest) -> Any:
+    """The batch script as xmem.jobscript reads it, in the submitter's environment and directory."""
+    from xmem.jobscript import parse_jobscript
 
-        job = parse_jobscript(Path(script).read_text(errors="replace"), path=script,
-                              script_args=list(request.script_args), submit_cwd=request.env.get("PWD"),
-                              cli_options=request.cli_options())
-    except Exception:
-        return []
+    return parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                           script_args=list(request.script_args), submit_cwd=request.env.get("PWD"),
+                           cli_options=request.cli_options(), env=dict(request.env) or None)
+
+
+def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
+    """Files the job's training commands name (train.py, a config...): their bytes belong in the cache key."""
     files = []
-    for command in job.commands:
+    for command in getattr(job, "commands", ()):
         cwd = command.cwd or request.env.get("PWD") or os.path.dirname(script)
         for arg in command.argv[1:]:
             path = os.path.join(cwd, arg)
@@ -168,19 +168,18 @@ def command_files(script: str, request: FilterRequest) -> list[str]:
     return files
 
 
-def key_for(script: str, request: FilterRequest, config_digest: str) -> str:
+def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
     options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
     return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
-                     env=request.env, files=command_files(script, request),
-                     extra={"config": config_digest, "user": request.user or ""})
+                     env=request.env, files=files, extra={"config": config_digest, "user": request.user or ""})
 
 
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
-                    config_digest: str, analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
+                    config_digest: str, files: list[str] = (), analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None) -> Analysis:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient)."""
-    key = key_for(script, request, config_digest)
+    key = key_for(script, request, config_digest, list(files))
     hit = cache.get(key)
     if hit is not None:
         return Analysis.from_json(hit, cached=True)
@@ -301,18 +300,6 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
-def wants_gpu_cheaply(script: str, request: FilterRequest) -> bool:
-    """Whether the job asks for a GPU, from the parser alone (no estimate for CPU jobs). True if unsure."""
-    try:
-        from xmem.jobscript import parse_jobscript
-
-        job = parse_jobscript(Path(script).read_text(errors="replace"), path=script,
-                              script_args=list(request.script_args), cli_options=request.cli_options())
-        return bool(job.directives.wants_gpu)
-    except Exception:
-        return True
-
-
 def config_digest(config_path: str | None) -> str:
     return file_digest(config_path) if config_path else ""
 
@@ -328,11 +315,18 @@ def run_filter(request: FilterRequest, config: Any, *, config_path: str | None =
         return estimate_slot(cache.directory, estimate.max_concurrent, wait_s=float(estimate.timeout_s))
 
     with wrapped_script(request) as script:
-        if script is None or not wants_gpu_cheaply(script, request):
+        if script is None:
             return FilterReply()
         try:
+            job = parse_job(script, request)
+        except Exception:  # not understood here: the analysis will say why, in its own words
+            job = None
+        if job is not None and not job.directives.wants_gpu:
+            return FilterReply()  # a CPU job: no estimate, no change, no message
+        try:
             analysis = cached_analysis(script, request, config, cache=cache,
-                                       config_digest=config_digest(config_path), analyzer=analyzer, slots=slots)
+                                       config_digest=config_digest(config_path),
+                                       files=command_files(job, request, script), analyzer=analyzer, slots=slots)
         except NoSlotFree as e:
             return failure_reply(str(e), request, failure)
         except OSError as e:

@@ -1,0 +1,141 @@
+"""`xmem-slurm filter`: from an analysis to the sbatch options, the user's line and the failure rule."""
+
+import json
+
+import pytest
+
+from xmem.cache import AnalysisCache
+from xmem.slurm.filter import (
+    Analysis,
+    FilterReply,
+    FilterRequest,
+    cached_analysis,
+    plain,
+    reply_for,
+    with_exports,
+)
+from xmem.slurm.node import JobStamp
+
+GIB = 1 << 30
+
+
+def request(**options):
+    return FilterRequest(script="/home/ann/job.sh", argv=("/home/ann/job.sh", "--lr", "1"), options=options,
+                         user="ann", env={"PWD": "/home/ann"})
+
+
+def decision(**fields):
+    d = {"action": "rewrite", "gres": "mps:40", "gpus": None, "gpu_type": "a100", "needed_bytes": 8 * GIB,
+         "reason": "needs 8.0 GiB with margin: MPS 40 % of an a100 is the smallest fit", "comment": "xmem:x"}
+    d.update(fields)
+    return d
+
+
+PEAKS = {"a100": 7 * GIB, "h100": 7 * GIB + 5}
+
+
+def test_request_from_lua_json_strips_the_gres_prefix_sbatch_reads_back():
+    req = FilterRequest.from_json({"script": "/j.sh", "argv": ["/j.sh", "a"],
+                                   "options": {"gres": "gres:gpu:a100:1,gres:mps:10", "parsable": "set",
+                                               "partition": "gpu"},
+                                   "user": "ann", "env": {"PWD": "/tmp"}})
+    assert req.script_args == ("a",)
+    assert req.cli_options() == {"gres": "gpu:a100:1,mps:10", "partition": "gpu"}
+
+
+def test_rewrite_sets_gres_comment_and_exports():
+    reply = reply_for(Analysis(decision(), PEAKS), request(gres="gres:gpu:1"), "open")
+    stamp = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:40", action="rewrite")
+    assert reply.set == {"gres": "mps:40", "comment": stamp.comment(),
+                         "export": "ALL," + ",".join(f"{k}={v}" for k, v in stamp.env().items())}
+    assert reply.message.endswith("-> --gres=mps:40") and reply.reject is None
+
+
+def test_rewrite_in_gpus_form():
+    reply = reply_for(Analysis(decision(gres=None, gpus="h100:1", gpu_type="h100"), PEAKS),
+                      request(gpus="1"), "open")
+    assert reply.set["gpus"] == "h100:1" and "gres" not in reply.set
+    assert JobStamp.from_comment(reply.set["comment"]).peak_bytes == 7 * GIB + 5
+
+
+def test_keep_leaves_the_request_and_still_stamps_the_job():
+    reply = reply_for(Analysis(decision(action="keep", gres=None, gpu_type="h100"), PEAKS),
+                      request(gres="gres:gpu:h100:1", comment="mine"), "open")
+    assert "gres" not in reply.set and "gpus" not in reply.set
+    assert reply.set["comment"].startswith("mine xmem:")
+    assert JobStamp.from_comment(reply.set["comment"]).request == "gpu:h100:1"
+    assert "keeping gpu:h100:1" in reply.message
+
+
+def test_cpu_job_is_untouched_and_silent():
+    assert reply_for(Analysis(decision(action="none", gres=None)), request(), "closed") == FilterReply()
+
+
+def test_no_fit_warns_and_changes_nothing():
+    reply = reply_for(Analysis(decision(action="no_fit", gres=None, reason="needs 90 GiB: no GPU type fits")),
+                      request(gres="gres:gpu:1"), "closed")
+    assert reply.set == {} and reply.reject is None and reply.message.startswith("warning: needs 90 GiB")
+
+
+def test_estimator_fault_fails_open_with_one_line():
+    reply = reply_for(Analysis(None, errors=("user_error: ImportError: no module named foo",)),
+                      request(gres="gres:gpu:1"), "open")
+    assert reply.set == {} and reply.reject is None
+    assert reply.message == ("cannot estimate this job's GPU memory (user_error: ImportError: no module named foo)"
+                             "; submitted unchanged")
+
+
+def test_estimator_fault_is_refused_when_closed():
+    reply = reply_for(Analysis(None, errors=("timeout: 60 s",)), request(gres="gres:gpu:1"), "closed")
+    assert reply.set == {}
+    assert reply.reject.startswith("cannot estimate this job's GPU memory (timeout: 60 s). This site requires")
+    assert "xmem-slurm check /home/ann/job.sh" in reply.reject
+
+
+def test_cached_analysis_says_so():
+    reply = reply_for(Analysis(decision(), PEAKS, cached=True), request(), "open")
+    assert reply.message.endswith("(cached estimate)")
+
+
+@pytest.mark.parametrize("export, expected", [
+    (None, "ALL,XMEM_PEAK_BYTES=1"),
+    ("ALL", "ALL,XMEM_PEAK_BYTES=1"),
+    ("ALL,FOO=2", "ALL,FOO=2,XMEM_PEAK_BYTES=1"),
+    ("ALL,XMEM_PEAK_BYTES=9", "ALL,XMEM_PEAK_BYTES=1"),
+    ("NONE", None),
+    ("none", None),
+    ("NONE,FOO=1", None),
+])
+def test_exports_respect_the_users_choice(export, expected):
+    assert with_exports(export, {"XMEM_PEAK_BYTES": "1"}) == expected
+
+
+def test_reply_strings_are_plain_for_the_lua_side():
+    reply = FilterReply(message='can\'t "parse"\nline \\2', set={"comment": 'a"b'})
+    out = reply.to_json()
+    assert out["message"] == "can't 'parse' line /2" and out["set"]["comment"] == "a'b"
+    assert plain(None) is None
+    assert '\\' not in json.dumps(out)
+
+
+def test_cache_skips_the_second_analysis_and_never_caches_a_failure(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
+                        env={"PWD": str(tmp_path)})
+    calls = []
+
+    def analyzer(path, r, config):
+        calls.append(path)
+        return Analysis(decision(), PEAKS) if len(calls) != 1 else Analysis(None, errors=("timeout: 1 s",))
+
+    cache = AnalysisCache(tmp_path / "cache")
+    run = lambda: cached_analysis(str(script), req, None, cache=cache, config_digest="", analyzer=analyzer)
+    assert run().errors == ("timeout: 1 s",)  # failed: not cached
+    fresh = run()
+    assert not fresh.cached and fresh.decision == decision()
+    hit = run()
+    assert hit.cached and hit.decision == decision() and hit.peaks == PEAKS
+    assert len(calls) == 2
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py --more\n")
+    assert not run().cached and len(calls) == 3
