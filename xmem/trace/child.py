@@ -1,0 +1,191 @@
+"""The tracing child process: `python -m xmem.trace --out FILE [options] -- COMMAND...`.
+
+Owns the life of one traced run: load the native shim, import torch, install the fake-CUDA world, run the user's
+unmodified program (a script path or `-m module`, as `xmem.trace.command` prepared it) under FakeTensorMode with the
+recorder above it, stop after N iterations, and write the Trace JSON or an error JSON
+`{"error": kind, "message": ..., "traceback": ...}` to FILE. The program's stdout/stderr stay its own (the parent
+captures them); progress lines go to `--progress-fd`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import sysconfig
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, NoReturn
+
+XMEM_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+class ChildFailure(Exception):
+    """Ends the child with an error JSON instead of a trace."""
+
+    def __init__(self, kind: str, message: str, user_traceback: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.message, self.user_traceback = kind, message, user_traceback
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m xmem.trace", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="where to write the Trace JSON (or error JSON)")
+    parser.add_argument("--iterations", type=int, default=3, help="optimizer steps (iterations) to trace")
+    parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
+    parser.add_argument("--device-count", type=int, default=1)
+    parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program: script.py ARGS or -m mod ARGS")
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the program after --")
+    return args
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    progress = _progress_writer(args.progress_fd)
+    try:
+        result = trace_program(args.command, args.iterations, parse_capability(args.capability),
+                               args.device_count, progress)
+        payload = result.to_json()
+    except ChildFailure as failure:
+        payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
+    except BaseException as error:  # our own bug: say so, with our traceback
+        payload = {"error": "internal", "message": f"{type(error).__name__}: {_first_line(error)}",
+                   "traceback": traceback.format_exc()}
+    args.out.write_text(json.dumps(payload))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The program may have left non-daemon threads or atexit work behind; the trace is written, so leave now.
+    os._exit(0)
+
+
+def trace_program(command: list[str], iterations: int, capability: tuple[int, int], device_count: int,
+                  progress: Callable[[str], None]):
+    """Run the program under fake CUDA and return its Trace; raise ChildFailure for the error contract."""
+    os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"
+    os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
+    progress("loading fake CUDA")
+    from xmem.trace import shim
+    try:
+        shim.load_shim()
+    except shim.ShimError as error:
+        raise ChildFailure("internal", str(error)) from None
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from xmem.trace import fakecuda
+    from xmem.trace.recorder import AllocationRecorder, StopTracing, TrainingState
+
+    fake = fakecuda.FakeCuda(capability, device_count)
+    fakecuda.install(fake)
+    state = TrainingState(iterations, progress)
+    state.install()
+    modules = ModTracker()
+
+    def innermost_module() -> str:
+        parents = modules.parents
+        return max(parents, key=len) if len(parents) > 1 else ""
+
+    recorder = AllocationRecorder(fake, state, innermost_module)
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    progress("running the program")
+    started = time.monotonic()
+    outcome: BaseException | None = None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder, fakecuda.CudaFunctionMode(fake), modules:
+            _run_user_program(command)
+    except StopTracing:
+        pass
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            outcome = exit_
+    except BaseException as error:
+        outcome = error
+    seconds = time.monotonic() - started
+    if outcome is not None and not state.stopped:
+        raise _failure_from(outcome, torch)
+    trace = recorder.to_trace(capability, seconds, alloc_conf)
+    if trace.used_cuda and trace.iterations == 0:
+        raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
+                                                "used CUDA; xmem traces training loops that call optimizer.step()")
+    return trace
+
+
+def _run_user_program(command: list[str]) -> None:
+    if command[0] == "-m":
+        module = command[1]
+        sys.argv = [module, *command[2:]]
+        sys.path.insert(0, os.getcwd())
+        import importlib.util
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ChildFailure("not_found", f"no module named {module} (from {os.getcwd()})")
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script = command[0]
+        sys.argv = [script, *command[1:]]
+        sys.path.insert(0, script if os.path.isdir(script) else os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def _failure_from(error: BaseException, torch) -> ChildFailure:
+    """User code raised (or exited non-zero): the one-line message and the user's own frames."""
+    if isinstance(error, ChildFailure):
+        return error
+    if isinstance(error, SystemExit):
+        return ChildFailure("user_error", f"the program exited with status {error.code}")
+    from torch._subclasses import fake_tensor
+    fake_limits = (fake_tensor.UnsupportedOperatorException, fake_tensor.DynamicOutputShapeException,
+                   fake_tensor.DataDependentOutputException, fake_tensor.UnsupportedFakeTensorException)
+    frames = _user_frames(error)
+    text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(error), error)])
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    if isinstance(error, fake_limits):
+        return ChildFailure("internal", f"fake CUDA cannot run this: {type(error).__name__}: "
+                                        f"{_first_line(error)}{where}", text)
+    return ChildFailure("user_error", f"{type(error).__name__}: {_first_line(error)}{where}", text)
+
+
+def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The traceback frames of the user's own files: not ours, not torch's, not the stdlib's or site-packages'."""
+    import torch
+    not_user = tuple({XMEM_DIR + os.sep + "xmem", os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+                      sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], "<frozen"})
+    frames = traceback.extract_tb(error.__traceback__)
+    return [frame for frame in frames if not frame.filename.startswith(not_user)]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _progress_writer(fd: int | None) -> Callable[[str], None]:
+    if fd is None:
+        return lambda message: None
+    stream = os.fdopen(fd, "w", buffering=1)
+
+    def write(message: str) -> None:
+        try:
+            stream.write(message + "\n")
+        except OSError:  # the parent stopped listening; progress is optional
+            pass
+    return write

@@ -1,0 +1,24 @@
+"""The one exception the tracer raises to its callers, with a kind that says what went wrong."""
+
+from __future__ import annotations
+
+KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "internal")
+
+
+class TraceError(Exception):
+    """The program could not be traced.
+
+    kind: one of KINDS. message: one line saying what to do. user_traceback: the user's own frames and the exception
+    line (empty unless kind is "user_error"). output: the program's captured stdout+stderr tail, if it ran.
+    """
+
+    def __init__(self, kind: str, message: str, user_traceback: str = "", output: str = "") -> None:
+        assert kind in KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.user_traceback = user_traceback
+        self.output = output
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

@@ -1,0 +1,403 @@
+"""The fake-CUDA world a traced program runs in: torch believes a GPU of a given compute capability is present.
+
+Owns every process-global patch of torch made for a trace (torch.cuda API answers, `nn.Module._apply`, GradScaler,
+DataLoader, the optimizer foreach default, SDPA backend choice, CPU-data -> cuda tensor creation). Import only in the
+tracing child, after `xmem.trace.shim.load_shim()`: the patches are never undone. Must not record anything itself:
+it reports module tensors and capability questions through the `FakeCuda` object's callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+
+# What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
+GPU_BY_CAPABILITY: dict[tuple[int, int], tuple[str, int, int]] = {
+    (7, 0): ("Tesla V100-SXM2-32GB", 32 << 30, 80),
+    (7, 5): ("Tesla T4", 15 << 30, 40),
+    (8, 0): ("NVIDIA A100-SXM4-80GB", 80 << 30, 108),
+    (8, 6): ("NVIDIA A10", 22 << 30, 72),
+    (8, 9): ("NVIDIA L40S", 44 << 30, 142),
+    (9, 0): ("NVIDIA H100 80GB HBM3", 80 << 30, 132),
+}
+
+
+@dataclass(frozen=True)
+class FakeDeviceProperties:
+    """Stand-in for torch.cuda's _CudaDeviceProperties (the fields training code reads)."""
+
+    name: str
+    total_memory: int
+    major: int
+    minor: int
+    multi_processor_count: int
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    L2_cache_size: int = 50 << 20
+    max_threads_per_multi_processor: int = 2048
+    warp_size: int = 32
+    gcnArchName: str = ""
+
+
+class FakeStream:
+    """A CUDA stream that exists only as an id: allocations are tagged with the current stream's id."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, device: Any = None, priority: int = 0, stream_id: int | None = None, **_: Any) -> None:
+        self.stream_id = next(self._ids) if stream_id is None else stream_id
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.cuda_stream = self.stream_id
+
+    def wait_stream(self, stream: Any) -> None: ...
+    def wait_event(self, event: Any) -> None: ...
+    def record_event(self, event: Any = None) -> "FakeEvent":
+        return event or FakeEvent()
+    def query(self) -> bool:
+        return True
+    def synchronize(self) -> None: ...
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.stream_id == self.stream_id
+    def __hash__(self) -> int:
+        return hash(self.stream_id)
+    def __repr__(self) -> str:
+        return f"<fake cuda stream {self.stream_id}>"
+
+
+class FakeEvent:
+    """A CUDA event that is always complete; elapsed_time is a nominal 1 ms (no timing exists here)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def query(self) -> bool:
+        return True
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end_event: "FakeEvent") -> float:
+        return 1.0
+
+
+class FakeCuda:
+    """The pretended GPU(s): answers torch.cuda questions and tells listeners what the program asked or did.
+
+    Listeners (set by the recorder): `on_arch_question()` when a capability-dependent answer was given,
+    `on_module_tensor(tensor, kind)` for each parameter/buffer a module moved, `on_empty_cache()`,
+    `live_bytes()` / `peak_bytes()` / `reset_peak()` for the memory queries.
+    """
+
+    def __init__(self, capability: tuple[int, int] = (9, 0), device_count: int = 1) -> None:
+        self.capability = capability
+        self.device_count = device_count
+        self.current_device = 0
+        self.default_stream = FakeStream(stream_id=0)
+        self.current_stream = self.default_stream
+        self.on_arch_question: Callable[[], None] = lambda: None
+        self.on_module_tensor: Callable[[torch.Tensor, str], None] = lambda t, kind: None
+        self.on_empty_cache: Callable[[], None] = lambda: None
+        self.on_warning: Callable[[str], None] = lambda message: None
+        self.live_bytes: Callable[[], int] = lambda: 0
+        self.peak_bytes: Callable[[], int] = lambda: 0
+        self.reset_peak: Callable[[], None] = lambda: None
+
+    @property
+    def properties(self) -> FakeDeviceProperties:
+        name, memory, sms = GPU_BY_CAPABILITY.get(self.capability, ("NVIDIA GPU", 80 << 30, 100))
+        return FakeDeviceProperties(name, memory, self.capability[0], self.capability[1], sms)
+
+    @property
+    def bf16_supported(self) -> bool:
+        return self.capability >= (8, 0)
+
+    def ask_capability(self) -> tuple[int, int]:
+        self.on_arch_question()
+        return self.capability
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream | None):
+        previous, self.current_stream = self.current_stream, stream or self.current_stream
+        try:
+            yield stream
+        finally:
+            self.current_stream = previous
+
+
+def install(fake: FakeCuda) -> None:
+    """Apply every process-global patch. Call once, right after `import torch` in the tracing child."""
+    _install_device_guard()
+    _patch_optimizer_defaults()
+    _patch_torch_cuda(fake)
+    _patch_tensor_and_data(fake)
+    _patch_grad_scaler(fake)
+    nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
+
+
+def _install_device_guard() -> None:
+    # CUDA build: replace the real CUDA guard (0 devices) with torch's own no-op guard now, as FakeTensorMode
+    # would do on entry, but only while torch.cuda.is_available() is False (it won't be, once patched).
+    if hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        torch._C._ensureCUDADeviceGuardSet()
+    # There is no device: FakeTensorMode must never try to initialise one, whatever is_available() says.
+    FakeTensorMode.avoid_device_init = property(lambda self: True)
+
+
+def _patch_optimizer_defaults() -> None:
+    # On a GPU, optimizers default to foreach for plain tensors; FakeTensor params must count as such.
+    import torch.optim.optimizer as optimizer_module
+    if FakeTensor not in optimizer_module._foreach_supported_types:
+        optimizer_module._foreach_supported_types.append(FakeTensor)
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return 0
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+def _patch_torch_cuda(fake: FakeCuda) -> None:
+    cuda = torch.cuda
+
+    def set_device(device: Any) -> None:
+        fake.current_device = _device_index(device)
+
+    def exchange_device(device: int) -> int:
+        previous, fake.current_device = fake.current_device, device if device >= 0 else fake.current_device
+        return previous
+
+    def get_device_properties(device: Any = None) -> FakeDeviceProperties:
+        fake.on_arch_question()
+        return fake.properties
+
+    def empty_cache() -> None:
+        fake.on_empty_cache()
+
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {"allocated_bytes.all.current": fake.live_bytes(), "allocated_bytes.all.peak": fake.peak_bytes(),
+                "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        fake.on_arch_question()
+        return fake.bf16_supported
+
+    answers: dict[str, Any] = dict(
+        is_available=lambda: True,
+        device_count=lambda: fake.device_count,
+        current_device=lambda: fake.current_device,
+        set_device=set_device,
+        _exchange_device=exchange_device,
+        _maybe_exchange_device=exchange_device,
+        get_device_properties=get_device_properties,
+        get_device_capability=lambda device=None: fake.ask_capability(),
+        get_device_name=lambda device=None: get_device_properties().name,
+        get_arch_list=lambda: [f"sm_{fake.capability[0]}{fake.capability[1]}"],
+        is_bf16_supported=is_bf16_supported,
+        is_initialized=lambda: True,
+        init=lambda: None,
+        synchronize=lambda device=None: None,
+        ipc_collect=lambda: None,
+        Stream=FakeStream,
+        Event=FakeEvent,
+        current_stream=lambda device=None: fake.current_stream,
+        default_stream=lambda device=None: fake.default_stream,
+        stream=fake.use_stream,
+        set_stream=lambda stream: setattr(fake, "current_stream", stream),
+        memory_allocated=lambda device=None: fake.live_bytes(),
+        max_memory_allocated=lambda device=None: fake.peak_bytes(),
+        memory_reserved=lambda device=None: fake.live_bytes(),
+        max_memory_reserved=lambda device=None: fake.peak_bytes(),
+        reset_peak_memory_stats=lambda device=None: fake.reset_peak(),
+        reset_max_memory_allocated=lambda device=None: fake.reset_peak(),
+        reset_accumulated_memory_stats=lambda device=None: None,
+        memory_stats=memory_stats,
+        memory_summary=lambda device=None, abbreviated=False: "(fake CUDA: no allocator summary)",
+        mem_get_info=lambda device=None: (fake.properties.total_memory - fake.live_bytes(),
+                                         fake.properties.total_memory),
+        empty_cache=empty_cache,
+        set_per_process_memory_fraction=lambda fraction, device=None: None,
+        get_rng_state=lambda device="cuda": torch.get_rng_state(),
+        get_rng_state_all=lambda: [torch.get_rng_state() for _ in range(fake.device_count)],
+        set_rng_state=lambda new_state, device="cuda": None,
+        set_rng_state_all=lambda new_states: None,
+    )
+    for name, answer in answers.items():
+        setattr(cuda, name, answer)
+    # Modules that imported these names before the patch keep the originals; the common ones are re-pointed.
+    torch.cuda.memory.empty_cache = empty_cache
+    torch.cuda.memory.memory_allocated = answers["memory_allocated"]
+    torch.cuda.memory.max_memory_allocated = answers["max_memory_allocated"]
+    # The optimizer's CUDA-graph health check asks the real runtime; there is no capture here.
+    cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.graphs.is_current_stream_capturing = lambda: False
+
+
+def _patch_tensor_and_data(fake: FakeCuda) -> None:
+    # Pinning needs a driver; under the trace pinned host memory is not GPU memory anyway.
+    torch.Tensor.pin_memory = lambda self, device=None: self
+    torch.Tensor.is_pinned = lambda self, device=None: False
+
+    # Worker processes would receive fake tensors they cannot pickle back; load in the main process.
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    def single_process_loader_init(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("num_workers", 0):
+            kwargs.update(num_workers=0, persistent_workers=False, prefetch_factor=None)
+        kwargs.pop("pin_memory_device", None)
+        loader_init(self, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = single_process_loader_init
+
+
+def _patch_grad_scaler(fake: FakeCuda) -> None:
+    from torch.amp.grad_scaler import GradScaler
+
+    def always_step(self: GradScaler, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+        # upstream: steps only if no inf/NaN was found (found_inf.item()); fake gradients have no values.
+        fake.on_warning("GradScaler assumed finite gradients (no real data under fake CUDA)")
+        return optimizer.step(*args, **kwargs)
+
+    GradScaler._maybe_opt_step = always_step
+
+
+def _active_fake_mode() -> FakeTensorMode | None:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable:
+    """nn.Module._apply that works on fake tensors and keeps tied weights tied.
+
+    Stock `_apply` swaps tensors in place (`swap_tensors`), which FakeTensors refuse (the fake-tensor memo holds a
+    weakref), and cannot `.data`-assign a FakeTensor to a real parameter. So parameters and buffers are *replaced*,
+    memoised by identity so a tensor shared by two modules stays shared.
+    """
+
+    def fake_aware_apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+        mode = _active_fake_mode()
+        if mode is None and not any(isinstance(t, FakeTensor) for t in itertools.chain(self.parameters(),
+                                                                                         self.buffers())):
+            return original_apply(self, fn, recurse)
+        memo: dict[int, torch.Tensor] = {}
+
+        def convert(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+            if id(tensor) in memo:
+                return memo[id(tensor)]
+            source = tensor
+            if mode is not None and not isinstance(tensor, FakeTensor):
+                with unset_fake_temporarily():
+                    source = mode.from_tensor(tensor.detach())  # shape/dtype only, no data copied
+            with torch.no_grad():
+                converted = fn(source)
+            if isinstance(tensor, nn.Parameter):
+                converted = nn.Parameter(converted, requires_grad=tensor.requires_grad)
+                if tensor.grad is not None:
+                    converted.grad = convert(tensor.grad, "gradient")
+            if converted is not tensor:
+                fake.on_module_tensor(converted, kind)
+            memo[id(tensor)] = converted
+            return converted
+
+        for module in self.modules() if recurse else [self]:
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[name] = convert(param, "parameter")
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = convert(buffer, "buffer")
+        return self
+
+    return fake_aware_apply
+
+
+_CUDA_DATA_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+class CudaFunctionMode(TorchFunctionMode):
+    """Torch-function-level fixes: the SDPA backend the GPU would pick, and CPU data -> cuda tensor creation.
+
+    SDPA chooses its backend in C++ from real device properties, so under fake CUDA it always takes the math path
+    (which materialises B*H*T*T scores). This mode re-states the choice (upstream: sdp_utils.cpp,
+    select_sdp_backend; simplified) and calls the fused op directly.
+    """
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
+        if func in _CUDA_DATA_FUNCTIONS and _is_cuda(kwargs.get("device")):
+            # FakeTensorMode lifts Python/CPU data only onto the CPU; move it afterwards, as the GPU copy would.
+            device = kwargs.pop("device")
+            return func(*args, **kwargs).to(device)
+        return func(*args, **kwargs)
+
+    def _attention(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args)) | kwargs
+        q, k, v = call["query"], call["key"], call["value"]
+        backend, depends_on_arch = choose_attention_backend(q, k, v, call.get("attn_mask"),
+                                                            call.get("enable_gqa", False), self.fake.capability)
+        if depends_on_arch:
+            self.fake.on_arch_question()
+        dropout, causal, scale = call.get("dropout_p", 0.0), call.get("is_causal", False), call.get("scale")
+        if backend == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
+                                                                      scale=scale)[0]
+        if backend == "efficient":
+            bias = call.get("attn_mask")
+            if bias is not None and bias.dtype == torch.bool:
+                # upstream convert_boolean_attn_mask: a float bias with -inf where the mask is False
+                bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
+            needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, needs_grad, dropout,
+                                                                          causal, scale=scale)[0]
+        return func(*args, **kwargs)
+
+
+def choose_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool,
+                             capability: tuple[int, int]) -> tuple[str, bool]:
+    """(backend, whether another GPU generation would choose differently) for one SDPA call on cuda.
+
+    flash: sm>=80, fp16/bf16, no explicit mask, head_dim <= 256 and a multiple of 8, same head count in q/k/v;
+    efficient: sm>=50, any float dtype (bf16 needs sm>=80), masks allowed, head_dim alignment 8 (fp32: 4);
+    otherwise math.
+    """
+    if q.device.type != "cuda" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "math", False
+    head_dim, dtype = q.shape[-1], q.dtype
+    same_heads = q.shape[1] == k.shape[1] == v.shape[1]
+    flash_shape_ok = mask is None and head_dim <= 256 and head_dim % 8 == 0 and same_heads and not gqa
+    half = dtype in (torch.float16, torch.bfloat16)
+    efficient_ok_anywhere = same_heads and not gqa and head_dim % (4 if dtype == torch.float32 else 8) == 0
+    choice = {}
+    for cap in ((7, 0), (8, 0), capability):
+        if half and flash_shape_ok and cap >= (8, 0):
+            choice[cap] = "flash"
+        elif efficient_ok_anywhere and dtype in (torch.float32, torch.float16) or (
+                efficient_ok_anywhere and dtype == torch.bfloat16 and cap >= (8, 0)):
+            choice[cap] = "efficient"
+        else:
+            choice[cap] = "math"
+    return choice[capability], len(set(choice.values())) > 1
+
+
+def _is_cuda(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    return torch.device(device).type == "cuda"
+

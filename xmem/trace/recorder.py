@@ -1,0 +1,355 @@
+"""Recording a program's GPU storage allocations and frees under fake CUDA, with training context.
+
+Owns `TrainingState` (phase and iteration, from autograd/optimizer/module hooks; the stop after N iterations) and
+`AllocationRecorder` (a TorchDispatchMode above FakeTensorMode that sees every ATen op, notes each new CUDA storage
+and, through `weakref.finalize`, the moment it dies, which is when the caching allocator would get `free()`).
+Also supplies stand-in values where fake tensors have no data (`.item()`, `nonzero`), each noted once as a warning.
+Import only in the tracing child, after the shim and `xmem.trace.fakecuda`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from xmem.trace.events import MemEvent, Trace
+from xmem.trace.fakecuda import FakeCuda
+
+aten = torch.ops.aten
+
+
+class StopTracing(BaseException):
+    """Raised from the optimizer's post-step hook once enough iterations ran. BaseException so that the
+    user's `except Exception` blocks let it through."""
+
+
+# Which GPU library a real run of an op on cuda would load (upstream: the CUDA kernels behind each ATen op).
+_LIBRARY_OPS = {
+    "cublas": {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "vdot",
+               "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm", "addr"},
+    "cudnn": {"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
+              "cudnn_convolution_transpose", "cudnn_batch_norm", "cudnn_batch_norm_backward", "native_batch_norm",
+              "native_batch_norm_backward", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+              "_cudnn_rnn", "_cudnn_rnn_backward", "_scaled_dot_product_cudnn_attention", "cudnn_grid_sampler"},
+    "cufft": {"_fft_r2c", "_fft_c2r", "_fft_c2c"},
+}
+_CUSOLVER_PREFIXES = ("linalg_", "_linalg_", "cholesky", "_cholesky", "lu_", "_lu", "geqrf", "ormqr", "triangular_solve")
+
+# Ops that bring data onto the GPU: outside forward/backward/optimizer their outputs are the step's inputs.
+_INPUT_OPS = {"_to_copy", "copy_", "lift_fresh", "lift_fresh_copy", "empty", "empty_strided", "zeros", "ones", "full",
+              "randn", "rand", "randint", "randperm", "arange", "normal", "scalar_tensor", "clone"}
+
+# Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
+_BOOL_TRUTH = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
+_BOOL_KEEP = {"any", "all", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "clone", "_to_copy", "select",
+              "expand", "alias", "detach", "lift_fresh"}
+_BOOL_FLIP = {"logical_not", "bitwise_not"}
+
+
+class TrainingState:
+    """Where the program is in its training loop: phase, iteration, and when to stop.
+
+    Iteration rule: an iteration is complete when every optimizer the program created has stepped once since the
+    previous one completed, so GAN-style loops (two optimizers) count one iteration per round, and gradient
+    accumulation (k backwards per step) one per step. An optimizer that steps again before the others did shows
+    that those others are not part of the loop: the iteration completes there and they are no longer awaited.
+    Steps nested in another optimizer's step (wrappers such as ZeroRedundancyOptimizer) are part of that step.
+    Events before the first forward or backward are setup: iteration -1.
+    """
+
+    def __init__(self, iterations: int, on_progress: Callable[[str], None]) -> None:
+        self.target = iterations
+        self.on_progress = on_progress
+        self.phase = "other"
+        self.completed = 0
+        self.started = False
+        self.stopped = False
+        self.backward_ran = False
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._not_awaited: set[int] = set()
+        self._stepped: set[int] = set()
+        self._step_depth = 0
+        self.on_step_begin: Callable[[torch.optim.Optimizer], None] = lambda opt: None
+        self.on_step_end: Callable[[torch.optim.Optimizer], None] = lambda opt: None
+
+    @property
+    def iteration(self) -> int:
+        return self.completed if self.started else -1
+
+    def install(self) -> None:
+        """Hook autograd, optimizers and module forwards (process-global, never removed)."""
+        import torch.optim.optimizer as optimizer_module
+        state = self
+        original_init = torch.optim.Optimizer.__init__
+
+        def init_and_register(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            state._optimizers.add(self)
+
+        torch.optim.Optimizer.__init__ = init_and_register
+        optimizer_module.register_optimizer_step_pre_hook(self._before_step)
+        optimizer_module.register_optimizer_step_post_hook(self._after_step)
+        torch.nn.modules.module.register_module_forward_pre_hook(self._before_module_forward)
+        torch.autograd.backward = self._in_backward(torch.autograd.backward)
+        torch.autograd.grad = self._in_backward(torch.autograd.grad)
+
+    def _before_module_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.phase == "other":
+            self.phase = "forward"
+            self.started = True
+
+    def _in_backward(self, run: Callable) -> Callable:
+        def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:
+            outer, self.phase, self.started, self.backward_ran = self.phase, "backward", True, True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.phase = "other" if outer == "forward" else outer
+        return run_in_backward_phase
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_depth += 1
+        if self._step_depth == 1:
+            self.phase = "optimizer"
+            self.on_step_begin(optimizer)
+        else:
+            self._not_awaited.add(id(optimizer))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_depth -= 1
+        if self._step_depth > 0:
+            return
+        self.on_step_end(optimizer)
+        self.phase = "other"
+        if id(optimizer) in self._stepped:  # stepped again: the optimizers not seen are not in the loop
+            self._not_awaited |= {id(o) for o in self._optimizers} - self._stepped
+            self._complete_iteration()
+        self._stepped.add(id(optimizer))
+        awaited = {id(o) for o in self._optimizers} - self._not_awaited
+        if awaited <= self._stepped:
+            self._complete_iteration()
+
+    def _complete_iteration(self) -> None:
+        self._stepped = set()
+        self.completed += 1
+        self.on_progress(f"iteration {self.completed}/{self.target}")
+        if self.completed >= self.target:
+            self.stopped = True
+            raise StopTracing
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records every CUDA storage allocation and free in program order, plus what ran (ops, libraries, threads).
+
+    Enter it inside (above) the FakeTensorMode. Storages are identified by their StorageImpl address while alive.
+    Per-op work is kept small: a dict increment and a look at the outputs.
+    """
+
+    def __init__(self, fake: FakeCuda, state: TrainingState, module_path: Callable[[], str]) -> None:
+        super().__init__()
+        self.fake = fake
+        self.state = state
+        self.module_path = module_path
+        self.rows: list[list] = []  # [action, block, nbytes, device, stream, op, module, phase, iteration]
+        self.category: dict[int, str] = {}  # block -> category (refined after the fact)
+        self.op_counts: dict[str, int] = {}
+        self.libraries: set[str] = set()
+        self.threads: set[int] = set()
+        self.warnings: list[str] = []
+        self.arch_sensitive = False
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._block_of_storage: dict[int, int] = {}
+        self._block_ids = itertools.count()
+        self._cuda_ops: set[str] = set()
+        self._lock = threading.Lock()
+        self._connect()
+
+    def _connect(self) -> None:
+        fake, state = self.fake, self.state
+        fake.on_arch_question = self._arch_question
+        fake.on_module_tensor = lambda tensor, kind: self.label(tensor, kind)
+        fake.on_empty_cache = self._empty_cache
+        fake.on_warning = self.warn
+        fake.live_bytes = lambda: self.live_bytes
+        fake.peak_bytes = lambda: self.peak_bytes
+        fake.reset_peak = self._reset_peak
+        state.on_step_begin = self._label_parameters_and_gradients
+        state.on_step_end = self._label_optimizer_state
+
+    # ---- the dispatch hook -------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._opname
+        self.op_counts[name] = self.op_counts.get(name, 0) + 1
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            if func is not aten._local_scalar_dense.default:
+                raise
+            return self._stand_in_scalar(args[0])
+        except DynamicOutputShapeException:
+            out = self._stand_in_dynamic_shape(func, args, kwargs)
+        if self.state.stopped:
+            return out
+        if isinstance(out, torch.Tensor):
+            self._note_output(out, name, args)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._note_output(item, name, args)
+        return out
+
+    def _note_output(self, tensor: torch.Tensor, op: str, args: tuple) -> None:
+        if tensor.dtype == torch.bool:
+            _guess_truth(tensor, op, args)
+        if tensor.device.type != "cuda":
+            return
+        if op not in self._cuda_ops:
+            self._first_cuda_use(op)
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._block_of_storage:
+            return  # a view, an in-place result, or a storage already known
+        self._alloc(storage, key, tensor.device.index or 0, op)
+
+    def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str) -> None:
+        state = self.state
+        nbytes = storage.nbytes()
+        with self._lock:
+            block = next(self._block_ids)
+            self._block_of_storage[key] = block
+            stream = self.fake.current_stream.stream_id
+            self.rows.append(["alloc", block, nbytes, device, stream, op, self.module_path(), state.phase,
+                              state.iteration])
+            self.category[block] = _category_at_birth(state.phase, op)
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        finalizer = weakref.finalize(storage, self._free, key, block, nbytes, device, stream)
+        finalizer.atexit = False
+
+    def _free(self, key: int, block: int, nbytes: int, device: int, stream: int) -> None:
+        with self._lock:
+            self._block_of_storage.pop(key, None)
+            if self.state.stopped:
+                return
+            self.live_bytes -= nbytes
+            self.rows.append(["free", block, nbytes, device, stream, "", self.module_path(), self.state.phase,
+                              self.state.iteration])
+
+    def _first_cuda_use(self, op: str) -> None:
+        self._cuda_ops.add(op)
+        self.threads.add(threading.get_ident())
+        for library, ops in _LIBRARY_OPS.items():
+            if op in ops:
+                self.libraries.add(library)
+        if op.startswith(_CUSOLVER_PREFIXES):
+            self.libraries.add("cusolver")
+
+    # ---- stand-ins for values fake tensors do not have ------------------------------------------------------
+    def _stand_in_scalar(self, tensor: torch.Tensor) -> Any:
+        self.warn("tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)")
+        if tensor.dtype == torch.bool:
+            return getattr(tensor, "_xmem_truth", True)
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            return 1.0
+        return 1
+
+    def _stand_in_dynamic_shape(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # Upper bound: every element selected. Memory estimates should err on the large side.
+        name = func._opname
+        if name == "nonzero":
+            x = args[0]
+            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
+                      "CUDA)")
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if name == "masked_select":
+            x, mask = args[0], args[1]
+            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
+                      "CUDA)")
+            return torch.empty(torch.broadcast_shapes(x.shape, mask.shape).numel(), dtype=x.dtype, device=x.device)
+        if name == "index" and len(args) > 1:
+            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
+                      "CUDA)")
+            indices: list = []
+            for index in args[1]:
+                if index is not None and index.dtype in (torch.bool, torch.uint8):
+                    indices.extend(torch.empty(index.numel(), dtype=torch.long, device=index.device)
+                                   for _ in range(index.dim()))
+                else:
+                    indices.append(index)
+            return func(args[0], indices)
+        raise
+
+    # ---- listeners --------------------------------------------------------------------------------------------
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    def _arch_question(self) -> None:
+        self.arch_sensitive = True
+
+    def _empty_cache(self) -> None:
+        if not self.state.stopped:
+            self.rows.append(["empty_cache", -1, 0, self.fake.current_device, 0, "empty_cache", self.module_path(),
+                              self.state.phase, self.state.iteration])
+
+    def _reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def block_of(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None or tensor.device.type != "cuda":
+            return None
+        return self._block_of_storage.get(tensor.untyped_storage()._cdata)
+
+    def label(self, tensor: torch.Tensor | None, category: str) -> None:
+        block = self.block_of(tensor)
+        if block is not None:
+            self.category[block] = category
+
+    def _label_parameters_and_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self.label(param, "parameter")
+                self.label(param.grad, "gradient")
+
+    def _label_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        for per_param in optimizer.state.values():
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    self.label(value, "optimizer_state")
+
+    # ---- the result -------------------------------------------------------------------------------------------
+    def to_trace(self, capability: tuple[int, int], seconds: float, alloc_conf: str) -> Trace:
+        events = [MemEvent(*row[:9], category=self.category.get(row[1], "other")) for row in self.rows]
+        return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
+                     libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
+                     arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
+                     alloc_conf=alloc_conf, seconds=seconds, torch_version=torch.__version__)
+
+
+def _category_at_birth(phase: str, op: str) -> str:
+    """First guess of a storage's category; parameters, gradients and optimizer state are labelled later."""
+    if phase == "forward":
+        return "activation"
+    if phase in ("backward", "optimizer"):
+        return "temporary"
+    return "input" if op in _INPUT_OPS else "temporary"
+
+
+def _guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
+    """Remember what a boolean result most plausibly holds, for a later `.item()`/`if` on it."""
+    if op in _BOOL_TRUTH:
+        tensor._xmem_truth = _BOOL_TRUTH[op]
+    elif args and isinstance(args[0], torch.Tensor) and hasattr(args[0], "_xmem_truth"):
+        if op in _BOOL_KEEP:
+            tensor._xmem_truth = args[0]._xmem_truth
+        elif op in _BOOL_FLIP:
+            tensor._xmem_truth = not args[0]._xmem_truth
+

@@ -1,0 +1,114 @@
+"""The parent side of a trace: `run_trace` starts the tracing child, relays its progress, returns its Trace.
+
+Owns the subprocess: interpreter choice, PYTHONPATH so the child finds xmem from any venv, the environment of one
+rank for distributed launchers, the timeout, capture of the program's output, and turning the child's error JSON
+into a TraceError. Does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+from xmem.trace.command import Target, parse_command
+from xmem.trace.errors import TraceError
+from xmem.trace.events import Trace
+
+XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
+OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
+
+
+def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int, int] = (9, 0),
+              device_count: int = 1, env: Mapping[str, str] | None = None, cwd: str | None = None,
+              timeout: float | None = None, python: str | None = None,
+              on_progress: Callable[[str], None] | None = None) -> Trace:
+    """Run `command` (as the user would type it) under fake CUDA for `iterations` optimizer steps.
+
+    Returns the Trace; a program that never touches CUDA gives a Trace with used_cuda=False and no events.
+    Raises TraceError (kind not_found, not_python, user_error, no_optimizer_step, timeout or internal).
+    """
+    target = parse_command(list(command), cwd)
+    interpreter = python or sys.executable
+    with tempfile.TemporaryDirectory(prefix="xmem-trace-") as scratch:
+        out = Path(scratch) / "trace.json"
+        child = [interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
+                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(device_count)]
+        output, returncode = _run_child(child, target, _child_env(env, target), cwd, timeout, on_progress)
+        if not out.exists():
+            raise TraceError("internal", f"the tracing child ended (status {returncode}) without writing a result: "
+                                         f"{_last_line(output)}", output=output[-OUTPUT_TAIL:])
+        payload = json.loads(out.read_text())
+    if "error" in payload:
+        raise TraceError(payload["error"], payload["message"], payload.get("traceback", ""),
+                         output=output[-OUTPUT_TAIL:])
+    return Trace.from_json(payload)
+
+
+def _child_env(env: Mapping[str, str] | None, target: Target) -> dict[str, str]:
+    child_env = dict(os.environ if env is None else env)
+    paths = [XMEM_PARENT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    child_env["PYTHONPATH"] = os.pathsep.join(paths)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    if target.distributed:
+        # One rank of the job is estimated: it sees a world of one, as torchrun would tell rank 0.
+        child_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        child_env.setdefault("MASTER_ADDR", "127.0.0.1")
+        child_env.setdefault("MASTER_PORT", "29500")
+    return child_env
+
+
+def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str | None, timeout: float | None,
+               on_progress: Callable[[str], None] | None) -> tuple[str, int]:
+    """Run the child; return (its combined stdout+stderr, exit status). Progress lines arrive on a pipe."""
+    read_fd, write_fd = os.pipe()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen([*child, "--progress-fd", str(write_fd), "--", *target.child_argv()],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                   pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        relay = threading.Thread(target=_relay_progress, args=(read_fd, on_progress), daemon=True)
+        relay.start()
+        started = time.monotonic()
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            relay.join(timeout=5)
+            raise TraceError("timeout", f"the program did not finish {_plural(1, 'iteration')} set within "
+                                        f"{timeout:.0f} s (stopped after {time.monotonic() - started:.0f} s); "
+                                        "raise the timeout or trace fewer iterations") from None
+        relay.join(timeout=5)
+        log.seek(0)
+        return log.read().decode(errors="replace"), returncode
+
+
+def _relay_progress(read_fd: int, on_progress: Callable[[str], None] | None) -> None:
+    with os.fdopen(read_fd, "r", errors="replace") as lines:
+        for line in lines:
+            if on_progress is not None:
+                on_progress(line.rstrip("\n"))
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
