@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Run the reference jobs on a real GPU and record their memory in the shared data's JSONL schema.
+
+    .venv/bin/python scripts/measure_gpu.py --plan modern --out bench-out/gpu
+    .venv/bin/python scripts/measure_gpu.py --data benchmarks/data/xmem-dev.jsonl --out bench-out/gpu --limit 20
+    .venv/bin/python scripts/bench_accuracy.py --data bench-out/gpu/measurements.jsonl --out bench-out/gpu-score
+
+Each job runs unchanged (benchmarks/jobs/*.py, via runpy) in its own fresh process, as the reference measurements
+did: a thread polls NVML `memory.used` of the device every millisecond from before the job starts; the NVML peak is
+the largest (used - used at the first sample). Per job it records that peak, `max_memory_reserved`,
+`max_memory_allocated`, the non-allocator overhead at the end (NVML used - first sample - `memory_reserved`), whether
+the job hit CUDA OOM, and an allocator snapshot (`torch.cuda.memory._snapshot()`, pickled under OUT/snapshots/).
+
+Output: OUT/measurements.jsonl, one line per job: `{"path", "study", "result": {"train info": {...}, "ground":
+{"memory", "real_oom", "max_memory_reserved", "max_memory_allocated", "context_bytes", ...}}}`, which
+bench_accuracy.py and `xmem-slurm calibrate` read unchanged. Needs an NVIDIA GPU and its driver's libnvidia-ml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS_DIR = ROOT / "benchmarks" / "jobs"
+sys.path.insert(0, str(ROOT))  # xmem.bench without an install, on a bare GPU machine
+
+from xmem.bench.records import Reference, Unreproducible, job_command, job_env, load_references  # noqa: E402
+
+POLL_SECONDS = 0.001
+ITERATIONS = 4  # the reference jobs' iterations 0-3
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job to measure: the fields of a record's `train info` that choose the job."""
+
+    model: str
+    optimizer: str
+    batch_size: int
+    zero_grad_mode: int = 1
+    options: dict = field(default_factory=dict)  # amp, fused, dtype, alloc_conf
+
+    @property
+    def name(self) -> str:
+        extras = "_".join(f"{k}-{v}" for k, v in sorted(self.options.items()) if v not in (None, False, "none"))
+        base = f"{self.model.replace('/', '--')}_{self.optimizer}_{self.batch_size}_{self.zero_grad_mode}"
+        return "".join(ch if ch.isalnum() or ch in "-_.=" else "-" for ch in f"{base}_{extras}".rstrip("_"))
+
+
+# Modern variants the dev data lacks: bf16 autocast, fused AdamW, expandable segments, SDPA flash on fp16 weights.
+MODERN_PLAN = (
+    JobSpec("openai-community/gpt2", "AdamW", 16, 1, {"amp": "bf16"}),
+    JobSpec("openai-community/gpt2", "AdamW", 16, 1, {"fused": True}),
+    JobSpec("openai-community/gpt2", "AdamW", 16, 1, {"amp": "bf16", "fused": True}),
+    JobSpec("openai-community/gpt2", "AdamW", 16, 1, {"alloc_conf": "expandable_segments:True"}),
+    JobSpec("openai-community/gpt2", "SGD", 16, 1, {"dtype": "float16"}),
+    JobSpec("facebook/opt-350m", "AdamW", 8, 0, {"amp": "bf16", "fused": True,
+                                                  "alloc_conf": "expandable_segments:True"}),
+    JobSpec("ConvNeXtTiny", "AdamW", 128, 1, {"amp": "bf16", "fused": True}),
+    JobSpec("resnet101", "SGD", 128, 2, {"alloc_conf": "expandable_segments:True"}),
+)
+
+
+def specs_from_data(refs: list[Reference]) -> list[JobSpec]:
+    """The distinct jobs of a data file, in file order."""
+    seen: dict[tuple, JobSpec] = {}
+    for r in refs:
+        spec = JobSpec(r.model, r.optimizer, r.batch_size, r.zero_grad_mode, dict(r.options))
+        seen.setdefault((spec.name,), spec)
+    return list(seen.values())
+
+
+def spec_reference(spec: JobSpec, gpu_name: str = "", capacity: int = 0) -> Reference:
+    return Reference(path=spec.name, study="measure_gpu", model=spec.model, optimizer=spec.optimizer,
+                     batch_size=spec.batch_size, gpu_name=gpu_name, capacity_bytes=capacity,
+                     zero_grad_mode=spec.zero_grad_mode, ground_bytes=0, real_oom=False, options=dict(spec.options))
+
+
+def nvml_peak(samples: list[int]) -> int:
+    """The reference measurements' figure: the largest used - used at the first sample (0 for no samples)."""
+    return max(samples) - samples[0] if samples else 0
+
+
+def measurement_record(spec: JobSpec, raw: dict, study: str) -> dict:
+    """A child's raw result as a line of the shared data's schema (plus the `ground` section)."""
+    gpu_slug = raw["gpu_name"].replace(" ", "-")
+    info = {"model": spec.model, "batch_size": spec.batch_size, "target_iteration": ITERATIONS - 1,
+            "optimiser": spec.optimizer, "device": raw.get("device", 0), "zero_grad_mode": spec.zero_grad_mode,
+            "total_gpu_memory": raw["total_bytes"], "gpu_name": raw["gpu_name"], "options": dict(spec.options)}
+    ground = {"memory": nvml_peak(raw["nvml_used"]), "real_oom": raw["oom"],
+              "max_memory_reserved": raw["max_memory_reserved"], "max_memory_allocated": raw["max_memory_allocated"],
+              "context_bytes": raw["context_bytes"], "samples": len(raw["nvml_used"]), "seconds": raw["seconds"],
+              "snapshot": raw.get("snapshot"), "error": raw.get("error"), "versions": raw.get("versions", {})}
+    return {"path": f"measure_gpu/{gpu_slug}/{spec.name}", "study": study,
+            "result": {"train info": info, "ground": ground}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The child: one job in this process, NVML polled by a thread. Needs a GPU.
+
+class Nvml:
+    """The three NVML calls the measurement needs, through the driver's libnvidia-ml (no Python package)."""
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    def __init__(self, index: int) -> None:
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self._check(self.lib.nvmlInit_v2(), "nvmlInit_v2")
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)), "GetHandleByIndex")
+
+    def _check(self, status: int, call: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"NVML {call} failed with status {status}")
+
+    def used(self) -> int:
+        memory = self._Memory()
+        self._check(self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(memory)), "GetMemoryInfo")
+        return memory.used
+
+
+class Poller(threading.Thread):
+    def __init__(self, read, period: float = POLL_SECONDS) -> None:
+        super().__init__(daemon=True)
+        self.read, self.period = read, period
+        self.samples: list[int] = [read()]  # the first sample is taken before the job starts
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append(self.read())
+            time.sleep(self.period)
+
+
+def run_child(spec: JobSpec, snapshot_path: Path, nvml_index: int) -> dict:
+    """Run one job here. torch sees only the measured GPU (index 0); NVML ignores CUDA_VISIBLE_DEVICES."""
+    import runpy
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("measure_gpu.py: no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                         "run it on a machine with an NVIDIA GPU")
+    command = job_command(spec_reference(spec), JOBS_DIR, python=sys.executable)
+    nvml = Nvml(nvml_index)
+    poller = Poller(nvml.used)  # first sample before anything creates the CUDA context
+    poller.start()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    started, oom, error = time.perf_counter(), False, None
+    sys.argv = command[1:]
+    try:
+        runpy.run_path(command[1], run_name="__main__")
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError as e:
+        oom, error = True, str(e).splitlines()[0]
+    seconds = time.perf_counter() - started
+    time.sleep(0.05)  # let the poller see the last frees' effect (they do not lower NVML: the cache keeps them)
+    poller.stop.set()
+    poller.join()
+    used_now = nvml.used()
+    reserved_now = torch.cuda.memory_reserved()
+    with snapshot_path.open("wb") as f:
+        pickle.dump(torch.cuda.memory._snapshot(), f)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu_name": torch.cuda.get_device_name(0), "device": nvml_index,
+        "total_bytes": props.total_memory, "oom": oom, "error": error, "seconds": round(seconds, 3),
+        "nvml_used": poller.samples, "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "context_bytes": used_now - poller.samples[0] - reserved_now, "snapshot": snapshot_path.name,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                     "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability())},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: one fresh process per job, results appended as they come.
+
+def measure(spec: JobSpec, out: Path, device_index: int, timeout: float) -> dict | None:
+    raw_path = out / "raw" / f"{spec.name}.json"
+    raw_path.parent.mkdir(parents=True, exist_ok=True)
+    (out / "snapshots").mkdir(exist_ok=True)
+    # the child's torch sees only the measured GPU; --device is the index NVML (which ignores this variable) uses
+    env = {**os.environ, **job_env(spec_reference(spec)), "CUDA_VISIBLE_DEVICES": str(device_index)}
+    child = [sys.executable, __file__, "--child", json.dumps(asdict(spec)), "--device", str(device_index),
+             "--raw", str(raw_path),
+             "--snapshot", str(out / "snapshots" / f"{spec.name}.pickle")]
+    try:
+        done = subprocess.run(child, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        print(f"  {spec.name}: timed out after {timeout:.0f} s", file=sys.stderr)
+        return None
+    if done.returncode != 0 or not raw_path.is_file():
+        print(f"  {spec.name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(raw_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="directory for measurements.jsonl, raw/, snapshots/")
+    parser.add_argument("--plan", choices=("modern",), help="built-in job list")
+    parser.add_argument("--data", type=Path, help="measure the distinct jobs of this JSONL's records")
+    parser.add_argument("--limit", type=int, default=0, help="measure at most this many jobs")
+    parser.add_argument("--device", type=int, default=0, help="GPU index (default 0)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per job (default 1800)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--raw", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--snapshot", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:  # in the fresh process: CUDA_VISIBLE_DEVICES already picks the device
+        raw = run_child(JobSpec(**json.loads(args.child)), args.snapshot, args.device)
+        args.raw.write_text(json.dumps(raw))
+        return 0
+    if not args.out or not (args.plan or args.data):
+        parser.error("give --out and --plan or --data")
+    try:
+        Nvml(args.device)
+    except (OSError, RuntimeError) as e:
+        print(f"measure_gpu.py: no usable NVIDIA GPU {args.device} ({e}); run it on a machine with a GPU",
+              file=sys.stderr)
+        return 2
+    specs = list(MODERN_PLAN) if args.plan == "modern" else specs_from_data(load_references(args.data))
+    specs = specs[: args.limit] if args.limit else specs
+    for spec in specs:  # fail before any GPU time is spent on a job that cannot be re-created
+        try:
+            job_command(spec_reference(spec), JOBS_DIR)
+        except Unreproducible as e:
+            print(f"measure_gpu.py: {spec.name}: {e}", file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    study = f"measure_gpu/{args.plan or args.data.name}"
+    with (args.out / "measurements.jsonl").open("a") as sink:
+        for number, spec in enumerate(specs, start=1):
+            raw = measure(spec, args.out, args.device, args.timeout)
+            if raw is None:
+                continue
+            line = measurement_record(spec, raw, study)
+            sink.write(json.dumps(line) + "\n")
+            sink.flush()
+            ground = line["result"]["ground"]
+            print(f"[{number}/{len(specs)}] {spec.name}: NVML peak {ground['memory'] / 2**30:.3f} GiB, reserved "
+                  f"{ground['max_memory_reserved'] / 2**30:.3f} GiB, overhead {ground['context_bytes'] / 2**20:.0f} "
+                  f"MiB{' OOM' if ground['real_oom'] else ''} ({raw['seconds']:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
