@@ -70,7 +70,7 @@ class Estimate:
     """The whole answer for one command: every requested GPU type, and what was live at the peak.
 
     `breakdown` is taken on `breakdown_gpu`, the requested type with the most memory (the one least likely to stop
-    at an OOM): bytes live per category at the op where reserved memory peaked, plus `allocator_slack` (reserved
+    at an OOM): bytes live per category at the peak (see `fullest_peak_op`), plus `allocator_slack` (peak reserved
     minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
     (context and libraries). Its values add up to that type's `peak_bytes`.
     """
@@ -121,18 +121,18 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
 
     job_env = dict(env) if env is not None else dict(os.environ)  # the tracer runs the job with this env too
     config = _allocator_config(first, job_env)
-    results: dict[str, tuple[GpuEstimate, GpuOps, SimResult]] = {}
+    biggest = max(targets, key=lambda g: g.total_bytes).name
+    results: dict[str, GpuEstimate] = {}
+    breakdown: dict[str, int] = {}
     for gpu in targets:
         if on_progress:
             on_progress(f"simulating the caching allocator on {gpu.name}")
-        results[gpu.name] = estimate_gpu(traces[capability_class(gpu.capability)], gpu, config, job_env)
-
-    biggest = max(targets, key=lambda g: g.total_bytes).name
-    gpu_estimate, ops, sim = results[biggest]
-    breakdown = breakdown_at(ops, sim.peak_reserved_index, sim.peak_reserved, gpu_estimate.overhead_bytes)
+        trace = traces[capability_class(gpu.capability)]
+        results[gpu.name], parts = estimate_gpu(trace, gpu, config, job_env, with_breakdown=gpu.name == biggest)
+        breakdown = parts or breakdown
     return Estimate(
         command=tuple(command),
-        gpus={name: r[0] for name, r in results.items()},
+        gpus=results,
         breakdown=breakdown,
         breakdown_gpu=biggest,
         iterations=min(t.iterations for t in traces.values()),
@@ -183,15 +183,20 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
     return traces
 
 
-def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig,
-                 env: Mapping[str, str] | None = None) -> tuple[GpuEstimate, GpuOps, SimResult]:
-    """Orchestrate and simulate `trace` on `gpu`; with several devices, the device with the highest peak counts."""
+def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
+                 with_breakdown: bool = False) -> tuple[GpuEstimate, dict[str, int]]:
+    """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
+
+    With several devices in the trace, the device with the highest peak (or the first OOM) counts.
+    """
     overhead = overhead_bytes(gpu, trace.libraries)
     capacity = gpu.total_bytes - overhead
     worst: tuple[GpuOps, SimResult] | None = None
     for device in trace_devices(trace):
         ops = orchestrate(trace, gpu, env, device=device)
-        sim = simulate(ops.ops, config, capacity=capacity)
+        # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
+        points = max(len(ops.ops), 3) if with_breakdown else 2000
+        sim = simulate(ops.ops, config, capacity=capacity, timeline_points=points)
         if worst is None or (sim.oom is not None, sim.peak_reserved) > (worst[1].oom is not None, worst[1].peak_reserved):
             worst = (ops, sim)
     assert worst is not None  # trace_devices never returns an empty list
@@ -210,11 +215,30 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig,
         fragmentation=sim.fragmentation_at_peak,
         traced_capability=tuple(trace.capability),
     )
-    return gpu_estimate, ops, sim
+    if not with_breakdown:
+        return gpu_estimate, {}
+    return gpu_estimate, breakdown_at(ops, fullest_peak_op(sim), sim.peak_reserved, overhead)
+
+
+def fullest_peak_op(sim: SimResult) -> int:
+    """The op where reserved memory is at its peak and, among those, the most memory is allocated.
+
+    Reserved memory reaches its peak early (the first time the cache has to grow that far) and then stays while
+    cached blocks are reused; the op that fills the peak best shows what the peak memory is for.
+    """
+    best_index, best_allocated = sim.peak_reserved_index, -1
+    for index, allocated, reserved in sim.timeline:
+        if reserved == sim.peak_reserved and allocated > best_allocated:
+            best_index, best_allocated = index, allocated
+    return best_index
 
 
 def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[str, int]:
-    """Bytes live per category just after `ops.ops[index]`, plus the allocator's slack and the overhead."""
+    """Bytes live per category just after `ops.ops[index]`, plus the allocator's slack and the overhead.
+
+    `allocator_slack` is `reserved` minus the live tensors' requested bytes: rounding, unsplit remainders and
+    cached free blocks.
+    """
     live: dict[int, tuple[str, int]] = {}
     for (action, block, nbytes, _stream), (category, _phase, _iteration) in zip(ops.ops[: index + 1], ops.labels):
         if action == ALLOC:
