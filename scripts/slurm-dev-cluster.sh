@@ -85,7 +85,7 @@ CliFilterPlugins=cli_filter/lua
 TaskProlog=$LAB/etc/task_prolog.sh
 Epilog=$LAB/etc/epilog.sh
 NodeName=localhost CPUs=16 Sockets=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:a100:2,gpu:h100:1,gpu:1g.10gb:1,mps:200 State=UNKNOWN
-PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   cat > "$LAB/etc/gres.conf" <<EOF
 AutoDetect=off
@@ -102,7 +102,7 @@ EOF
 write_xmem_config() {
   local src=$REPO/etc/xmem.toml
   if [ -f "$src" ]; then
-    "$REPO/.venv/bin/python" - "$src" "$LAB" > "$LAB/etc/xmem.toml" <<'EOF'
+    python3 - "$src" "$LAB" > "$LAB/etc/xmem.toml" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
 # In the [shard] table, `enabled = true` becomes false: this cluster has no shard GRES (see the header).
@@ -118,7 +118,10 @@ EOF
 
 # slurm/ files -> $LAB/etc, with the install-time settings filled in. cli_filter.lua must sit next to slurm.conf.
 install_xmem_files() {
-  local timeout_s=${XMEM_FILTER_TIMEOUT_S:-300}
+  # The Lua side's outer limit: the config's estimate timeout (which bounds slot wait + estimate) plus startup.
+  local timeout_s
+  timeout_s=$("$(dirname "$XMEM_SLURM")/python" -c "from xmem.config import load_site_config as l; \
+print(int(l('$LAB/etc/xmem.toml').estimate.timeout_s) + 30)" 2>/dev/null || echo 330)
   sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@TIMEOUT_S@|$timeout_s|g" -e "s|@FAILURE@|open|g" \
       -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" "$REPO/slurm/cli_filter.lua" > "$LAB/etc/cli_filter.lua"
   for f in task_prolog.sh epilog.sh; do

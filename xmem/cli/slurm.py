@@ -19,14 +19,6 @@ from xmem.cli import app
 ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
 
 
-def _config_path(explicit: Optional[str]) -> Optional[str]:
-    """The config file the loader will use, for the cache key (None: built-in defaults)."""
-    for candidate in (explicit, os.environ.get("XMEM_CONFIG"), "/etc/xmem/xmem.toml"):
-        if candidate and os.path.isfile(candidate):
-            return candidate
-    return None
-
-
 def _load_config(explicit: Optional[str]) -> Any:
     from xmem.config import load_site_config
 
@@ -64,7 +56,7 @@ def filter_command(
         _emit(FilterReply(fault=f"bad filter input: {e}").to_json())
         return
     try:
-        reply = run_filter(request, site, config_path=_config_path(config))
+        reply = run_filter(request, site)
     except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
         from xmem.slurm.filter import failure_reply
 

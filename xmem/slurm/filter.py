@@ -21,6 +21,7 @@ import dataclasses
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,19 +301,21 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
-def config_digest(config_path: str | None) -> str:
-    return file_digest(config_path) if config_path else ""
-
-
-def run_filter(request: FilterRequest, config: Any, *, config_path: str | None = None,
+def run_filter(request: FilterRequest, config: Any, *,
                analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze) -> FilterReply:
-    """One submission, start to reply."""
+    """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
+    wait for an estimate slot and the estimate together."""
     failure = config.failure
-    estimate = config.estimate
-    cache = AnalysisCache(estimate.cache_dir or "~/.cache/xmem-slurm/estimates")
+    cache = AnalysisCache(Path(os.path.expanduser(config.estimate.cache_dir)) / "analyses")
+    started = time.monotonic()
 
-    def slots() -> contextlib.AbstractContextManager:
-        return estimate_slot(cache.directory, estimate.max_concurrent, wait_s=float(estimate.timeout_s))
+    def slot() -> contextlib.AbstractContextManager:
+        return estimate_slot(cache.directory, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
+
+    def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Analysis:
+        left = max(1.0, site.estimate.timeout_s - (time.monotonic() - started))
+        return analyzer(script, req, dataclasses.replace(site, estimate=dataclasses.replace(site.estimate,
+                                                                                             timeout_s=left)))
 
     with wrapped_script(request) as script:
         if script is None:
@@ -325,8 +328,9 @@ def run_filter(request: FilterRequest, config: Any, *, config_path: str | None =
             return FilterReply()  # a CPU job: no estimate, no change, no message
         try:
             analysis = cached_analysis(script, request, config, cache=cache,
-                                       config_digest=config_digest(config_path),
-                                       files=command_files(job, request, script), analyzer=analyzer, slots=slots)
+                                       config_digest=file_digest(config.source) if config.source else "",
+                                       files=command_files(job, request, script), analyzer=timed_analyzer,
+                                       slots=slot)
         except NoSlotFree as e:
             return failure_reply(str(e), request, failure)
         except OSError as e:
