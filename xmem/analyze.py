@@ -1,0 +1,212 @@
+"""One batch job, start to decision: parse the script, estimate each training command on the eligible GPU types,
+combine the peaks and ask the policy. What `xmem-slurm check` shows and what the sbatch filter acts on.
+
+Owns the order of the steps, which GPU types are eligible (the site config, else the cluster), and how per-command
+results and failures are gathered into one `JobAnalysis`. Reads the script file, may query Slurm for the
+partition's GPU types, and runs the estimator; the decision itself is `xmem.policy` (pure).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xmem.config import SiteConfig
+from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
+from xmem.policy import Decision, decide, eligible_types, estimate_types, job_partitions
+
+# Estimator failures that mean "this command is not a GPU training step" rather than "the estimate failed".
+NOT_TRAINING_KINDS = ("no_optimizer_step",)
+
+
+@dataclass(frozen=True)
+class AnalysisError:
+    """Why (part of) the analysis could not be made. kind: bad_input, not_understood, no_gpu_types, or an
+    estimator kind (not_found, not_python, user_error, no_optimizer_step, timeout, internal, unknown_gpu)."""
+
+    kind: str
+    message: str
+    user_traceback: str = ""
+    line_no: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass(frozen=True)
+class CommandEstimate:
+    """One training command and its estimate (`Estimate.to_json()`), or the error it ended with."""
+
+    command: TrainCommand
+    estimate: Mapping[str, Any] | None = None
+    error: AnalysisError | None = None
+    skipped: str | None = None  # why the command does not count (not a training step)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"command": self.command.to_json(), "estimate": self.estimate,
+                "error": _error_json(self.error) if self.error else None, "skipped": self.skipped}
+
+
+@dataclass(frozen=True)
+class JobAnalysis:
+    job: JobScript | None
+    estimates: tuple[CommandEstimate, ...] = ()
+    gpu_types: tuple[str, ...] = ()  # the site's GPU types the job was estimated for (GRES names)
+    peaks: Mapping[str, int] = field(default_factory=dict)  # per GPU type, max over commands, bytes per rank
+    decision: Decision | None = None
+    errors: tuple[AnalysisError, ...] = ()
+    partitions: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job.to_json() if self.job else None,
+            "partitions": list(self.partitions),
+            "gpu_types": list(self.gpu_types),
+            "estimates": [e.to_json() for e in self.estimates],
+            "peaks": dict(self.peaks),
+            "decision": self.decision.to_json() if self.decision else None,
+            "errors": [_error_json(e) for e in self.errors],
+        }
+
+
+Estimator = Callable[..., Any]  # xmem.estimate.estimate's signature
+ClusterTypes = Callable[[str], "tuple[str, ...] | None"]  # partition -> GPU GRES types, or None if unknown
+
+
+def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = (),
+                cli_options: Mapping[str, str | None] | None = None, config: SiteConfig,
+                env: Mapping[str, str] | None = None, user: str | None = None,
+                gpus: Sequence[str] | None = None, submit_cwd: str | None = None,
+                on_progress: Callable[[str], None] | None = None,
+                estimator: Estimator | None = None, cluster_types: ClusterTypes | None = None) -> JobAnalysis:
+    """Analyse the batch script at `script_path` as it would be submitted (`sbatch [cli_options] script args`).
+
+    `env`: the submitting environment (default: this process's). `gpus`: estimate these GPU types instead of the
+    partition's. `estimator`/`cluster_types` default to `xmem.estimate.estimate` and a Slurm query."""
+    env = dict(os.environ if env is None else env)
+    path = os.path.abspath(script_path)
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        return JobAnalysis(None, errors=(AnalysisError("bad_input", f"cannot read {path}: {e.strerror}"),))
+    submit_cwd = submit_cwd or env.get("PWD") or os.getcwd()
+    job = parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
+                          cli_options=cli_options, env=env)
+    user = user or env.get("USER")
+
+    early = decide({}, job.directives, config, user=user)  # no GPU wanted, or excluded: no estimate needed
+    if early.action in ("none", "excluded"):
+        return JobAnalysis(job, decision=early)
+    if not job.commands:
+        reasons = "; ".join(str(p) for p in job.problems) or "no training command found"
+        return JobAnalysis(job, errors=(AnalysisError("not_understood", reasons),))
+
+    partitions = job_partitions(job.directives, config)
+    config = _with_cluster_partitions(config, partitions, cluster_types)
+    site_types = tuple(gpus) if gpus else eligible_types(config, partitions)
+    if not site_types:
+        where = ", ".join(partitions) or "(none named, and no default partition in the site config)"
+        return JobAnalysis(job, partitions=partitions, errors=(AnalysisError(
+            "no_gpu_types", f"no GPU types known for partition {where}: list them under "
+                            "[partitions.gpu_types] in the site config"),))
+    targets = tuple(gpus) if gpus else estimate_types(config, partitions)
+
+    estimator = estimator or _default_estimator()
+    runtime_env = {**env, **slurm_runtime_env(job.directives, job.commands[0].cwd)}
+    deadline = time.monotonic() + config.estimate.timeout_s
+    results = tuple(_estimate_command(c, targets, config, runtime_env, submit_cwd, deadline, estimator,
+                                      on_progress) for c in job.commands)
+    errors = tuple(r.error for r in results if r.error is not None)
+    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], site_types, config)
+    if errors or not peaks:
+        if not errors:
+            errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on "
+                                                         "the GPU: " + "; ".join(r.skipped or "" for r in results)),)
+        return JobAnalysis(job, results, site_types, peaks, errors=errors, partitions=partitions)
+    decision = decide(peaks, job.directives, config, user=user)
+    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions)
+
+
+def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],
+                   config: SiteConfig) -> dict[str, int]:
+    """Per site GPU type (GRES name), the largest peak over the commands. A MIG slice gets its parent's peak.
+    Estimates are keyed by catalog names; they are matched to the site's names through the catalog."""
+    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
+
+    catalog = load_catalog(config.catalog_overrides or None)
+    peaks: dict[str, int] = {}
+    for site_type in site_types:
+        parent = config.mig.parent_of(site_type) or site_type
+        try:
+            name = find_gpu(parent, catalog).name
+        except UnknownGpuError:
+            continue
+        values = [e["gpus"][key]["peak_bytes"] for e in estimates for key in e.get("gpus", {})
+                  if key == name or key == parent]
+        if values:
+            peaks[site_type] = max(values)
+    return peaks
+
+
+def _estimate_command(command: TrainCommand, targets: Sequence[str], config: SiteConfig, env: Mapping[str, str],
+                      submit_cwd: str, deadline: float, estimator: Estimator,
+                      on_progress: Callable[[str], None] | None) -> CommandEstimate:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return CommandEstimate(command, error=AnalysisError(
+            "timeout", f"the estimate time limit ({config.estimate.timeout_s:g} s) was spent before line "
+                       f"{command.line_no}", line_no=command.line_no))
+    try:
+        result = estimator(list(command.argv), gpus=list(targets), iterations=config.estimate.iterations,
+                           env={**env, **command.env}, cwd=command.cwd or submit_cwd, timeout=remaining,
+                           python=command.python or config.estimate.python,
+                           catalog_overrides=config.catalog_overrides or None, on_progress=on_progress)
+    except Exception as e:  # the estimator's own errors carry a kind; anything else is reported as internal
+        kind = getattr(e, "kind", None) or ("unknown_gpu" if type(e).__name__ == "UnknownGpuError" else "internal")
+        message = getattr(e, "message", None) or str(e) or type(e).__name__
+        error = AnalysisError(kind, f"line {command.line_no} ({' '.join(command.argv)}): {message}",
+                              getattr(e, "user_traceback", "") or "", command.line_no)
+        if kind in NOT_TRAINING_KINDS:
+            return CommandEstimate(command, skipped=error.message)
+        return CommandEstimate(command, error=error)
+    data = result.to_json() if hasattr(result, "to_json") else dict(result)
+    if not data.get("used_cuda", True):
+        return CommandEstimate(command, data, skipped=f"line {command.line_no}: the program never used CUDA")
+    return CommandEstimate(command, data)
+
+
+def _with_cluster_partitions(config: SiteConfig, partitions: Sequence[str],
+                             cluster_types: ClusterTypes | None) -> SiteConfig:
+    """Partitions the site config leaves out get their GPU types from Slurm, if the config allows it."""
+    missing = [p for p in partitions if p not in config.partitions.gpu_types]
+    if not missing or not config.partitions.from_cluster:
+        return config
+    lookup = cluster_types or _cluster_gpu_types
+    found = {p: types for p in missing if (types := lookup(p))}
+    return config.with_partitions(found) if found else config
+
+
+def _cluster_gpu_types(partition: str) -> tuple[str, ...] | None:
+    try:
+        from xmem.slurm.cluster import ClusterError, query_cluster
+
+        return query_cluster().gpu_types.get(partition)
+    except (ImportError, OSError, ValueError) as e:
+        if type(e).__name__ == "ClusterError" or isinstance(e, (OSError, ImportError)):
+            return None
+        raise
+
+
+def _default_estimator() -> Estimator:
+    from xmem.estimate import estimate
+
+    return estimate
+
+
+def _error_json(error: AnalysisError) -> dict[str, Any]:
+    return {"kind": error.kind, "message": error.message, "user_traceback": error.user_traceback or None,
+            "line_no": error.line_no}

@@ -1,0 +1,10 @@
+"""Policy: a job's peak GPU memory per GPU type + the site config -> the Slurm request to make, and why.
+
+Pure (see `decide.py`): no I/O, no Slurm, no torch.
+"""
+
+from xmem.policy.decide import (ACTIONS, Decision, Offer, decide, eligible_types, estimate_types, job_partitions,
+                                peak_for, site_offers)
+
+__all__ = ["ACTIONS", "Decision", "Offer", "decide", "eligible_types", "estimate_types", "job_partitions",
+           "peak_for", "site_offers"]

@@ -1,0 +1,305 @@
+"""From peak GPU memory per GPU type and the site config to the Slurm GPU request to make, with a one-line reason.
+
+Owns the offers a partition makes (whole GPUs, MIG slices, MPS shares, shards) and what each gives in bytes,
+the safety margin, the choice of the cheapest fitting offer in the site's order of preference, and the rules for
+requests the user wrote (keep / fill generic ones / rewrite) and for excluded users, accounts and partitions.
+Pure: no file, no Slurm, no torch. The GPU catalog comes in as an argument (loaded from the config if omitted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from xmem.config import SiteConfig
+from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog, mig_profile
+from xmem.jobscript import SbatchRequest, parse_gpus
+
+GIB = 1 << 30
+MIB = 1 << 20
+ACTIONS = ("rewrite", "keep", "none", "excluded", "no_fit")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One way to give the job GPU memory: `kind` gpu/mig/mps/shard on GRES type `gres_type` (a100, 1g.10gb),
+    whose peak is that of `estimate_type` (a MIG slice runs as its parent GPU), `count` units granting
+    `granted_bytes` per rank."""
+
+    kind: str
+    gres_type: str
+    estimate_type: str
+    count: int
+    granted_bytes: int
+    unit_bytes: int
+    peak_bytes: int
+    units_per_gpu: int = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to ask Slurm for. `option` names the sbatch option the new value belongs to ("gres", "gpus",
+    "gpus-per-node"): `gres` holds it for "gres", `gpus` for the --gpus forms (the user's own form is kept, as
+    cli_filter cannot unset an option). `gpu_type` is the GRES type the request lands on and a key of the job's
+    peaks; `comment` is a short machine-readable summary for the job's comment."""
+
+    action: str
+    reason: str
+    gres: str | None = None
+    gpus: str | None = None
+    option: str | None = None
+    kind: str | None = None
+    gpu_type: str | None = None
+    peak_bytes: int | None = None
+    needed_bytes: int | None = None
+    granted_bytes: int | None = None
+    comment: str | None = None
+
+    def to_json(self) -> dict:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *, user: str | None = None,
+           account: str | None = None, partition: str | None = None,
+           catalog: Mapping[str, GpuType] | None = None) -> Decision:
+    """The request to make for a job whose peak is `peaks[gpu type]` bytes per rank (GRES type names or catalog
+    names as keys; a MIG slice may be absent, its parent's peak is used)."""
+    if not request.wants_gpu:
+        return Decision("none", "the job asks for no GPU")
+    partitions = job_partitions(request, config, partition)
+    account = account or request.account
+    excluded = _exclusion(config, user, account, partitions)
+    if excluded:
+        return Decision("excluded", excluded)
+    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
+    option, count = _request_form(request)
+    offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
+    if config.explicit_request == "keep" or (config.explicit_request == "fill_generic"
+                                             and not request.is_generic_gpu_request):
+        return _keep(request, offers, peaks, config, catalog)
+    return _cheapest(offers, config, request, option, partitions)
+
+
+def job_partitions(request: SbatchRequest, config: SiteConfig, partition: str | None = None) -> tuple[str, ...]:
+    """The partitions the job may run in: given, else requested (`-p a,b`), else the site's default."""
+    text = partition or request.partition or config.partitions.default or ""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def eligible_types(config: SiteConfig, partitions: tuple[str, ...]) -> tuple[str, ...]:
+    """GRES GPU types offered in every one of `partitions` (the job may land in any of them)."""
+    lists = [config.partitions.gpu_types.get(p) for p in partitions]
+    if not lists or any(types is None for types in lists):
+        return ()
+    first = list(lists[0])
+    return tuple(t for t in first if all(t in types for types in lists[1:]))
+
+
+def estimate_types(config: SiteConfig, partitions: tuple[str, ...]) -> tuple[str, ...]:
+    """The GPU types to estimate for: whole GPU types, and the parent of each MIG slice offered."""
+    types: list[str] = []
+    for gres_type in eligible_types(config, partitions):
+        parent = config.mig.parent_of(gres_type) or gres_type
+        if parent not in types:
+            types.append(parent)
+    return tuple(types)
+
+
+def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mapping[str, GpuType],
+                peaks: Mapping[str, int], *, count: int = 1, option: str = "gres") -> list[Offer]:
+    """Every offer of the partitions for a job of `count` GPUs, sized to the job's need where the unit is a share
+    (MPS, shards). Types the catalog does not know, or without a peak, are left out."""
+    offers: list[Offer] = []
+    for gres_type in eligible_types(config, partitions):
+        parent = config.mig.parent_of(gres_type)
+        estimate_type = parent or gres_type
+        capacity = _capacity(gres_type, parent, catalog)
+        peak = peak_for(estimate_type, peaks, catalog)
+        if capacity is None or peak is None:
+            continue
+        needed = config.margin.needed(peak)
+        offers.append(Offer("mig" if parent else "gpu", gres_type, estimate_type, count, capacity, capacity, peak))
+        if count != 1 or option != "gres":
+            continue  # a share is of one GPU, and only --gres can ask for one
+        if config.mps.enabled and _listed(gres_type, config.mps.gpu_types):
+            offers.append(_share("mps", gres_type, estimate_type, capacity, config.mps.count_per_gpu, peak, needed))
+        if config.shard.enabled and _listed(gres_type, config.shard.gpu_types):
+            offers.append(_share("shard", gres_type, estimate_type, capacity, config.shard.per_gpu, peak, needed))
+    return offers
+
+
+def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuType]) -> int | None:
+    """The peak for `gpu_type`, whether `peaks` is keyed by GRES type names or catalog names."""
+    if gpu_type in peaks:
+        return peaks[gpu_type]
+    wanted = _catalog_name(gpu_type, catalog)
+    for key, value in peaks.items():
+        if wanted is not None and _catalog_name(key, catalog) == wanted:
+            return value
+    return None
+
+
+def _share(kind: str, gres_type: str, estimate_type: str, capacity: int, units: int, peak: int,
+           needed: int) -> Offer:
+    """The fewest units of `units` per GPU whose memory (capacity * count / units) holds `needed`."""
+    count = min(units, max(1, math.ceil(needed * units / capacity)))
+    while count < units and capacity * count // units < needed:  # integer rounding of the share
+        count += 1
+    return Offer(kind, gres_type, estimate_type, count, capacity * count // units, capacity // units, peak, units)
+
+
+def _capacity(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
+    try:
+        if parent:
+            return mig_profile(find_gpu(parent, catalog), gres_type).memory_bytes
+        return find_gpu(gres_type, catalog).total_bytes
+    except UnknownGpuError:
+        return None
+
+
+def _catalog_name(name: str, catalog: Mapping[str, GpuType]) -> str | None:
+    try:
+        return find_gpu(name, catalog).name
+    except UnknownGpuError:
+        return None
+
+
+def _listed(gres_type: str, types: tuple[str, ...]) -> bool:
+    return gres_type.lower() in (t.lower() for t in types)
+
+
+def _exclusion(config: SiteConfig, user: str | None, account: str | None, partitions: tuple[str, ...]) -> str:
+    exclude = config.exclude
+    if user and user in exclude.users:
+        return f"user {user} is excluded from xmem by the site config"
+    if account and account in exclude.accounts:
+        return f"account {account} is excluded from xmem by the site config"
+    for p in partitions:
+        if p in exclude.partitions:
+            return f"partition {p} is excluded from xmem by the site config"
+    return ""
+
+
+def _request_form(request: SbatchRequest) -> tuple[str, int]:
+    """The option the user asked for GPUs with, and how many GPUs it says (per node for --gres)."""
+    gres_gpus = [g for g in request.gres if g.name in ("gpu", "mps", "shard") and g.count > 0]
+    if gres_gpus:
+        return "gres", max(1, sum(g.count for g in gres_gpus if g.name == "gpu"))
+    for option, value in (("gpus", request.gpus), ("gpus-per-node", request.gpus_per_node),
+                          ("gpus-per-task", request.gpus_per_task)):
+        if value:
+            return option, max(1, sum(item.count for item in parse_gpus(value)))
+    return "gres", 1
+
+
+def _cheapest(offers: list[Offer], config: SiteConfig, request: SbatchRequest,
+              option: str, partitions: tuple[str, ...]) -> Decision:
+    if not offers:
+        where = ", ".join(partitions) or "(no partition)"
+        return Decision("no_fit", f"no GPU type with an estimate is configured for partition {where}")
+    for kind in config.preference:
+        fitting = [o for o in offers if o.kind == kind and config.margin.needed(o.peak_bytes) <= o.granted_bytes]
+        if fitting:
+            best = min(fitting, key=lambda o: (o.granted_bytes, o.gres_type))
+            return _rewrite(best, config, request, option, offers)
+    best_peak = min(o.peak_bytes for o in offers)
+    largest = max(offers, key=lambda o: o.granted_bytes)
+    return Decision("no_fit", f"needs {_gib(config.margin.needed(best_peak))} {_margin_text(config)}: more than "
+                              f"the largest offer, {_describe(largest)}", peak_bytes=best_peak,
+                    needed_bytes=config.margin.needed(best_peak))
+
+
+def _rewrite(offer: Offer, config: SiteConfig, request: SbatchRequest, option: str,
+             offers: list[Offer]) -> Decision:
+    peak = offer.peak_bytes
+    needed = config.margin.needed(peak)
+    value = _request_value(offer, request, option)
+    offered = {o.kind for o in offers}
+    kinds_before = [k for k in config.preference[:config.preference.index(offer.kind)] if k in offered]
+    skipped = f" (no {'/'.join(k if k == 'shard' else k.upper() for k in kinds_before)} fits)" \
+        if kinds_before else ""
+    reason = f"needs {_gib(needed)} {_margin_text(config)}: {_describe(offer)} is the smallest fit{skipped}"
+    return Decision(
+        "rewrite", reason, gres=value if option == "gres" else None, gpus=value if option != "gres" else None,
+        option=option, kind=offer.kind, gpu_type=offer.gres_type, peak_bytes=peak, needed_bytes=needed,
+        granted_bytes=offer.granted_bytes, comment=_comment(peak, needed, offer, value))
+
+
+def _request_value(offer: Offer, request: SbatchRequest, option: str) -> str:
+    if option != "gres":
+        return f"{offer.gres_type}:{offer.count}"
+    gpu_item = {"gpu": f"gpu:{offer.gres_type}:{offer.count}", "mig": f"gpu:{offer.gres_type}:{offer.count}",
+                "mps": f"mps:{offer.gres_type}:{offer.count}", "shard": f"shard:{offer.gres_type}:{offer.count}"}
+    others = [str(g) for g in request.gres if g.name not in ("gpu", "mps", "shard")]
+    return ",".join([gpu_item[offer.kind], *others])
+
+
+def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int], config: SiteConfig,
+          catalog: Mapping[str, GpuType]) -> Decision:
+    asked = ",".join(str(i) for i in request.gpu_items if i.count > 0)
+    why = "the site keeps explicit requests" if config.explicit_request != "keep" else "the site keeps GPU requests"
+    gpu_type = request.explicit_type
+    parent = config.mig.parent_of(gpu_type) if gpu_type else None
+    peak = peak_for(parent or gpu_type, peaks, catalog) if gpu_type else None
+    if peak is None and offers:
+        peak = min(o.peak_bytes for o in offers)
+    needed = config.margin.needed(peak) if peak is not None else None
+    reason = f"keeps {asked} as asked ({why})"
+    if needed is not None:
+        reason += f"; needs {_gib(needed)} {_margin_text(config)}"
+        granted = _granted_by(request, offers, config)
+        if granted is not None and granted < needed:
+            reason += f", more than the {_gib(granted)} it asks for: it may run out of memory"
+    return Decision("keep", reason, kind=None, gpu_type=gpu_type, peak_bytes=peak, needed_bytes=needed,
+                    comment=f"xmem:peak={peak};need={needed};req={asked};action=keep" if peak is not None else None)
+
+
+def _granted_by(request: SbatchRequest, offers: list[Offer], config: SiteConfig) -> int | None:
+    """Memory per rank the user's own typed request gives, when the site's offers say."""
+    for item in request.gpu_items:
+        if item.count <= 0 or item.type is None:
+            continue
+        for offer in offers:
+            if offer.gres_type.lower() != item.type.lower():
+                continue
+            if item.name == "gpu" and offer.kind in ("gpu", "mig"):
+                return offer.unit_bytes
+            if item.name == offer.kind:
+                return offer.unit_bytes * min(item.count, offer.units_per_gpu)
+    return None
+
+
+def _describe(offer: Offer) -> str:
+    size = _gib(offer.granted_bytes)
+    if offer.kind == "mig":
+        return f"MIG {offer.gres_type} ({size})" if offer.count == 1 else f"{offer.count} x MIG {offer.gres_type} " \
+                                                                        f"({size} each)"
+    if offer.kind == "mps":
+        return f"MPS {offer.count}/{offer.units_per_gpu} of a {offer.gres_type} ({size})"
+    if offer.kind == "shard":
+        return f"{offer.count} of {offer.units_per_gpu} shards of a {offer.gres_type} ({size})"
+    return f"a whole {offer.gres_type} ({size})" if offer.count == 1 else f"{offer.count} x {offer.gres_type} " \
+                                                                          f"({size} each)"
+
+
+def _margin_text(config: SiteConfig) -> str:
+    parts = []
+    if config.margin.relative:
+        parts.append(f"{config.margin.relative * 100:g} %")
+    if config.margin.absolute_bytes:
+        parts.append(_mib_or_gib(config.margin.absolute_bytes))
+    return f"with {' + '.join(parts)} margin" if parts else "with no margin"
+
+
+def _comment(peak: int, needed: int, offer: Offer, value: str) -> str:
+    return (f"xmem:peak={peak};need={needed};type={offer.estimate_type};req={value};"
+            f"grant={offer.granted_bytes};action=rewrite")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}".rstrip("0").rstrip(".") + " GiB"
+
+
+def _mib_or_gib(n: int) -> str:
+    return _gib(n) if n >= GIB else f"{n / MIB:g} MiB"
