@@ -1,0 +1,235 @@
+"""What the cluster offers: partitions, their nodes, and each node's GRES (GPU types, MPS, shards).
+
+Owns `ClusterInfo` and two backends behind `query_cluster`: the Slurm command line (always there: `sinfo --json`,
+else `scontrol show -o node`, and `scontrol show -o partition`; every call under a timeout) and pyslurm, used only
+when it imports and its version matches the cluster's Slurm (pyslurm's major.minor, e.g. 22.5, against
+`sinfo -V`'s 22.05). The parsers are pure functions of the commands' text, tested on captured real output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from xmem.jobscript import GresItem
+
+COMMAND_TIMEOUT_S = 10.0
+GPU_GRES = "gpu"
+SHARED_GRES = ("mps", "shard")
+
+Runner = Callable[[Sequence[str]], str]
+
+
+class ClusterError(RuntimeError):
+    """Slurm could not be asked (command missing, controller down, timeout, output not understood)."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    partitions: tuple[str, ...]
+    gres: tuple[GresItem, ...]
+    state: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    partitions: tuple[str, ...] = ()
+    default_partition: str | None = None
+    slurm_version: str | None = None
+    backend: str = "cli"
+
+    @property
+    def gpu_types(self) -> dict[str, tuple[str, ...]]:
+        """Per partition, the typed `gpu` GRES its nodes offer (MIG slices included), in the order first seen."""
+        types: dict[str, list[str]] = {p: [] for p in self.partitions}
+        for node in self.nodes.values():
+            for partition in node.partitions:
+                seen = types.setdefault(partition, [])
+                for item in node.gres:
+                    if item.name == GPU_GRES and item.type and item.count > 0 and item.type not in seen:
+                        seen.append(item.type)
+        return {p: tuple(t) for p, t in types.items()}
+
+    def gres_counts(self, partition: str) -> dict[str, dict[str, int]]:
+        """Per GRES name and type, the most any one node of `partition` has: {"gpu": {"a100": 2}, "mps": ...}."""
+        counts: dict[str, dict[str, int]] = {}
+        for node in self.nodes.values():
+            if partition not in node.partitions:
+                continue
+            for item in node.gres:
+                per_type = counts.setdefault(item.name, {})
+                key = item.type or ""
+                per_type[key] = max(per_type.get(key, 0), item.count)
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "slurm_version": self.slurm_version, "partitions": list(self.partitions),
+                "default_partition": self.default_partition, "gpu_types": {k: list(v) for k, v in
+                                                                           self.gpu_types.items()},
+                "nodes": {n.name: {"partitions": list(n.partitions), "gres": [str(g) for g in n.gres],
+                                   "state": n.state} for n in self.nodes.values()}}
+
+
+def query_cluster(backend: str = "auto", *, run: Runner | None = None) -> ClusterInfo:
+    """Ask Slurm. backend: "auto" (pyslurm if it matches the cluster, else the CLI), "cli" or "pyslurm"."""
+    if backend not in ("auto", "cli", "pyslurm"):
+        raise ValueError(f"unknown backend {backend!r}; use auto, cli or pyslurm")
+    run = run or run_command
+    if backend in ("auto", "pyslurm"):
+        pyslurm = _matching_pyslurm(run)
+        if pyslurm is not None:
+            return from_pyslurm(pyslurm.node().get(), pyslurm.partition().get(), version=pyslurm.version())
+        if backend == "pyslurm":
+            raise ClusterError("pyslurm is not installed, or does not match this cluster's Slurm version")
+    return query_cli(run)
+
+
+def query_cli(run: Runner) -> ClusterInfo:
+    try:
+        version = parse_version(run(["sinfo", "-V"]))
+    except ClusterError:
+        version = None  # only informative; the queries below say whether Slurm answers
+    try:
+        nodes = parse_sinfo_json(run(["sinfo", "--json"]))
+    except ClusterError:  # Slurm before 21.08 has no --json
+        nodes = parse_scontrol_nodes(run(["scontrol", "show", "-o", "node"]))
+    partitions, default = parse_scontrol_partitions(run(["scontrol", "show", "-o", "partition"]))
+    return ClusterInfo(nodes={n.name: n for n in nodes}, partitions=partitions, default_partition=default,
+                       slurm_version=version, backend="cli")
+
+
+def run_command(argv: Sequence[str]) -> str:
+    """Run one Slurm client command under a timeout: a down controller makes them retry for minutes."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        raise ClusterError(f"{argv[0]} not found: is the Slurm client installed and on PATH?") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{' '.join(argv)} did not answer within {COMMAND_TIMEOUT_S:g} s "
+                           "(is slurmctld up?)") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ClusterError(f"{' '.join(argv)} failed: {last}")
+    return done.stdout
+
+
+# -- parsers ----------------------------------------------------------------------------------------------------
+
+def parse_version(text: str) -> str | None:
+    """`slurm-wlm 22.05.8` / `slurm 23.11.1` -> "22.05.8"."""
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
+    return ".".join(match.groups()) if match else None
+
+
+def parse_gres_list(text: str | None) -> tuple[GresItem, ...]:
+    """A node's configured GRES as Slurm prints it: `gpu:a100:2(S:0-1),mps:a100:200,shard:h100:4`."""
+    if not text or text in ("(null)", "N/A"):
+        return ()
+    items = []
+    for raw in re.sub(r"\([^)]*\)", "", text).split(","):
+        parts = [p for p in raw.strip().split(":") if p]
+        if not parts:
+            continue
+        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        gres_type = parts[1] if len(parts) == 3 or (len(parts) == 2 and not parts[1].isdigit()) else None
+        items.append(GresItem(parts[0], gres_type, count))
+    return tuple(items)
+
+
+def parse_sinfo_json(text: str) -> list[NodeInfo]:
+    """`sinfo --json` (openapi v0.0.38 in 22.05; later versions keep `nodes[].name/gres/partitions/state`)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterError(f"sinfo --json printed something that is not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise ClusterError("sinfo --json has no nodes list")
+    nodes = []
+    for node in data["nodes"]:
+        state = node.get("state", "")
+        if isinstance(state, list):  # 23.02+: a list of flags
+            state = ",".join(state)
+        nodes.append(NodeInfo(name=str(node.get("name") or node.get("hostname")),
+                              partitions=tuple(node.get("partitions") or ()),
+                              gres=parse_gres_list(node.get("gres")), state=str(state).lower()))
+    return nodes
+
+
+def parse_key_values(line: str) -> dict[str, str]:
+    """One `scontrol show -o` record: `Key=value` pairs separated by spaces (values may hold spaces only in a few
+    free-text fields, which xmem does not read)."""
+    pairs: dict[str, str] = {}
+    for match in re.finditer(r"(?:^|\s)([A-Za-z][\w/:.]*)=(\S*)", line):
+        pairs[match.group(1)] = match.group(2)
+    return pairs
+
+
+def parse_scontrol_nodes(text: str) -> list[NodeInfo]:
+    nodes = []
+    for line in text.splitlines():
+        record = parse_key_values(line)
+        if "NodeName" not in record:
+            continue
+        partitions = tuple(p for p in record.get("Partitions", "").split(",") if p)
+        nodes.append(NodeInfo(name=record["NodeName"], partitions=partitions,
+                              gres=parse_gres_list(record.get("Gres")), state=record.get("State", "").lower()))
+    return nodes
+
+
+def parse_scontrol_partitions(text: str) -> tuple[tuple[str, ...], str | None]:
+    names, default = [], None
+    for line in text.splitlines():
+        record = parse_key_values(line)
+        if "PartitionName" not in record:
+            continue
+        names.append(record["PartitionName"])
+        if record.get("Default") == "YES":
+            default = record["PartitionName"]
+    return tuple(names), default
+
+
+def from_pyslurm(nodes: Mapping[str, Mapping[str, Any]], partitions: Mapping[str, Mapping[str, Any]],
+                 version: str | None = None) -> ClusterInfo:
+    """pyslurm 22.5's `node().get()` and `partition().get()` dictionaries."""
+    infos = {}
+    for name, node in nodes.items():
+        gres = node.get("gres") or ()
+        gres_text = ",".join(gres) if isinstance(gres, (list, tuple)) else str(gres)
+        infos[name] = NodeInfo(name=name, partitions=tuple(node.get("partitions") or ()),
+                               gres=parse_gres_list(gres_text), state=str(node.get("state", "")).lower())
+    default = next((name for name, p in partitions.items() if _is_default(p)), None)
+    return ClusterInfo(nodes=infos, partitions=tuple(partitions), default_partition=default,
+                       slurm_version=version, backend="pyslurm")
+
+
+def _is_default(partition: Mapping[str, Any]) -> bool:
+    flags = partition.get("flags")
+    if isinstance(flags, Mapping):
+        return bool(flags.get("Default") or flags.get("default"))
+    return bool(partition.get("default"))
+
+
+def _matching_pyslurm(run: Runner) -> Any:
+    try:
+        import pyslurm  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        cluster = parse_version(run(["sinfo", "-V"]))
+    except ClusterError:
+        return None
+    return pyslurm if versions_match(str(pyslurm.version()), cluster) else None
+
+
+def versions_match(pyslurm_version: str, slurm_version: str | None) -> bool:
+    """pyslurm is numbered after the Slurm release it binds: 22.5.x for 22.05, 25.11.x for 25.11."""
+    if not slurm_version:
+        return False
+    p, s = pyslurm_version.split("."), slurm_version.split(".")
+    return len(p) >= 2 and len(s) >= 2 and p[0] == s[0] and int(p[1]) == int(s[1])
