@@ -1,0 +1,168 @@
+"""`xmem-slurm check JOB.sh [ARGS...]`: what sbatch would do with this job, without submitting it.
+
+Owns the command's I/O: the parsed job, the estimate per eligible GPU type and the request with its reason, as
+tables for people or one JSON object (`--json`), and the exit codes: 0 analysed (whatever the decision), 2 bad
+input or site config, 8 script not understood, 3-7 the estimator's (as `xmem-slurm estimate`), 1 internal.
+The work is `xmem.analyze.analyze_job`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from xmem.analyze import AnalysisError, JobAnalysis, analyze_job
+from xmem.cli import app
+from xmem.config import ConfigError, SiteConfig, load_site_config
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
+ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
+                        "internal": EXIT_INTERNAL, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
+                        "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
+GIB = 1 << 30
+
+
+@app.command("check")
+def check_command(
+    script: str = typer.Argument(..., metavar="JOB.sh", help="The batch script, as you would give it to sbatch."),
+    args: Optional[list[str]] = typer.Argument(None, metavar="[ARGS]...", help="The script's own arguments."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
+                                         help="Site config (default: $XMEM_CONFIG, else /etc/xmem/xmem.toml)."),
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu", "-g", metavar="TYPE",
+                                            help="Estimate for this GPU type (repeatable) instead of the "
+                                                 "partition's types."),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p",
+                                            help="As sbatch -p: overrides the script's #SBATCH --partition."),
+) -> None:
+    """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
+    err = Console(stderr=True)
+    try:
+        site = load_site_config(config)
+    except ConfigError as e:
+        _fail(as_json, EXIT_USAGE, "bad_config", str(e))
+    cli_options = {"partition": partition} if partition else None
+    try:
+        analysis = _analyze(err, as_json, script, list(args or ()), cli_options, site, gpu)
+    except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
+        _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
+    code = exit_code(analysis)
+    if as_json:
+        sys.stdout.write(json.dumps({**analysis.to_json(), "exit_code": code}) + "\n")
+        sys.stdout.flush()
+    else:
+        show_analysis(Console(), analysis, site)
+        for error in analysis.errors:
+            if error.user_traceback:
+                sys.stderr.write(error.user_traceback.rstrip("\n") + "\n")
+            sys.stderr.write(f"xmem-slurm check: {' '.join(str(error).split())}\n")
+    raise typer.Exit(code)
+
+
+def exit_code(analysis: JobAnalysis) -> int:
+    """0 when a decision was made; else the code of the first error."""
+    if analysis.decision is not None or not analysis.errors:
+        return EXIT_OK
+    return ESTIMATOR_EXIT_CODES.get(analysis.errors[0].kind, EXIT_INTERNAL)
+
+
+def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_options: Any, site: SiteConfig,
+             gpus: Optional[list[str]]) -> JobAnalysis:
+    def run(on_progress: Any = None) -> JobAnalysis:
+        return analyze_job(script, script_args=args, cli_options=cli_options, config=site, gpus=gpus or None,
+                           on_progress=on_progress)
+
+    if as_json:
+        from xmem.cli.estimate import _stdout_to_stderr  # the traced program may print: keep stdout for the JSON
+
+        with _stdout_to_stderr():
+            return run()
+    if not err.is_terminal:
+        return run()
+    with err.status(f"analysing {script}") as status:
+        return run(lambda message: status.update(str(message)))
+
+
+def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
+    """The analysis for people: job, commands, problems, estimate per GPU type, decision."""
+    job = analysis.job
+    if job is None:
+        return
+    request = job.directives
+    console.print(f"[bold]Job[/] {job.path}")
+    if request.raw:
+        table = Table(title="Slurm options (#SBATCH lines; line 0: command line)")
+        for column in ("line", "option", "value"):
+            table.add_column(column)
+        for option, value, line_no in request.raw:
+            table.add_row(str(line_no), f"--{option}", value if value is not None else "")
+        console.print(table)
+    console.print("GPU request: " + (", ".join(str(i) for i in request.gpu_items) or "none"))
+    for command in job.commands:
+        extra = [f"cwd {command.cwd}"] if command.cwd else []
+        extra += [f"python {command.python}"] if command.python else []
+        extra += [f"{command.ranks} ranks per node (one estimated)"] if command.ranks and command.ranks > 1 else []
+        console.print(f"command (line {command.line_no}, {command.launcher}): [cyan]{' '.join(command.argv)}[/]"
+                      + (f"  ({'; '.join(extra)})" if extra else ""))
+    for problem in job.problems:
+        console.print(f"[yellow]not understood:[/] {problem}")
+    _show_estimates(console, analysis, site)
+    for estimate in analysis.estimates:
+        if estimate.skipped:
+            console.print(f"[yellow]skipped:[/] {estimate.skipped}")
+        for warning in (estimate.estimate or {}).get("warnings", []):
+            console.print(f"[yellow]warning:[/] {warning}")
+    decision = analysis.decision
+    if decision is not None:
+        what = {"rewrite": f"request --{decision.option}={decision.gres or decision.gpus}",
+                "keep": "keep the request as written", "none": "leave the job alone (no GPU)",
+                "excluded": "leave the job alone (excluded)", "no_fit": "no request fits"}[decision.action]
+        console.print(f"[bold]Decision:[/] {what}: {decision.reason}")
+
+
+def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
+    if not analysis.peaks:
+        return
+    table = Table(title="Predicted peak GPU memory per rank")
+    for column in ("GPU type", "predicted peak", f"with margin", "GPU memory"):
+        table.add_column(column, justify="left" if column == "GPU type" else "right")
+    for gpu_type, peak in analysis.peaks.items():
+        total = _memory_of(gpu_type, site)
+        needed = site.margin.needed(peak)
+        style = "" if total is None or needed <= total else "[red]"
+        table.add_row(gpu_type, _gib(peak), f"{style}{_gib(needed)}", _gib(total) if total else "?")
+    console.print(table)
+
+
+def _memory_of(gpu_type: str, site: SiteConfig) -> Optional[int]:
+    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, mig_profile
+
+    try:
+        catalog = load_catalog(site.catalog_overrides or None)
+        parent = site.mig.parent_of(gpu_type)
+        if parent:
+            return mig_profile(find_gpu(parent, catalog), gpu_type).memory_bytes
+        return find_gpu(gpu_type, catalog).total_bytes
+    except UnknownGpuError:
+        return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def _fail(as_json: bool, code: int, kind: str, message: str) -> None:
+    line = " ".join(message.split()) or kind
+    sys.stderr.write(f"xmem-slurm check: {line}\n")
+    if as_json:
+        sys.stdout.write(json.dumps({"error": kind, "message": line, "exit_code": code}) + "\n")
+        sys.stdout.flush()
+    raise typer.Exit(code)
+
+
+__all__ = ["check_command", "exit_code", "show_analysis", "AnalysisError"]
