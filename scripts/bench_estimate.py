@@ -7,7 +7,8 @@ training scripts written to a temporary folder, and reports for each:
 - peak RSS: the largest single process of the estimate (kernel figure, `os.wait4`'s rusage over the process and
   its reaped children) and the largest sum over the live process tree (parent + children, sampled every 50 ms
   from /proc);
-- the predicted peak on the H100 and on the A100-80GB.
+- the predicted peak on the A100-80GB, the H100 and the H200 ("OOM" where the simulated job runs out of memory:
+  the figure is then what it had reserved when it failed).
 
 Cases: (a) GPT-2 124M from config (transformers), batch 8 x 1024, AdamW; (b) a 7B Llama-shaped model
 (hidden 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000), batch 1 x 2048, AdamW.
@@ -67,6 +68,9 @@ LLAMA7B_SCRIPT = """
         optimizer.zero_grad()
 """
 
+BENCH_GPUS = {"a100-80gb": "A100-SXM4-80GB", "h100": "H100-SXM5-80GB", "h200": "H200-141GB"}
+GPU_ARGS = [arg for name in BENCH_GPUS for arg in ("--gpu", name)]
+
 CASES = {
     "gpt2": (GPT2_SCRIPT, 10.0, None),  # (script, target seconds, target peak RSS bytes)
     "llama7b": (LLAMA7B_SCRIPT, 60.0, 2 * GIB),
@@ -117,7 +121,7 @@ def run_case(case: str, workdir: Path, iterations: int) -> Run:
     script = workdir / f"train_{case}.py"
     script.write_text(textwrap.dedent(body))
     command = [*xmem_slurm_command(), "estimate", "--json", "--iterations", str(iterations),
-               "--gpu", "h100", "--gpu", "a100-80gb", "--", sys.executable, str(script)]
+               *GPU_ARGS, "--", sys.executable, str(script)]
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak_tree = 0
@@ -151,6 +155,12 @@ def run_case(case: str, workdir: Path, iterations: int) -> Run:
     return Run(case, seconds, usage.ru_maxrss * 1024, peak_tree, process.returncode, result)
 
 
+def peak_cell(gpu: dict | None) -> str:
+    if not gpu:
+        return "-"
+    return f"{gpu['peak_bytes'] / GIB:.2f} GiB" + ("" if gpu["fits"] else " OOM" if gpu["oom"] else " >total")
+
+
 def verdict(run: Run) -> str:
     _, target_s, target_rss = CASES[run.case]
     ok = run.returncode == 0 and run.seconds <= target_s
@@ -174,16 +184,15 @@ def main() -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    header = f"{'case':<9} {'wall s':>7} {'max proc RSS':>13} {'max tree RSS':>13} {'peak H100':>10} {'peak A100-80':>12}  verdict"
+    header = f"{'case':<9} {'wall s':>7} {'max proc RSS':>13} {'max tree RSS':>13}" + "".join(
+        f" {name:>16}" for name in BENCH_GPUS) + "  verdict"
     print(header)
     print("-" * len(header))
     for run in runs:
         gpus = run.result.get("gpus", {})
-        h100 = gpus.get("H100-SXM5-80GB", {}).get("peak_bytes")
-        a100 = gpus.get("A100-SXM4-80GB", {}).get("peak_bytes")
-        fmt = lambda b: f"{b / GIB:.2f} GiB" if b is not None else "-"  # noqa: E731
+        cells = "".join(f" {peak_cell(gpus.get(canonical)):>16}" for canonical in BENCH_GPUS.values())
         print(f"{run.case:<9} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB {run.max_tree_rss / MIB:>9.0f} MiB"
-              f" {fmt(h100):>10} {fmt(a100):>12}  {verdict(run)}")
+              f"{cells}  {verdict(run)}")
         if run.returncode != 0:
             print(f"  exit {run.returncode}: {run.result.get('error')}: {run.result.get('message')}")
         elif run.result.get("breakdown"):
