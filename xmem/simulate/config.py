@@ -13,7 +13,7 @@ Must not: read the environment itself (`from_environ` takes the mapping), or tou
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -57,11 +57,11 @@ class AllocatorConfig:
                              f"got {len(divisions)}")
         if any(d != 0 and not _is_power_of_2(d) for d in divisions):
             raise ValueError(f"roundup_power2_divisions must be powers of 2 or 0, got {divisions}")
-        if self.max_split_size is not None and self.max_split_size < kLargeBuffer:
-            raise ValueError(f"max_split_size must be >= {kLargeBuffer} bytes (20 MiB), got {self.max_split_size}")
-        if self.max_non_split_rounding < kLargeBuffer:
-            raise ValueError(f"max_non_split_rounding must be >= {kLargeBuffer} bytes (20 MiB), "
-                             f"got {self.max_non_split_rounding}")
+        if self.max_split_size is not None and self.max_split_size < self.large_segment_size:
+            raise ValueError(f"max_split_size must be >= large_segment_size ({self.large_segment_size} bytes), "
+                             f"got {self.max_split_size}")
+        if self.max_non_split_rounding <= 0:
+            raise ValueError(f"max_non_split_rounding must be positive, got {self.max_non_split_rounding}")
         if not 0.0 <= self.garbage_collection_threshold < 1.0:
             raise ValueError(f"garbage_collection_threshold must be in [0.0, 1.0), "
                              f"got {self.garbage_collection_threshold}")
@@ -74,11 +74,11 @@ class AllocatorConfig:
     @classmethod
     def parse(cls, text: str) -> AllocatorConfig:
         """Parse an allocator setting string such as "expandable_segments:True,max_split_size_mb:128"."""
-        return _Parser(text).parse(cls())
+        return cls(**_Parser(text).parse())
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> AllocatorConfig:
-        """The config a CUDA job would run with: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else PYTORCH_ALLOC_CONF."""
+        """The config a CUDA job runs with: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else PYTORCH_ALLOC_CONF."""
         # CUDAAllocatorConfig::instance() reads PYTORCH_CUDA_ALLOC_CONF first; checked on torch 2.13 and 2.14.
         for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
             if name in env:
@@ -133,7 +133,9 @@ class _Parser:
         if token != separator:
             raise self.fail(f"expected {separator!r} after {after!r}, got {token!r}")
 
-    def parse(self, config: AllocatorConfig) -> AllocatorConfig:
+    def parse(self) -> dict[str, object]:
+        """The fields the string sets, checked; AllocatorConfig's defaults fill the rest."""
+        config: dict[str, object] = {}
         while self.i < len(self.tokens):
             key = self.take("a key")
             if key in _SEPARATORS:
@@ -142,33 +144,49 @@ class _Parser:
             config = self.parse_value(key, config)
             if self.i < len(self.tokens):
                 self.expect(",", key)
+        self.check_minimums(config)
         return config
 
-    def parse_value(self, key: str, config: AllocatorConfig) -> AllocatorConfig:
+    def check_minimums(self, config: dict[str, object]) -> None:
+        """Both split limits must be at least the large segment size, wherever it appears in the string.
+
+        Seen on torch 2.14.1: "large_segment_size_mb:32,max_split_size_mb:30" and the reverse order both fail with
+        "must be >= 32"; with the default large segment size the minimum is 20.
+        """
+        large_segment_size = config.get("large_segment_size", kLargeBuffer)
+        minimum = large_segment_size // MiB
+        for key, field in (("max_split_size_mb", "max_split_size"),
+                           ("max_non_split_rounding_mb", "max_non_split_rounding")):
+            value = config.get(field)
+            if value is not None and value < large_segment_size:
+                raise self.fail(f"{key} must be >= {minimum} (large_segment_size_mb), got {value // MiB}")
+
+    def parse_value(self, key: str, config: dict[str, object]) -> dict[str, object]:
         if key == "roundup_power2_divisions":
-            return replace(config, roundup_power2_divisions=self.parse_divisions(config.roundup_power2_divisions))
+            divisions = self.parse_divisions(config.get("roundup_power2_divisions", ()))
+            return dict(config, roundup_power2_divisions=divisions)
         if key in _NO_EFFECT_KEYS:
             self.skip_value(key)
             return config
         value = self.take(f"a value for {key!r}")
         if key == "expandable_segments":
-            return replace(config, expandable_segments=self.to_bool(key, value))
-        if key == "max_split_size_mb":  # parseMaxSplitSize
-            return replace(config, max_split_size=self.to_mib(key, value, minimum=kLargeBuffer // MiB))
-        if key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize
-            return replace(config, max_non_split_rounding=self.to_mib(key, value, minimum=kLargeBuffer // MiB))
+            return dict(config, expandable_segments=self.to_bool(key, value))
+        if key == "max_split_size_mb":  # parseMaxSplitSize (its minimum is checked in check_minimums)
+            return dict(config, max_split_size=self.to_mib(key, value, minimum=0))
+        if key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize (likewise)
+            return dict(config, max_non_split_rounding=self.to_mib(key, value, minimum=0))
         if key == "large_segment_size_mb":  # parseLargeSegmentSize: "must be > 10 MB"
-            return replace(config, large_segment_size=self.to_mib(key, value, minimum=kMinLargeAlloc // MiB + 1))
+            return dict(config, large_segment_size=self.to_mib(key, value, minimum=kMinLargeAlloc // MiB + 1))
         if key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold: open interval (0, 1)
             threshold = self.to_float(key, value)
             if not 0.0 < threshold < 1.0:
                 raise self.fail(f"garbage_collection_threshold must be in (0.0, 1.0), got {value}")
-            return replace(config, garbage_collection_threshold=threshold)
+            return dict(config, garbage_collection_threshold=threshold)
         if key == "per_process_memory_fraction":  # parsePerProcessMemoryFraction: closed interval [0, 1]
             fraction = self.to_float(key, value)
             if not 0.0 <= fraction <= 1.0:
                 raise self.fail(f"per_process_memory_fraction must be in [0.0, 1.0], got {value}")
-            return replace(config, memory_fraction=fraction)
+            return dict(config, memory_fraction=fraction)
         if key == "backend":
             if value == "native":
                 return config
