@@ -64,7 +64,7 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     shebang = _python_shebang(lines)
     if shebang is not None:
         commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},
-                                 python=shebang, launcher="python", line_no=1),)
+                                 python=shebang or None, launcher="python", line_no=1),)
         return JobScript(request, commands, tuple(problems), path)
 
     state = ShellState(base_env=base_env, positional=list(script_args), script_name=path or "", cwd=cwd)
@@ -113,7 +113,8 @@ def _job_cwd(chdir: str | None, submit_cwd: str | None) -> str | None:
 
 
 def _python_shebang(lines: list[str]) -> str | None:
-    """`#!/usr/bin/env python3` or `#!/x/bin/python`: the batch script is itself the training script."""
+    """`#!/usr/bin/env python3` or `#!/x/bin/python`: the batch script is itself the training script.
+    Returns the interpreter path, "" for one found on PATH, None when the script is not Python."""
     if not lines or not lines[0].startswith("#!"):
         return None
     words = lines[0][2:].split()
@@ -122,5 +123,5 @@ def _python_shebang(lines: list[str]) -> str | None:
     program = words[1] if posixpath.basename(words[0]) == "env" and len(words) > 1 else words[0]
     name = posixpath.basename(program)
     if name == "python" or (name.startswith("python") and name[6:].replace(".", "").isdigit()):
-        return program if "/" in program else None
+        return program if "/" in program else ""
     return None
