@@ -90,7 +90,7 @@ class EstimateConfig:
     iterations: int = 3
     cache_dir: str = "~/.cache/xmem-slurm"
     max_concurrent: int = 2
-    python: str | None = None  # interpreter for jobs that activate none (None: the one on the job's PATH)
+    python: str | None = None  # interpreter for jobs that name none (None: the one xmem runs on)
 
 
 @dataclass(frozen=True)
