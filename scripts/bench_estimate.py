@@ -191,12 +191,13 @@ def main() -> int:
     for run in runs:
         gpus = run.result.get("gpus", {})
         cells = "".join(f" {peak_cell(gpus.get(canonical)):>16}" for canonical in BENCH_GPUS.values())
-        print(f"{run.case:<9} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB {run.max_tree_rss / MIB:>9.0f} MiB"
-              f"{cells}  {verdict(run)}")
+        print(f"{run.case:<9} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB"
+              f" {run.max_tree_rss / MIB:>9.0f} MiB{cells}  {verdict(run)}")
         if run.returncode != 0:
             print(f"  exit {run.returncode}: {run.result.get('error')}: {run.result.get('message')}")
         elif run.result.get("breakdown"):
-            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(run.result["breakdown"].items(), key=lambda kv: -kv[1]))
+            largest_first = sorted(run.result["breakdown"].items(), key=lambda kv: -kv[1])
+            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in largest_first)
             print(f"  breakdown (GiB) on {run.result.get('breakdown_gpu')}: {parts}")
     return 0 if all(r.returncode == 0 for r in runs) else 1
 

@@ -107,7 +107,8 @@ def test_conv_workspace_is_capped_and_can_be_turned_off(catalog):
     trace = Trace(events=[alloc(1, 1024 * MIB, op="convolution")], used_cuda=True)
     gpu = catalog["A100-SXM4-40GB"]
     assert orchestrate(trace, gpu).ops[1][2] == 256 * MIB
-    assert orchestrate(trace, gpu, conv_workspace=ConvWorkspaceModel(fraction=0.5, cap_bytes=10**12)).ops[1][2] == 512 * MIB
+    half = ConvWorkspaceModel(fraction=0.5, cap_bytes=10**12)
+    assert orchestrate(trace, gpu, conv_workspace=half).ops[1][2] == 512 * MIB
     assert orchestrate(trace, gpu, conv_workspace=ConvWorkspaceModel(fraction=0)).ops == [(ALLOC, 1, 1024 * MIB, 0)]
 
 

@@ -191,13 +191,16 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     """
     overhead = overhead_bytes(gpu, trace.libraries)
     capacity = gpu.total_bytes - overhead
+    def severity(sim: SimResult) -> tuple[bool, int]:
+        return sim.oom is not None, sim.peak_reserved
+
     worst: tuple[GpuOps, SimResult] | None = None
     for device in trace_devices(trace):
         ops = orchestrate(trace, gpu, env, device=device)
         # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
         points = max(len(ops.ops), 3) if with_breakdown else 2000
         sim = simulate(ops.ops, config, capacity=capacity, timeline_points=points)
-        if worst is None or (sim.oom is not None, sim.peak_reserved) > (worst[1].oom is not None, worst[1].peak_reserved):
+        if worst is None or severity(sim) > severity(worst[1]):
             worst = (ops, sim)
     assert worst is not None  # trace_devices never returns an empty list
     ops, sim = worst

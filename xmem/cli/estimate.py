@@ -28,6 +28,9 @@ EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
                     "internal": EXIT_INTERNAL}
 GIB = 1 << 30
+MIB = 1 << 20
+# How the breakdown names its non-tensor parts for people.
+PART_NAMES = {"allocator_slack": "allocator slack (cached, rounding)", "overhead": "CUDA context + libraries"}
 
 
 @app.command("estimate")
@@ -78,7 +81,7 @@ def show_estimate(console: Console, result: Estimate) -> None:
         table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
     for g in sorted(result.gpus.values(), key=lambda g: g.total_bytes):
         verdict = "[green]fits[/]" if g.fits else "[red]does not fit[/]" + (" (OOM)" if g.oom else "")
-        table.add_row(g.gpu, _gib(g.peak_bytes), _gib(g.total_bytes), _gib(g.headroom_bytes), verdict)
+        table.add_row(g.gpu, _size(g.peak_bytes), _size(g.total_bytes), _size(g.headroom_bytes), verdict)
     console.print(table)
     if result.breakdown:
         peak = sum(result.breakdown.values())
@@ -87,16 +90,19 @@ def show_estimate(console: Console, result: Estimate) -> None:
         parts.add_column("memory", justify="right")
         parts.add_column("share", justify="right")
         for category, nbytes in sorted(result.breakdown.items(), key=lambda kv: -kv[1]):
-            parts.add_row(category.replace("_", " "), _gib(nbytes), f"{100 * nbytes / peak:.1f} %" if peak else "-")
+            share = f"{100 * nbytes / peak:.1f} %" if peak else "-"
+            parts.add_row(PART_NAMES.get(category, category.replace("_", " ")), _size(nbytes), share)
         console.print(parts)
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     console.print(f"{result.iterations} iteration(s) traced in {result.seconds:.1f} s"
-                  f" (torch {result.torch_version or 'unknown'}).")
+                  f" (torch {result.torch_version or 'unknown'}).", highlight=False)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+def _size(nbytes: int) -> str:
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / MIB:.1f} MiB"
 
 
 def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "") -> NoReturn:

@@ -170,7 +170,8 @@ def _merge_overhead(overhead: dict[str, Any], update: Mapping[str, Any], gpus: M
     for name, entry in update.items():
         key = name if name == "default" else _canonical(name, gpus)
         if key != "default" and key not in gpus:
-            raise CatalogError(f"{where}: overhead for unknown GPU type {name!r}; known types: {', '.join(sorted(gpus))}")
+            known = ", ".join(sorted(gpus))
+            raise CatalogError(f"{where}: overhead for unknown GPU type {name!r}; known types: {known}")
         target = merged.setdefault(key, {})
         libraries = {**target.get("library_bytes", {}), **entry.get("library_bytes", {})}
         target.update(entry)
