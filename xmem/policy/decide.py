@@ -231,8 +231,14 @@ def _request_value(offer: Offer, request: SbatchRequest, option: str) -> str:
         return f"{offer.gres_type}:{offer.count}"
     gpu_item = {"gpu": f"gpu:{offer.gres_type}:{offer.count}", "mig": f"gpu:{offer.gres_type}:{offer.count}",
                 "mps": f"mps:{offer.gres_type}:{offer.count}", "shard": f"shard:{offer.gres_type}:{offer.count}"}
-    others = [str(g) for g in request.gres if g.name not in ("gpu", "mps", "shard")]
-    return ",".join([gpu_item[offer.kind], *others])
+    return ",".join([gpu_item[offer.kind], *_other_gres(request)])
+
+
+def _other_gres(request: SbatchRequest) -> list[str]:
+    """The job's non-GPU GRES items as the user wrote them (`tmpfs:10G`): a rewrite must keep them."""
+    written = next((value for option, value, _ in reversed(request.raw) if option == "gres" and value), "")
+    items = [item.strip().removeprefix("gres:") for item in written.split(",") if item.strip()]
+    return [item for item in items if item.split(":")[0] not in ("gpu", "mps", "shard", "none")]
 
 
 def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int], config: SiteConfig,
