@@ -1,0 +1,163 @@
+"""analyze_job: parse -> estimate per command -> combined peaks -> decision. The estimator here is a hand-written
+stand-in returning `Estimate.to_json()`-shaped data, so each figure below is chosen, not measured; the real
+estimator runs end to end in test_cli_check.py."""
+
+from pathlib import Path
+
+from xmem.analyze import analyze_job, combined_peaks
+from xmem.config import config_from_dict
+from xmem.trace import TraceError
+
+GIB = 2**30
+SITE = config_from_dict({
+    "partitions": {"default": "debug", "from_cluster": False,
+                   "gpu_types": {"debug": ["a100", "h100", "1g.10gb"]}},
+    "mig": {"h100": ["1g.10gb"]},
+    "policy": {"preference": ["mig", "gpu"]},
+    "margin": {"relative": 0.10},
+})
+
+
+class FakeEstimator:
+    """Peaks per catalog name per script (argv[1]); records every call."""
+
+    def __init__(self, peaks_by_script, errors=None):
+        self.peaks_by_script = peaks_by_script
+        self.errors = errors or {}
+        self.calls = []
+
+    def __call__(self, command, **kw):
+        self.calls.append((command, kw))
+        script = command[1]
+        if script in self.errors:
+            raise self.errors[script]
+        return {"gpus": {name: {"peak_bytes": peak} for name, peak in self.peaks_by_script[script].items()},
+                "used_cuda": True, "warnings": []}
+
+
+def job(tmp_path, body: str) -> Path:
+    path = tmp_path / "job.sh"
+    path.write_text("#!/bin/bash\n" + body)
+    return path
+
+
+def analyze(path, estimator, config=SITE, **kw):
+    kw.setdefault("env", {"PATH": "/usr/bin", "HOME": "/home/u", "USER": "u", "PWD": str(path.parent)})
+    return analyze_job(path, config=config, estimator=estimator, **kw)
+
+
+def test_job_without_gpu_is_not_estimated(tmp_path):
+    estimator = FakeEstimator({})
+    result = analyze(job(tmp_path, "#SBATCH -p debug\npython t.py\n"), estimator)
+    assert result.decision.action == "none"
+    assert estimator.calls == []
+
+
+def test_excluded_user_is_not_estimated(tmp_path):
+    config = config_from_dict({"exclude": {"users": ["u"]}})
+    estimator = FakeEstimator({})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator, config=config)
+    assert result.decision.action == "excluded"
+    assert estimator.calls == []
+
+
+def test_script_not_understood(tmp_path):
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\nfor i in 1 2; do python t.py; done\n"),
+                     FakeEstimator({}))
+    assert result.decision is None
+    assert result.errors[0].kind == "not_understood" and "line 3" in result.errors[0].message
+
+
+def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_path):
+    estimator = FakeEstimator({
+        "prep.py": {"A100-SXM4-40GB": 1 * GIB, "H100-SXM5-80GB": 8 * GIB},
+        "train.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 6 * GIB},
+    })
+    path = job(tmp_path, "#SBATCH --gres=gpu:1\ncd /work\nexport A=1\npython prep.py\npython train.py $1\n")
+    result = analyze(path, estimator, script_args=["--x"])
+    assert result.peaks == {"a100": 7 * GIB, "h100": 8 * GIB, "1g.10gb": 8 * GIB}
+    # 8 GiB * 1.1 = 8.8 GiB fits the 9.75 GiB slice
+    assert (result.decision.action, result.decision.gres) == ("rewrite", "gpu:1g.10gb:1")
+    command, kw = estimator.calls[1]
+    assert command == ["python", "train.py", "--x"]
+    assert kw["gpus"] == ["a100", "h100"]  # the slice is estimated as its parent, once
+    assert kw["cwd"] == "/work"
+    assert kw["env"]["A"] == "1" and kw["env"]["SLURM_GPUS_ON_NODE"] == "1"
+    assert kw["iterations"] == 3 and kw["timeout"] <= SITE.estimate.timeout_s
+
+
+def test_estimator_error_is_reported_with_its_kind_and_line(tmp_path):
+    error = TraceError("user_error", "ValueError: bad lr", user_traceback="Traceback ...")
+    estimator = FakeEstimator({}, errors={"train.py": error})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython train.py\n"), estimator)
+    assert result.decision is None
+    [err] = result.errors
+    assert (err.kind, err.line_no, err.user_traceback) == ("user_error", 3, "Traceback ...")
+    assert "line 3 (python train.py): ValueError: bad lr" == err.message
+
+
+def test_command_without_optimizer_step_is_skipped_not_fatal(tmp_path):
+    estimator = FakeEstimator({"train.py": {"A100-SXM4-40GB": 20 * GIB, "H100-SXM5-80GB": 20 * GIB}},
+                              errors={"eval.py": TraceError("no_optimizer_step", "no optimizer step")})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython eval.py\npython train.py\n"), estimator)
+    assert result.errors == ()
+    assert result.estimates[0].skipped and result.estimates[1].estimate
+    assert result.decision.gres == "gpu:a100:1"  # 22 GiB: no slice, smallest whole GPU
+
+
+def test_only_skipped_commands_is_an_error(tmp_path):
+    estimator = FakeEstimator({}, errors={"eval.py": TraceError("no_optimizer_step", "no optimizer step")})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython eval.py\n"), estimator)
+    assert result.decision is None and result.errors[0].kind == "no_optimizer_step"
+
+
+def test_partition_missing_from_config_is_read_from_the_cluster(tmp_path):
+    config = config_from_dict({"partitions": {"from_cluster": True}, "policy": {"preference": ["gpu"]}})
+    estimator = FakeEstimator({"t.py": {"H100-SXM5-80GB": 50 * GIB}})
+    asked = []
+
+    def cluster_types(partition):
+        asked.append(partition)
+        return ("h100",)
+
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1 -p big\npython t.py\n"), estimator, config=config,
+                     cluster_types=cluster_types)
+    assert asked == ["big"]
+    assert result.decision.gres == "gpu:h100:1"
+
+
+def test_no_known_gpu_types_is_an_error_saying_where_to_list_them(tmp_path):
+    config = config_from_dict({"partitions": {"from_cluster": False}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1 -p big\npython t.py\n"), FakeEstimator({}), config=config)
+    assert result.errors[0].kind == "no_gpu_types" and "[partitions.gpu_types]" in result.errors[0].message
+
+
+def test_gpu_types_given_explicitly(tmp_path):
+    estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator, gpus=["a100"])
+    assert estimator.calls[0][1]["gpus"] == ["a100"]
+    assert result.peaks == {"a100": GIB}
+
+
+def test_unreadable_script(tmp_path):
+    result = analyze(tmp_path / "absent.sh", FakeEstimator({}))
+    assert result.job is None and result.errors[0].kind == "bad_input"
+
+
+def test_command_line_options_override_the_script(tmp_path):
+    estimator = FakeEstimator({})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator,
+                     cli_options={"gres": "none"})
+    assert result.decision.action == "none" and estimator.calls == []
+
+
+def test_combined_peaks_match_catalog_and_site_names():
+    estimates = [{"gpus": {"A100-SXM4-40GB": {"peak_bytes": 5}}}, {"gpus": {"a100": {"peak_bytes": 9}}}]
+    assert combined_peaks(estimates, ["a100", "h100"], SITE) == {"a100": 9}
+
+
+def test_analysis_serialises(tmp_path):
+    estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB, "H100-SXM5-80GB": GIB}})
+    data = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator).to_json()
+    assert data["decision"]["gres"] == "gpu:1g.10gb:1"
+    assert data["job"]["commands"][0]["argv"] == ["python", "t.py"]
