@@ -116,6 +116,15 @@ def test_json_has_the_documented_keys_and_round_trips(traced):
     assert "loss.item() returned a stand-in value" in data["warnings"]
 
 
+def test_json_round_trip_gives_the_same_record(traced):
+    overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}}}
+    result = estimate(["python", "train.py"], gpus=["a100", "tiny"], catalog_overrides=overrides)
+    assert result.gpus["Tiny"].oom is not None
+    again = Estimate.from_json(json.loads(json.dumps(result.to_json())))
+    assert again.to_json() == result.to_json()
+    assert again.gpus["Tiny"].oom == result.gpus["Tiny"].oom
+
+
 def test_every_catalog_type_when_no_gpu_is_named(traced):
     result = estimate(["python", "train.py"])
     assert set(result.gpus) == set(load_catalog())

@@ -1,8 +1,11 @@
 """The whole pipeline with the real tracer and simulator: a plain user training script, no GPU."""
 
 import json
+import os
 import sys
 import textwrap
+
+import pytest
 
 from xmem.estimate import estimate
 
@@ -38,3 +41,16 @@ def test_mlp_adamw_breakdown_has_parameters_gradients_and_adam_states(tmp_path):
     assert a100["peak_reserved_bytes"] >= a100["peak_allocated_bytes"] >= 4 * PARAM_BYTES
     # Hopper's cuBLAS workspaces are 32 MiB instead of 8.125 MiB: never less memory than on the A100.
     assert data["gpus"]["H100-SXM5-80GB"]["peak_reserved_bytes"] >= a100["peak_reserved_bytes"]
+
+
+@pytest.mark.skipif(not os.environ.get("XMEM_TEST_CPU_PYTHON"), reason="XMEM_TEST_CPU_PYTHON (CPU torch) not set")
+def test_cpu_build_of_torch_gives_the_same_estimate(tmp_path):
+    # A login node may have either build; the job's GPU memory does not depend on which one estimates it.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    cpu_python = os.environ["XMEM_TEST_CPU_PYTHON"]
+    on_cuda_build = estimate([sys.executable, str(script)], gpus=["a100"], cwd=tmp_path)
+    on_cpu_build = estimate([cpu_python, str(script)], gpus=["a100"], cwd=tmp_path, python=cpu_python)
+    assert on_cpu_build.torch_version != on_cuda_build.torch_version
+    assert on_cpu_build.gpus["A100-SXM4-40GB"].peak_bytes == on_cuda_build.gpus["A100-SXM4-40GB"].peak_bytes
+    assert on_cpu_build.breakdown == on_cuda_build.breakdown

@@ -64,6 +64,15 @@ class GpuEstimate:
             "traced_capability": list(self.traced_capability),
         }
 
+    @classmethod
+    def from_json(cls, name: str, d: Mapping[str, Any]) -> GpuEstimate:
+        oom = d.get("oom")
+        return cls(gpu=name, total_bytes=d["total_bytes"], peak_bytes=d["peak_bytes"],
+                   peak_reserved_bytes=d["peak_reserved_bytes"], peak_allocated_bytes=d["peak_allocated_bytes"],
+                   overhead_bytes=d["overhead_bytes"], capacity_bytes=d["capacity_bytes"], fits=d["fits"],
+                   oom=OomInfo(**oom) if oom is not None else None, fragmentation=d["fragmentation"],
+                   traced_capability=tuple(d.get("traced_capability", (0, 0))))
+
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
@@ -99,6 +108,15 @@ class Estimate:
             "used_cuda": self.used_cuda,
             "torch_version": self.torch_version,
         }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Estimate:
+        """The record back from `to_json()` (e.g. from a cache)."""
+        return cls(command=tuple(d["command"]),
+                   gpus={name: GpuEstimate.from_json(name, g) for name, g in d["gpus"].items()},
+                   breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
+                   iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
+                   libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"])
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
