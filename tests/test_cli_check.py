@@ -1,0 +1,111 @@
+"""`xmem-slurm check`: run as a user would (the installed console script), with the real estimator."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIG = REPO / "etc" / "xmem.toml"
+XMEM_SLURM = Path(sys.executable).parent / "xmem-slurm"
+
+TRAIN = """\
+import sys
+import torch
+
+hidden = int(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)).cuda()
+opt = torch.optim.Adam(model.parameters())
+for step in range(5):
+    loss = model(torch.randn(64, hidden, device="cuda")).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def check(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = [str(XMEM_SLURM), "check", *args] if XMEM_SLURM.exists() else \
+        [sys.executable, "-m", "xmem.cli", "check", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_json_on_a_real_training_script(workdir):
+    pytest.importorskip("xmem.estimate", reason="the estimator (xmem.estimate) has not landed")
+    (workdir / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1   # any GPU\n#SBATCH -p debug\n"
+                                    f"cd {workdir}\npython train.py \"$1\"\n")
+    done = check(str(workdir / "job.sh"), "1024", "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["job"]["commands"][0]["argv"] == ["python", "train.py", "1024"]
+    assert data["job"]["commands"][0]["cwd"] == str(workdir)
+    assert data["gpu_types"] == ["a100", "h100", "1g.10gb"]
+    # Parameters alone: 1024*1024 + 1024 + 10*1024 + 10 floats = 4.24 MB; with gradients and Adam's two states
+    # 17 MB. Everything else is context and workspace: the peak is a few hundred MiB, far under any offer.
+    peaks = data["peaks"]
+    assert set(peaks) == {"a100", "h100", "1g.10gb"}
+    assert all(4 * 1_060_874 < peak < 2 * 2**30 for peak in peaks.values())
+    assert peaks["1g.10gb"] == peaks["h100"]
+    decision = data["decision"]
+    assert (decision["action"], decision["gres"]) == ("rewrite", "gpu:1g.10gb:1")
+    assert decision["reason"].endswith("MIG 1g.10gb (9.75 GiB) is the smallest fit")
+    assert data["exit_code"] == 0
+
+
+@pytest.mark.slow
+def test_human_output_shows_job_estimate_and_decision(workdir):
+    pytest.importorskip("xmem.estimate", reason="the estimator (xmem.estimate) has not landed")
+    (workdir / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\ncd {workdir}\npython train.py 512\n")
+    done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    for text in ("--gres", "python train.py 512", "Predicted peak GPU memory", "1g.10gb", "Decision:"):
+        assert text in done.stdout
+
+
+def test_script_not_understood_exits_8_with_the_line(workdir):
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\nfor s in 1 2; do python train.py 8; done\n")
+    done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 8
+    data = json.loads(done.stdout)
+    assert data["job"]["problems"][0]["line_no"] == 3
+    assert data["errors"][0]["kind"] == "not_understood"
+
+
+def test_job_without_gpu_exits_0_with_decision_none(workdir):
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH -p debug\npython train.py 8\n")
+    done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["decision"]["action"] == "none"
+
+
+def test_bad_config_exits_2_naming_the_key(workdir):
+    (workdir / "bad.toml").write_text("[mps]\ncount = 3\n")
+    (workdir / "job.sh").write_text("#!/bin/bash\npython train.py 8\n")
+    done = check(str(workdir / "job.sh"), "--config", str(workdir / "bad.toml"), cwd=workdir)
+    assert done.returncode == 2
+    assert "unknown key 'mps.count'" in done.stderr
+
+
+def test_missing_script_exits_2(workdir):
+    done = check(str(workdir / "absent.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["errors"][0]["kind"] == "bad_input"
+
+
+@pytest.mark.slow
+def test_user_error_in_the_training_script_exits_5(workdir):
+    pytest.importorskip("xmem.estimate", reason="the estimator (xmem.estimate) has not landed")
+    (workdir / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\ncd {workdir}\npython train.py oops\n")
+    done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    assert done.returncode == 5, done.stderr
+    error = json.loads(done.stdout)["errors"][0]
+    assert error["kind"] == "user_error" and error["line_no"] == 4
