@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, NoReturn
 
-XMEM_DIR = str(Path(__file__).resolve().parent.parent)
+XMEM_DIR = str(Path(__file__).resolve().parent.parent)  # the xmem package directory
 
 
 class ChildFailure(Exception):
@@ -167,7 +167,7 @@ def _failure_from(error: BaseException, torch) -> ChildFailure:
 def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
     """The traceback frames of the user's own files: not ours, not torch's, not the stdlib's or site-packages'."""
     import torch
-    not_user = tuple({XMEM_DIR + os.sep + "xmem", os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+    not_user = tuple({XMEM_DIR + os.sep, os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
                       sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], "<frozen"})
     frames = traceback.extract_tb(error.__traceback__)
     return [frame for frame in frames if not frame.filename.startswith(not_user)]

@@ -188,8 +188,9 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
                 "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
 
     def is_bf16_supported(including_emulation: bool = True) -> bool:
+        # upstream: native from sm80; older GPUs (CUDA >= 11) emulate it, which counts unless excluded
         fake.on_arch_question()
-        return fake.bf16_supported
+        return fake.bf16_supported or including_emulation
 
     answers: dict[str, Any] = dict(
         is_available=lambda: True,

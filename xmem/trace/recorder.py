@@ -39,11 +39,15 @@ _LIBRARY_OPS = {
               "_cudnn_rnn", "_cudnn_rnn_backward", "_scaled_dot_product_cudnn_attention", "cudnn_grid_sampler"},
     "cufft": {"_fft_r2c", "_fft_c2r", "_fft_c2c"},
 }
-_CUSOLVER_PREFIXES = ("linalg_", "_linalg_", "cholesky", "_cholesky", "lu_", "_lu", "geqrf", "ormqr", "triangular_solve")
+_LIBRARY_OPS["cusolver"] = {"linalg_cholesky_ex", "cholesky", "cholesky_solve", "cholesky_inverse", "linalg_qr",
+                             "geqrf", "ormqr", "_linalg_svd", "_linalg_eigh", "linalg_eig", "linalg_lu_factor_ex",
+                             "linalg_lu", "linalg_lu_solve", "linalg_solve_triangular", "triangular_solve",
+                             "_linalg_solve_ex", "linalg_inv_ex", "linalg_ldl_factor_ex", "_linalg_det",
+                             "_linalg_slogdet", "linalg_householder_product"}
 
-# Ops that bring data onto the GPU: outside forward/backward/optimizer their outputs are the step's inputs.
-_INPUT_OPS = {"_to_copy", "copy_", "lift_fresh", "lift_fresh_copy", "empty", "empty_strided", "zeros", "ones", "full",
-              "randn", "rand", "randint", "randperm", "arange", "normal", "scalar_tensor", "clone"}
+# Ops that bring data onto the GPU (host copies, random batches): outside forward/backward/optimizer, the inputs.
+_COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
+_RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
 
 # Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
 _BOOL_TRUTH = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
@@ -217,9 +221,10 @@ class AllocationRecorder(TorchDispatchMode):
         key = storage._cdata
         if key in self._block_of_storage:
             return  # a view, an in-place result, or a storage already known
-        self._alloc(storage, key, tensor.device.index or 0, op)
+        from_host = op in _COPY_OPS and isinstance(args[0], torch.Tensor) and args[0].device.type != "cuda"
+        self._alloc(storage, key, tensor.device.index or 0, op, from_host)
 
-    def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str) -> None:
+    def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool) -> None:
         state = self.state
         nbytes = storage.nbytes()
         with self._lock:
@@ -228,7 +233,7 @@ class AllocationRecorder(TorchDispatchMode):
             stream = self.fake.current_stream.stream_id
             self.rows.append(["alloc", block, nbytes, device, stream, op, self.module_path(), state.phase,
                               state.iteration])
-            self.category[block] = _category_at_birth(state.phase, op)
+            self.category[block] = _category_at_birth(state.phase, op, from_host)
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         finalizer = weakref.finalize(storage, self._free, key, block, nbytes, device, stream)
@@ -249,8 +254,6 @@ class AllocationRecorder(TorchDispatchMode):
         for library, ops in _LIBRARY_OPS.items():
             if op in ops:
                 self.libraries.add(library)
-        if op.startswith(_CUSOLVER_PREFIXES):
-            self.libraries.add("cusolver")
 
     # ---- stand-ins for values fake tensors do not have ------------------------------------------------------
     def _stand_in_scalar(self, tensor: torch.Tensor) -> Any:
@@ -334,13 +337,13 @@ class AllocationRecorder(TorchDispatchMode):
                      alloc_conf=alloc_conf, seconds=seconds, torch_version=torch.__version__)
 
 
-def _category_at_birth(phase: str, op: str) -> str:
+def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
     """First guess of a storage's category; parameters, gradients and optimizer state are labelled later."""
     if phase == "forward":
         return "activation"
     if phase in ("backward", "optimizer"):
         return "temporary"
-    return "input" if op in _INPUT_OPS else "temporary"
+    return "input" if from_host or op in _RANDOM_INPUT_OPS else "temporary"
 
 
 def _guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:

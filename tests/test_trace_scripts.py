@@ -1,0 +1,230 @@
+"""The tracer on small, real training scripts (tests/scripts/), on both torch builds: the recorded allocations are
+the ones each script must make on a GPU, derived by hand from the models' shapes."""
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from xmem.trace import run_trace
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _cpu_build_python() -> pytest.param:
+    python = os.environ.get("XMEM_TEST_CPU_PYTHON", "")
+    reason = ("XMEM_TEST_CPU_PYTHON is unset (path of a Python with the CPU build of torch)" if not python else
+              f"XMEM_TEST_CPU_PYTHON={python} is not an executable" if not os.access(python, os.X_OK) else "")
+    return pytest.param(python, id="cpu-build", marks=pytest.mark.skipif(bool(reason), reason=reason))
+
+
+PYTHONS = [pytest.param(sys.executable, id="this-build"), _cpu_build_python()]
+
+
+def trace(python, script, *args, **options):
+    return run_trace(["python", str(SCRIPTS / script), *args], python=python, **options)
+
+
+def allocs(trace, category=None, phase=None):
+    return [e for e in trace.events if e.action == "alloc" and category in (None, e.category)
+            and phase in (None, e.phase)]
+
+
+def sizes(events):
+    return sorted(e.nbytes for e in events)
+
+
+# ---- MLP + Adam -------------------------------------------------------------------------------------------------
+# nn.Sequential(Linear(100, 300), ReLU(), Linear(300, 10)) in fp32
+MLP_PARAM_BYTES = [100 * 300 * 4, 300 * 4, 300 * 10 * 4, 10 * 4]
+
+
+@pytest.fixture(scope="module", params=PYTHONS)
+def mlp(request):
+    progress = []
+    result = trace(request.param, "mlp_adam.py", "--steps", "10", iterations=3, on_progress=progress.append)
+    return result, progress
+
+
+def test_mlp_stops_after_the_requested_iterations(mlp):
+    result, progress = mlp
+    assert result.iterations == 3 and result.used_cuda
+    assert {e.iteration for e in result.events} == {-1, 0, 1, 2}
+    assert progress[-3:] == ["iteration 1/3", "iteration 2/3", "iteration 3/3"]
+
+
+def test_mlp_parameters_are_the_first_allocations(mlp):
+    first = mlp[0].events[:4]
+    assert [e.nbytes for e in first] == MLP_PARAM_BYTES
+    assert all(e.category == "parameter" and e.iteration == -1 and e.op == "_to_copy" for e in first)
+
+
+def test_mlp_one_gradient_per_parameter_each_iteration(mlp):
+    # zero_grad() sets grads to None, so each of the 3 iterations allocates them again
+    assert sizes(allocs(mlp[0], "gradient")) == sorted(MLP_PARAM_BYTES * 3)
+    assert {e.phase for e in allocs(mlp[0], "gradient")} == {"backward"}
+
+
+def test_mlp_adam_keeps_two_moments_per_parameter(mlp):
+    # exp_avg + exp_avg_sq, created once in the first step; `step` stays a CPU scalar (not fused/capturable)
+    state = allocs(mlp[0], "optimizer_state")
+    assert sizes(state) == sorted(MLP_PARAM_BYTES * 2)
+    assert {(e.iteration, e.phase) for e in state} == {(0, "optimizer")}
+
+
+def test_mlp_inputs_and_phases(mlp):
+    # x: 64x100 fp32 and y: 64 int64, moved to the GPU each iteration
+    assert sizes(allocs(mlp[0], "input")) == sorted([64 * 100 * 4, 64 * 8] * 3)
+    assert allocs(mlp[0], phase="forward") and allocs(mlp[0], phase="backward")
+    assert allocs(mlp[0], phase="optimizer")
+
+
+def test_mlp_every_free_matches_an_earlier_alloc(mlp):
+    live = {}
+    for e in mlp[0].events:
+        if e.action == "alloc":
+            assert e.block not in live
+            live[e.block] = e.nbytes
+        elif e.action == "free":
+            assert live.pop(e.block) == e.nbytes
+
+
+def test_mlp_module_paths_name_the_layers(mlp):
+    forward = {e.module for e in allocs(mlp[0], phase="forward")}
+    assert {"Sequential.0", "Sequential.1", "Sequential.2"} <= forward
+
+
+def test_mlp_uses_foreach_adam_cublas_and_two_threads(mlp):
+    result = mlp[0]
+    assert result.op_counts.get("_foreach_sqrt", 0) == 3  # the GPU default: foreach, not the for-loop
+    assert result.libraries == ["cublas"]
+    assert result.threads == 2  # the forward thread and the autograd device thread
+    assert not result.arch_sensitive
+
+
+def test_mlp_item_gets_a_stand_in_and_one_warning(mlp):
+    assert mlp[0].warnings == ["tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"]
+
+
+# ---- CNN + BatchNorm + SGD(momentum) ---------------------------------------------------------------------------
+CNN_PARAM_ELEMENTS = [16 * 3 * 3 * 3, 16, 16, 16, 32 * 16 * 3 * 3, 32, 32, 32, 10 * 32, 10]
+CNN_BUFFER_BYTES = [16 * 4, 16 * 4, 8, 32 * 4, 32 * 4, 8]  # running_mean/var (fp32), num_batches_tracked (int64)
+
+
+@pytest.fixture(scope="module", params=PYTHONS)
+def cnn(request):
+    return trace(request.param, "cnn_bn_sgd.py", iterations=2)
+
+
+def test_cnn_parameters_and_buffers(cnn):
+    assert sizes(allocs(cnn, "parameter")) == sorted(4 * n for n in CNN_PARAM_ELEMENTS)
+    assert sizes(allocs(cnn, "buffer")) == sorted(CNN_BUFFER_BYTES)
+
+
+def test_cnn_sgd_momentum_buffer_per_parameter(cnn):
+    state = allocs(cnn, "optimizer_state")
+    assert sizes(state) == sorted(4 * n for n in CNN_PARAM_ELEMENTS)
+    assert {e.iteration for e in state} == {0}
+
+
+def test_cnn_runs_convolutions_and_batch_norm_through_cudnn(cnn):
+    assert cnn.op_counts["convolution"] == 4 and cnn.op_counts["convolution_backward"] == 4
+    assert "cudnn" in cnn.libraries and "cublas" in cnn.libraries
+    # the CUDA build picks cudnn_batch_norm as on a GPU; the CPU build's stub hooks say "no cuDNN"
+    assert cnn.op_counts.get("cudnn_batch_norm", 0) + cnn.op_counts.get("native_batch_norm", 0) == 4
+
+
+# ---- transformer with F.scaled_dot_product_attention ----------------------------------------------------------
+def attention_ops(result):
+    return {name: n for name, n in result.op_counts.items() if "attention" in name}
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_sdpa_fp16_on_hopper_uses_flash(python):
+    result = trace(python, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(9, 0))
+    assert attention_ops(result) == {"_scaled_dot_product_flash_attention": 2,
+                                     "_scaled_dot_product_flash_attention_backward": 2}
+    assert result.arch_sensitive  # a V100 would have chosen differently
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_sdpa_fp32_uses_memory_efficient_everywhere(python):
+    result = trace(python, "transformer_sdpa.py", iterations=1, capability=(9, 0))
+    assert attention_ops(result) == {"_scaled_dot_product_efficient_attention": 2,
+                                     "_scaled_dot_product_efficient_attention_backward": 2}
+    assert not result.arch_sensitive
+
+
+def test_sdpa_fp16_on_volta_uses_memory_efficient():
+    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(7, 0))
+    assert attention_ops(result) == {"_scaled_dot_product_efficient_attention": 2,
+                                     "_scaled_dot_product_efficient_attention_backward": 2}
+    assert result.arch_sensitive
+
+
+def test_sdpa_bf16_on_volta_falls_back_to_math():
+    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "bf16", iterations=1, capability=(7, 0))
+    assert attention_ops(result) == {}
+    assert result.op_counts["bmm"] >= 4 and result.op_counts["_safe_softmax"] == 2
+
+
+def test_tied_weights_stay_one_parameter():
+    result = trace(sys.executable, "transformer_sdpa.py", iterations=1)
+    # embedding (tied to the head) + 2 blocks x (2 LayerNorms x 2 + 4 Linears x 2) = 1 + 2 * 12
+    assert len(allocs(result, "parameter")) == 25
+    assert len(allocs(result, "gradient")) == 25
+
+
+# ---- AMP, accumulation, two optimizers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("python", PYTHONS)
+def test_amp_gradscaler_fp16(python):
+    result = trace(python, "amp_gradscaler.py", iterations=3)
+    assert result.iterations == 3
+    forward_linear = [e.nbytes for e in allocs(result, phase="forward") if e.op == "addmm"]
+    assert 32 * 512 * 2 in forward_linear  # autocast: the first Linear's output is fp16
+    assert 256 * 512 * 2 in [e.nbytes for e in allocs(result, phase="forward") if e.op == "_to_copy"]  # fp16 weight
+    assert sizes(allocs(result, "parameter")) == sorted([256 * 512 * 4, 512 * 4, 512 * 256 * 4, 256 * 4])
+    assert "GradScaler assumed finite gradients (no real data under fake CUDA)" in result.warnings
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_gradient_accumulation_counts_one_iteration_per_step(python):
+    result = trace(python, "grad_accumulation.py", iterations=3)
+    assert result.iterations == 3
+    seeds = [e for e in allocs(result, phase="backward") if e.op == "ones_like"]
+    assert len(seeds) == 6  # two backward passes per iteration
+    assert sizes(allocs(result, "gradient")) == sorted([64 * 64 * 4, 64 * 4] * 3)
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_two_optimizers_step_once_per_iteration(python):
+    result = trace(python, "gan_two_optimizers.py", iterations=3)
+    assert result.iterations == 3
+    generator, discriminator = [16 * 64, 64, 64 * 32, 32], [32 * 64, 64, 64, 1]
+    assert sizes(allocs(result, "optimizer_state")) == sorted(4 * n for n in (generator + discriminator) * 2)
+    steps_per_iteration = Counter(e.iteration for e in allocs(result, phase="backward") if e.op == "ones_like")
+    assert steps_per_iteration == {0: 2, 1: 2, 2: 2}
+
+
+# ---- the torch.cuda API around a training loop ------------------------------------------------------------------
+@pytest.mark.parametrize("python", PYTHONS)
+def test_cuda_api_script_runs_with_stand_ins(python):
+    result = trace(python, "cuda_api.py", iterations=3)
+    assert result.iterations == 3
+    assert result.arch_sensitive  # it asked for the device's properties and bf16 support
+    assert result.op_counts.get("_fused_adamw_") == 3
+    assert any(e.stream == 1 for e in result.events)  # the side stream's allocation
+    assert [e.iteration for e in result.events if e.action == "empty_cache"] == [-1]
+    assert sorted(result.warnings) == sorted([
+        "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)",
+        "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"])
+    # scores[scores > 0] with every element assumed selected: 128 fp32 values
+    assert 128 * 4 in [e.nbytes for e in allocs(result) if e.op == "index"]
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_program_without_cuda_gives_an_empty_trace(python):
+    result = trace(python, "no_cuda.py")
+    assert not result.used_cuda and result.events == []
