@@ -14,6 +14,7 @@ from xmem.slurm.filter import (
     reply_for,
     with_exports,
 )
+from xmem.policy import Decision
 from xmem.slurm.node import JobStamp
 
 GIB = 1 << 30
@@ -25,10 +26,12 @@ def request(**options):
 
 
 def decision(**fields):
-    d = {"action": "rewrite", "gres": "mps:40", "gpus": None, "gpu_type": "a100", "needed_bytes": 8 * GIB,
-         "reason": "needs 8.0 GiB with margin: MPS 40 % of an a100 is the smallest fit", "comment": "xmem:x"}
+    """A real policy decision, as the filter receives it (Decision.to_json)."""
+    d = dict(action="rewrite", reason="needs 8.0 GiB with margin: MPS 40 % of an a100 is the smallest fit",
+             gres="mps:a100:40", option="gres", kind="mps", gpu_type="a100", peak_bytes=7 * GIB,
+             needed_bytes=8 * GIB, granted_bytes=16 * GIB, comment="xmem:x")
     d.update(fields)
-    return d
+    return Decision(**d).to_json()
 
 
 PEAKS = {"a100": 7 * GIB, "h100": 7 * GIB + 5}
@@ -45,17 +48,21 @@ def test_request_from_lua_json_strips_the_gres_prefix_sbatch_reads_back():
 
 def test_rewrite_sets_gres_comment_and_exports():
     reply = reply_for(Analysis(decision(), PEAKS), request(gres="gres:gpu:1"), "open")
-    stamp = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:40", action="rewrite")
-    assert reply.set == {"gres": "mps:40", "comment": stamp.comment(),
+    stamp = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:a100:40",
+                     action="rewrite")
+    assert reply.set == {"gres": "mps:a100:40", "comment": stamp.comment(),
                          "export": "ALL," + ",".join(f"{k}={v}" for k, v in stamp.env().items())}
-    assert reply.message.endswith("-> --gres=mps:40") and reply.reject is None
+    assert reply.message.endswith("-> --gres=mps:a100:40") and reply.reject is None
 
 
-def test_rewrite_in_gpus_form():
-    reply = reply_for(Analysis(decision(gres=None, gpus="h100:1", gpu_type="h100"), PEAKS),
-                      request(gpus="1"), "open")
-    assert reply.set["gpus"] == "h100:1" and "gres" not in reply.set
-    assert JobStamp.from_comment(reply.set["comment"]).peak_bytes == 7 * GIB + 5
+@pytest.mark.parametrize("option", ["gpus", "gpus-per-node"])
+def test_rewrite_in_the_users_gpus_form(option):
+    d = decision(gres=None, gpus="h100:1", option=option, kind="gpu", gpu_type="h100", peak_bytes=None)
+    reply = reply_for(Analysis(d, PEAKS), request(**{option: "1"}), "open")
+    assert reply.set[option] == "h100:1" and "gres" not in reply.set
+    assert reply.message.endswith(f"-> --{option}=h100:1")
+    stamp = JobStamp.from_comment(reply.set["comment"])
+    assert stamp.peak_bytes == 7 * GIB + 5 and stamp.request == f"{option}=h100:1"  # from peaks[h100]
 
 
 def test_keep_leaves_the_request_and_still_stamps_the_job():

@@ -7,7 +7,8 @@ unchanged resubmission skips the estimate. Parsing the script, the estimate and 
 xmem.jobscript, xmem.analyze and xmem.policy; nothing here second-guesses them.
 
 Contract, in:  {"script": abs path | null, "argv": [...], "options": {long option: value, as
-                slurm.json_cli_options gives them}, "user": str | null, "env": {name: value}}
+                slurm.json_cli_options gives them}, "user": str | null, "env": {name: value},
+                "cwd": optional, default the filter's own working directory (sbatch's)}
          out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null}
 `fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
 its install-time default). Every string in the reply is plain: no quotes, backslashes or control characters,
@@ -50,6 +51,7 @@ class FilterRequest:
     options: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # where sbatch runs: the job's default working directory
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FilterRequest:
@@ -58,7 +60,8 @@ class FilterRequest:
         options = {str(k): _option_text(v) for k, v in (data.get("options") or {}).items()}
         return cls(script=data.get("script") or None, argv=tuple(str(a) for a in data.get("argv") or ()),
                    options=options, user=data.get("user") or None,
-                   env={str(k): str(v) for k, v in (data.get("env") or {}).items()})
+                   env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+                   cwd=data.get("cwd") or os.getcwd())  # the filter runs in sbatch's directory
 
     @property
     def script_args(self) -> tuple[str, ...]:
@@ -142,7 +145,8 @@ def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
 
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
-                                   config=config, env=dict(request.env) or None, user=request.user)
+                                   config=config, env=dict(request.env) or None, user=request.user,
+                                   submit_cwd=request.cwd)
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Analysis(decision=None, errors=(_error_text(e),))
     return analysis_from_job(job_analysis)
@@ -153,7 +157,7 @@ def parse_job(script: str, request: FilterRequest) -> Any:
     from xmem.jobscript import parse_jobscript
 
     return parse_jobscript(Path(script).read_text(errors="replace"), path=script,
-                           script_args=list(request.script_args), submit_cwd=request.env.get("PWD"),
+                           script_args=list(request.script_args), submit_cwd=request.cwd,
                            cli_options=request.cli_options(), env=dict(request.env) or None)
 
 
@@ -161,7 +165,7 @@ def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
     """Files the job's training commands name (train.py, a config...): their bytes belong in the cache key."""
     files = []
     for command in getattr(job, "commands", ()):
-        cwd = command.cwd or request.env.get("PWD") or os.path.dirname(script)
+        cwd = command.cwd or request.cwd or os.path.dirname(script)
         for arg in command.argv[1:]:
             path = os.path.join(cwd, arg)
             if os.path.isfile(path):
@@ -172,7 +176,7 @@ def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
 def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
     options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
     return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
-                     env=request.env, files=files, extra={"config": config_digest, "user": request.user or ""})
+                     env=request.env, files=files, extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
 
 
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
@@ -219,7 +223,8 @@ def with_exports(export: str | None, variables: Mapping[str, str]) -> str | None
 def stamp_for(analysis: Analysis, request_text: str | None) -> JobStamp:
     d = analysis.decision or {}
     gpu_type = d.get("gpu_type")
-    return JobStamp(peak_bytes=analysis.peaks.get(gpu_type) if gpu_type else None,
+    peak = d.get("peak_bytes") or (analysis.peaks.get(gpu_type) if gpu_type else None)
+    return JobStamp(peak_bytes=peak,
                     needed_bytes=d.get("needed_bytes"), gpu_type=gpu_type, request=request_text,
                     action=d.get("action"))
 
@@ -239,8 +244,8 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
         return FilterReply(message=f"warning: {reason}; submitted unchanged{cached}")
     options: dict[str, str] = {}
     if action == "rewrite":
-        options.update(rewrite_options(d, request.options))
-        request_text = d.get("gres") or (f"gpus={d['gpus']}" if d.get("gpus") else None)
+        options.update(rewrite_options(d))
+        request_text = d.get("gres") or ",".join(f"{k}={v}" for k, v in rewrite_options(d).items()) or None
         line = f"{reason} -> {describe_request(d)}{cached}"
     else:  # keep: the user's explicit request stands; the estimate still travels with the job
         request_text = user_request(request.options)
@@ -253,23 +258,16 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
     return FilterReply(set=options, message=line)
 
 
-def rewrite_options(decision: Mapping[str, Any], current: Mapping[str, str]) -> dict[str, str]:
-    """gres or gpus, whichever the decision uses. The other is not cleared: sbatch cannot unset an option from
-    cli_filter, so a decision in the other form than the user's request would double it; the policy answers in
-    the user's form, and a --gpus decision on a --gres job is refused by sbatch rather than silently doubled."""
-    if decision.get("gres"):
-        return {"gres": decision["gres"]}
-    if decision.get("gpus"):
-        return {"gpus": decision["gpus"]}
-    return {}
+def rewrite_options(decision: Mapping[str, Any]) -> dict[str, str]:
+    """The one option the decision rewrites. The policy answers in the user's own form (`gres`, `gpus` or
+    `gpus-per-node`) because cli_filter cannot unset an option: a new value in another form would double it."""
+    option = decision.get("option") or ("gres" if decision.get("gres") else "gpus")
+    value = decision.get("gres") if option == "gres" else decision.get("gpus")
+    return {option: value} if value else {}
 
 
 def describe_request(decision: Mapping[str, Any]) -> str:
-    if decision.get("gres"):
-        return f"--gres={decision['gres']}"
-    if decision.get("gpus"):
-        return f"--gpus={decision['gpus']}"
-    return "no change"
+    return " ".join(f"--{k}={v}" for k, v in rewrite_options(decision).items()) or "no change"
 
 
 def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply:

@@ -1,0 +1,116 @@
+"""The dev cluster (scripts/slurm-dev-cluster.sh) for the integration tests: up once per session, down at the end.
+
+It runs on its own LAB directory and ports (6837/6838), so a developer's cluster on the default ones is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "slurm-dev-cluster.sh"
+PORT = 6837
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass
+class Submission:
+    job_id: str | None
+    returncode: int
+    stderr: str
+    seconds: float
+
+
+@dataclass
+class DevCluster:
+    lab: Path
+    env: dict[str, str]
+
+    @property
+    def config(self) -> Path:
+        return self.lab / "etc" / "xmem.toml"
+
+    @property
+    def store(self) -> Path:
+        return self.lab / "records.jsonl"
+
+    def run(self, *argv: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env={**self.env, **(env or {})})
+
+    def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None) -> Submission:
+        """sbatch as a user would run it, from the script's directory; the job's output goes to out-<id>.txt."""
+        started = time.monotonic()
+        done = self.run("sbatch", "--parsable", "-o", str(script.parent / "out-%j.txt"), *options, str(script),
+                        env=env, cwd=script.parent, timeout=400)
+        seconds = time.monotonic() - started
+        job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else None
+        return Submission(job_id, done.returncode, done.stderr, seconds)
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job -o` as a dict. Keys are Slurm's CamelCase words, so a value with spaces (a comment)
+        stays whole."""
+        line = self.run("scontrol", "show", "job", "-o", job_id).stdout.strip()
+        parts = re.split(r" (?=[A-Z][A-Za-z:/]*=)", line)
+        return dict(p.split("=", 1) for p in parts if "=" in p)
+
+    def wait(self, job_id: str, timeout: float = 120) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in FINISHED:
+                return info
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} did not finish in {timeout} s: {self.job(job_id)}")
+
+    def output(self, workdir: Path, job_id: str) -> str:
+        return (workdir / f"out-{job_id}.txt").read_text()
+
+
+def _slurm_available() -> str | None:
+    """None if Slurm is (or could be made) installed, else why not."""
+    needed = ("slurmctld", "slurmd", "sbatch", "munged")
+    if all(shutil.which(n) for n in needed):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "slurmctld is not installed and cannot be installed here (needs root and apt-get)"
+    subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=300)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurmctld", "slurmd",
+                    "slurm-client", "slurm-wlm-basic-plugins", "munge"], capture_output=True, timeout=600,
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if all(shutil.which(n) for n in needed):
+        return None
+    return "slurmctld is not installed and apt-get could not install it"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> DevCluster:
+    why_not = _slurm_available()
+    if why_not:
+        pytest.skip(why_not)
+    if os.geteuid() != 0:
+        pytest.skip("the dev cluster runs slurmctld/slurmd as root (SlurmUser=root); run the tests as root")
+    lab = tmp_path_factory.mktemp("slurm-lab")
+    xmem_slurm = Path(sys.executable).parent / "xmem-slurm"
+    env = {**os.environ, "XMEM_SLURM": str(xmem_slurm)}
+    env.pop("SLURM_JOB_ID", None)  # the filter skips submissions from inside a job
+    up = subprocess.run(["bash", str(SCRIPT), "up", "--lab", str(lab), "--port", str(PORT)], capture_output=True,
+                        text=True, timeout=300, env=env)
+    if up.returncode != 0:
+        subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)
+        raise RuntimeError(f"slurm-dev-cluster.sh up failed:\n{up.stdout}\n{up.stderr}")
+    exports = dict(re.findall(r"(\w+)=(\S+)", up.stdout.strip().splitlines()[-1].removeprefix("export ")))
+    # Jobs and the filter find the project's python (and torch) first on the PATH, as a user's venv would.
+    env.update(exports, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    yield DevCluster(lab, env)
+    subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)

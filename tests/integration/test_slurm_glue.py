@@ -1,0 +1,231 @@
+"""xmem-slurm on a real Slurm 22.05 (the dev cluster): sbatch through cli_filter.lua and `xmem-slurm filter`,
+the TaskProlog's exports, the Epilog's record, fail-open and fail-closed, CPU jobs left alone, the cache.
+
+Expected requests are computed here from the estimate (the filter's cached analysis) and the site policy, never
+written as constants.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from xmem.config import load_site_config
+from xmem.gpus import find_gpu, load_catalog
+from xmem.jobscript import parse_jobscript
+from xmem.policy import decide
+from xmem.slurm.node import JobStamp
+from xmem.slurm.store import read_records
+
+pytestmark = pytest.mark.slurm
+
+MIB = 1 << 20
+MEASURED = 654_321_000  # what the test jobs report as their measured peak (no GPU here to measure)
+
+TRAIN = """\
+import torch
+import torch.nn as nn
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).to(device)
+opt = torch.optim.Adam(model.parameters())
+for step in range(5):
+    x = torch.randn(64, 512, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("trained on", device)
+"""
+
+# The job shows what the TaskProlog exported, trains, and leaves its "measured" peak where the Epilog looks.
+JOB_BODY = """\
+env | grep -E '^(XMEM_|CUDA_)' | sort
+python train.py
+[ -n "$XMEM_MEASURE_FILE" ] && echo '{"peak_bytes": %d}' > "$XMEM_MEASURE_FILE"
+""" % MEASURED
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("jobs")
+    (d / "train.py").write_text(TRAIN)
+    (d / "broken.py").write_text("import torch\nraise RuntimeError('needs /data/imagenet, which is not here')\n")
+    return d
+
+
+def script(work: Path, name: str, directives: str, body: str = JOB_BODY) -> Path:
+    path = work / name
+    path.write_text(f"#!/bin/bash\n{directives}\n{body}")
+    return path
+
+
+def new_analyses(cluster, before: set[Path]) -> dict:
+    """The analysis the filter cached for the submission just made (one new cache entry)."""
+    entries = set((cluster.lab / "cache" / "analyses").glob("*.json")) - before
+    assert len(entries) == 1, entries
+    return json.loads(entries.pop().read_text())
+
+
+def cache_entries(cluster) -> set[Path]:
+    return set((cluster.lab / "cache" / "analyses").glob("*.json"))
+
+
+def expected_decision(cluster, job_script: Path, peaks: dict, cli_options: dict | None = None):
+    config = load_site_config(cluster.config)
+    job = parse_jobscript(job_script.read_text(), path=str(job_script), cli_options=cli_options,
+                          env=cluster.env)
+    return decide(peaks, job.directives, config, user="root")
+
+
+def xmem_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("xmem-slurm:")]
+
+
+@pytest.fixture(scope="module")
+def generic(cluster, work):
+    """A generic `--gres=gpu:1` job with a real (small) training script: submitted once, waited for."""
+    path = script(work, "generic.sh", "#SBATCH --gres=gpu:1")
+    before = cache_entries(cluster)
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0 and xmem_lines(sub.stderr), sub.stderr
+    analysis = new_analyses(cluster, before)
+    print(f"\nfigure: sbatch with a fresh estimate took {sub.seconds:.2f} s")
+    return path, sub, analysis, cluster.wait(sub.job_id)
+
+
+def test_generic_gpu_job_is_rewritten_to_the_policys_request(cluster, generic):
+    path, sub, analysis, info = generic
+    expected = expected_decision(cluster, path, analysis["peaks"])
+    assert expected.action == "rewrite" and expected.gres
+    assert info["TresPerNode"] == f"gres:{expected.gres}"
+    (line,) = xmem_lines(sub.stderr)
+    assert line.endswith(f"-> --gres={expected.gres}")
+    stamp = JobStamp.from_comment(info["Comment"])
+    assert (stamp.peak_bytes, stamp.needed_bytes, stamp.gpu_type, stamp.request, stamp.action) == (
+        expected.peak_bytes, expected.needed_bytes, expected.gpu_type, expected.gres, "rewrite")
+    assert info["JobState"] == "COMPLETED"
+
+
+def test_job_environment_holds_the_prologs_exports(cluster, work, generic):
+    _, sub, _, info = generic
+    out = cluster.output(work, sub.job_id)
+    stamp = JobStamp.from_comment(info["Comment"])
+    for name, value in stamp.env().items():
+        assert f"{name}={value}\n" in out
+    assert f"XMEM_MEASURE_FILE={cluster.lab}/measure/xmem-measure-{sub.job_id}.json\n" in out
+    assert "trained on cpu" in out
+
+
+def test_epilog_record_appears_and_report_summarises_it(cluster, generic):
+    _, sub, _, info = generic
+    stamp = JobStamp.from_comment(info["Comment"])
+    records = {r.job_id: r for r in read_records(cluster.store)}
+    record = records[sub.job_id]
+    assert (record.gpu_type, record.gres, record.estimate_bytes, record.needed_bytes, record.exit_code) == (
+        stamp.gpu_type, stamp.request, stamp.peak_bytes, stamp.needed_bytes, 0)
+    assert (record.measured_bytes, record.measured_by) == (MEASURED, "file")
+    report = cluster.run("xmem-slurm", "report", "--store", str(cluster.store), "--json")
+    assert report.returncode == 0, report.stderr
+    summary = {s["gpu_type"]: s for s in json.loads(report.stdout)["gpu_types"]}[stamp.gpu_type]
+    mine = [r for r in records.values() if r.gpu_type == stamp.gpu_type and r.measured_bytes]
+    errors = sorted(abs(r.estimate_bytes - r.measured_bytes) / r.measured_bytes for r in mine)
+    assert summary["measured"] == len(mine)
+    assert summary["median_abs_rel_error"] == pytest.approx(errors[(len(errors) - 1) // 2]
+                                                            if len(errors) % 2 else
+                                                            (errors[len(errors) // 2 - 1] + errors[len(errors) // 2]) / 2)
+
+
+def test_resubmission_hits_the_cache(cluster, generic):
+    path, first, _, first_info = generic
+    before = cache_entries(cluster)
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0, sub.stderr
+    assert cache_entries(cluster) == before  # nothing new estimated
+    (line,) = xmem_lines(sub.stderr)
+    assert line.endswith("(cached estimate)")
+    info = cluster.wait(sub.job_id)
+    assert info["TresPerNode"] == first_info["TresPerNode"]
+    print(f"\nfigure: sbatch with a cached estimate took {sub.seconds:.2f} s")
+
+
+def test_explicit_request_is_kept_per_policy(cluster, work, generic):
+    _, _, analysis, _ = generic
+    path = script(work, "explicit.sh", "#SBATCH --gres=gpu:h100:1")
+    expected = expected_decision(cluster, path, analysis["peaks"])  # same train.py, same peaks
+    assert expected.action == "keep"  # etc/xmem.toml: explicit_request = "fill_generic"
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0, sub.stderr
+    info = cluster.wait(sub.job_id)
+    assert info["TresPerNode"] == "gres:gpu:h100:1"
+    stamp = JobStamp.from_comment(info["Comment"])
+    assert (stamp.action, stamp.gpu_type, stamp.request) == ("keep", "h100", "gpu:h100:1")
+    assert "keeping gpu:h100:1" in xmem_lines(sub.stderr)[0]
+
+
+@pytest.mark.parametrize("export", ["ALL", "NONE"])
+def test_mps_job_gets_its_pinned_memory_limit(cluster, work, export):
+    path = script(work, "mps.sh", "#SBATCH --gres=mps:40")
+    sub = cluster.sbatch(path, f"--export={export}")
+    assert sub.returncode == 0, sub.stderr
+    info = cluster.wait(sub.job_id)
+    assert info["TresPerNode"] == "gres:mps:40"
+    stamp = JobStamp.from_comment(info["Comment"])
+    share = find_gpu("a100", load_catalog(load_site_config(cluster.config).catalog_overrides or None)).total_bytes
+    limit_mib = math.ceil(min(stamp.needed_bytes, share * 40 // 100) / MIB)
+    out = cluster.output(work, sub.job_id)
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={limit_mib}M\n" in out
+    # With --export=NONE the filter adds no variables: the TaskProlog read the job's comment instead.
+    assert f"XMEM_PEAK_BYTES={stamp.peak_bytes}\n" in out
+
+
+def test_job_the_estimator_cannot_handle_runs_unchanged(cluster, work):
+    path = script(work, "broken.sh", "#SBATCH --gres=gpu:1", "python broken.py\n")
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0, sub.stderr
+    (line,) = xmem_lines(sub.stderr)
+    assert re.fullmatch(r"xmem-slurm: cannot estimate this job's GPU memory \(.+\); submitted unchanged", line)
+    assert "RuntimeError" in line or "needs /data/imagenet" in line
+    info = cluster.wait(sub.job_id)
+    assert info["TresPerNode"] == "gres:gpu:1"
+    assert "xmem:" not in info.get("Comment", "")
+    assert info["JobState"] == "FAILED"  # it ran, and failed as the user's script does
+
+
+def test_non_python_gpu_job_runs_unchanged(cluster, work):
+    path = script(work, "binary.sh", "#SBATCH --gres=gpu:1", "echo simulated CUDA binary\n")
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0, sub.stderr
+    (line,) = xmem_lines(sub.stderr)
+    assert line.endswith("; submitted unchanged")
+    info = cluster.wait(sub.job_id)
+    assert (info["TresPerNode"], info["JobState"]) == ("gres:gpu:1", "COMPLETED")
+    assert "simulated CUDA binary" in cluster.output(work, sub.job_id)
+
+
+def test_job_the_estimator_cannot_handle_is_refused_when_fail_closed(cluster, work, tmp_path):
+    closed = tmp_path / "closed.toml"
+    closed.write_text(re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text()))
+    assert 'failure = "closed"' in closed.read_text()
+    path = script(work, "broken.sh", "#SBATCH --gres=gpu:1", "python broken.py\n")
+    queued = cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    sub = cluster.sbatch(path, env={"XMEM_CONFIG": str(closed)})
+    assert sub.returncode != 0 and sub.job_id is None
+    (line,) = xmem_lines(sub.stderr)
+    assert "cannot estimate this job's GPU memory" in line
+    assert f"This site requires an estimate: job refused. Run `xmem-slurm check {path}` to see why." in line
+    assert cluster.run("squeue", "-h", "-o", "%i").stdout.split() == queued
+
+
+def test_cpu_job_is_untouched(cluster, work):
+    path = script(work, "cpu.sh", "#SBATCH --ntasks=1", "echo cpu only\n")
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0 and xmem_lines(sub.stderr) == []
+    info = cluster.wait(sub.job_id)
+    assert info.get("TresPerNode", "(null)") == "(null)" and info.get("Comment", "(null)") == "(null)"
+    assert "XMEM_" not in cluster.output(work, sub.job_id)
