@@ -129,7 +129,7 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
     if not analysis.peaks:
         return
     table = Table(title="Predicted peak GPU memory per rank")
-    for column in ("GPU type", "predicted peak", f"with margin", "GPU memory"):
+    for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
         table.add_column(column, justify="left" if column == "GPU type" else "right")
     for gpu_type, peak in analysis.peaks.items():
         total = _memory_of(gpu_type, site)

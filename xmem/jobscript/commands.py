@@ -61,7 +61,7 @@ Item = str | Opaque
 
 _WRAPPERS = {"exec", "time", "nohup", "command", "builtin", "nice", "ionice", "taskset", "numactl", "stdbuf"}
 _TEXT_COMMANDS = {"echo", "printf", "which", "type", "whereis", "module", "ml", "pip", "pip3", "hash", "alias",
-                  "conda", "mamba", "micromamba", "uv", "nvidia-smi", "cat", "tee", "grep", "export", "read"}
+                  "conda", "mamba", "micromamba", "uv", "nvidia-smi", "cat", "tee", "grep", "read"}
 _UNSUPPORTED_LAUNCHERS = {"deepspeed", "mpirun", "mpiexec", "horovodrun", "singularity", "apptainer", "docker",
                           "podman", "enroot", "charliecloud", "parallel", "xargs"}
 _NOT_TRAINING_MODULES = {"pip", "venv", "ensurepip", "site", "json.tool", "http.server", "pytest",
@@ -370,9 +370,7 @@ class Finder:
             if isinstance(module, str) and module in _ACCELERATE_MODULES:
                 self._accelerate(args[2:], prefix_env, line_no, python)
                 return
-            if isinstance(module, str) and module.split(".")[0] in {m.split(".")[0] for m in
-                                                                     _NOT_TRAINING_MODULES} \
-                    and module in _NOT_TRAINING_MODULES:
+            if isinstance(module, str) and module in _NOT_TRAINING_MODULES:
                 return
             self._emit(["python", "-m", *args[1:]], prefix_env, line_no, python, launcher, ranks)
             return
@@ -384,7 +382,7 @@ class Finder:
         if "no_python" in options:
             self.problem(line_no, "torchrun --no-python runs a program that is not Python")
             return
-        ranks = self._rank_count(options.get("nproc_per_node"), line_no)
+        ranks = _rank_count(options.get("nproc_per_node"))
         if not rest:
             self.problem(line_no, "torchrun without a training script")
             return
@@ -403,7 +401,7 @@ class Finder:
         precision = options.get("mixed_precision")
         if precision is not None:
             env["ACCELERATE_MIXED_PRECISION"] = precision  # what `accelerate launch` hands the script's Accelerator
-        ranks = self._rank_count(options.get("num_processes"), line_no)
+        ranks = _rank_count(options.get("num_processes"))
         module = "module" in options or "m" in options
         self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, "accelerate", ranks)
 
@@ -432,7 +430,7 @@ class Finder:
             return
         per_node = options.get("ntasks-per-node")
         ntasks = options.get("ntasks", options.get("n"))
-        ranks = self._rank_count(per_node if per_node is not None else ntasks, line_no)
+        ranks = _rank_count(per_node if per_node is not None else ntasks)
         if ranks is None:
             ranks = self.default_ranks
         head = rest[0]
@@ -446,12 +444,6 @@ class Finder:
         else:
             self._dispatch(rest, prefix_env, line_no, sources[-len(rest):])
 
-    def _rank_count(self, value: Item | None, line_no: int) -> int | None:
-        if value is None:
-            return None
-        if isinstance(value, str) and value.isdigit():
-            return int(value)
-        return None  # "gpu", "auto", a range or a run-time value: the per-rank estimate does not depend on it
 
     def _interpreter(self, head: Item) -> str | None:
         if not isinstance(head, str):
@@ -482,6 +474,14 @@ class Finder:
             argv=tuple(str(a) for a in argv), cwd=self.state.cwd, env=env,
             python=python if python is not None else self.state.python, launcher=launcher, ranks=ranks,
             line_no=line_no))
+
+
+def _rank_count(value: Item | None) -> int | None:
+    """Processes per node when a launcher gives a number; "gpu", "auto" or a run-time value say nothing (the
+    estimate is per rank either way)."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
 
 
 def _simple_commands(tokens: list[Token]) -> list[list[Word]]:
