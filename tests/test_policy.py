@@ -101,7 +101,8 @@ def test_absolute_margin_is_added_to_the_relative_one():
 def test_fill_generic_keeps_a_typed_request():
     d = run(50, "#SBATCH --gres=gpu:a100:1")
     assert (d.action, d.gres) == ("keep", None)
-    assert d.reason.startswith("keeps gpu:a100:1 as asked")
+    assert d.reason.startswith("an explicit request, kept by site policy; needs 55 GiB with 10 % margin")
+    assert "req=gpu:a100:1" in d.comment
     assert "more than the 39.56 GiB it asks for: it may run out of memory" in d.reason
 
 

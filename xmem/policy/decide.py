@@ -244,14 +244,15 @@ def _other_gres(request: SbatchRequest) -> list[str]:
 def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int], config: SiteConfig,
           catalog: Mapping[str, GpuType]) -> Decision:
     asked = ",".join(str(i) for i in request.gpu_items if i.count > 0)
-    why = "the site keeps explicit requests" if config.explicit_request != "keep" else "the site keeps GPU requests"
+    why = "an explicit request, kept by site policy" if config.explicit_request != "keep" \
+        else "GPU requests are kept by site policy"
     gpu_type = request.explicit_type
     parent = config.mig.parent_of(gpu_type) if gpu_type else None
     peak = peak_for(parent or gpu_type, peaks, catalog) if gpu_type else None
     if peak is None and offers:
         peak = min(o.peak_bytes for o in offers)
     needed = config.margin.needed(peak) if peak is not None else None
-    reason = f"keeps {asked} as asked ({why})"
+    reason = why  # the caller names the request it keeps (`asked` is in the comment)
     if needed is not None:
         reason += f"; needs {_gib(needed)} {_margin_text(config)}"
         granted = _granted_by(request, offers, config)
