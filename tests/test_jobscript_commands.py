@@ -239,3 +239,10 @@ def test_conda_environment_by_name_in_the_base_envs_folder(tmp_path):
     (tmp_path / "envs" / "t").mkdir(parents=True)
     c = only_command("conda activate t\npython t.py\n", env={**ENV, "CONDA_EXE": f"{tmp_path}/bin/conda"})
     assert c.python == f"{tmp_path}/envs/t/bin/python"
+
+
+def test_what_sbatch_itself_refuses_is_reported():
+    no_shebang = parse_jobscript("#SBATCH --gres=gpu:1\npython t.py\n", env=ENV)
+    assert [(p.line_no, "first line" in p.reason) for p in no_shebang.problems] == [(1, True)]
+    dos = parse_jobscript("#!/bin/bash\r\n#SBATCH --gres=gpu:1\r\npython t.py\r\n", env=ENV)
+    assert [(p.line_no, "dos2unix" in p.reason) for p in dos.problems] == [(1, True)]

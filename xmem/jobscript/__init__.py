@@ -74,7 +74,7 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     except ShellSyntaxError as e:
         problems.append(Problem(e.line_no, lines[e.line_no - 1] if 0 < e.line_no <= len(lines) else "",
                                 f"shell syntax: {e.reason}"))
-    problems += finder.problems
+    problems += finder.problems + _sbatch_refusals(text, lines)
     if not finder.commands and not problems:
         problems.append(Problem(0, "", "no training command found (python/python3, torchrun, srun python, "
                                        "accelerate launch)"))
@@ -104,6 +104,19 @@ def slurm_runtime_env(request: SbatchRequest, cwd: str | None) -> dict[str, str]
         optional["SLURM_NNODES"] = optional["SLURM_JOB_NUM_NODES"]
     env.update({k: v for k, v in optional.items() if v})
     return env
+
+
+def _sbatch_refusals(text: str, lines: list[str]) -> list[Problem]:
+    """What makes sbatch itself refuse a script (src/sbatch/sbatch.c): no `#!` line, DOS line breaks."""
+    problems = []
+    if not text.startswith("#!"):
+        problems.append(Problem(1, lines[0] if lines else "", "sbatch refuses a script whose first line is not "
+                                                              "#! and an interpreter (e.g. #!/bin/bash)"))
+    if "\r\n" in text:
+        line_no = text[:text.index("\r\n")].count("\n") + 1
+        problems.append(Problem(line_no, lines[line_no - 1], "sbatch refuses DOS line breaks (\\r\\n): convert "
+                                                             "the script with dos2unix"))
+    return problems
 
 
 def _job_cwd(chdir: str | None, submit_cwd: str | None) -> str | None:
