@@ -85,7 +85,6 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mod_tracker import ModTracker
 
     from xmem.trace import fakecuda
     from xmem.trace.recorder import AllocationRecorder, StopTracing, TrainingState
@@ -94,7 +93,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     fakecuda.install(fake)
     state = TrainingState(iterations, progress)
     state.install()
-    modules = ModTracker()
+    modules = _load_mod_tracker()()
 
     def innermost_module() -> str:
         parents = modules.parents
@@ -123,6 +122,22 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
                                                 "used CUDA; xmem traces training loops that call optimizer.step()")
     return trace
+
+
+def _load_mod_tracker() -> type:
+    """torch's ModTracker (module paths in forward and backward), without importing torch.distributed._tools:
+    that package's __init__ pulls in DTensor and the memory trackers, seconds of import for one small file."""
+    import importlib.util
+
+    import torch
+    path = Path(torch.__file__).parent / "distributed" / "_tools" / "mod_tracker.py"
+    spec = importlib.util.spec_from_file_location("xmem_torch_mod_tracker", path)
+    if spec is None or spec.loader is None:
+        from torch.distributed._tools.mod_tracker import ModTracker
+        return ModTracker
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ModTracker
 
 
 def _run_user_program(command: list[str]) -> None:

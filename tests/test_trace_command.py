@@ -1,0 +1,84 @@
+"""Reading the user's command: which script or module runs, with which arguments, and what is refused."""
+
+import os
+import stat
+
+import pytest
+
+from xmem.trace.command import Target, parse_command
+from xmem.trace.errors import TraceError
+
+
+@pytest.fixture
+def train(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    return script
+
+
+def test_python_script_with_arguments(train, tmp_path):
+    target = parse_command(["python3", "-u", "-W", "ignore", "train.py", "--bs", "8"], cwd=str(tmp_path))
+    assert target == Target(str(train), None, ("--bs", "8"))
+    assert target.child_argv() == [str(train), "--bs", "8"]
+
+
+def test_python_module(tmp_path):
+    target = parse_command(["python", "-m", "pkg.train", "--lr", "0.1"], cwd=str(tmp_path))
+    assert target == Target(None, "pkg.train", ("--lr", "0.1"))
+    assert target.child_argv() == ["-m", "pkg.train", "--lr", "0.1"]
+
+
+def test_versioned_interpreter_path(train, tmp_path):
+    target = parse_command(["/opt/venv/bin/python3.11", str(train)], cwd=str(tmp_path))
+    assert target.script == str(train)
+
+
+def test_torchrun_is_stripped_to_one_rank(train, tmp_path):
+    command = ["torchrun", "--nproc_per_node=4", "--nnodes", "1", "--standalone", "train.py", "--epochs", "1"]
+    target = parse_command(command, cwd=str(tmp_path))
+    assert target == Target(str(train), None, ("--epochs", "1"), distributed=True)
+
+
+def test_torch_distributed_run_module_with_module_target(tmp_path):
+    command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "pkg.train", "--x"]
+    assert parse_command(command, cwd=str(tmp_path)) == Target(None, "pkg.train", ("--x",), distributed=True)
+
+
+def test_script_run_directly_by_suffix_or_shebang(train, tmp_path):
+    assert parse_command(["train.py", "--a"], cwd=str(tmp_path)).script == str(train)
+    runner = tmp_path / "run-training"
+    runner.write_text("#!/usr/bin/env python3\nprint('hi')\n")
+    runner.chmod(runner.stat().st_mode | stat.S_IEXEC)
+    assert parse_command(["./run-training"], cwd=str(tmp_path)).script == str(runner)
+
+
+def test_executable_found_on_path(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "train-tool"
+    tool.write_text("#!/usr/bin/python3\nprint('hi')\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
+    assert parse_command(["train-tool", "--a"], cwd=str(tmp_path)) == Target(str(tool), None, ("--a",))
+
+
+@pytest.mark.parametrize("command, kind", [
+    ([], "not_found"),
+    (["python"], "not_found"),
+    (["python", "-c", "print(1)"], "not_python"),
+    (["python", "missing.py"], "not_found"),
+    (["torchrun", "--no-python", "train.sh"], "not_python"),
+    (["no-such-program-xmem"], "not_found"),
+])
+def test_refused_commands(command, kind, tmp_path):
+    with pytest.raises(TraceError) as caught:
+        parse_command(command, cwd=str(tmp_path))
+    assert caught.value.kind == kind
+
+
+def test_shell_script_is_not_python(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    with pytest.raises(TraceError) as caught:
+        parse_command([str(script)])
+    assert caught.value.kind == "not_python"
