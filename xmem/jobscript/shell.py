@@ -8,12 +8,15 @@ known at run time makes the word *unknown*, and callers report it instead of gue
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 # Operators, longest first so that `&&` wins over `&`.
 _OPERATORS = ("<<-", "<<<", "&>>", "&&", "||", ";;", "|&", "<<", ">>", ">&", "<&", "&>", ">|", "<>",
               ";", "&", "|", "(", ")", "<", ">", "\n")
+_OPERATOR_STARTS = frozenset(op[0] for op in _OPERATORS)
+_PLAIN_RUN = re.compile(r"[^\s'\"\\$`<>&|;()]+")  # characters with no special meaning outside quotes
 REDIRECTIONS = frozenset({"<<<", "&>>", ">>", ">&", "<&", "&>", ">|", "<>", "<", ">"})
 HEREDOCS = frozenset({"<<", "<<-"})
 SEPARATORS = frozenset({"\n", ";", "&", "&&", "||", "|", "|&", ";;", "(", ")"})
@@ -89,8 +92,8 @@ class _Lexer:
                 self._end_word()
                 self.pos += 1
             elif ch == "#" and not self.in_word:
-                while self.pos < len(self.text) and self.text[self.pos] != "\n":
-                    self.pos += 1
+                end = self.text.find("\n", self.pos)
+                self.pos = len(self.text) if end < 0 else end
             elif ch == "'":
                 self._single_quoted()
             elif ch == '"':
@@ -100,11 +103,13 @@ class _Lexer:
                 self.pos += 2
             elif ch in "$`":
                 self._expansion(quoted=False)
-            elif self._operator_here():
+            elif ch in _OPERATOR_STARTS and self._operator_here():
                 continue
             else:
-                self._literal(ch, quoted=False)
-                self.pos += 1
+                run = _PLAIN_RUN.match(self.text, self.pos)
+                end = run.end() if run else self.pos + 1
+                self._literal(self.text[self.pos:end], quoted=False)
+                self.pos = end
         self._end_word()
         if self.pending_heredocs:
             raise ShellSyntaxError(self.line_no, "here-document without its end marker")
