@@ -99,6 +99,9 @@ def test_large_block_not_split_when_remainder_at_most_1mib():
     # 582,656 <= 1 MiB stays with the block, so allocated counts it.
     result = run(alloc(1, 12_000_000))
     assert result.peak_allocated == result.peak_reserved == 12_582_912
+    # 19 MiB in a 20 MiB segment leaves exactly 1 MiB: not more than kSmallSize, so not split either
+    result = run(alloc(1, 19 * MiB))
+    assert result.peak_allocated == result.peak_reserved == 20 * MiB
 
 
 def test_requests_of_10mib_or_more_get_their_own_segment():
