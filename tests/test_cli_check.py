@@ -1,6 +1,7 @@
 """`xmem-slurm check`: run as a user would (the installed console script), with the real estimator."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ for step in range(5):
 def check(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     command = [str(XMEM_SLURM), "check", *args] if XMEM_SLURM.exists() else \
         [sys.executable, "-m", "xmem.cli", "check", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    env = {**os.environ, "PWD": "/"}  # a stale $PWD must not matter: the job starts where check runs, as in sbatch
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
 
 @pytest.fixture
@@ -84,7 +86,9 @@ def test_job_without_gpu_exits_0_with_decision_none(workdir):
     (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH -p debug\npython train.py 8\n")
     done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
     assert done.returncode == 0
-    assert json.loads(done.stdout)["decision"]["action"] == "none"
+    data = json.loads(done.stdout)
+    assert data["decision"]["action"] == "none"
+    assert data["job"]["commands"][0]["cwd"] == str(workdir)
 
 
 def test_bad_config_exits_2_naming_the_key(workdir):

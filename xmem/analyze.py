@@ -93,7 +93,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         text = Path(path).read_text(errors="replace")
     except OSError as e:
         return JobAnalysis(None, errors=(AnalysisError("bad_input", f"cannot read {path}: {e.strerror}"),))
-    submit_cwd = submit_cwd or env.get("PWD") or os.getcwd()
+    submit_cwd = submit_cwd or os.getcwd()  # where sbatch (and the filter it runs) is: the job's default dir
     job = parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
                           cli_options=cli_options, env=env)
     user = user or env.get("USER")
