@@ -6,16 +6,18 @@ from pathlib import Path
 
 from xmem.analyze import analyze_job, combined_peaks
 from xmem.config import config_from_dict
+from xmem.slurm.cluster import query_cluster
 from xmem.trace import TraceError
 
 GIB = 2**30
-SITE = config_from_dict({
+SITE_TABLES = {
     "partitions": {"default": "debug", "from_cluster": False,
                    "gpu_types": {"debug": ["a100", "h100", "1g.10gb"]}},
     "mig": {"h100": ["1g.10gb"]},
     "policy": {"preference": ["mig", "gpu"]},
     "margin": {"relative": 0.10},
-})
+}
+SITE = config_from_dict(SITE_TABLES)
 
 
 class FakeEstimator:
@@ -111,19 +113,60 @@ def test_only_skipped_commands_is_an_error(tmp_path):
     assert result.decision is None and result.errors[0].kind == "no_optimizer_step"
 
 
-def test_partition_missing_from_config_is_read_from_the_cluster(tmp_path):
+def captured_cluster():
+    """The dev cluster as Slurm 22.05 described it (tests/data/slurm): partitions debug (default) and big, one
+    node with gpu:a100:2, gpu:h100:1, gpu:1g.10gb:1."""
+    data = Path(__file__).parent / "data" / "slurm"
+    files = {"sinfo -V": "sinfo-V.txt", "sinfo --json": "sinfo.json",
+             "scontrol show -o partition": "scontrol-partition.txt", "scontrol show -o node": "scontrol-node.txt"}
+    return query_cluster("cli", run=lambda argv: (data / files[" ".join(argv)]).read_text())
+
+
+class CountingCluster:
+    def __init__(self):
+        self.asked = 0
+
+    def __call__(self):
+        self.asked += 1
+        return captured_cluster()
+
+
+def test_partition_missing_from_config_is_read_from_the_cluster_once(tmp_path):
     config = config_from_dict({"partitions": {"from_cluster": True}, "policy": {"preference": ["gpu"]}})
-    estimator = FakeEstimator({"t.py": {"H100-SXM5-80GB": 50 * GIB}})
-    asked = []
-
-    def cluster_types(partition):
-        asked.append(partition)
-        return ("h100",)
-
+    estimator = FakeEstimator({"t.py": {"H100-SXM5-80GB": 50 * GIB, "A100-SXM4-40GB": 50 * GIB}})
+    cluster = CountingCluster()
     result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1 -p big\npython t.py\n"), estimator, config=config,
-                     cluster_types=cluster_types)
-    assert asked == ["big"]
-    assert result.decision.gres == "gpu:h100:1"
+                     cluster=cluster)
+    assert result.gpu_types == ("a100", "h100", "1g.10gb")
+    assert result.decision.gres == "gpu:h100:1"  # 55 GiB: more than an a100's 39.56 GiB
+    assert cluster.asked == 1
+
+
+def test_default_partition_comes_from_the_cluster_when_the_config_has_none(tmp_path):
+    config = config_from_dict({"partitions": {"from_cluster": True}})
+    estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator, config=config,
+                     cluster=captured_cluster, gpus=["a100"])
+    assert result.partitions == ("debug",)
+
+
+def test_config_that_forbids_the_cluster_never_asks_it(tmp_path):
+    cluster = CountingCluster()
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:2 -p big\npython t.py\n"), FakeEstimator({}),
+                     config=config_from_dict({"partitions": {"from_cluster": False}}), cluster=cluster)
+    assert result.errors[0].kind == "no_gpu_types" and cluster.asked == 0
+
+
+def test_multi_gpu_request_is_not_given_more_gpus_than_a_node_has(tmp_path):
+    # Two GPUs of 7 GiB each: two MIG slices would be cheapest, but the node has one 1g.10gb; it has two a100s.
+    estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 7 * GIB}})
+    config = config_from_dict({**SITE_TABLES, "partitions": {"default": "debug", "from_cluster": True,
+                                                             "gpu_types": {"debug": ["a100", "h100", "1g.10gb"]}}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:2\npython t.py\n"), estimator, config=config,
+                     cluster=captured_cluster)
+    assert result.decision.gres == "gpu:a100:2"
+    without_cluster = analyze(job(tmp_path, "#SBATCH --gres=gpu:2\npython t.py\n"), estimator, config=SITE)
+    assert without_cluster.decision.gres == "gpu:1g.10gb:2"  # nothing says the node has only one
 
 
 def test_no_known_gpu_types_is_an_error_saying_where_to_list_them(tmp_path):

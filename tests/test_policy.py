@@ -173,3 +173,12 @@ def test_comment_is_machine_readable():
     d = run(7)
     assert d.comment == (f"xmem:peak={7 * GIB};need=8267812045;type=h100;req=gpu:1g.10gb:1;"
                          f"grant={MIG_1G10GB_BYTES};action=rewrite")
+
+
+def test_offers_needing_more_gpus_than_a_node_has_are_left_out():
+    d = decide(peaks(7), request("#SBATCH --gres=gpu:2"), site(), catalog=CATALOG,
+               available={"a100": 2, "h100": 1, "1g.10gb": 1})
+    assert d.gres == "gpu:a100:2"
+    d = decide(peaks(7), request("#SBATCH --gres=gpu:3"), site(), catalog=CATALOG,
+               available={"a100": 2, "h100": 1, "1g.10gb": 1})
+    assert d.action == "no_fit"

@@ -13,11 +13,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
 from xmem.policy import Decision, decide, eligible_types, estimate_types, job_partitions
+
+if TYPE_CHECKING:
+    from xmem.slurm.cluster import ClusterInfo
 
 # Estimator failures that mean "this command is not a GPU training step" rather than "the estimate failed".
 NOT_TRAINING_KINDS = ("no_optimizer_step",)
@@ -74,7 +77,7 @@ class JobAnalysis:
 
 
 Estimator = Callable[..., Any]  # xmem.estimate.estimate's signature
-ClusterTypes = Callable[[str], "tuple[str, ...] | None"]  # partition -> GPU GRES types, or None if unknown
+ClusterSource = Callable[[], "ClusterInfo | None"]  # what Slurm says, or None when it cannot be asked
 
 
 def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = (),
@@ -82,11 +85,12 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                 env: Mapping[str, str] | None = None, user: str | None = None,
                 gpus: Sequence[str] | None = None, submit_cwd: str | None = None,
                 on_progress: Callable[[str], None] | None = None,
-                estimator: Estimator | None = None, cluster_types: ClusterTypes | None = None) -> JobAnalysis:
+                estimator: Estimator | None = None, cluster: ClusterSource | None = None) -> JobAnalysis:
     """Analyse the batch script at `script_path` as it would be submitted (`sbatch [cli_options] script args`).
 
     `env`: the submitting environment (default: this process's). `gpus`: estimate these GPU types instead of the
-    partition's. `estimator`/`cluster_types` default to `xmem.estimate.estimate` and a Slurm query."""
+    partition's. `estimator` defaults to `xmem.estimate.estimate`; `cluster` to a Slurm query, made at most once and
+    only when the site config lets the cluster fill in what it leaves out (partitions, default, GPUs per node)."""
     env = dict(os.environ if env is None else env)
     path = os.path.abspath(script_path)
     try:
@@ -105,8 +109,11 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         reasons = "; ".join(str(p) for p in job.problems) or "no training command found"
         return JobAnalysis(job, errors=(AnalysisError("not_understood", reasons),))
 
+    ask_cluster = _once(cluster or _query_cluster) if config.partitions.from_cluster else (lambda: None)
     partitions = job_partitions(job.directives, config)
-    config = _with_cluster_partitions(config, partitions, cluster_types)
+    if not partitions and (info := ask_cluster()) and info.default_partition:
+        partitions = (info.default_partition,)
+    config = _with_cluster_partitions(config, partitions, ask_cluster)
     site_types = tuple(gpus) if gpus else eligible_types(config, partitions)
     if not site_types:
         where = ", ".join(partitions) or "(none named, and no default partition in the site config)"
@@ -127,7 +134,9 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
             errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on "
                                                          "the GPU: " + "; ".join(r.skipped or "" for r in results)),)
         return JobAnalysis(job, results, site_types, peaks, errors=errors, partitions=partitions)
-    decision = decide(peaks, job.directives, config, user=user)
+    available = _gpus_per_node(ask_cluster(), partitions) if job.directives.gpu_count > 1 else None
+    decision = decide(peaks, job.directives, config, user=user, partition=",".join(partitions),
+                      available=available)
     return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions)
 
 
@@ -180,22 +189,41 @@ def _estimate_command(command: TrainCommand, targets: Sequence[str], config: Sit
 
 
 def _with_cluster_partitions(config: SiteConfig, partitions: Sequence[str],
-                             cluster_types: ClusterTypes | None) -> SiteConfig:
-    """Partitions the site config leaves out get their GPU types from Slurm, if the config allows it."""
+                             ask_cluster: ClusterSource) -> SiteConfig:
+    """Partitions the site config leaves out get their GPU types from Slurm."""
     missing = [p for p in partitions if p not in config.partitions.gpu_types]
-    if not missing or not config.partitions.from_cluster:
+    info = ask_cluster() if missing else None
+    if info is None:
         return config
-    lookup = cluster_types or _cluster_gpu_types
-    found = {p: types for p in missing if (types := lookup(p))}
+    found = {p: types for p in missing if (types := info.gpu_types.get(p))}
     return config.with_partitions(found) if found else config
 
 
-def _cluster_gpu_types(partition: str) -> tuple[str, ...] | None:
-    """The partition's GPU types as Slurm reports them; None when Slurm cannot be asked from here."""
+def _gpus_per_node(info: ClusterInfo | None, partitions: Sequence[str]) -> dict[str, int] | None:
+    """Per GPU GRES type, the most one node has in every one of `partitions`: a multi-GPU request cannot ask more."""
+    if info is None or not partitions:
+        return None
+    per_partition = [info.gres_counts(p).get("gpu", {}) for p in partitions]
+    types = set.intersection(*(set(counts) for counts in per_partition))
+    return {t: min(counts[t] for counts in per_partition) for t in types if t}
+
+
+def _once(source: ClusterSource) -> ClusterSource:
+    answer: list[ClusterInfo | None] = []
+
+    def ask() -> ClusterInfo | None:
+        if not answer:
+            answer.append(source())
+        return answer[0]
+    return ask
+
+
+def _query_cluster() -> ClusterInfo | None:
+    """What Slurm says; None when it cannot be asked from here (no Slurm client, controller down)."""
     from xmem.slurm.cluster import ClusterError, query_cluster
 
     try:
-        return query_cluster().gpu_types.get(partition)
+        return query_cluster()
     except ClusterError:
         return None
 

@@ -62,9 +62,10 @@ class Decision:
 
 def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *, user: str | None = None,
            account: str | None = None, partition: str | None = None,
-           catalog: Mapping[str, GpuType] | None = None) -> Decision:
+           catalog: Mapping[str, GpuType] | None = None, available: Mapping[str, int] | None = None) -> Decision:
     """The request to make for a job whose peak is `peaks[gpu type]` bytes per rank (GRES type names or catalog
-    names as keys; a MIG slice may be absent, its parent's peak is used)."""
+    names as keys; a MIG slice may be absent, its parent's peak is used). `available`: GPUs of each GRES type one
+    node offers, when known (from the cluster); offers needing more are left out."""
     if not request.wants_gpu:
         return Decision("none", "the job asks for no GPU")
     partitions = job_partitions(request, config, partition)
@@ -75,6 +76,8 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
     catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
+    if available is not None:
+        offers = [o for o in offers if o.kind not in ("gpu", "mig") or o.count <= available.get(o.gres_type, 0)]
     if config.explicit_request == "keep" or (config.explicit_request == "fill_generic"
                                              and not request.is_generic_gpu_request):
         return _keep(request, offers, peaks, config, catalog)
