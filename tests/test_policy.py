@@ -181,4 +181,4 @@ def test_offers_needing_more_gpus_than_a_node_has_are_left_out():
     assert d.gres == "gpu:a100:2"
     d = decide(peaks(7), request("#SBATCH --gres=gpu:3"), site(), catalog=CATALOG,
                available={"a100": 2, "h100": 1, "1g.10gb": 1})
-    assert d.action == "no_fit"
+    assert d.action == "no_fit" and d.reason == "no node of partition debug has 3 GPUs of one type"

@@ -77,7 +77,10 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
     if available is not None:
-        offers = [o for o in offers if o.kind not in ("gpu", "mig") or o.count <= available.get(o.gres_type, 0)]
+        fitting_nodes = [o for o in offers if o.kind not in ("gpu", "mig") or o.count <= available.get(o.gres_type, 0)]
+        if offers and not fitting_nodes:
+            return Decision("no_fit", f"no node of partition {','.join(partitions)} has {count} GPUs of one type")
+        offers = fitting_nodes
     if config.explicit_request == "keep" or (config.explicit_request == "fill_generic"
                                              and not request.is_generic_gpu_request):
         return _keep(request, offers, peaks, config, catalog)
