@@ -246,3 +246,15 @@ def test_what_sbatch_itself_refuses_is_reported():
     assert [(p.line_no, "first line" in p.reason) for p in no_shebang.problems] == [(1, True)]
     dos = parse_jobscript("#!/bin/bash\r\n#SBATCH --gres=gpu:1\r\npython t.py\r\n", env=ENV)
     assert [(p.line_no, "dos2unix" in p.reason) for p in dos.problems] == [(1, True)]
+
+
+def test_command_after_or_runs_only_on_failure_so_it_is_a_problem():
+    job = parse("cd /data && python a.py || python fallback.py\n")
+    assert [c.argv[1] for c in job.commands] == ["a.py"]
+    assert job.problems[0].line_no == 3 and "fallback" in job.problems[0].line
+
+
+def test_function_definitions_do_not_leave_the_rest_of_the_script_inside_a_block():
+    job = parse("function setup() {\n  python inner.py\n}\nlog() { echo \"$@\"; }\npython t.py\n")
+    assert [c.argv[1] for c in job.commands] == ["t.py"]
+    assert [p.line_no for p in job.problems] == [4]

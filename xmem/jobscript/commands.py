@@ -14,7 +14,7 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from xmem.jobscript.shell import (HEREDOCS, REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand)
+from xmem.jobscript.shell import REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ _SRUN_LONG_FLAGS = {"contiguous", "exact", "help", "hold", "label", "multi-prog"
                     "reboot", "resv-ports", "spread-job", "test-only", "unbuffered", "usage", "use-min-nodes",
                     "verbose", "version", "disable-status", "x11", "exclusive", "kill-on-bad-exit", "immediate",
                     "compress", "send-libs", "propagate", "nice"}
-_BLOCK_OPENERS = {"if", "while", "until", "for", "case", "select", "{", "function"}
+_BLOCK_OPENERS = {"if", "while", "until", "for", "case", "select", "{"}
 _BLOCK_CLOSERS = {"fi", "done", "esac", "}"}
 _BLOCK_CONTINUATIONS = {"then", "do", "else", "elif", "!"}
 
@@ -147,8 +147,13 @@ class Finder:
     depth: int = 0
 
     def run(self, tokens: list[Token]) -> None:
-        for words in _simple_commands(tokens):
-            self._command(words)
+        for words, after_or in _simple_commands(tokens):
+            if after_or:
+                self.depth += 1  # `a || b`: b runs only when a fails, which a static read cannot tell
+                self._command(words)
+                self.depth -= 1
+            else:
+                self._command(words)
 
     def problem(self, line_no: int, reason: str) -> None:
         line = self.lines[line_no - 1] if 0 < line_no <= len(self.lines) else ""
@@ -178,9 +183,12 @@ class Finder:
     def _strip_keywords(self, words: list[Word]) -> list[Word]:
         while words:
             keyword = words[0].literal
+            if keyword == "function":  # `function f {` or `function f() {`: the body's `{` opens the block
+                self.depth += sum(1 for w in words if w.literal == "{")
+                return []
             if keyword in _BLOCK_OPENERS:
                 self.depth += 1
-                if keyword in ("for", "case", "select", "function"):
+                if keyword in ("for", "case", "select"):
                     return []  # their own words are loop variables and patterns, not commands
                 words = words[1:]
             elif keyword in _BLOCK_CLOSERS:
@@ -484,28 +492,28 @@ def _rank_count(value: Item | None) -> int | None:
     return None
 
 
-def _simple_commands(tokens: list[Token]) -> list[list[Word]]:
-    """Group tokens into simple commands; redirections and their targets are dropped."""
-    commands: list[list[Word]] = []
+def _simple_commands(tokens: list[Token]) -> list[tuple[list[Word], bool]]:
+    """Group tokens into simple commands, each with whether it follows `||`; redirections and their targets are
+    dropped."""
+    commands: list[tuple[list[Word], bool]] = []
     current: list[Word] = []
-    skip_next = False
+    after_or = skip_next = False
     for token in tokens:
         if isinstance(token, Op):
             if token.text in REDIRECTIONS:
                 skip_next = True
             elif token.text in SEPARATORS:
                 if current:
-                    commands.append(current)
+                    commands.append((current, after_or))
                 current = []
-            elif token.text in HEREDOCS:
-                pass
+                after_or = token.text == "||"
             continue
         if skip_next:
             skip_next = False
             continue
         current.append(token)
     if current:
-        commands.append(current)
+        commands.append((current, after_or))
     return commands
 
 
