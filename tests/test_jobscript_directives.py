@@ -127,3 +127,17 @@ def test_non_numeric_ntasks_is_a_problem():
     job = parse_jobscript("#SBATCH --ntasks=many\npython t.py\n", env={})
     assert job.directives.ntasks is None
     assert job.problems[0].line_no == 1 and "ntasks" in job.problems[0].reason
+
+
+def test_sbatch_environment_variables_sit_between_directives_and_command_line():
+    text = "#!/bin/bash\n#SBATCH -p a --gres=gpu:1\npython t.py\n"
+    env = {"SBATCH_PARTITION": "b", "SBATCH_GRES": "gpu:h100:1"}
+    r = parse_jobscript(text, env=env).directives
+    assert (r.partition, r.gres) == ("b", (GresItem("gpu", "h100", 1),))
+    assert ("partition", "b", -1) in r.raw
+    assert parse_jobscript(text, env=env, cli_options={"partition": "c"}).directives.partition == "c"
+
+
+def test_constraint_and_job_name():
+    r = request_of('#SBATCH --constraint="a100&ib" -J run1\npython t.py\n')
+    assert (r.constraint, r.job_name) == ("a100&ib", "run1")

@@ -49,18 +49,19 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     """Read a batch script as sbatch and bash would, without running it.
 
     `cli_options`: sbatch's command-line options by long name (as cli_filter reports them); they override the
-    `#SBATCH` lines. `env`: the submitting environment (sbatch's default `--export=ALL` hands it to the job);
-    defaults to this process's environment. `submit_cwd`: where sbatch runs (the job's default working directory).
+    SBATCH_* variables of `env`, which override the `#SBATCH` lines. `env`: the submitting environment (sbatch's
+    default `--export=ALL` hands it to the job); defaults to this process's environment. `submit_cwd`: where sbatch runs (the job's default working directory).
     """
     lines = text.splitlines()
     scan = scan_directives(lines)
     problems = [Problem(n, line, f"#SBATCH: {reason}") for n, line, reason in scan.errors]
-    request, request_errors = build_request(scan.directives, cli_options)
+    env = os.environ if env is None else env
+    request, request_errors = build_request(scan.directives, cli_options, env)
     problems += [Problem(n, lines[n - 1] if 0 < n <= len(lines) else "", f"#SBATCH: {reason}")
                  for n, reason in request_errors]
 
     cwd = _job_cwd(request.chdir, submit_cwd)
-    base_env = {**(os.environ if env is None else env), **slurm_runtime_env(request, cwd)}
+    base_env = {**env, **slurm_runtime_env(request, cwd)}
     shebang = _python_shebang(lines)
     if shebang is not None:
         commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},

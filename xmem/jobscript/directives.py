@@ -63,7 +63,8 @@ class GresItem:
 class SbatchRequest:
     """What the job asks Slurm for: the options xmem acts on, parsed, and every option as given (`raw`).
 
-    `raw` holds `(long option name, value or None, line number)`; line 0 means the sbatch command line.
+    `raw` holds `(long option name, value or None, line number)`; line 0 means the sbatch command line, -1 an
+    SBATCH_* environment variable.
     """
 
     partition: str | None = None
@@ -300,12 +301,23 @@ def parse_gpus(value: str) -> tuple[GresItem, ...]:
     return tuple(items)
 
 
-def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str | None] | None = None
-                  ) -> tuple[SbatchRequest, list[tuple[int, str]]]:
-    """Fold directives, then the sbatch command line (which wins, as in sbatch), into an `SbatchRequest`.
+# sbatch's input environment variables for the options xmem reads ("INPUT ENVIRONMENT VARIABLES" in sbatch(1)).
+ENV_OPTIONS = {"SBATCH_ACCOUNT": "account", "SBATCH_PARTITION": "partition", "SBATCH_GRES": "gres",
+               "SBATCH_GPUS": "gpus", "SBATCH_GPUS_PER_NODE": "gpus-per-node", "SBATCH_GPUS_PER_TASK": "gpus-per-task",
+               "SBATCH_CONSTRAINT": "constraint", "SBATCH_JOB_NAME": "job-name"}
+ENV_LINE = -1  # the `line` of an option that came from an SBATCH_* variable
+
+
+def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str | None] | None = None,
+                  env: Mapping[str, str] | None = None) -> tuple[SbatchRequest, list[tuple[int, str]]]:
+    """Fold directives, then SBATCH_* variables of `env`, then the sbatch command line into an `SbatchRequest`:
+    sbatch's order, each overriding the one before.
 
     Returns the request and the (line_no, reason) of values that could not be parsed."""
     ordered = list(directives)
+    for variable, name in ENV_OPTIONS.items():
+        if (env or {}).get(variable):
+            ordered.append(Directive(name, env[variable], ENV_LINE))
     for name, value in (cli_options or {}).items():
         if name in _ALL_LONG:
             ordered.append(Directive(name, None if value in (None, "set") else str(value), 0))
