@@ -92,6 +92,9 @@ def test_unknown_gpu_exits_2_before_tracing(tmp_path):
 
 def test_bad_option_exits_2(tmp_path):
     assert xmem("--iterations", "0", "--", PYTHON, "x.py", cwd=tmp_path).returncode == 2
+    run = xmem("--json", "--iterations", "zero", "--", PYTHON, "x.py", cwd=tmp_path)
+    assert run.returncode == 2
+    assert json_stdout(run)["error"] == "bad_option" and "--iterations" in json_stdout(run)["message"]
 
 
 def test_command_not_found_exits_3(tmp_path):

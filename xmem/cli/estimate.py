@@ -18,6 +18,7 @@ from typing import Any, NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand
 
 from xmem.cli import app
 from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
@@ -33,7 +34,22 @@ MIB = 1 << 20
 PART_NAMES = {"allocator_slack": "allocator slack (cached, rounding)", "overhead": "CUDA context + libraries"}
 
 
-@app.command("estimate")
+class _EstimateCommand(TyperCommand):
+    """Keeps the `--json` promise for option errors too: click reports those before our code runs."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        options = args[: args.index("--")] if "--" in args else args
+        try:
+            return super().parse_args(ctx, args)
+        except typer.TyperException as e:  # typer's own (vendored) click UsageError; usage errors exit 2
+            if "--json" in options and getattr(e, "exit_code", None) == EXIT_USAGE:
+                sys.stdout.write(json.dumps({"error": "bad_option", "message": str(e.format_message()),
+                                             "traceback": None}) + "\n")
+                sys.stdout.flush()
+            raise
+
+
+@app.command("estimate", cls=_EstimateCommand)
 def estimate_command(
     command: list[str] = typer.Argument(..., metavar="-- COMMAND [ARGS]...",
                                         help="The training command, after `--`, e.g. `-- python train.py --lr 1e-3`."),
