@@ -50,7 +50,8 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
 
     `cli_options`: sbatch's command-line options by long name (as cli_filter reports them); they override the
     SBATCH_* variables of `env`, which override the `#SBATCH` lines. `env`: the submitting environment (sbatch's
-    default `--export=ALL` hands it to the job); defaults to this process's environment. `submit_cwd`: where sbatch runs (the job's default working directory).
+    default `--export=ALL` hands it to the job); defaults to this process's environment. `submit_cwd`: where
+    sbatch runs (the job's default working directory).
     """
     lines = text.splitlines()
     scan = scan_directives(lines)
