@@ -96,7 +96,7 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
     request = job.directives
     console.print(f"[bold]Job[/] {job.path}")
     if request.raw:
-        table = Table(title="Slurm options (#SBATCH lines; line 0: command line)")
+        table = Table(title="Slurm options", caption="line 0: sbatch command line; -1: SBATCH_* variable")
         for column in ("line", "option", "value"):
             table.add_column(column)
         for option, value, line_no in request.raw:
