@@ -192,6 +192,22 @@ def test_allocator_settings_the_job_ran_with_are_honoured(traced):
     assert estimate(["python", "t.py"], gpus=["t4"], env={}).gpus["T4"].peak_reserved_bytes == 20 * MIB
 
 
+def test_memory_fraction_is_a_fraction_of_the_total_not_of_what_is_left(traced):
+    # Total 1000 MiB, 500 MiB of context: the allocator may reserve 500 MiB. A fraction of 0.45 allows
+    # 0.45 x 1000 = 450 MiB (torch: fraction of the device total), so one 300 MiB tensor fits; 0.25 allows 250.
+    traced.trace = Trace(events=[MemEvent("alloc", 1, 300 * MIB, 0, 0, "empty", "", "other", -1, "parameter")],
+                         iterations=1, used_cuda=True)
+    overrides = {"gpus": {"Half": {"total_bytes": 1000 * MIB, "capability": [8, 0]}},
+                 "overhead": {"Half": {"context_bytes": 500 * MIB, "library_bytes": {}}}}
+
+    def half_gpu(fraction):
+        env = {"PYTORCH_CUDA_ALLOC_CONF": f"per_process_memory_fraction:{fraction}"}
+        return estimate(["python", "t.py"], gpus=["half"], env=env, catalog_overrides=overrides).gpus["Half"]
+
+    assert half_gpu(0.45).fits and half_gpu(0.45).peak_reserved_bytes == 300 * MIB
+    assert half_gpu(0.25).oom is not None
+
+
 def test_malformed_allocator_setting_is_a_clear_error(traced):
     traced.trace = one_alloc_trace()
     with pytest.raises(BadJobSettingError, match="PYTORCH_CUDA_ALLOC_CONF"):
