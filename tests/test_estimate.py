@@ -212,3 +212,11 @@ def test_malformed_allocator_setting_is_a_clear_error(traced):
     traced.trace = one_alloc_trace()
     with pytest.raises(BadJobSettingError, match="PYTORCH_CUDA_ALLOC_CONF"):
         estimate(["python", "t.py"], gpus=["t4"], env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:abc"})
+
+
+def test_progress_reaches_the_tracer_and_names_each_simulation(traced):
+    messages = []
+    estimate(["python", "train.py"], gpus=["a100", "t4"], on_progress=messages.append)
+    assert traced.calls[0][2]["on_progress"] == messages.append
+    assert messages == ["simulating the caching allocator on A100-SXM4-40GB",
+                        "simulating the caching allocator on T4"]
