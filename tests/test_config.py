@@ -85,6 +85,9 @@ def test_bad_toml_is_an_error_naming_the_file(tmp_path):
     ("[mig]\nh100 = ['1g.5gb']\n", "mig.h100: .*no MIG profile '1g.5gb'"),
     ("[mig]\nnot-a-gpu = ['1g.10gb']\n", "mig.not-a-gpu: unknown GPU type"),
     ("[deferred]\nmode = 'later'\n", "deferred.mode"),
+    ("[partitions.gpu_types]\ndebug = ['a100', 'rtx9999']\n", "partitions.gpu_types.debug: unknown GPU type 'rtx9999'"),
+    ("[partitions.gpu_types]\ndebug = ['2g.20gb']\n", "a MIG slice must be listed under \\[mig\\]"),
+    ("[shard]\ngpu_types = ['nope']\n", "shard.gpu_types: unknown GPU type 'nope'"),
     ("[catalog.gpus.brandnew]\ntotal_bytes = 1\n", "catalog: .*needs total_bytes and capability"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(tmp_path, text, message):

@@ -63,6 +63,7 @@ class JobAnalysis:
     decision: Decision | None = None
     errors: tuple[AnalysisError, ...] = ()
     partitions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what was left out and why (e.g. a cluster GPU type the catalog lacks)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +74,7 @@ class JobAnalysis:
             "peaks": dict(self.peaks),
             "decision": self.decision.to_json() if self.decision else None,
             "errors": [_error_json(e) for e in self.errors],
+            "notes": list(self.notes),
         }
 
 
@@ -114,10 +116,13 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     if not partitions and (info := ask_cluster()) and info.default_partition:
         partitions = (info.default_partition,)
     config = _with_cluster_partitions(config, partitions, ask_cluster)
+    notes: tuple[str, ...] = ()
     site_types = tuple(gpus) if gpus else eligible_types(config, partitions)
+    if not gpus:
+        site_types, notes = _known_types(site_types, config)
     if not site_types:
         where = ", ".join(partitions) or "(none named, and no default partition in the site config)"
-        return JobAnalysis(job, partitions=partitions, errors=(AnalysisError(
+        return JobAnalysis(job, partitions=partitions, notes=notes, errors=(AnalysisError(
             "no_gpu_types", f"no GPU types known for partition {where}: list them under "
                             "[partitions.gpu_types] in the site config"),))
     targets = tuple(gpus) if gpus else estimate_types(config, partitions)
@@ -133,11 +138,11 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         if not errors:
             errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on "
                                                          "the GPU: " + "; ".join(r.skipped or "" for r in results)),)
-        return JobAnalysis(job, results, site_types, peaks, errors=errors, partitions=partitions)
+        return JobAnalysis(job, results, site_types, peaks, errors=errors, partitions=partitions, notes=notes)
     available = _gpus_per_node(ask_cluster(), partitions) if job.directives.gpu_count > 1 else None
     decision = decide(peaks, job.directives, config, user=user, partition=",".join(partitions),
                       available=available)
-    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions)
+    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions, notes=notes)
 
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],
@@ -197,6 +202,23 @@ def _with_cluster_partitions(config: SiteConfig, partitions: Sequence[str],
         return config
     found = {p: types for p in missing if (types := info.gpu_types.get(p))}
     return config.with_partitions(found) if found else config
+
+
+def _known_types(types: Sequence[str], config: SiteConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The GPU types the catalog can size (MIG slices through their parent), and a note for each one left out
+    (only Slurm can name those: the site config's own types are checked when it is loaded)."""
+    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
+
+    catalog = load_catalog(config.catalog_overrides or None)
+    known, notes = [], []
+    for gpu_type in types:
+        try:
+            find_gpu(config.mig.parent_of(gpu_type) or gpu_type, catalog)
+            known.append(gpu_type)
+        except UnknownGpuError:
+            notes.append(f"GPU type {gpu_type!r} (from Slurm) is not in the GPU catalog and was left out; "
+                         "add it under [catalog.gpus] or [mig] in the site config")
+    return tuple(known), tuple(notes)
 
 
 def _gpus_per_node(info: ClusterInfo | None, partitions: Sequence[str]) -> dict[str, int] | None:

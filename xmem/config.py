@@ -167,7 +167,7 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
         deferred=_deferred(_table(data, "deferred", ("mode", "cpu_partition", "time_limit", "mem"))),
     )
-    _check_mig_profiles(config)
+    _check_gpu_types(config)
     return config
 
 
@@ -264,10 +264,8 @@ def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
     )
 
 
-def _check_mig_profiles(config: SiteConfig) -> None:
-    """Each MIG profile must be one the catalog knows for that GPU type (its memory comes from there)."""
-    if not config.mig.profiles:
-        return
+def _check_gpu_types(config: SiteConfig) -> None:
+    """Every GPU type named must be in the catalog (its memory comes from there), or be a MIG profile offered."""
     from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, mig_profile
 
     catalog = load_catalog(config.catalog_overrides or None)
@@ -278,6 +276,17 @@ def _check_mig_profiles(config: SiteConfig) -> None:
                 mig_profile(gpu, profile)
         except UnknownGpuError as e:
             raise ConfigError(f"mig.{gpu_name}: {e}") from None
+    named = [(f"partitions.gpu_types.{p}", t) for p, types in config.partitions.gpu_types.items() for t in types]
+    named += [("mps.gpu_types", t) for t in config.mps.gpu_types] + [("shard.gpu_types", t)
+                                                                     for t in config.shard.gpu_types]
+    for key, gpu_type in named:
+        if config.mig.parent_of(gpu_type):
+            continue
+        try:
+            find_gpu(gpu_type, catalog)
+        except UnknownGpuError as e:
+            raise ConfigError(f"{key}: {e}; a MIG slice must be listed under [mig], a new GPU type under "
+                              "[catalog.gpus]") from None
 
 
 # -- value checks -----------------------------------------------------------------------------------------------

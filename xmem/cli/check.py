@@ -117,6 +117,8 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
             console.print(f"[yellow]skipped:[/] {estimate.skipped}")
         for warning in (estimate.estimate or {}).get("warnings", []):
             console.print(f"[yellow]warning:[/] {warning}")
+    for note in analysis.notes:
+        console.print(f"[yellow]note:[/] {note}")
     decision = analysis.decision
     if decision is not None:
         what = {"rewrite": f"request --{decision.option}={decision.gres or decision.gpus}",
