@@ -83,6 +83,26 @@ def test_program_that_never_uses_cuda(tmp_path):
     assert "the program never used CUDA" in data["warnings"]
 
 
+def test_site_config_catalog_applies(tmp_path):
+    config = write(tmp_path, "xmem.toml", """
+        [catalog.gpus."Site-GPU-24GB"]
+        total_bytes = 25_000_000_000
+        capability = [8, 9]
+        aliases = ["sitegpu"]
+    """)
+    script = write(tmp_path, "cpu.py", "print('no GPU here')\n")
+    run = xmem("--json", "--config", str(config), "--gpu", "sitegpu", "--", PYTHON, str(script), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert json_stdout(run)["gpus"]["Site-GPU-24GB"]["total_bytes"] == 25_000_000_000
+
+
+def test_broken_site_config_exits_2(tmp_path):
+    config = write(tmp_path, "xmem.toml", "[catalog.gpus.X]\ncapability = [8, 0]\n")
+    run = xmem("--json", "--config", str(config), "--", PYTHON, "x.py", cwd=tmp_path)
+    assert run.returncode == 2
+    assert json_stdout(run)["error"] == "bad_option" and "total_bytes" in json_stdout(run)["message"]
+
+
 def test_unknown_gpu_exits_2_before_tracing(tmp_path):
     run = xmem("--json", "--gpu", "B300", "--", PYTHON, "does-not-exist.py", cwd=tmp_path)
     assert run.returncode == 2

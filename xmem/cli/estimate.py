@@ -21,6 +21,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from xmem.cli import app
+from xmem.config import ConfigError, load_site_config
 from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
 from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.trace import TraceError
@@ -59,21 +60,26 @@ def estimate_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
+                                         help="Site config whose [catalog] applies (default: $XMEM_CONFIG, "
+                                              "/etc/xmem/xmem.toml)."),
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
     err = Console(stderr=True)
     try:
+        overrides = load_site_config(config).catalog_overrides or None
+        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, catalog_overrides=overrides)
         if as_json:
             with _stdout_to_stderr() as out:
-                result = run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python)
+                result = run_estimate(command, **settings)
             out.write(json.dumps(result.to_json()) + "\n")
             out.flush()
         else:
-            result = _estimate_with_progress(err, command, gpu, iterations, timeout, python)
+            result = _estimate_with_progress(err, command, settings)
             show_estimate(Console(), result)
     except UnknownGpuError as e:
         _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e))
-    except (CatalogError, BadJobSettingError) as e:
+    except (ConfigError, CatalogError, BadJobSettingError) as e:
         _fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except TraceError as e:
         _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback)
@@ -81,13 +87,11 @@ def estimate_command(
         _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
 
 
-def _estimate_with_progress(err: Console, command: list[str], gpu: Optional[list[str]], iterations: int,
-                            timeout: Optional[float], python: Optional[str]) -> Estimate:
+def _estimate_with_progress(err: Console, command: list[str], settings: dict[str, Any]) -> Estimate:
     if not err.is_terminal:
-        return run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python)
+        return run_estimate(command, **settings)
     with err.status(f"tracing {' '.join(command)}") as status:
-        return run_estimate(command, gpus=gpu, iterations=iterations, timeout=timeout, python=python,
-                            on_progress=lambda message: status.update(str(message)))
+        return run_estimate(command, **settings, on_progress=lambda message: status.update(str(message)))
 
 
 def show_estimate(console: Console, result: Estimate) -> None:
