@@ -77,10 +77,10 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
     if available is not None:
-        fitting_nodes = [o for o in offers if o.kind not in ("gpu", "mig") or o.count <= available.get(o.gres_type, 0)]
-        if offers and not fitting_nodes:
+        on_one_node = [o for o in offers if _fits_one_node(o, available)]
+        if offers and not on_one_node:
             return Decision("no_fit", f"no node of partition {','.join(partitions)} has {count} GPUs of one type")
-        offers = fitting_nodes
+        offers = on_one_node
     if config.explicit_request == "keep" or (config.explicit_request == "fill_generic"
                                              and not request.is_generic_gpu_request):
         return _keep(request, offers, peaks, config, catalog)
@@ -133,6 +133,11 @@ def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mappin
         if config.shard.enabled and _listed(gres_type, config.shard.gpu_types):
             offers.append(_share("shard", gres_type, estimate_type, capacity, config.shard.per_gpu, peak, needed))
     return offers
+
+
+def _fits_one_node(offer: Offer, available: Mapping[str, int]) -> bool:
+    """Whole GPUs and MIG slices are counted per node; MPS and shards come out of one GPU."""
+    return offer.kind not in ("gpu", "mig") or offer.count <= available.get(offer.gres_type, 0)
 
 
 def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuType]) -> int | None:
