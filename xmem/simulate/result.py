@@ -35,7 +35,7 @@ class SimResult:
     fragmentation_at_peak: float  # (reserved - allocated) / reserved at the peak-reserved op
     final_allocated: int
     final_reserved: int
-    num_segments_at_peak: int
+    num_segments_at_peak: int  # cudaMalloc'd segments + expandable segments with pages mapped, at peak reserved
     num_alloc_retries: int
     num_ooms: int
     timeline: tuple[tuple[int, int, int], ...]  # (op index, allocated, reserved), down-sampled
