@@ -10,6 +10,8 @@ Import only in the tracing child, after the shim and `xmem.trace.fakecuda`.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -54,6 +56,12 @@ _BOOL_TRUTH = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": Fa
 _BOOL_KEEP = {"any", "all", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "clone", "_to_copy", "select",
               "expand", "alias", "detach", "lift_fresh"}
 _BOOL_FLIP = {"logical_not", "bitwise_not"}
+
+# A loop on tensor data (`while mask.any():`, e.g. the rejection sampling of torch.nn.init.trunc_normal_ in
+# torch 2.14) never ends if every unknown truth is answered True: after this many True answers at one call site in
+# one (iteration, phase), the answer there becomes False.
+_MAX_TRUE_STAND_INS = 100
+_INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
 
 
 class TrainingState:
@@ -173,6 +181,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._block_ids = itertools.count()
         self._cuda_ops: set[str] = set()
         self._lock = threading.Lock()
+        self._true_stand_ins: dict[tuple, int] = {}
         self._connect()
 
     def _connect(self) -> None:
@@ -259,10 +268,20 @@ class AllocationRecorder(TorchDispatchMode):
     def _stand_in_scalar(self, tensor: torch.Tensor) -> Any:
         self.warn("tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)")
         if tensor.dtype == torch.bool:
-            return getattr(tensor, "_xmem_truth", True)
+            truth = getattr(tensor, "_xmem_truth", None)
+            return self._unknown_truth() if truth is None else truth
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
             return 1.0
         return 1
+
+    def _unknown_truth(self) -> bool:
+        key = (_caller_site(), self.state.iteration, self.state.phase)
+        self._true_stand_ins[key] = count = self._true_stand_ins.get(key, 0) + 1
+        if count <= _MAX_TRUE_STAND_INS:
+            return True
+        self.warn(f"a condition on tensor data was answered True {_MAX_TRUE_STAND_INS} times at one place; "
+                  "answered False from then on, to end the loop")
+        return False
 
     def _stand_in_dynamic_shape(self, func: Any, args: tuple, kwargs: dict) -> Any:
         # Upper bound: every element selected. Memory estimates should err on the large side.
@@ -344,6 +363,14 @@ def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
     if phase in ("backward", "optimizer"):
         return "temporary"
     return "input" if from_host or op in _RANDOM_INPUT_OPS else "temporary"
+
+
+def _caller_site() -> tuple[str, int]:
+    """File and line of the innermost frame outside the tracer and torch's dispatch machinery."""
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL_FILES):
+        frame = frame.f_back
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("", 0)
 
 
 def _guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
