@@ -258,3 +258,8 @@ def test_function_definitions_do_not_leave_the_rest_of_the_script_inside_a_block
     job = parse("function setup() {\n  python inner.py\n}\nlog() { echo \"$@\"; }\npython t.py\n")
     assert [c.argv[1] for c in job.commands] == ["t.py"]
     assert [p.line_no for p in job.problems] == [4]
+
+
+def test_default_values_are_expanded_too():
+    c = only_command('python t.py --data ${DATA:-$HOME/data} --tag ${TAG-"a b"}\n')
+    assert c.argv == ("python", "t.py", "--data", "/home/u/data", "--tag", "a b")

@@ -307,7 +307,7 @@ def expand(word: Word, lookup: Lookup, positional: list[str], script_name: str =
                 have_field = True
             continue
         value = _parameter(part.text, lookup, positional, script_name)
-        if part.quoted:
+        if part.quoted or isinstance(value, _Quoted):
             current.append(value)
             have_field = True
             continue
@@ -345,13 +345,20 @@ def _parameter(expr: str, lookup: Lookup, positional: list[str], script_name: st
     if not (name.replace("_", "a").isalnum()):
         raise Unknown(f"${{{expr}}}")
     value = _parameter(name, lookup, positional, script_name) if name.isdigit() else lookup(name)
-    if op in (":-", ":="):
-        return value if value else default
-    if op in ("-", "="):
-        return value if value is not None else default
+    if op in (":-", ":=") and not value or op in ("-", "=") and value is None:
+        words = [t for t in tokenize(default) if isinstance(t, Word)]
+        text = " ".join(field for w in words for field in expand(w, lookup, positional, script_name))
+        # `${X-"a b"}`: quotes inside the default keep it one field even where the expansion is unquoted
+        return _Quoted(text) if any(p.quoted for w in words for p in w.parts) else text
+    if op in (":-", ":=", "-", "="):
+        return value or ""
     if op:
         raise Unknown(f"${{{expr}}}")
     return value or ""
+
+
+class _Quoted(str):
+    """A parameter's value that is not split into fields."""
 
 
 def _split_default(expr: str) -> tuple[str, str, str]:
