@@ -105,7 +105,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     started = time.monotonic()
     outcome: BaseException | None = None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), recorder, fakecuda.CudaFunctionMode(fake), modules:
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder, modules:
             _run_user_program(command)
     except StopTracing:
         pass

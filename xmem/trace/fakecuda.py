@@ -1,7 +1,8 @@
 """The fake-CUDA world a traced program runs in: torch believes a GPU of a given compute capability is present.
 
 Owns every process-global patch of torch made for a trace (torch.cuda API answers, `nn.Module._apply`, GradScaler,
-DataLoader, the optimizer foreach default, SDPA backend choice, CPU-data -> cuda tensor creation). Import only in the
+DataLoader, the optimizer foreach default, SDPA backend choice, CPU data -> cuda tensor creation). Patches are
+plain attribute replacements, which hold on every thread (the autograd device thread included). Import only in the
 tracing child, after `xmem.trace.shim.load_shim()`: the patches are never undone. Must not record anything itself:
 it reports module tensors and capability questions through the `FakeCuda` object's callbacks.
 """
@@ -17,7 +18,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.overrides import TorchFunctionMode
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
 GPU_BY_CAPABILITY: dict[tuple[int, int], tuple[str, int, int]] = {
@@ -139,6 +139,8 @@ def install(fake: FakeCuda) -> None:
     _patch_torch_cuda(fake)
     _patch_tensor_and_data(fake)
     _patch_grad_scaler(fake)
+    _patch_cuda_data_functions()
+    _patch_attention(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
 
 
@@ -320,52 +322,53 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
     return fake_aware_apply
 
 
-_CUDA_DATA_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.asarray}
+def _patch_cuda_data_functions() -> None:
+    """`torch.tensor(data, device="cuda")` and friends: FakeTensorMode lifts Python/CPU data only onto the CPU, so
+    build there and move, as the GPU copy would."""
+    for name in ("tensor", "as_tensor", "asarray"):
+        setattr(torch, name, _lift_then_move(getattr(torch, name)))
 
 
-class CudaFunctionMode(TorchFunctionMode):
-    """Torch-function-level fixes: the SDPA backend the GPU would pick, and CPU data -> cuda tensor creation.
+def _lift_then_move(create: Callable) -> Callable:
+    def create_on_host_then_move(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if not _is_cuda(device):
+            return create(*args, **kwargs)
+        kwargs["device"] = "cpu"
+        return create(*args, **kwargs).to(device)
+    return create_on_host_then_move
 
-    SDPA chooses its backend in C++ from real device properties, so under fake CUDA it always takes the math path
-    (which materialises B*H*T*T scores). This mode re-states the choice (upstream: sdp_utils.cpp,
-    select_sdp_backend; simplified) and calls the fused op directly.
-    """
 
-    def __init__(self, fake: FakeCuda) -> None:
-        super().__init__()
-        self.fake = fake
+def _patch_attention(fake: FakeCuda) -> None:
+    """SDPA picks its backend in C++ from real device properties, so under fake CUDA it always takes the math path
+    (which materialises B*H*T*T scores). Re-state the choice (upstream: sdp_utils.cpp select_sdp_backend,
+    simplified) and call the fused op directly. A function patch, not a TorchFunctionMode: those stay on the thread
+    that entered them, and activation-checkpoint recomputation runs on the autograd thread."""
+    math_attention = F.scaled_dot_product_attention
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._attention(func, args, kwargs)
-        if func in _CUDA_DATA_FUNCTIONS and _is_cuda(kwargs.get("device")):
-            # FakeTensorMode lifts Python/CPU data only onto the CPU; move it afterwards, as the GPU copy would.
-            device = kwargs.pop("device")
-            return func(*args, **kwargs).to(device)
-        return func(*args, **kwargs)
-
-    def _attention(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
         call = dict(zip(names, args)) | kwargs
         q, k, v = call["query"], call["key"], call["value"]
-        backend, depends_on_arch = choose_attention_backend(q, k, v, call.get("attn_mask"),
-                                                            call.get("enable_gqa", False), self.fake.capability)
+        mask = call.get("attn_mask")
+        backend, depends_on_arch = choose_attention_backend(q, k, v, mask, call.get("enable_gqa", False),
+                                                            fake.capability)
         if depends_on_arch:
-            self.fake.on_arch_question()
+            fake.on_arch_question()
         dropout, causal, scale = call.get("dropout_p", 0.0), call.get("is_causal", False), call.get("scale")
         if backend == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
                                                                       scale=scale)[0]
         if backend == "efficient":
-            bias = call.get("attn_mask")
-            if bias is not None and bias.dtype == torch.bool:
+            if mask is not None and mask.dtype == torch.bool:
                 # upstream convert_boolean_attn_mask: a float bias with -inf where the mask is False
-                bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
-            needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
-            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, needs_grad, dropout,
+                mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+            needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, needs_grad, dropout,
                                                                           causal, scale=scale)[0]
-        return func(*args, **kwargs)
+        return math_attention(*args, **kwargs)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
 
 
 def choose_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool,
