@@ -30,7 +30,8 @@ GIB = 1 << 30
 @app.command("check")
 def check_command(
     script: str = typer.Argument(..., metavar="JOB.sh", help="The batch script, as you would give it to sbatch."),
-    args: Optional[list[str]] = typer.Argument(None, metavar="[ARGS]...", help="The script's own arguments."),
+    args: Optional[list[str]] = typer.Argument(None, metavar="[ARGS]...",
+                                               help="The script's own arguments (after `--` if one starts with -)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config (default: $XMEM_CONFIG, else /etc/xmem/xmem.toml)."),
