@@ -1,5 +1,7 @@
 """Finding the training command(s) of a batch script by a static read."""
 
+from pathlib import Path
+
 from xmem.jobscript import parse_jobscript
 
 ENV = {"HOME": "/home/u", "PATH": "/usr/bin:/bin", "USER": "u"}
@@ -263,3 +265,18 @@ def test_function_definitions_do_not_leave_the_rest_of_the_script_inside_a_block
 def test_default_values_are_expanded_too():
     c = only_command('python t.py --data ${DATA:-$HOME/data} --tag ${TAG-"a b"}\n')
     assert c.argv == ("python", "t.py", "--data", "/home/u/data", "--tag", "a b")
+
+
+def test_typical_cluster_scripts():
+    data = Path(__file__).parent / "data" / "jobscripts"
+    torchrun = parse_jobscript((data / "multi-gpu-torchrun.sh").read_text(), submit_cwd="/home/u/proj", env=ENV)
+    [c] = torchrun.commands
+    assert c.argv == ("python", "train.py", "--config", "configs/base.yaml", "--out", "runs/llm_0")
+    assert (c.launcher, c.ranks, c.cwd) == ("srun", 4, "/home/u/proj")
+    assert c.env["OMP_NUM_THREADS"] == "32"
+    assert [p.line_no for p in torchrun.problems] == [14]  # conda env 'myenv' not found from here
+    venv = parse_jobscript((data / "venv-python.sh").read_text(), submit_cwd="/home/u/proj", env=ENV)
+    assert not venv.problems
+    [c] = venv.commands
+    assert c.argv == ("python", "main.py", "--epochs=10", "--lr", "3e-4")
+    assert c.python == "/home/u/proj/venv/bin/python"
