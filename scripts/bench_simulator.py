@@ -8,9 +8,11 @@ an optimizer step that creates its state lazily on the first step and uses forea
 big ones (weights, activations, logits) with many small ones (biases, norms, per-token statistics, scalars).
 A side stream (stream 1) carries the input batch copies and gradient-bucket buffers.
 
-    .venv/bin/python scripts/bench_simulator.py [--layers 24] [--iterations 250] [--repeat 3]
+    .venv/bin/python scripts/bench_simulator.py [--layers 24] [--iterations 250] [--repeat 3] [--vary-seq]
+        [--config "expandable_segments:True"]
 
-Prints the number of ops, the best replay time over the repeats, ops/s, and the simulated peaks.
+Prints the number of ops, the best replay time over the repeats (wall clock and process CPU time), ops/s, and the
+simulated peaks.
 """
 
 from __future__ import annotations
@@ -48,11 +50,9 @@ class TraceBuilder:
 
 
 def transformer_trace(layers: int, iterations: int, batch: int, seq: int, hidden: int, vocab: int,
-                      seed: int = 0) -> list[tuple[int, int, int, int]]:
+                      vary_seq: bool = False, seed: int = 0) -> list[tuple[int, int, int, int]]:
     rng = random.Random(seed)
     t = TraceBuilder()
-    tokens = batch * seq
-    act = tokens * hidden * FLOAT
     layer_params = [hidden * 3 * hidden, 3 * hidden, hidden * hidden, hidden, 4 * hidden * hidden, 4 * hidden,
                     4 * hidden * hidden, hidden, hidden, hidden, hidden, hidden]
     param_sizes = [vocab * hidden, seq * hidden] + layer_params * layers + [hidden, hidden]
@@ -60,6 +60,9 @@ def transformer_trace(layers: int, iterations: int, batch: int, seq: int, hidden
     grads: list[int] = []
     optimizer_state: list[int] = []
     for _ in range(iterations):
+        # batches padded to their longest row: the sequence length, and every activation size, changes per step
+        tokens = batch * (rng.randint(seq // 2, seq) if vary_seq else seq)
+        act = tokens * hidden * FLOAT
         batch_block = t.alloc(tokens * 8, stream=1)  # input ids copied on the side stream
         labels = t.alloc(tokens * 8, stream=1)
         kept: list[list[int]] = []
@@ -138,18 +141,22 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--vary-seq", action="store_true", help="a new sequence length (seq/2..seq) every step")
     parser.add_argument("--config", default="", help="allocator settings, as in PYTORCH_CUDA_ALLOC_CONF")
     args = parser.parse_args()
-    ops = transformer_trace(args.layers, args.iterations, args.batch, args.seq, args.hidden, args.vocab)
+    ops = transformer_trace(args.layers, args.iterations, args.batch, args.seq, args.hidden, args.vocab,
+                            args.vary_seq)
     config = AllocatorConfig.parse(args.config)
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(args.repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = simulate(ops, config)
         best = min(best, time.perf_counter() - start)
+        best_cpu = min(best_cpu, time.process_time() - start_cpu)
     gib = 1024**3
-    print(f"ops: {len(ops):,}  config: {args.config or '(defaults)'}")
-    print(f"replay: {best:.3f} s (best of {args.repeat})  ->  {len(ops) / best:,.0f} ops/s")
+    print(f"ops: {len(ops):,}  config: {args.config or '(defaults)'}{'  varying seq' if args.vary_seq else ''}")
+    print(f"replay: {best:.3f} s wall, {best_cpu:.3f} s CPU (best of {args.repeat})  ->  {len(ops) / best:,.0f} ops/s "
+          f"wall, {len(ops) / best_cpu:,.0f} ops/s CPU (the CPU figure is steadier on a shared machine)")
     print(f"peak allocated {result.peak_allocated / gib:.2f} GiB, peak reserved {result.peak_reserved / gib:.2f} GiB, "
           f"segments at peak {result.num_segments_at_peak}, fragmentation {result.fragmentation_at_peak:.1%}")
 

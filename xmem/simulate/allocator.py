@@ -97,12 +97,12 @@ class BlockPool:
     def insert_into_blocks(self, block: Block) -> None:
         """BlockPool::insert_into_blocks: a block enters the pool and its gc age restarts."""
         block.gc_count_base = self.get_free_blocks_call_count
-        key = _key(block.stream, block.size, block.ptr)
+        key = (block.stream << 128) | (block.size << 64) | block.ptr  # _key(), inlined: the hottest path
         insort(self.keys, key)
         self.blocks[key] = block
 
     def erase(self, block: Block) -> None:
-        key = _key(block.stream, block.size, block.ptr)
+        key = (block.stream << 128) | (block.size << 64) | block.ptr  # _key(), inlined
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 

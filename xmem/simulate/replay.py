@@ -43,6 +43,7 @@ def simulate(
     peak_allocated_index = peak_reserved_index = segments_at_peak = 0
     oom = None
     malloc, free = allocator.malloc, allocator.free
+    record_allocated, record_reserved = allocated_at.append, reserved_at.append
     for index, (action, block_id, nbytes, stream) in enumerate(ops):
         if action == ALLOC:
             if block_id in live:
@@ -72,8 +73,8 @@ def simulate(
             raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1 or EMPTY_CACHE=2")
         allocated = allocator.allocated_bytes
         reserved = allocator.total_allocated_memory
-        allocated_at.append(allocated)
-        reserved_at.append(reserved)
+        record_allocated(allocated)
+        record_reserved(reserved)
         if allocated > peak_allocated:
             peak_allocated, peak_allocated_index = allocated, index
         if reserved > peak_reserved:
