@@ -82,3 +82,10 @@ def test_shell_script_is_not_python(tmp_path):
     with pytest.raises(TraceError) as caught:
         parse_command([str(script)])
     assert caught.value.kind == "not_python"
+
+
+def test_torchrun_world_size_is_processes_per_node_times_nodes(train, tmp_path):
+    command = ["torchrun", "--nnodes=2", "--nproc-per-node", "4", "train.py"]
+    assert parse_command(command, cwd=str(tmp_path)).world_size == 8
+    assert parse_command(["torchrun", "--nproc_per_node=gpu", "train.py"], cwd=str(tmp_path)).world_size == 1
+    assert parse_command(["python", "train.py"], cwd=str(tmp_path)).world_size == 1

@@ -228,3 +228,36 @@ def test_cuda_api_script_runs_with_stand_ins(python):
 def test_program_without_cuda_gives_an_empty_trace(python):
     result = trace(python, "no_cuda.py")
     assert not result.used_cuda and result.events == []
+
+
+# ---- transformers, activation checkpointing, the program's own SDPA restriction ----------------------------------
+@pytest.mark.parametrize("python", PYTHONS)
+def test_checkpoint_recomputation_takes_the_same_attention_backend(python):
+    # recomputation runs on the autograd thread: it must pick the same fused kernel as the forward did,
+    # else torch.utils.checkpoint raises (a different number of saved tensors)
+    result = trace(python, "tiny_llama_checkpointing.py", iterations=2)
+    assert result.iterations == 2
+    fused = {name: n for name, n in attention_ops(result).items() if "efficient" in name or "flash" in name}
+    forward = sum(n for name, n in fused.items() if not name.endswith("backward"))
+    backward = sum(n for name, n in fused.items() if name.endswith("backward"))
+    assert backward == 2 * 2 and forward == 2 * backward  # 2 layers x 2 iterations; forward + recompute
+
+
+def test_program_restricting_attention_to_math_is_obeyed():
+    result = trace(sys.executable, "sdpa_math_only.py", iterations=2)
+    assert attention_ops(result) == {}
+
+
+# ---- torchrun + DistributedDataParallel ---------------------------------------------------------------------------
+@pytest.mark.parametrize("python", PYTHONS)
+def test_torchrun_ddp_traces_rank_zero_with_gradient_buckets(python):
+    command = ["torchrun", "--nproc_per_node=2", str(SCRIPTS / "ddp_train.py")]
+    result = run_trace(command, iterations=3, python=python)
+    assert result.iterations == 3
+    assert "nccl" in result.libraries
+    params = [128 * 256 * 4, 256 * 4, 256 * 128 * 4, 128 * 4]
+    assert sizes(allocs(result, "parameter")) == sorted(params)
+    # one Reducer bucket (all 263,680 bytes fit under the 1 MiB first-bucket cap), allocated at wrap time
+    buckets = [e for e in allocs(result, "gradient") if e.iteration == -1]
+    assert [e.nbytes for e in buckets] == [sum(params)]
+    assert any("torch.compile was ignored" in w for w in result.warnings)

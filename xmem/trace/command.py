@@ -29,6 +29,7 @@ class Target:
     module: str | None
     args: tuple[str, ...]
     distributed: bool = False
+    world_size: int = 1  # processes the launcher would start (nproc per node x nodes)
 
     def child_argv(self) -> list[str]:
         return (["-m", self.module] if self.module else [self.script or ""]) + list(self.args)
@@ -65,20 +66,35 @@ def _parse_python_args(args: list[str], cwd: str | None) -> Target:
 
 
 def _parse_torchrun_args(args: list[str], cwd: str | None) -> Target:
-    i, as_module = 0, False
+    i, as_module, values = 0, False, {}
     while i < len(args) and args[i].startswith("-"):
         option = args[i]
         if option in ("--no-python", "--no_python"):
             raise TraceError("not_python", "torchrun --no-python runs a non-Python program; it cannot be traced")
         if option in ("-m", "--module"):
             as_module = True
-        i += 1 if ("=" in option or option in _TORCHRUN_FLAGS) else 2
+        if "=" in option:
+            name, value = option.split("=", 1)
+            values[name.replace("_", "-")] = value
+            i += 1
+        elif option in _TORCHRUN_FLAGS:
+            i += 1
+        else:
+            values[option.replace("_", "-")] = args[i + 1] if i + 1 < len(args) else ""
+            i += 2
     if i >= len(args):
         raise TraceError("not_found", "no training script given to torchrun")
+    world = _leading_int(values.get("--nproc-per-node", "1")) * _leading_int(values.get("--nnodes", "1"))
     if as_module:
-        return Target(None, args[i], tuple(args[i + 1:]), distributed=True)
+        return Target(None, args[i], tuple(args[i + 1:]), distributed=True, world_size=world)
     target = _script_target(args[i], args[i + 1:], cwd, require_python=False)
-    return Target(target.script, None, target.args, distributed=True)
+    return Target(target.script, None, target.args, distributed=True, world_size=world)
+
+
+def _leading_int(text: str) -> int:
+    """'4' -> 4, '1:4' (elastic min:max nodes) -> 1; 'gpu'/'auto' (count the node's GPUs) -> 1."""
+    match = re.match(r"\d+", text)
+    return max(1, int(match.group())) if match else 1
 
 
 def _script_target(program: str, args: list[str], cwd: str | None, require_python: bool = True) -> Target:

@@ -9,7 +9,9 @@ it reports module tensors and capability questions through the `FakeCuda` object
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -106,6 +108,7 @@ class FakeCuda:
         self.on_module_tensor: Callable[[torch.Tensor, str], None] = lambda t, kind: None
         self.on_empty_cache: Callable[[], None] = lambda: None
         self.on_warning: Callable[[str], None] = lambda message: None
+        self.on_library: Callable[[str], None] = lambda name: None
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0
         self.reset_peak: Callable[[], None] = lambda: None
@@ -141,6 +144,9 @@ def install(fake: FakeCuda) -> None:
     _patch_grad_scaler(fake)
     _patch_cuda_data_functions()
     _patch_attention(fake)
+    _patch_compile(fake)
+    from xmem.trace import distributed
+    distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
 
 
@@ -273,6 +279,17 @@ def _patch_grad_scaler(fake: FakeCuda) -> None:
     GradScaler._maybe_opt_step = always_step
 
 
+def _patch_compile(fake: FakeCuda) -> None:
+    """torch.compile cannot compile fake-CUDA graphs here: run eagerly and say so (compiled graphs usually need less
+    memory than eager, so the estimate errs on the safe side)."""
+
+    def eager(model: Any = None, **options: Any) -> Any:
+        fake.on_warning("torch.compile was ignored: the eager program was traced (compiled code often needs less)")
+        return model if model is not None else (lambda function: function)
+
+    torch.compile = eager
+
+
 def _active_fake_mode() -> FakeTensorMode | None:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
@@ -317,9 +334,27 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = convert(buffer, "buffer")
+        _rebind_optimizers({old: new for old, new in memo.items() if isinstance(new, nn.Parameter)})
         return self
 
     return fake_aware_apply
+
+
+def _rebind_optimizers(replaced: dict[int, torch.Tensor]) -> None:
+    """Point live optimizers at replaced parameters (keyed by the old parameter's id).
+
+    Stock `_apply` keeps each Parameter object and swaps its data, so an optimizer built before `model.to("cuda")`
+    (the usual Hugging Face order) still trains the moved model. Replacing parameters would leave it stepping the
+    old CPU ones: no optimizer state, and gradients that zero_grad never frees.
+    """
+    if not replaced:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            if obj.state:
+                obj.state = collections.defaultdict(dict, {replaced.get(id(k), k): v for k, v in obj.state.items()})
 
 
 def _patch_cuda_data_functions() -> None:
@@ -352,7 +387,7 @@ def _patch_attention(fake: FakeCuda) -> None:
         q, k, v = call["query"], call["key"], call["value"]
         mask = call.get("attn_mask")
         backend, depends_on_arch = choose_attention_backend(q, k, v, mask, call.get("enable_gqa", False),
-                                                            fake.capability)
+                                                            fake.capability, _enabled_attention_backends())
         if depends_on_arch:
             fake.on_arch_question()
         dropout, causal, scale = call.get("dropout_p", 0.0), call.get("is_causal", False), call.get("scale")
@@ -371,13 +406,21 @@ def _patch_attention(fake: FakeCuda) -> None:
     F.scaled_dot_product_attention = scaled_dot_product_attention
 
 
+def _enabled_attention_backends() -> frozenset[str]:
+    """The backends the program allows (torch.nn.attention.sdpa_kernel / torch.backends.cuda.enable_*_sdp)."""
+    flags = {"flash": torch.backends.cuda.flash_sdp_enabled(),
+             "efficient": torch.backends.cuda.mem_efficient_sdp_enabled()}
+    return frozenset(name for name, enabled in flags.items() if enabled)
+
+
 def choose_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool,
-                             capability: tuple[int, int]) -> tuple[str, bool]:
+                             capability: tuple[int, int],
+                             enabled: frozenset[str] = frozenset({"flash", "efficient"})) -> tuple[str, bool]:
     """(backend, whether another GPU generation would choose differently) for one SDPA call on cuda.
 
     flash: sm>=80, fp16/bf16, no explicit mask, head_dim <= 256 and a multiple of 8, same head count in q/k/v;
     efficient: sm>=50, any float dtype (bf16 needs sm>=80), masks allowed, head_dim alignment 8 (fp32: 4);
-    otherwise math.
+    otherwise math. Backends the program disabled are skipped.
     """
     if q.device.type != "cuda" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "math", False
@@ -388,10 +431,10 @@ def choose_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     efficient_ok_anywhere = same_heads and not gqa and head_dim % (4 if dtype == torch.float32 else 8) == 0
     choice = {}
     for cap in ((7, 0), (8, 0), capability):
-        if half and flash_shape_ok and cap >= (8, 0):
+        if "flash" in enabled and half and flash_shape_ok and cap >= (8, 0):
             choice[cap] = "flash"
-        elif efficient_ok_anywhere and dtype in (torch.float32, torch.float16) or (
-                efficient_ok_anywhere and dtype == torch.bfloat16 and cap >= (8, 0)):
+        elif "efficient" in enabled and efficient_ok_anywhere and (
+                dtype in (torch.float32, torch.float16) or dtype == torch.bfloat16 and cap >= (8, 0)):
             choice[cap] = "efficient"
         else:
             choice[cap] = "math"

@@ -190,6 +190,7 @@ class AllocationRecorder(TorchDispatchMode):
         fake.on_module_tensor = lambda tensor, kind: self.label(tensor, kind)
         fake.on_empty_cache = self._empty_cache
         fake.on_warning = self.warn
+        fake.on_library = self.libraries.add
         fake.live_bytes = lambda: self.live_bytes
         fake.peak_bytes = lambda: self.peak_bytes
         fake.reset_peak = self._reset_peak

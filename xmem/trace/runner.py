@@ -58,8 +58,9 @@ def _child_env(env: Mapping[str, str] | None, target: Target) -> dict[str, str]:
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     if target.distributed:
-        # One rank of the job is estimated: it sees a world of one, as torchrun would tell rank 0.
-        child_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        # Rank 0 of the job is estimated, in the world the launcher would make (collectives are fake).
+        world = str(target.world_size)
+        child_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, GROUP_RANK="0")
         child_env.setdefault("MASTER_ADDR", "127.0.0.1")
         child_env.setdefault("MASTER_PORT", "29500")
     return child_env

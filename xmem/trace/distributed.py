@@ -1,0 +1,117 @@
+"""Distributed training under fake CUDA: one rank runs, alone, as the launcher described it.
+
+Owns the patches of `torch.distributed.init_process_group` (torch's fake process group: collectives do nothing,
+rank and world size as the launcher said) and of `DistributedDataParallel` (a stand-in that runs the wrapped module
+and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data while it is built).
+Import only in the tracing child, after `xmem.trace.fakecuda`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+# upstream torch/distributed/constants + DDP defaults: the first bucket is small so communication starts early
+FIRST_BUCKET_BYTES = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+_fake_cuda: Any = None  # the FakeCuda of this process, set by install()
+
+
+def install(fake: Any) -> None:
+    global _fake_cuda
+    _fake_cuda = fake
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    _patch_init_process_group(fake, dist)
+    import torch.nn.parallel
+    import torch.nn.parallel.distributed
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+    torch.nn.parallel.distributed.DistributedDataParallel = DistributedDataParallel
+
+
+def _patch_init_process_group(fake: Any, dist: Any) -> None:
+    original_init = dist.init_process_group
+
+    def init_fake_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
+                                world_size: int = -1, rank: int = -1, store: Any = None, **kwargs: Any) -> None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+        if backend is None or "nccl" in str(backend):
+            fake.on_library("nccl")
+        kwargs.pop("device_id", None)  # binding a real device would initialise CUDA
+        world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
+        rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
+        extra = {"timeout": timeout} if timeout is not None else {}
+        original_init(backend="fake", store=FakeStore(), world_size=world_size, rank=rank, **extra, **kwargs)
+
+    dist.init_process_group = init_fake_process_group
+
+
+def bucket_sizes(params: list[torch.Tensor], cap_bytes: int,
+                 first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[tuple[torch.dtype, torch.device, int]]:
+    """(dtype, device, elements) of the Reducer's gradient buckets (upstream: compute_bucket_assignment_by_size).
+
+    Parameters are taken in reverse registration order (roughly the order backward produces their gradients),
+    grouped by (dtype, device); a bucket closes once it reaches its cap, the first one at `first_cap_bytes`.
+    """
+    open_buckets: dict[tuple, list[int]] = {}  # key -> [elements, bytes, cap]
+    closed: list[tuple[torch.dtype, torch.device, int]] = []
+    seen_keys: list[tuple] = []
+    for param in reversed(params):
+        key = (param.dtype, param.device)
+        if key not in open_buckets:
+            open_buckets[key] = [0, 0, first_cap_bytes]
+            seen_keys.append(key)
+        bucket = open_buckets[key]
+        bucket[0] += param.numel()
+        bucket[1] += param.numel() * param.element_size()
+        if bucket[1] >= bucket[2]:
+            closed.append((*key, bucket[0]))
+            open_buckets[key] = [0, 0, cap_bytes]
+    closed.extend((*key, open_buckets[key][0]) for key in seen_keys if open_buckets[key][0])
+    return closed
+
+
+class DistributedDataParallel(nn.Module):
+    """Stand-in for torch's DDP: the wrapped module computes; the gradient buckets exist as GPU memory.
+
+    With gradient_as_bucket_view the gradients are views of the buckets, so the buckets cost nothing beyond the
+    gradients the trace already records; otherwise they are a second copy of the gradients, allocated here.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.device_ids = device_ids
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._buckets: list[torch.Tensor] = []
+        if not gradient_as_bucket_view:
+            for dtype, device, elements in bucket_sizes(params, cap):
+                bucket = torch.empty(elements, dtype=dtype, device=device)
+                _fake_cuda.on_module_tensor(bucket, "gradient")
+                self._buckets.append(bucket)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def join(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None: ...
+
+    def _set_static_graph(self) -> None: ...
