@@ -36,12 +36,13 @@ def test_versioned_interpreter_path(train, tmp_path):
 def test_torchrun_is_stripped_to_one_rank(train, tmp_path):
     command = ["torchrun", "--nproc_per_node=4", "--nnodes", "1", "--standalone", "train.py", "--epochs", "1"]
     target = parse_command(command, cwd=str(tmp_path))
-    assert target == Target(str(train), None, ("--epochs", "1"), distributed=True)
+    assert target == Target(str(train), None, ("--epochs", "1"), distributed=True, world_size=4)
 
 
 def test_torch_distributed_run_module_with_module_target(tmp_path):
     command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "pkg.train", "--x"]
-    assert parse_command(command, cwd=str(tmp_path)) == Target(None, "pkg.train", ("--x",), distributed=True)
+    expected = Target(None, "pkg.train", ("--x",), distributed=True, world_size=8)
+    assert parse_command(command, cwd=str(tmp_path)) == expected
 
 
 def test_script_run_directly_by_suffix_or_shebang(train, tmp_path):
