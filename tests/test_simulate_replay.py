@@ -48,7 +48,8 @@ def test_peaks_name_their_first_op_and_segments_are_counted_there():
     # 2 segments, allocated 34 MiB; op2: frees the 30 MiB block (cached)
     ops = [alloc(1, 4 * MiB), alloc(2, 30 * MiB), free(2), alloc(3, 12 * MiB), alloc(4, 25 * MiB)]
     result = simulate(ops)
-    # op3: the smallest cached block >= 12 MiB is the 16 MiB rest; it takes 12 MiB of it (split: 4 MiB > 1 MiB left): allocated 16 MiB, reserved 50 MiB.
+    # op3: the smallest cached block >= 12 MiB is the 16 MiB rest; it takes 12 MiB of it (split: 4 MiB > 1 MiB
+    # left): allocated 16 MiB, reserved 50 MiB.
     # op4 25 MiB takes the cached 30 MiB block (remainder 5 MiB > 1 MiB: split): allocated 41 MiB, reserved 50.
     assert (result.peak_reserved, result.peak_reserved_index) == (50 * MiB, 1)
     assert (result.peak_allocated, result.peak_allocated_index) == (41 * MiB, 4)
@@ -80,9 +81,11 @@ def test_timeline_is_downsampled_but_keeps_both_peaks_and_the_last_op():
     assert all(point in full.timeline for point in result.timeline)
 
 
-def test_timeline_points_below_three_are_refused():
+def test_timeline_points_below_three_and_negative_capacity_are_refused():
     with pytest.raises(ValueError, match="timeline_points"):
         simulate([alloc(1, 1)], timeline_points=2)
+    with pytest.raises(ValueError, match="capacity"):
+        simulate([alloc(1, 1)], capacity=-1)
 
 
 def test_ops_may_be_a_generator_and_stream_ids_any_integers():

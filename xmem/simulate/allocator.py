@@ -31,14 +31,15 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from xmem.simulate.config import AllocatorConfig, MiB
-
-kMinBlockSize = 512  # c10/core/AllocatorConfig.h: all sizes are rounded to at least 512 bytes
-kSmallSize = 1 * MiB  # c10/core/AllocatorConfig.h: largest "small" allocation is 1 MiB
-kSmallBuffer = 2 * MiB  # c10/core/AllocatorConfig.h: "small" allocations are packed in 2 MiB blocks
-kLargeBuffer = 20 * MiB  # CUDACachingAllocator.cpp: allocations between 1 and 10 MiB use 20 MiB (default)
-kMinLargeAlloc = 10 * MiB  # c10/core/AllocatorConfig.h: allocations of 10 MiB or more get their own segment
-kRoundLarge = 2 * MiB  # c10/core/AllocatorConfig.h: round up large allocations to 2 MiB
+from xmem.simulate.config import (
+    AllocatorConfig,
+    kLargeBuffer,
+    kMinBlockSize,
+    kMinLargeAlloc,
+    kRoundLarge,
+    kSmallBuffer,
+    kSmallSize,
+)
 
 _SIZE_MAX = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size when unset
 _ADDRESS_SPACE_UNLIMITED = 1 << 48  # expandable address reservation when capacity is unknown

@@ -19,9 +19,15 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-kLargeBuffer = 20 * MiB  # c10/cuda/CUDACachingAllocator.cpp; the default large_segment_size
-kMinLargeAlloc = 10 * MiB  # c10/core/AllocatorConfig.h
-kRoundUpPowerOfTwoIntervals = 16  # c10/core/AllocatorConfig.h: intervals 1 MiB .. 64 GiB
+# The allocator's constants, named and valued as upstream (c10/core/AllocatorConfig.h in torch 2.13/2.14, except
+# kLargeBuffer, from c10/cuda/CUDACachingAllocator.cpp). They live here because the settings are checked against them.
+kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
+kSmallSize = 1 * MiB  # largest "small" allocation is 1 MiB
+kSmallBuffer = 2 * MiB  # "small" allocations are packed in 2 MiB segments
+kLargeBuffer = 20 * MiB  # allocations between 1 and 10 MiB use 20 MiB segments (default large_segment_size)
+kMinLargeAlloc = 10 * MiB  # allocations of 10 MiB or more get their own segment
+kRoundLarge = 2 * MiB  # round up large allocations to 2 MiB
+kRoundUpPowerOfTwoIntervals = 16  # roundup_power2_divisions intervals: 1 MiB .. 64 GiB
 
 # Keys upstream accepts that do not change the device memory of the native allocator (pinned host memory,
 # locking, IPC, error style): parsed past, value ignored.

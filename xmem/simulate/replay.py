@@ -32,6 +32,8 @@ def simulate(
     `capacity` is what cudaMalloc can obtain on the device (None = unlimited). `record_stream` is not modelled:
     a FREE returns the block to its pool at once.
     """
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be a number of bytes >= 0 or None (unlimited), got {capacity}")
     if timeline_points < 3:
         raise ValueError(f"timeline_points must be at least 3 (both peaks and the last op), got {timeline_points}")
     allocator = DeviceCachingAllocator(config, capacity)
