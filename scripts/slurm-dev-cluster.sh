@@ -11,7 +11,8 @@
 # MPS jobs (slurm-local.md §6.3); MPS alone gives every job a correct environment, and MPS is what the TaskProlog's
 # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT protects. The cluster's config ($LAB/etc/xmem.toml, also $XMEM_CONFIG for the
 # filter) is the project's etc/xmem.toml with shard switched off to match. The xmem-slurm executable is
-# $XMEM_SLURM, else <repo>/.venv/bin/xmem-slurm. Layout: slurm-local.md §3; every client call runs under `timeout`.
+# $XMEM_SLURM, else <repo>/.venv/bin/xmem-slurm; the filter runs on the python beside it (or $XMEM_PYTHON).
+# Layout: slurm-local.md §3; every client call runs under `timeout`.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,10 +29,12 @@ done
 mkdir -p "$LAB"; LAB=$(cd "$LAB" && pwd)
 export SLURM_CONF=$LAB/etc/slurm.conf
 XMEM_SLURM=${XMEM_SLURM:-$REPO/.venv/bin/xmem-slurm}
+XMEM_PYTHON=${XMEM_PYTHON:-$(dirname "$XMEM_SLURM")/python}  # the filter runs as `python -I -m xmem.slurm.filter`
 
 alive() { local st; st=$(ps -o stat= -p "$1" 2>/dev/null || true); [ -n "$st" ] && [ "${st:0:1}" != Z ]; }
 pid_alive() { [ -f "$1" ] && alive "$(cat "$1")"; }
 ctld_up() { timeout 3 scontrol ping 2>/dev/null | grep -q 'is UP'; }
+port_taken() { timeout 3 ss -Htln "sport = :$1" 2>/dev/null | grep -q .; }
 
 install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -120,9 +123,9 @@ EOF
 install_xmem_files() {
   # The Lua side's outer limit: the config's estimate timeout (which bounds slot wait + estimate) plus startup.
   local timeout_s
-  timeout_s=$("$(dirname "$XMEM_SLURM")/python" -c "from xmem.config import load_site_config as l; \
+  timeout_s=$("$XMEM_PYTHON" -c "from xmem.config import load_site_config as l; \
 print(int(l('$LAB/etc/xmem.toml').estimate.timeout_s) + 30)" 2>/dev/null || echo 330)
-  sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@TIMEOUT_S@|$timeout_s|g" -e "s|@FAILURE@|open|g" \
+  sed -e "s|@XMEM_PYTHON@|$XMEM_PYTHON|g" -e "s|@TIMEOUT_S@|$timeout_s|g" -e "s|@FAILURE@|open|g" \
       -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" "$REPO/slurm/cli_filter.lua" > "$LAB/etc/cli_filter.lua"
   for f in task_prolog.sh epilog.sh; do
     sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" \
@@ -153,12 +156,26 @@ up() {
   write_slurm_conf; write_xmem_config; install_xmem_files
   local t0; t0=$(date +%s.%N)
   start_munge
-  if ! pid_alive "$LAB/run/slurmctld.pid"; then slurmctld; fi
+  if ! pid_alive "$LAB/run/slurmctld.pid"; then
+    if port_taken "$PORT"; then
+      echo "slurm-dev-cluster: port $PORT is taken (another cluster's slurmctld?); use --port" >&2; return 1
+    fi
+    slurmctld
+  fi
   for _ in $(seq 100); do ctld_up && break; sleep 0.1; done
   if ! ctld_up; then
     echo "slurm-dev-cluster: slurmctld not UP; last log lines:" >&2; tail -5 "$LAB/log/slurmctld.log" >&2; return 1
   fi
-  if pid_alive "$LAB/run/slurmd.pid"; then timeout 10 scontrol reconfigure >/dev/null; else slurmd; fi
+  if pid_alive "$LAB/run/slurmd.pid"; then
+    timeout 10 scontrol reconfigure >/dev/null
+  else
+    # A slurmd of another LAB on our port would register as this node and run our jobs with its own prolog
+    # and epilog paths: refuse rather than test the wrong files.
+    if port_taken $((PORT + 1)); then
+      echo "slurm-dev-cluster: port $((PORT + 1)) is taken (another cluster's slurmd?); use --port" >&2; return 1
+    fi
+    slurmd
+  fi
   local state=
   for _ in $(seq 150); do
     state=$(timeout 3 sinfo -h -N -o '%T' 2>/dev/null | head -1 || true)
@@ -166,6 +183,7 @@ up() {
     sleep 0.2
   done
   echo "slurm-dev-cluster: node $state after $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" >&2
+  if ! pid_alive "$LAB/run/slurmd.pid"; then state="down (slurmd exited)"; fi
   case $state in idle|mixed|allocated) ;; *) tail -5 "$LAB/log/slurmd.log" >&2; return 1 ;; esac
   echo "export SLURM_CONF=$SLURM_CONF XMEM_CONFIG=$LAB/etc/xmem.toml"
 }

@@ -3,11 +3,13 @@
 -- (scripts/slurm-dev-cluster.sh shows how; slurm/README.md documents the contract).
 --
 -- It runs in sbatch, as the submitting user, on the submit host. It hands the job to `xmem-slurm filter`
--- (JSON in on stdin, JSON out on stdout) and applies what comes back: the options to set, one line for the
+-- (JSON in on stdin, JSON out on stdout; run as `python -I -m xmem.slurm.filter`, the same command without
+-- the rest of the CLI, which keeps a cached resubmission fast; -I keeps the user's directory and PYTHON*
+-- variables out of the filter's own imports) and applies what comes back: the options to set, one line for the
 -- user, or a refusal. Whatever goes wrong on the way (crash, timeout, garbage) is an estimator fault: the
 -- submission goes through unchanged with a one-line notice, unless the site chose fail-closed.
 
-local XMEM_SLURM = "@XMEM_SLURM@"      -- the xmem-slurm executable
+local XMEM_PYTHON = "@XMEM_PYTHON@"    -- the Python that has xmem-slurm installed (e.g. the venv's bin/python)
 local XMEM_CONFIG = "@XMEM_CONFIG@"    -- site config used when the user has no $XMEM_CONFIG ("" = xmem's default)
 local TIMEOUT_S = "@TIMEOUT_S@"        -- outer limit in seconds; the estimate's own limit is in the config
 local FAILURE = "@FAILURE@"            -- "open" or "closed", used only when xmem-slurm cannot even say
@@ -42,6 +44,8 @@ local function readable(path)
   return true
 end
 
+local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter"
+
 local function command_prefix()
   local cfg = os.getenv("XMEM_CONFIG")
   if (cfg == nil or cfg == "") and XMEM_CONFIG ~= "" then
@@ -53,7 +57,7 @@ end
 -- The site's failure mode when the filter gave no usable answer; the config says, the install-time default
 -- stands in if even that fails.
 local function failure_mode()
-  local p = io.popen(command_prefix() .. "timeout 10 " .. shquote(XMEM_SLURM) .. " filter --failure-mode 2>/dev/null")
+  local p = io.popen(command_prefix() .. "timeout 10 " .. FILTER .. " --failure-mode 2>/dev/null")
   local out = p and p:read("*l") or ""
   if p then p:close() end
   if out == "open" or out == "closed" then return out end
@@ -104,8 +108,8 @@ function slurm_cli_pre_submit(options, pack_offset)
           ',"options":', slurm.json_cli_options(options) or "{}",
           ',"user":', json_string(os.getenv("USER")), ',"env":', slurm.json_env() or "{}", '}')
   f:close()
-  local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. shquote(XMEM_SLURM) ..
-              " filter < " .. shquote(input) .. " > " .. shquote(output) .. " 2>/dev/null"
+  local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. FILTER ..
+              " < " .. shquote(input) .. " > " .. shquote(output) .. " 2>/dev/null"
   local ok, how, code = os.execute(cmd)
   local rf = io.open(output, "r")
   local out = rf and rf:read("*a") or ""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -48,15 +49,36 @@ def _which(name: str, path: str) -> str | None:
 
 
 def package_versions() -> dict[str, str]:
-    """xmem's and torch's versions, read from package metadata (importing torch would cost seconds)."""
-    versions = {}
-    for name in ("xmem-slurm", "torch", "transformers"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = ""
-    versions["python"] = sys.version.split()[0]
+    """xmem's, torch's and transformers' versions, read from their source files: importing torch would cost
+    seconds, and importlib.metadata a tenth of one, on a path (sbatch) that must stay fast."""
+    import xmem
+
+    versions = {"xmem": xmem.__version__, "python": sys.version.split()[0]}
+    for name in ("torch", "transformers"):
+        versions[name] = _source_version(name)
     return versions
+
+
+def _source_version(package: str) -> str:
+    """`__version__` as written in the installed package's version.py or __init__.py ("" if not installed)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.origin:
+        return ""
+    folder = Path(spec.origin).parent
+    for candidate in ("version.py", "__init__.py"):
+        try:
+            match = _VERSION.search((folder / candidate).read_text(errors="replace"))
+        except OSError:
+            continue
+        if match:
+            return match.group(1)
+    return ""
+
+
+_VERSION = re.compile(r"""(?m)^__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""")
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:

@@ -25,11 +25,6 @@ def _load_config(explicit: Optional[str]) -> Any:
     return load_site_config(explicit)
 
 
-def _emit(reply: dict) -> None:
-    sys.stdout.write(json.dumps(reply, ensure_ascii=True) + "\n")
-    sys.stdout.flush()
-
-
 @app.command("filter")
 def filter_command(
     failure_mode: bool = typer.Option(False, "--failure-mode", help="Print the site's failure mode (open|closed)."),
@@ -37,31 +32,11 @@ def filter_command(
 ) -> None:
     """For slurm/cli_filter.lua: read one submission as JSON on stdin, print what to change as JSON on stdout.
 
-    The contract is in slurm/README.md. Exits 0 whenever it printed a reply, a refusal included."""
-    from xmem.slurm.filter import FilterReply, FilterRequest, run_filter
+    The contract is in slurm/README.md. Exits 0 whenever it printed a reply, a refusal included.
+    (`python -m xmem.slurm.filter` is the same command without the rest of the CLI: faster under sbatch.)"""
+    from xmem.slurm.filter import filter_main
 
-    try:
-        site = _load_config(config)
-    except Exception as e:  # the failure mode itself is unknown: let the Lua side apply its default
-        if failure_mode:
-            raise typer.Exit(3)
-        _emit(FilterReply(fault=f"site config: {e}").to_json())
-        return
-    if failure_mode:
-        typer.echo(site.failure)
-        return
-    try:
-        request = FilterRequest.from_json(json.load(sys.stdin))
-    except (ValueError, TypeError) as e:
-        _emit(FilterReply(fault=f"bad filter input: {e}").to_json())
-        return
-    try:
-        reply = run_filter(request, site)
-    except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
-        from xmem.slurm.filter import failure_reply
-
-        reply = failure_reply(f"internal error: {type(e).__name__}: {e}", request, site.failure)
-    _emit(reply.to_json())
+    raise typer.Exit(filter_main(config_path=config, failure_mode=failure_mode))
 
 
 def _gpu_total_bytes(config: Any) -> Any:

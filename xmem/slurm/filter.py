@@ -17,16 +17,19 @@ so the Lua side can read it without a JSON library.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from xmem.cache import AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest
 from xmem.slurm.node import JobStamp, add_to_comment
@@ -334,3 +337,52 @@ def run_filter(request: FilterRequest, config: Any, *,
         except OSError as e:
             return failure_reply(f"cannot read {e.filename}: {e.strerror}", request, failure)
     return reply_for(analysis, request, failure)
+
+
+# --- entry point ------------------------------------------------------------------------------------------------
+
+def filter_main(*, config_path: str | None = None, failure_mode: bool = False, stdin: IO[str] = sys.stdin,
+                stdout: IO[str] = sys.stdout) -> int:
+    """The whole `xmem-slurm filter` command: read the request, write the reply. Also reachable as
+    `python -m xmem.slurm.filter`, which cli_filter.lua uses because it skips loading the other commands
+    (a cached resubmission then costs a third of the CPU time)."""
+    from xmem.config import load_site_config
+
+    try:
+        site = load_site_config(config_path)
+    except Exception as e:  # the failure mode itself is unknown: the Lua side applies its default
+        if failure_mode:
+            print(f"xmem-slurm filter: {e}", file=sys.stderr)
+            return 3
+        return _emit(stdout, FilterReply(fault=f"site config: {e}"))
+    if failure_mode:
+        print(site.failure, file=stdout)
+        return 0
+    try:
+        request = FilterRequest.from_json(json.load(stdin))
+    except (ValueError, TypeError, AttributeError) as e:
+        return _emit(stdout, FilterReply(fault=f"bad filter input: {e}"))
+    try:
+        reply = run_filter(request, site)
+    except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
+        reply = failure_reply(f"internal error: {type(e).__name__}: {e}", request, site.failure)
+    return _emit(stdout, reply)
+
+
+def _emit(stdout: IO[str], reply: FilterReply) -> int:
+    stdout.write(json.dumps(reply.to_json(), ensure_ascii=True) + "\n")
+    stdout.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xmem.slurm.filter",
+                                     description="xmem-slurm filter for cli_filter.lua (see slurm/README.md)")
+    parser.add_argument("--failure-mode", action="store_true", help="print the site's failure mode")
+    parser.add_argument("--config", default=None, help="site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml)")
+    args = parser.parse_args(argv)
+    return filter_main(config_path=args.config, failure_mode=args.failure_mode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

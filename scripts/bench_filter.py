@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""How much time xmem-slurm's cli_filter adds to `sbatch`, measured on the real dev cluster.
+
+    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--json]
+
+Starts its own dev cluster (scripts/slurm-dev-cluster.sh, LAB in a temporary directory, ports 6857/6858), submits
+held jobs (they never run) and reports the median wall time of `sbatch` for:
+  baseline   the GPU job through a slurm.conf without the cli_filter (same controller)
+  cpu        a CPU job through the filter (parsed, no estimate)
+  fresh      the GPU job with a fresh estimate (the script's bytes changed each time)
+  cached     the unchanged GPU job again (the analysis comes from the cache)
+and the filter's share: each minus the baseline. Run as root (the dev cluster needs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "scripts" / "slurm-dev-cluster.sh"
+PORT = 6857
+TRAIN = """\
+import torch
+import torch.nn as nn
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).to(device)
+opt = torch.optim.Adam(model.parameters())
+for step in range(5):
+    loss = model(torch.randn(64, 512, device=device)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def sbatch_seconds(script: Path, env: dict[str, str], expect: str | None = None) -> float:
+    """Wall time of one held submission; `expect`: a text the filter's line must contain (else say so)."""
+    started = time.perf_counter()
+    done = subprocess.run(["sbatch", "--hold", "--parsable", "-o", "/dev/null", str(script)], cwd=script.parent,
+                          env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"sbatch failed: {done.stderr.strip()}")
+    if expect is not None and expect not in done.stderr:
+        print(f"note: {script.name} took {seconds:.2f} s and the filter said: {done.stderr.strip()}",
+              file=sys.stderr)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=10, help="submissions per cheap case (median reported)")
+    parser.add_argument("--fresh", type=int, default=3, help="submissions with a fresh estimate")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="xmem-bench-filter-") as tmp:
+        lab, work = Path(tmp) / "lab", Path(tmp) / "work"
+        work.mkdir()
+        env = {**os.environ, "XMEM_SLURM": str(Path(sys.executable).parent / "xmem-slurm"),
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "PWD": str(work)}
+        env.pop("SLURM_JOB_ID", None)
+        up = subprocess.run(["bash", str(CLUSTER), "up", "--lab", str(lab), "--port", str(PORT)], env=env,
+                            capture_output=True, text=True, timeout=300)
+        if up.returncode != 0:
+            raise SystemExit(f"dev cluster did not start:\n{up.stderr}")
+        env.update(re.findall(r"(\w+)=(\S+)", up.stdout.strip().splitlines()[-1].removeprefix("export ")))
+        try:
+            figures = measure(lab, work, env, args.repeat, args.fresh)
+        finally:
+            subprocess.run(["bash", str(CLUSTER), "down", "--lab", str(lab)], env=env, capture_output=True,
+                           timeout=120)
+    report(figures, args.json)
+
+
+def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int) -> dict[str, dict]:
+    (work / "train.py").write_text(TRAIN)
+    gpu = work / "gpu.sh"
+    gpu.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    cpu = work / "cpu.sh"
+    cpu.write_text("#!/bin/bash\n#SBATCH --ntasks=1\npython train.py\n")
+    # The same controller through a slurm.conf without the cli_filter: the baseline sbatch.
+    plain = lab / "etc-plain"
+    plain.mkdir()
+    conf = (lab / "etc" / "slurm.conf").read_text()
+    (plain / "slurm.conf").write_text(re.sub(r"(?m)^CliFilterPlugins=.*\n", "", conf))
+    (plain / "gres.conf").write_text((lab / "etc" / "gres.conf").read_text())
+    plain_env = {**env, "SLURM_CONF": str(plain / "slurm.conf")}
+
+    samples: dict[str, list[float]] = {"baseline": [], "cpu": [], "fresh": [], "cached": []}
+    for _ in range(repeat):
+        samples["baseline"].append(sbatch_seconds(gpu, plain_env))
+        samples["cpu"].append(sbatch_seconds(cpu, env))
+    for i in range(fresh):
+        changed = work / f"gpu-{i}.sh"
+        changed.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# variant {i}\npython train.py\n")
+        samples["fresh"].append(sbatch_seconds(changed, env))
+    sbatch_seconds(gpu, env, expect="smallest fit")  # fill the cache
+    for _ in range(repeat):
+        samples["cached"].append(sbatch_seconds(gpu, env, expect="(cached estimate)"))
+    base = statistics.median(samples["baseline"])
+    return {case: {"median_s": round(statistics.median(v), 3), "min_s": round(min(v), 3),
+                   "max_s": round(max(v), 3), "n": len(v),
+                   "added_s": round(statistics.median(v) - base, 3) if case != "baseline" else 0.0}
+            for case, v in samples.items()}
+
+
+def report(figures: dict[str, dict], as_json: bool) -> None:
+    load = os.getloadavg()[0]
+    if as_json:
+        print(json.dumps({"figures": figures, "load_average_1min": load}, indent=2))
+        return
+    print(f"sbatch wall time (load average {load:.1f} on {os.cpu_count()} CPUs)")
+    print(f"{'case':<10} {'median':>8} {'min':>8} {'max':>8} {'n':>3} {'added by filter':>16}")
+    for case, f in figures.items():
+        print(f"{case:<10} {f['median_s']:>7.2f}s {f['min_s']:>7.2f}s {f['max_s']:>7.2f}s {f['n']:>3} "
+              f"{f['added_s']:>15.2f}s")
+
+
+if __name__ == "__main__":
+    main()
