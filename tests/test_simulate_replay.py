@@ -81,11 +81,16 @@ def test_timeline_is_downsampled_but_keeps_both_peaks_and_the_last_op():
     assert all(point in full.timeline for point in result.timeline)
 
 
-def test_timeline_points_below_three_and_negative_capacity_are_refused():
+def test_timeline_points_below_three_are_refused():
     with pytest.raises(ValueError, match="timeline_points"):
         simulate([alloc(1, 1)], timeline_points=2)
-    with pytest.raises(ValueError, match="capacity"):
-        simulate([alloc(1, 1)], capacity=-1)
+
+
+def test_a_negative_capacity_fails_the_first_allocation():
+    # overheads beyond the device leave nothing for cudaMalloc: the first 2 MiB segment cannot be had
+    result = simulate([alloc(1, 1), alloc(2, 1)], capacity=-300 * MiB)
+    assert result.oom is not None and result.oom.index == 0
+    assert "total capacity of 0 bytes of which 0 bytes is free" in result.oom.message
 
 
 def test_ops_may_be_a_generator_and_stream_ids_any_integers():

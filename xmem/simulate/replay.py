@@ -29,11 +29,10 @@ def simulate(
 
     `block` is the caller's id of an allocation: a FREE names the id its ALLOC used (its nbytes and stream are
     ignored). An ALLOC of 0 bytes makes no block (torch returns a null pointer) but its FREE is accepted.
-    `capacity` is what cudaMalloc can obtain on the device (None = unlimited). `record_stream` is not modelled:
+    `capacity` is what cudaMalloc can obtain on the device (None = unlimited; zero or less, as when overheads
+    exceed the device, lets no allocation succeed). `record_stream` is not modelled:
     a FREE returns the block to its pool at once.
     """
-    if capacity is not None and capacity < 0:
-        raise ValueError(f"capacity must be a number of bytes >= 0 or None (unlimited), got {capacity}")
     if timeline_points < 3:
         raise ValueError(f"timeline_points must be at least 3 (both peaks and the last op), got {timeline_points}")
     allocator = DeviceCachingAllocator(config, capacity)

@@ -58,7 +58,7 @@ def oom_message(alloc_size: int, capacity: int, allocated: int, reserved: int, a
     allowed_info = f"{format_size(allowed)} allowed; " if allowed is not None else ""
     return (
         f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU 0 has a total capacity of "
-        f"{format_size(capacity)} of which {format_size(max(capacity - reserved, 0))} is free. {allowed_info}"
+        f"{format_size(max(capacity, 0))} of which {format_size(max(capacity - reserved, 0))} is free. {allowed_info}"
         f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, and "
         f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but unallocated "
         f"memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
