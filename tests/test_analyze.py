@@ -80,6 +80,9 @@ def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_pat
     assert result.peaks == {"a100": 7 * GIB, "h100": 8 * GIB, "1g.10gb": 8 * GIB}
     # 8 GiB * 1.1 = 8.8 GiB fits the 9.75 GiB slice
     assert (result.decision.action, result.decision.gres) == ("rewrite", "gpu:1g.10gb:1")
+    # what was weighed: preference mig then gpu, smallest first; every one holds 8.8 GiB (a100: 7.7 GiB)
+    assert [(o["request"], o["fits"]) for o in result.offers] == [
+        ("gpu:1g.10gb:1", True), ("gpu:a100:1", True), ("gpu:h100:1", True)]
     command, kw = estimator.calls[1]
     assert command == ["python", "train.py", "--x"]
     assert kw["gpus"] == ["a100", "h100"]  # the slice is estimated as its parent, once

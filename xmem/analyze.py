@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
-from xmem.policy import Decision, decide, eligible_types, estimate_types, job_partitions
+from xmem.policy import (Decision, considered_offers, decide, describe_offer, eligible_types, estimate_types,
+                         job_partitions)
 
 if TYPE_CHECKING:
     from xmem.slurm.cluster import ClusterInfo
@@ -64,6 +65,7 @@ class JobAnalysis:
     errors: tuple[AnalysisError, ...] = ()
     partitions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # what was left out and why (e.g. a cluster GPU type the catalog lacks)
+    offers: tuple[Mapping[str, Any], ...] = ()  # what the policy weighed, in its order: kind, request, fits...
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +77,7 @@ class JobAnalysis:
             "decision": self.decision.to_json() if self.decision else None,
             "errors": [_error_json(e) for e in self.errors],
             "notes": list(self.notes),
+            "offers": [dict(o) for o in self.offers],
         }
 
 
@@ -142,7 +145,14 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     available = _gpus_per_node(ask_cluster(), partitions) if job.directives.gpu_count > 1 else None
     decision = decide(peaks, job.directives, config, user=user, partition=",".join(partitions),
                       available=available)
-    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions, notes=notes)
+    offers = tuple({"kind": offer.kind, "request": request, "gpu_type": offer.gres_type,
+                    "granted_bytes": offer.granted_bytes, "needed_bytes": config.margin.needed(offer.peak_bytes),
+                    "fits": fits, "description": describe_offer(offer)}
+                   for offer, request, fits in considered_offers(peaks, job.directives, config,
+                                                                  partition=",".join(partitions),
+                                                                  available=available))
+    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions, notes=notes,
+                       offers=offers)
 
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],

@@ -118,6 +118,7 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
             console.print(f"[yellow]skipped:[/] {estimate.skipped}")
         for warning in (estimate.estimate or {}).get("warnings", []):
             console.print(f"[yellow]warning:[/] {warning}")
+    _show_offers(console, analysis)
     for note in analysis.notes:
         console.print(f"[yellow]note:[/] {note}")
     decision = analysis.decision
@@ -139,6 +140,21 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
         needed = site.margin.needed(peak)
         style = "" if total is None or needed <= total else "[red]"
         table.add_row(gpu_type, _gib(peak), f"{style}{_gib(needed)}", _gib(total) if total else "?")
+    console.print(table)
+
+
+def _show_offers(console: Console, analysis: JobAnalysis) -> None:
+    if not analysis.offers:
+        return
+    chosen = analysis.decision.gres or analysis.decision.gpus if analysis.decision else None
+    table = Table(title="Requests weighed (site preference order, smallest first)")
+    for column in ("request", "gives", "needs", "fits"):
+        table.add_column(column, justify="right" if column in ("gives", "needs") else "left")
+    for offer in analysis.offers:
+        mark = "[green]yes[/]" if offer["fits"] else "[red]no[/]"
+        if offer["request"] == chosen:
+            mark += " <- chosen"
+        table.add_row(offer["request"], _gib(offer["granted_bytes"]), _gib(offer["needed_bytes"]), mark)
     console.print(table)
 
 

@@ -3,8 +3,8 @@
 Pure (see `decide.py`): no I/O, no Slurm, no torch.
 """
 
-from xmem.policy.decide import (ACTIONS, Decision, Offer, decide, eligible_types, estimate_types, job_partitions,
-                                peak_for, site_offers)
+from xmem.policy.decide import (ACTIONS, Decision, Offer, considered_offers, decide, describe_offer, eligible_types,
+                                estimate_types, job_partitions, peak_for, site_offers)
 
-__all__ = ["ACTIONS", "Decision", "Offer", "decide", "eligible_types", "estimate_types", "job_partitions",
-           "peak_for", "site_offers"]
+__all__ = ["ACTIONS", "Decision", "Offer", "considered_offers", "decide", "describe_offer", "eligible_types",
+           "estimate_types", "job_partitions", "peak_for", "site_offers"]

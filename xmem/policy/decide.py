@@ -87,6 +87,28 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
     return _cheapest(offers, config, request, option, partitions)
 
 
+def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *,
+                      partition: str | None = None, catalog: Mapping[str, GpuType] | None = None,
+                      available: Mapping[str, int] | None = None) -> list[tuple[Offer, str, bool]]:
+    """The offers `decide` weighs for this job, each with the request it would make and whether it fits (for
+    showing people why), in the site's order of preference, smallest first."""
+    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
+    option, count = _request_form(request)
+    offers = site_offers(config, job_partitions(request, config, partition), catalog, peaks, count=count,
+                         option=option)
+    if available is not None:
+        offers = [o for o in offers if _fits_one_node(o, available)]
+    rank = {kind: i for i, kind in enumerate(config.preference)}
+    offers = sorted((o for o in offers if o.kind in rank), key=lambda o: (rank[o.kind], o.granted_bytes))
+    return [(o, _request_value(o, request, option), config.margin.needed(o.peak_bytes) <= o.granted_bytes)
+            for o in offers]
+
+
+def describe_offer(offer: Offer) -> str:
+    """`MIG 1g.10gb (9.75 GiB)`, `MPS 34/100 of one a100 (13.45 GiB)`, `a whole h100 (79.65 GiB)`..."""
+    return _describe(offer)
+
+
 def job_partitions(request: SbatchRequest, config: SiteConfig, partition: str | None = None) -> tuple[str, ...]:
     """The partitions the job may run in: given, else requested (`-p a,b`), else the site's default."""
     text = partition or request.partition or config.partitions.default or ""
@@ -294,9 +316,9 @@ def _describe(offer: Offer) -> str:
         return f"MIG {offer.gres_type} ({size})" if offer.count == 1 else f"{offer.count} x MIG {offer.gres_type} " \
                                                                         f"({size} each)"
     if offer.kind == "mps":
-        return f"MPS {offer.count}/{offer.units_per_gpu} of a {offer.gres_type} ({size})"
+        return f"MPS {offer.count}/{offer.units_per_gpu} of one {offer.gres_type} ({size})"
     if offer.kind == "shard":
-        return f"{offer.count} of {offer.units_per_gpu} shards of a {offer.gres_type} ({size})"
+        return f"{offer.count} of {offer.units_per_gpu} shards of one {offer.gres_type} ({size})"
     return f"a whole {offer.gres_type} ({size})" if offer.count == 1 else f"{offer.count} x {offer.gres_type} " \
                                                                           f"({size} each)"
 
