@@ -14,12 +14,18 @@ the record's total memory as capacity, and writes:
 - OUT/accuracy.png: estimated vs measured, and the signed error distribution per estimator.
 
 `--rescore` skips estimating and rebuilds summary, table and picture from an existing OUT/estimates.jsonl.
+`--trace-cache DIR` keeps each job's trace there and reuses it: a re-run after a change that does not touch the
+tracer (a new overhead calibration, a simulator fix) repeats everything after the trace. `seconds` then counts only
+that part; the first run's full seconds stay in its own estimates.jsonl.
+Records whose job is identical (same command, environment, GPU type and capacity) are estimated once; the others
+carry `"same_job_as"`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -39,13 +45,41 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def estimate_record(ref: Reference, python: str, iterations: int, timeout: float) -> BenchResult:
+def use_trace_cache(directory: Path) -> None:
+    """Make this process's estimates read and write traces in `directory` (keyed by everything run_trace gets)."""
+    import xmem.estimate
+    from xmem.trace.events import Trace
+
+    trace = xmem.estimate.run_trace
+    if getattr(trace, "cache_directory", None) == directory:
+        return
+
+    def cached_trace(command, **kwargs):
+        env = kwargs.get("env") or {}
+        key = json.dumps([command, kwargs.get("iterations"), list(kwargs.get("capability", ())),
+                          {k: v for k, v in env.items() if k.startswith(("PYTORCH_", "CUDA", "CUBLAS"))}])
+        path = directory / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+        if path.is_file():
+            return Trace.load(path)
+        result = trace(command, **kwargs)
+        result.save(path)
+        return result
+
+    cached_trace.cache_directory = directory
+    xmem.estimate.run_trace = cached_trace
+
+
+def estimate_record(ref: Reference, python: str, iterations: int, timeout: float,
+                    trace_cache: Path | None = None) -> BenchResult:
     """Our estimate of one record; any failure becomes the result's `error` (the run goes on)."""
     try:
         command = job_command(ref, JOBS_DIR, python=python)
     except Unreproducible as e:
         return BenchResult(ref.path, error=f"job not re-creatable: {e}")
     from xmem.estimate import estimate
+
+    if trace_cache is not None:
+        use_trace_cache(trace_cache)
 
     overrides = {"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}}
     env = {**os.environ, **job_env(ref)}
@@ -68,23 +102,49 @@ def estimate_record(ref: Reference, python: str, iterations: int, timeout: float
     )
 
 
+def job_key(ref: Reference) -> tuple:
+    try:
+        command = tuple(job_command(ref, JOBS_DIR))
+    except Unreproducible:
+        command = (ref.path,)  # its own key: each such record reports its reason
+    return command, tuple(sorted(job_env(ref).items())), ref.gpu_name, ref.capacity_bytes
+
+
+def interleaved(refs: list[Reference]) -> list[Reference]:
+    """Round-robin over (model, optimizer), so that a run stopped early still covers every kind of job."""
+    groups: dict[tuple, list[Reference]] = {}
+    for ref in refs:
+        groups.setdefault((ref.model, ref.optimizer), []).append(ref)
+    queues = list(groups.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
 def run_estimates(refs: list[Reference], jobs: int, python: str, iterations: int, timeout: float,
-                  out_file: Path) -> dict[str, BenchResult]:
-    """Estimate every record (distinct paths), `jobs` at a time, appending each result line as it comes."""
+                  out_file: Path, trace_cache: Path | None = None) -> dict[str, BenchResult]:
+    """Estimate every distinct job once, `jobs` at a time, appending each record's line as it comes."""
+    by_job: dict[tuple, list[Reference]] = {}
+    for ref in interleaved(refs):
+        by_job.setdefault(job_key(ref), []).append(ref)
     results: dict[str, BenchResult] = {}
     out_file.write_text("")
     with ProcessPoolExecutor(max_workers=jobs) as pool, out_file.open("a") as sink:
-        futures = {pool.submit(estimate_record, ref, python, iterations, timeout): ref for ref in refs}
+        futures = {pool.submit(estimate_record, same[0], python, iterations, timeout, trace_cache): same
+                   for same in by_job.values()}
         for done, future in enumerate(as_completed(futures), start=1):
-            ref = futures[future]
-            result = future.result()
-            results[ref.path] = result
-            sink.write(json.dumps(result.to_json()) + "\n")
+            same = futures[future]
+            first = future.result()
+            for ref in same:
+                result = first if ref is same[0] else BenchResult(
+                    ref.path, first.estimate_bytes, first.oom, first.seconds, first.error,
+                    {**first.details, "same_job_as": same[0].path})
+                results[ref.path] = result
+                sink.write(json.dumps(result.to_json()) + "\n")
             sink.flush()
-            figure = (f"{result.estimate_bytes / 2**30:.2f} GiB vs {ref.ground_bytes / 2**30:.2f}"
-                      if result.estimate_bytes is not None else f"ERROR {result.error}")
-            print(f"[{done}/{len(refs)}] {ref.model} {ref.optimizer} b{ref.batch_size}: {figure} "
-                  f"({result.seconds or 0:.1f} s)", flush=True)
+            ref = same[0]
+            figure = (f"{first.estimate_bytes / 2**30:.2f} GiB vs {ref.ground_bytes / 2**30:.2f}"
+                      if first.estimate_bytes is not None else f"ERROR {first.error}")
+            print(f"[{done}/{len(by_job)}] {ref.model} {ref.optimizer} b{ref.batch_size} x{len(same)}: {figure} "
+                  f"({first.seconds or 0:.1f} s)", flush=True)
     return results
 
 
@@ -103,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per estimate (default 1800)")
     parser.add_argument("--only", default="", help="estimate only records whose model contains this text")
     parser.add_argument("--rescore", action="store_true", help="reuse OUT/estimates.jsonl, do not estimate")
+    parser.add_argument("--trace-cache", type=Path, help="directory to keep and reuse the jobs' traces")
     args = parser.parse_args(argv)
 
     try:
@@ -125,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         results = read_results(estimates_file)
     else:
         unique = list({r.path: r for r in refs}.values())
-        results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file)
+        if args.trace_cache:
+            args.trace_cache.mkdir(parents=True, exist_ok=True)
+        results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file,
+                                args.trace_cache)
 
     meta = {
         "data": str(args.data),
