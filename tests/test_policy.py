@@ -182,3 +182,13 @@ def test_offers_needing_more_gpus_than_a_node_has_are_left_out():
     d = decide(peaks(7), request("#SBATCH --gres=gpu:3"), site(), catalog=CATALOG,
                available={"a100": 2, "h100": 1, "1g.10gb": 1})
     assert d.action == "no_fit" and d.reason == "no node of partition debug has 3 GPUs of one type"
+
+
+def test_considered_offers_follow_preference_then_size():
+    from xmem.policy import considered_offers
+
+    offers = considered_offers(peaks(12), request("#SBATCH --gres=gpu:1"), site(), catalog=CATALOG)
+    # need 13.2 GiB: the slice (9.75 GiB) and even all 4 of its shards are too small
+    assert [(value, fits) for _, value, fits in offers] == [
+        ("gpu:1g.10gb:1", False), ("shard:1g.10gb:4", False), ("shard:h100:1", True), ("mps:a100:34", True),
+        ("gpu:a100:1", True), ("gpu:h100:1", True)]
