@@ -87,3 +87,14 @@ def test_bad_data_file_is_a_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "data.jsonl:1: missing field 'result'" in done.stderr
+
+
+def test_identical_jobs_share_one_key_and_the_order_interleaves_kinds():
+    script = load_script()
+    a1 = parse_reference(line("a1", "MnasNet", 4 * GIB))
+    a2 = parse_reference(line("a2", "MnasNet", 4 * GIB))  # same job, same GPU and capacity as a1
+    b = parse_reference(line("b", "vgg16", 4 * GIB))
+    unknown1, unknown2 = parse_reference(line("u1", "AlexNet", GIB)), parse_reference(line("u2", "AlexNet", GIB))
+    assert script.job_key(a1) == script.job_key(a2) != script.job_key(b)
+    assert script.job_key(unknown1) != script.job_key(unknown2)  # each keeps its own reason
+    assert [r.path for r in script.interleaved([a1, a2, b])] == ["a1", "b", "a2"]
