@@ -101,3 +101,14 @@ def test_slots_cap_concurrent_estimates(tmp_path):
                     pass
     with estimate_slot(tmp_path, 2, wait_s=0) as again:  # released on exit
         assert again == 0
+
+
+def test_slots_can_be_locked_through_a_read_only_file(tmp_path):
+    """Slot files belong to whichever user made them first; others can still lock them."""
+    slots = tmp_path / "slots"
+    with estimate_slot(slots, 1, wait_s=0):
+        pass
+    (slots / "slot-0.lock").chmod(0o444)
+    with estimate_slot(slots, 1, wait_s=0) as slot:
+        assert slot == 0
+    assert (slots.stat().st_mode & 0o7777) == 0o1777

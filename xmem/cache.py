@@ -169,17 +169,22 @@ class NoSlotFree(Exception):
     """All estimate slots stayed busy for the whole wait."""
 
 
+SHARED_SLOTS_DIR = os.path.join(tempfile.gettempdir(), "xmem-slurm-slots")
+
+
 @contextlib.contextmanager
 def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s: float) -> Iterator[int]:
-    """Hold one of `max_concurrent` slots (flock'ed files in `directory/slots`) while an estimate runs, so a
-    burst of submissions does not start more estimates than the login node can take. Waits up to `wait_s`
-    for a slot, then raises NoSlotFree. A slot is released when its holder exits, however it exits."""
-    slots = Path(os.path.expanduser(str(directory))) / "slots"
-    slots.mkdir(parents=True, exist_ok=True)
+    """Hold one of `max_concurrent` slots (flock'ed files in `directory`) while an estimate runs, so a burst of
+    submissions does not start more estimates than the login node can take. The directory is shared by all
+    users (sticky, world-writable, like /tmp): a lock needs only read access, so whoever created a slot file,
+    everyone can lock it. Waits up to `wait_s` for a slot, then raises NoSlotFree. A slot is released when its
+    holder exits, however it exits."""
+    slots = Path(os.path.expanduser(str(directory)))
+    _shared_dir(slots)
     deadline = time.monotonic() + wait_s
     while True:
         for i in range(max(1, max_concurrent)):
-            fd = os.open(slots / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(slots / f"slot-{i}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -192,5 +197,13 @@ def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s
                 os.close(fd)
             return
         if time.monotonic() >= deadline:
-            raise NoSlotFree(f"{max_concurrent} estimates already running")
+            raise NoSlotFree(f"{max_concurrent} estimates already running on this host")
         time.sleep(0.2)
+
+
+def _shared_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, mode=0o1777)
+        os.chmod(path, 0o1777)  # mkdir's mode is masked by the umask
+    except FileExistsError:
+        pass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from xmem.cache import AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest
+from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest
 from xmem.slurm.node import JobStamp, add_to_comment
 
 GIB = 1 << 30
@@ -311,7 +311,7 @@ def run_filter(request: FilterRequest, config: Any, *,
     started = time.monotonic()
 
     def slot() -> contextlib.AbstractContextManager:
-        return estimate_slot(cache.directory, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
+        return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
 
     def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Analysis:
         left = max(1.0, site.estimate.timeout_s - (time.monotonic() - started))
