@@ -70,3 +70,9 @@ def test_median_seconds():
 def test_empty_input_gives_no_figures():
     s = score([])
     assert (s.runs, s.mre, s.p90, s.pef, s.mcp_gib, s.oom_recall) == (0, None, None, None, None, None)
+
+
+def test_bias_is_the_median_signed_error():
+    # signed errors of A, B, C: +0.5, -0.25, 0 -> median 0
+    assert score(runs()).bias == pytest.approx(0.0)
+    assert score(runs()[:2]).bias == pytest.approx(0.125)  # median of +0.5 and -0.25

@@ -42,6 +42,7 @@ class Scores:
     scored: int  # runs with neither a real nor a predicted OOM (those MRE and p90 use)
     mre: float | None
     p90: float | None
+    bias: float | None  # median signed error (estimate - ground) / ground on the same runs: + over, - under
     under_share: float | None
     oom_recall: float | None
     pef: float | None
@@ -104,12 +105,14 @@ def mcp_gib(outcomes: list[Outcome]) -> float | None:
 
 def score(outcomes: list[Outcome]) -> Scores:
     errors = scored_errors(outcomes)
+    signed = [(o.estimate - o.ground) / o.ground for o in outcomes if not o.real_oom and not o.oom]
     seconds = [o.seconds for o in outcomes if o.seconds is not None]
     return Scores(
         runs=len(outcomes),
         scored=len(errors),
         mre=statistics.median(errors) if errors else None,
         p90=percentile(errors, 90),
+        bias=statistics.median(signed) if signed else None,
         under_share=under_share(outcomes),
         oom_recall=oom_recall(outcomes),
         pef=pef(outcomes),

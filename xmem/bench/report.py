@@ -71,11 +71,11 @@ def outcomes_by_estimator(refs: list[Reference], results: dict[str, BenchResult]
     return table
 
 
-def group_scores(pairs: Iterable[tuple[Reference, Outcome]]) -> dict[str, Scores]:
-    """Scores per model, and "overall"."""
+def group_scores(pairs: Iterable[tuple[Reference, Outcome]], by=lambda ref: ref.model) -> dict[str, Scores]:
+    """Scores per group (default: per model), and "overall"."""
     groups: dict[str, list[Outcome]] = defaultdict(list)
     for ref, outcome in pairs:
-        groups[ref.model].append(outcome)
+        groups[by(ref)].append(outcome)
         groups["overall"].append(outcome)
     return {name: score(outs) for name, outs in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))}
 
@@ -102,6 +102,11 @@ def summary(refs: list[Reference], results: dict[str, BenchResult], meta: dict) 
         "targets": TARGETS,
         "targets_met": targets_met(ours_overall) if ours_overall else {},
         "scores": {est: {group: s.to_json() for group, s in groups.items()} for est, groups in scores.items()},
+        # where our misses come from: the same figures for us per optimizer and per (model, optimizer)
+        "ours_by_optimizer": {g: s.to_json() for g, s in group_scores(per_estimator[OURS],
+                                                                      lambda r: r.optimizer).items()},
+        "ours_by_model_optimizer": {g: s.to_json() for g, s in group_scores(
+            per_estimator[OURS], lambda r: f"{r.model} / {r.optimizer}").items()},
     }
 
 
@@ -114,7 +119,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 
 def table_rows(summary_dict: dict) -> list[list[str]]:
-    """One row per (group, estimator): group, estimator, runs, MRE %, p90 %, under %, OOM recall %, PEF %, MCP, s."""
+    """One row per (group, estimator), the columns of TABLE_HEADER."""
     rows = []
     groups = list(summary_dict["scores"][OURS]) or ["overall"]
     for group in groups:
@@ -122,13 +127,14 @@ def table_rows(summary_dict: dict) -> list[list[str]]:
             s = by_group.get(group)
             if s is None:
                 continue
-            rows.append([group, est, str(s["runs"]), _pct(s["mre"]), _pct(s["p90"]), _pct(s["under_share"]),
+            rows.append([group, est, str(s["runs"]), _pct(s["mre"]), _pct(s["p90"]), _pct(s["bias"]),
+                         _pct(s["under_share"]),
                          _pct(s["oom_recall"]), _pct(s["pef"]), _num(s["mcp_gib"]), _num(s["median_seconds"], 1)])
     return rows
 
 
-TABLE_HEADER = ["model", "estimator", "runs", "MRE %", "p90 %", "under %", "OOM hit %", "PEF %", "MCP GiB",
-                "median s"]
+TABLE_HEADER = ["model", "estimator", "runs", "MRE %", "p90 %", "bias %", "under %", "OOM hit %", "PEF %",
+                "MCP GiB", "median s"]
 
 
 def print_table(summary_dict: dict) -> None:
