@@ -105,3 +105,11 @@ def test_mapping_starts_at_the_lowest_address_that_fits():
     d = allocator.malloc(20 * MiB, 0)
     assert d.ptr == base  # mapped again in the hole, not after c
     assert allocator.total_allocated_memory == 60 * MiB
+
+
+def test_snapshot_shows_only_the_mapped_part_of_an_expandable_segment():
+    allocator = DeviceCachingAllocator(EXPANDABLE)
+    allocator.malloc(30 * MiB, 0)  # two 20 MiB pages: 30 MiB used, 10 MiB free, the rest unmapped
+    (segment,) = allocator.snapshot()
+    assert (segment.is_expandable, segment.total_size, segment.allocated_size) == (True, 40 * MiB, 30 * MiB)
+    assert segment.blocks == ((30 * MiB, True), (10 * MiB, False))

@@ -144,6 +144,11 @@ def check_bookkeeping(allocator, live_blocks):
     assert all(b.allocated and b.size >= kMinBlockSize for b in live_blocks)
     assert allocator.allocated_bytes == sum(b.size for b in live_blocks)
     assert allocator.total_allocated_memory == reserved
+    assert allocator.active_blocks == set(live_blocks)
+    segments = allocator.snapshot()
+    assert sum(s.total_size for s in segments) == reserved
+    assert sum(s.allocated_size for s in segments) == allocator.allocated_bytes
+    assert len(segments) == allocator.num_segments
 
 
 CONFIGS = {

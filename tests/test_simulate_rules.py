@@ -313,3 +313,21 @@ def test_garbage_collection_frees_the_oldest_cached_blocks_first():
     assert (result.final_reserved, result.num_alloc_retries) == (64 * MiB, 0)
     # s survived: stream 1 reuses it without growing the cache
     assert run(*ops, alloc(4, 12 * MiB, stream=1), config=config, capacity=200 * MiB).final_reserved == 64 * MiB
+
+
+# ---- A.8 what the allocator holds ---------------------------------------------------------------------------------
+
+
+def test_snapshot_lists_each_segment_with_its_blocks_in_address_order():
+    allocator = DeviceCachingAllocator(AllocatorConfig())
+    allocator.malloc(4 * MiB, 0)  # 20 MiB segment: 4 MiB used, 16 MiB split off
+    allocator.malloc(1, 1)  # 2 MiB small segment on stream 1: 512 B used
+    allocator.free(allocator.malloc(30 * MiB, 0))  # its own 30 MiB segment, cached whole
+    segments = allocator.snapshot()
+    assert [(s.total_size, s.is_large, s.stream, s.allocated_size, s.blocks) for s in segments] == [
+        (20 * MiB, True, 0, 4 * MiB, ((4 * MiB, True), (16 * MiB, False))),
+        (2 * MiB, False, 1, 512, ((512, True), (2 * MiB - 512, False))),
+        (30 * MiB, True, 0, 0, ((30 * MiB, False),)),
+    ]
+    assert sum(s.total_size for s in segments) == allocator.total_allocated_memory
+    assert not any(s.is_expandable for s in segments)

@@ -1,11 +1,12 @@
 """A replay model of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`, torch 2.13/2.14).
 
-Owns: the allocator's records (`Block`, `BlockPool`, `AllocParams`, `ExpandableSegment`) and its decisions, one
+Owns: the allocator's records (`Block`, `BlockPool`, `AllocParams`, `ExpandableSegment`, `Segment` for snapshots)
+and its decisions, one
 function per upstream rule and under upstream's name: `round_size`, `get_pool`, `get_allocation_size`,
 `get_free_block`, `should_split`, `alloc_found_block`, `free_block`, `try_merge_blocks`, `alloc_block`,
 `release_block`, `release_available_cached_blocks`, `release_cached_blocks`, `garbage_collect_cached_blocks`,
 `malloc`, `free`, `empty_cache`, and for expandable segments `find_expandable_block`,
-`try_allocate_expandable_block`, `map_block`, `unmap_block`. The rules are re-stated from reading upstream (see
+`try_allocate_expandable_block`, `map_block`, `unmap_block`; `snapshot` lists the segments. The rules are re-stated from reading upstream (see
 shared/notes/torch-allocator.md, Part A), not copied.
 
 What is not modelled, on purpose:
@@ -30,6 +31,7 @@ Must not: do I/O or import torch; it is pure and deterministic.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 
 from xmem.simulate.config import (
     AllocatorConfig,
@@ -106,6 +108,19 @@ class BlockPool:
         key = (block.stream << 128) | (block.size << 64) | block.ptr  # _key(), inlined
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment as `torch.cuda.memory_snapshot()` describes it (upstream SegmentInfo)."""
+
+    address: int
+    total_size: int  # cudaMalloc'd bytes, or the mapped bytes of an expandable segment
+    stream: int
+    is_large: bool
+    is_expandable: bool
+    allocated_size: int
+    blocks: tuple[tuple[int, bool], ...]  # (size, allocated) of each mapped block, in address order
 
 
 class AllocParams:
@@ -207,6 +222,7 @@ class DeviceCachingAllocator:
         self.last_oom_alloc_size = 0
         self.next_address = _FIRST_ADDRESS
         self.expandable_segments: list[ExpandableSegment] = []
+        self.active_blocks: set[Block] = set()  # the allocated blocks (upstream active_blocks)
 
     # ---- the request path ------------------------------------------------------------------------------------
 
@@ -285,6 +301,7 @@ class DeviceCachingAllocator:
             remaining.pool.insert_into_blocks(remaining)
         block.allocated = True
         self.allocated_bytes += block.size
+        self.active_blocks.add(block)
         return block
 
     # ---- the free path ---------------------------------------------------------------------------------------
@@ -293,6 +310,7 @@ class DeviceCachingAllocator:
         """DeviceCachingAllocator::free: no stream uses are recorded in a replay, so free_block runs at once."""
         block.allocated = False
         self.allocated_bytes -= block.size
+        self.active_blocks.discard(block)
         self.free_block(block)
 
     def free_block(self, block: Block) -> None:
@@ -528,3 +546,27 @@ class DeviceCachingAllocator:
         """DeviceCachingAllocator::release_expandable_segment: drop a segment with nothing mapped."""
         block.pool.unmapped.discard(block)
         self.expandable_segments.remove(block.segment)
+
+    # ---- inspection ------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[Segment, ...]:
+        """DeviceCachingAllocator::snapshot: every segment with memory behind it, in address order."""
+        everything = set(self.active_blocks)
+        for pool in (self.small_blocks, self.large_blocks):
+            everything.update(pool.blocks.values())
+            everything.update(pool.unmapped)
+        segments = []
+        for head in sorted((b for b in everything if b.prev is None), key=lambda b: b.ptr):
+            chain = []
+            block = head
+            while block is not None:
+                chain.append(block)
+                block = block.next
+            mapped = [b for b in chain if b.mapped]
+            if mapped:
+                segments.append(Segment(
+                    address=head.ptr, total_size=sum(b.size for b in mapped), stream=head.stream,
+                    is_large=not head.pool.is_small, is_expandable=head.segment is not None,
+                    allocated_size=sum(b.size for b in mapped if b.allocated),
+                    blocks=tuple((b.size, b.allocated) for b in mapped)))
+        return tuple(segments)
