@@ -1,13 +1,12 @@
 """A replay model of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`, torch 2.13/2.14).
 
-Owns: the allocator's records (`Block`, `BlockPool`, `AllocParams`, `ExpandableSegment`, `Segment` for snapshots)
-and its decisions, one
-function per upstream rule and under upstream's name: `round_size`, `get_pool`, `get_allocation_size`,
-`get_free_block`, `should_split`, `alloc_found_block`, `free_block`, `try_merge_blocks`, `alloc_block`,
-`release_block`, `release_available_cached_blocks`, `release_cached_blocks`, `garbage_collect_cached_blocks`,
-`malloc`, `free`, `empty_cache`, and for expandable segments `find_expandable_block`,
-`try_allocate_expandable_block`, `map_block`, `unmap_block`; `snapshot` lists the segments. The rules are re-stated from reading upstream (see
-shared/notes/torch-allocator.md, Part A), not copied.
+Owns: the allocator's records (`Block`, `BlockPool`, `AllocParams`, `ExpandableSegment`, and `Segment` for
+snapshots) and its decisions, one function per upstream rule and under upstream's name: `round_size`, `get_pool`,
+`get_allocation_size`, `get_free_block`, `should_split`, `alloc_found_block`, `free_block`, `try_merge_blocks`,
+`alloc_block`, `release_block`, `release_available_cached_blocks`, `release_cached_blocks`,
+`garbage_collect_cached_blocks`, `malloc`, `free`, `empty_cache`, and for expandable segments
+`find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`; `snapshot` lists the segments.
+The rules are re-stated from reading upstream (see shared/notes/torch-allocator.md, Part A), not copied.
 
 What is not modelled, on purpose:
 - `record_stream` / cross-stream uses: a freed block goes back to its pool at once (no deferred `free_block`, no
