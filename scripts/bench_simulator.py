@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from collections.abc import Iterator
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
 
