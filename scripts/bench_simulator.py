@@ -71,7 +71,7 @@ def transformer_trace(layers: int, iterations: int, batch: int, seq: int, hidden
             qkv = t.alloc(3 * act)
             t.temporaries([act, tokens * FLOAT, 512])
             attn = t.alloc(act)
-            lse = t.alloc(batch * 16 * seq * FLOAT)  # attention log-sum-exp per head
+            lse = t.alloc(16 * tokens * FLOAT)  # attention log-sum-exp, 16 heads
             proj = t.alloc(act)
             t.free(x)
             x = t.alloc(act)
@@ -91,8 +91,7 @@ def transformer_trace(layers: int, iterations: int, batch: int, seq: int, hidden
         loss = t.alloc(512)
         grad_x = t.alloc(act)
         t.free(logits)
-        first_step = not grads
-        grad_blocks = iter(grads) if grads else None
+        first_step = not grads  # gradients are created by the first backward and kept (zero_grad sets to zero)
         new_grads: list[int] = []
 
         def grad_for(nbytes: int) -> None:
@@ -118,7 +117,6 @@ def transformer_trace(layers: int, iterations: int, batch: int, seq: int, hidden
         t.free(loss)
         if first_step:
             grads = new_grads
-        del grad_blocks
         if not optimizer_state:  # AdamW state created lazily on the first step
             optimizer_state = [t.alloc(n * FLOAT) for n in param_sizes for _ in range(2)]
         for chunk in range(0, len(param_sizes), 24):  # foreach temporaries, one list per chunk
