@@ -141,3 +141,12 @@ def test_sbatch_environment_variables_sit_between_directives_and_command_line():
 def test_constraint_and_job_name():
     r = request_of('#SBATCH --constraint="a100&ib" -J run1\npython t.py\n')
     assert (r.constraint, r.job_name) == ("a100&ib", "run1")
+
+
+def test_gpu_mixes_slurm_refuses_are_problems_on_the_option_line():
+    job = parse_jobscript("#!/bin/bash\n#SBATCH -p x\n#SBATCH --gres=gpu:a100:1,mps:50\npython t.py\n", env={})
+    assert [(p.line_no, "mps or shard" in p.reason) for p in job.problems] == [(3, True)]
+    job = parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n#SBATCH -G 1\npython t.py\n", env={})
+    assert [(p.line_no, "with and without a type" in p.reason) for p in job.problems] == [(3, True)]
+    assert not parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:a100:1,gpu:h100:1\npython t.py\n",
+                               env={}).problems

@@ -337,7 +337,7 @@ def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str
             except DirectiveError as e:
                 errors.append((d.line_no, str(e)))
                 values[d.option] = None
-    return SbatchRequest(
+    request = SbatchRequest(
         partition=values.get("partition"),
         gres=gres,
         gpus=values.get("gpus"),
@@ -351,7 +351,23 @@ def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str
         job_name=values.get("job-name"),
         chdir=values.get("chdir"),
         raw=tuple((d.option, d.value, d.line_no) for d in ordered),
-    ), errors
+    )
+    line_no = next((d.line_no for d in reversed(ordered) if d.option in ("gres", "gpus", "gpus-per-node",
+                                                                        "gpus-per-task")), 0)
+    errors += [(line_no, reason) for reason in refused_gpu_mixes(request)]
+    return request, errors
+
+
+def refused_gpu_mixes(request: SbatchRequest) -> list[str]:
+    """GPU requests Slurm 22.05 refuses (checked on a real cluster, tests/test_jobscript_vs_sbatch.py)."""
+    items = [i for i in request.gpu_items if i.count > 0]
+    gpus = [i for i in items if i.name == "gpu"]
+    reasons = []
+    if any(i.type for i in gpus) and any(not i.type for i in gpus):
+        reasons.append("sbatch refuses GPU requests with and without a type in one job")
+    if gpus and any(i.name in ("mps", "shard") for i in items):
+        reasons.append("Slurm refuses whole GPUs together with mps or shard in one job")
+    return reasons
 
 
 def _int_or_none(value: str | None, option: str, ordered: list[Directive], errors: list) -> int | None:
