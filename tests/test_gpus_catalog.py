@@ -175,10 +175,23 @@ def test_broken_calibration_file_names_the_file(tmp_path: Path):
         load_catalog(calibration_path=calibration)
 
 
-def test_alias_used_twice_is_an_error():
-    with pytest.raises(CatalogError, match="a100"):
-        load_catalog({"gpus": {"MyA100": {"total_bytes": 1, "capability": [8, 0], "aliases": ["A100"]}}},
+def test_site_alias_moves_to_the_site_type():
+    # A cluster whose `a100` GRES is the 80 GB card says so; the shipped 40 GB type lets the name go.
+    catalog = load_catalog({"gpus": {"A100-SXM4-80GB": {"aliases": ["a100"]}}}, calibration_path=None)
+    assert find_gpu("a100", catalog).name == "A100-SXM4-80GB"
+    assert find_gpu("NVIDIA A100-SXM4-80GB", catalog).name == "A100-SXM4-80GB"  # shipped aliases stay
+    assert find_gpu("a100-40gb", catalog).name == "A100-SXM4-40GB"
+
+
+def test_alias_claimed_twice_by_the_site_is_an_error():
+    with pytest.raises(CatalogError, match="gpu-x"):
+        load_catalog({"gpus": {"T4": {"aliases": ["gpu-x"]}, "A10": {"aliases": ["gpu_x"]}}},
                      calibration_path=None)
+
+
+def test_alias_equal_to_another_types_name_is_an_error():
+    with pytest.raises(CatalogError, match="t4"):
+        load_catalog({"gpus": {"A10": {"aliases": ["T4"]}}}, calibration_path=None)
 
 
 def test_new_type_without_total_is_an_error():

@@ -92,8 +92,17 @@ def catalog_from_tables(base: Mapping[str, Any], calibration: Mapping[str, Any],
                         overrides: Mapping[str, Any]) -> dict[str, GpuType]:
     """The pure part of `load_catalog`: merge the three tables and build the records."""
     gpus = {name: dict(fields) for name, fields in base.get("gpus", {}).items()}
+    claimed: dict[str, str] = {}  # alias -> the site's type that claimed it
     for name, fields in overrides.get("gpus", {}).items():
-        gpus.setdefault(_canonical(name, gpus), {}).update(fields)
+        canonical = _canonical(name, gpus)
+        site_aliases = list(fields.get("aliases", ()))
+        for alias in map(normalize_name, site_aliases):
+            if claimed.setdefault(alias, canonical) != canonical:
+                raise CatalogError(f"GPU name {alias!r} is given to both {claimed[alias]!r} and {canonical!r}")
+        _take_aliases(gpus, site_aliases, canonical)
+        entry = gpus.setdefault(canonical, {})
+        entry.update({key: value for key, value in fields.items() if key != "aliases"})
+        entry["aliases"] = [*entry.get("aliases", ()), *site_aliases]
     overhead = _merge_overhead(dict(base.get("overhead", {})), calibration.get("overhead", {}), gpus, "calibration")
     overhead = _merge_overhead(overhead, overrides.get("overhead", {}), gpus, "site override [overhead]")
     catalog = {name: _build_gpu(name, fields, overhead) for name, fields in gpus.items()}
@@ -162,6 +171,14 @@ def _canonical(name: str, gpus: Mapping[str, Mapping[str, Any]]) -> str:
         if wanted == normalize_name(canonical) or wanted in (normalize_name(a) for a in fields.get("aliases", ())):
             return canonical
     return name
+
+
+def _take_aliases(gpus: Mapping[str, dict[str, Any]], aliases: list[str], owner: str) -> None:
+    """A site's aliases win: a site whose `a100` GRES is the 80 GB card says so, and the shipped type lets go."""
+    taken = {normalize_name(a) for a in aliases}
+    for name, fields in gpus.items():
+        if name != owner and "aliases" in fields:
+            fields["aliases"] = [a for a in fields["aliases"] if normalize_name(a) not in taken]
 
 
 def _merge_overhead(overhead: dict[str, Any], update: Mapping[str, Any], gpus: Mapping[str, Any],
