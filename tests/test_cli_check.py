@@ -27,10 +27,11 @@ for step in range(5):
 """
 
 
-def check(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def check(*args: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
     command = [str(XMEM_SLURM), "check", *args] if XMEM_SLURM.exists() else \
         [sys.executable, "-m", "xmem.cli", "check", *args]
-    env = {**os.environ, "PWD": "/"}  # a stale $PWD must not matter: the job starts where check runs, as in sbatch
+    # a stale $PWD must not matter: the job starts where check runs, as in sbatch
+    env = {**os.environ, "PWD": "/", **env_vars}
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
 
@@ -113,3 +114,12 @@ def test_user_error_in_the_training_script_exits_5(workdir):
     assert done.returncode == 5, done.stderr
     error = json.loads(done.stdout)["errors"][0]
     assert error["kind"] == "user_error" and error["line_no"] == 4
+
+
+def test_partition_unknown_to_config_and_cluster_exits_2(workdir):
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py 8\n")
+    done = check(str(workdir / "job.sh"), "-p", "nowhere", "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir,
+                 SLURM_CONF=str(workdir / "no-slurm.conf"))  # no cluster to ask either
+    assert done.returncode == 2
+    data = json.loads(done.stdout)
+    assert data["partitions"] == ["nowhere"] and data["errors"][0]["kind"] == "no_gpu_types"
