@@ -63,6 +63,7 @@ def test_table_for_people(tmp_path):
     run = xmem("--gpu", "rtx3060", "--", PYTHON, str(script), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "RTX-3060-12GB" in run.stdout and "fits" in run.stdout
+    assert "hello from the training script" not in run.stdout  # stdout holds only the table
     assert "parameter" in run.stdout and "GiB" in run.stdout
 
 

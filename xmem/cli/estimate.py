@@ -69,13 +69,13 @@ def estimate_command(
     try:
         overrides = load_site_config(config).catalog_overrides or None
         settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, catalog_overrides=overrides)
+        # stdout carries only our answer; what the traced program prints goes to stderr.
+        with _stdout_to_stderr() as out:
+            result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
         if as_json:
-            with _stdout_to_stderr() as out:
-                result = run_estimate(command, **settings)
             out.write(json.dumps(result.to_json()) + "\n")
             out.flush()
         else:
-            result = _estimate_with_progress(err, command, settings)
             show_estimate(Console(), result)
     except UnknownGpuError as e:
         _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e))
@@ -141,7 +141,8 @@ def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = ""
 def _stdout_to_stderr() -> Iterator[io.TextIOBase]:
     """Send everything written to stdout (by us, libraries or child processes) to stderr; yield the real stdout.
 
-    `--json` promises exactly one JSON object on stdout, and the traced program may print.
+    `--json` promises exactly one JSON object on stdout, the table should not be mixed with the program's output,
+    and the traced program may print.
     """
     real = sys.stdout
     real.flush()
