@@ -278,6 +278,19 @@ def test_memory_fraction_limits_cudamalloc_below_capacity():
     assert run(*ops, capacity=200 * MiB).oom is None
 
 
+def test_memory_fraction_is_taken_of_the_device_total_when_given():
+    config = AllocatorConfig(memory_fraction=0.5)
+    ops = [alloc(1, 60 * MiB), alloc(2, 50 * MiB)]
+    # allowed = 0.5 x 200 MiB (device total) = 100 MiB, though only 150 MiB is obtainable: 60 + 50 > 100
+    result = simulate(ops, config, capacity=150 * MiB, device_total=200 * MiB)
+    assert result.oom is not None and result.oom.capacity == 150 * MiB
+    # torch's wording: the device total, and what is free on it (150 - 60 MiB reserved)
+    assert "total capacity of 200.00 MiB of which 90.00 MiB is free. 100.00 MiB allowed;" in result.oom.message
+    # with no capacity limit the fraction of the device total still applies
+    result = simulate(ops, config, device_total=200 * MiB)
+    assert result.oom is not None and result.oom.capacity == 200 * MiB
+
+
 def test_garbage_collection_frees_cached_blocks_before_cudamalloc():
     gc = AllocatorConfig(memory_fraction=0.5, garbage_collection_threshold=0.6)
     ops = [alloc(1, 30 * MiB), alloc(2, 40 * MiB), free(1), alloc(3, 34 * MiB)]

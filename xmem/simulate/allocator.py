@@ -18,9 +18,10 @@ Model choices where upstream depends on the real device:
 - Addresses: every cudaMalloc (and every expandable segment's address reservation) gets a fresh, increasing
   virtual address, so segments never touch, as with the driver.
 - `capacity` stands for what cudaMalloc / cuMemCreate can still obtain: an allocation fails when reserved + new
-  bytes would exceed it. A memory fraction is taken of `capacity` (upstream: of the device total), and is
-  inactive when `capacity` is None; garbage collection, which needs the fraction, is then inactive too.
-- An expandable segment reserves 1.125 x capacity of address space (upstream: 1.125 x device total).
+  bytes would exceed it. `device_total` is the device's memory; when it is not given, `capacity` stands in.
+  A memory fraction is taken of it, as upstream, and is inactive when neither is known; garbage collection,
+  which needs the fraction, is then inactive too.
+- An expandable segment reserves 1.125 x device_total of address space, as upstream.
 - Streams are kept in the order the replay first meets them (upstream orders them by handle value; the order
   matters only to `release_available_cached_blocks` when it backs up across streams).
 
@@ -43,7 +44,7 @@ from xmem.simulate.config import (
 )
 
 _SIZE_MAX = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size when unset
-_ADDRESS_SPACE_UNLIMITED = 1 << 48  # expandable address reservation when capacity is unknown
+_ADDRESS_SPACE_UNLIMITED = 1 << 48  # expandable address reservation when the device size is unknown
 _FIRST_ADDRESS = 1 << 32
 
 
@@ -202,16 +203,17 @@ def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> in
 class DeviceCachingAllocator:
     """One device's caching allocator; `allocated_bytes` / `total_allocated_memory` are allocated / reserved."""
 
-    def __init__(self, config: AllocatorConfig, capacity: int | None = None) -> None:
+    def __init__(self, config: AllocatorConfig, capacity: int | None = None, device_total: int | None = None) -> None:
         self.config = config
         self.capacity = capacity
+        self.device_total = device_total if device_total is not None else capacity
         self.max_split_size = config.max_split_size if config.max_split_size is not None else _SIZE_MAX
         self.divisions = config.roundup_power2_divisions
         self.small_blocks = BlockPool(is_small=True)
         self.large_blocks = BlockPool(is_small=False)
         # setMemoryFraction: allowed_memory_maximum = fraction * total
-        self.set_fraction = config.memory_fraction is not None and capacity is not None
-        self.allowed_memory_maximum = int(config.memory_fraction * capacity) if self.set_fraction else None
+        self.set_fraction = config.memory_fraction is not None and self.device_total is not None
+        self.allowed_memory_maximum = int(config.memory_fraction * self.device_total) if self.set_fraction else None
         self.gc_enabled = self.set_fraction and config.garbage_collection_threshold > 0.0
         self.allocated_bytes = 0  # stats.allocated_bytes: sum of allocated block sizes
         self.total_allocated_memory = 0  # stats.reserved_bytes: cudaMalloc'd segments + mapped pages
@@ -477,7 +479,8 @@ class DeviceCachingAllocator:
             if has_available_address_space(candidate):
                 return candidate
         page_size = kSmallBuffer if pool.is_small else self.config.large_segment_size
-        address_space = self.capacity + self.capacity // 8 if self.capacity is not None else _ADDRESS_SPACE_UNLIMITED
+        total = self.device_total
+        address_space = total + total // 8 if total is not None and total > 0 else _ADDRESS_SPACE_UNLIMITED
         segment = ExpandableSegment(self.next_address, address_space, page_size, stream)
         self.next_address += segment.size
         self.expandable_segments.append(segment)

@@ -24,18 +24,21 @@ def simulate(
     config: AllocatorConfig = AllocatorConfig(),
     capacity: int | None = None,
     timeline_points: int = 2000,
+    device_total: int | None = None,
 ) -> SimResult:
     """Replay `(action, block, nbytes, stream)` ops on one device; stop at the first out-of-memory.
 
     `block` is the caller's id of an allocation: a FREE names the id its ALLOC used (its nbytes and stream are
     ignored). An ALLOC of 0 bytes makes no block (torch returns a null pointer) but its FREE is accepted.
     `capacity` is what cudaMalloc can obtain on the device (None = unlimited; zero or less, as when overheads
-    exceed the device, lets no allocation succeed). `record_stream` is not modelled:
+    exceed the device, lets no allocation succeed). `device_total` is the device's whole memory, of which a
+    memory fraction is taken (as `set_per_process_memory_fraction` does); `capacity` stands in when it is not
+    given. `record_stream` is not modelled:
     a FREE returns the block to its pool at once.
     """
     if timeline_points < 3:
         raise ValueError(f"timeline_points must be at least 3 (both peaks and the last op), got {timeline_points}")
-    allocator = DeviceCachingAllocator(config, capacity)
+    allocator = DeviceCachingAllocator(config, capacity, device_total)
     live: dict[int, Block | None] = {}
     stream_index: dict[int, int] = {}
     allocated_at = array("q")
@@ -88,10 +91,11 @@ def simulate(
 
 
 def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> OomInfo:
-    capacity = allocator.capacity
+    # an OOM needs a limit: capacity, or a memory fraction of device_total
+    capacity = allocator.capacity if allocator.capacity is not None else allocator.device_total
     allocated, reserved = allocator.allocated_bytes, allocator.total_allocated_memory
-    message = oom_message(allocator.last_oom_alloc_size, capacity, allocated, reserved,
-                          allocator.allowed_memory_maximum)
+    message = oom_message(allocator.last_oom_alloc_size, allocator.device_total, capacity - reserved, allocated,
+                          reserved, allocator.allowed_memory_maximum)
     return OomInfo(index=index, requested=requested, allocated=allocated, reserved=reserved, capacity=capacity,
                    message=message)
 

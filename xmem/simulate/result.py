@@ -53,12 +53,13 @@ def format_size(size: int) -> str:
     return f"{size / 1024**3:.2f} GiB"
 
 
-def oom_message(alloc_size: int, capacity: int, allocated: int, reserved: int, allowed: int | None) -> str:
-    """The text of `DeviceCachingAllocator::malloc`'s OutOfMemoryError (device 0, this process alone)."""
+def oom_message(alloc_size: int, device_total: int, device_free: int, allocated: int, reserved: int,
+                allowed: int | None) -> str:
+    """The text of `DeviceCachingAllocator::malloc`'s OutOfMemoryError (device 0, no per-process lines)."""
     allowed_info = f"{format_size(allowed)} allowed; " if allowed is not None else ""
     return (
         f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU 0 has a total capacity of "
-        f"{format_size(max(capacity, 0))} of which {format_size(max(capacity - reserved, 0))} is free. {allowed_info}"
+        f"{format_size(max(device_total, 0))} of which {format_size(max(device_free, 0))} is free. {allowed_info}"
         f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, and "
         f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but unallocated "
         f"memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
