@@ -2,6 +2,7 @@
 node with gpu:a100:2, gpu:h100:1, gpu:1g.10gb:1, mps:200, shard:8, partitions debug (default) and big), and the
 CLI backend against a live single-node cluster when Slurm is installed."""
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -40,8 +41,10 @@ def test_sinfo_json_nodes():
 
 
 def test_scontrol_nodes_give_the_same_as_sinfo_json():
-    assert parse_scontrol_nodes(captured(["scontrol", "show", "-o", "node"])) == \
-        parse_sinfo_json(captured(["sinfo", "--json"]))
+    [from_scontrol] = parse_scontrol_nodes(captured(["scontrol", "show", "-o", "node"]))
+    [from_sinfo] = parse_sinfo_json(captured(["sinfo", "--json"]))
+    assert from_scontrol.version == "22.05.8" and from_sinfo.version is None  # sinfo --json has it in meta only
+    assert dataclasses.replace(from_scontrol, version=None) == from_sinfo
 
 
 def test_scontrol_partitions_and_the_default():
@@ -69,10 +72,30 @@ def test_gpu_types_per_partition_from_the_cli_backend():
 def test_cli_backend_falls_back_to_scontrol_when_sinfo_has_no_json():
     def old_slurm(argv):
         if argv == ["sinfo", "--json"]:
-            return "sinfo: unrecognized option '--json'"  # printed, not JSON
+            raise ClusterError("sinfo --json failed: sinfo: unrecognized option '--json'")
         return captured(argv)
 
-    assert query_cluster("cli", run=old_slurm).gpu_types["debug"] == ("a100", "h100", "1g.10gb")
+    info = query_cluster("cli", run=old_slurm)
+    assert info.gpu_types["debug"] == ("a100", "h100", "1g.10gb")
+    assert info.slurm_version == "22.05.8"  # from the nodes' Version=
+
+
+def test_an_unreachable_controller_costs_one_command():
+    calls = []
+
+    def down(argv):
+        calls.append(argv)
+        raise ClusterError(f"{' '.join(argv)} did not answer within 10 s (is slurmctld up?)")
+
+    with pytest.raises(ClusterError, match="did not answer"):
+        query_cluster("cli", run=down)
+    assert calls == [["sinfo", "--json"]]
+
+
+def test_a_missing_slurm_conf_fails_at_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+    with pytest.raises(ClusterError, match="absent.conf does not exist"):
+        query_cluster("cli")
 
 
 def test_a_failing_command_is_a_cluster_error_naming_it():

@@ -9,6 +9,7 @@ when it imports and its version matches the cluster's Slurm (pyslurm's major.min
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ class NodeInfo:
     partitions: tuple[str, ...]
     gres: tuple[GresItem, ...]
     state: str = ""
+    version: str | None = None  # the node's slurmd release
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,11 @@ def query_cluster(backend: str = "auto", *, run: Runner | None = None) -> Cluste
     """Ask Slurm. backend: "auto" (pyslurm if it matches the cluster, else the CLI), "cli" or "pyslurm"."""
     if backend not in ("auto", "cli", "pyslurm"):
         raise ValueError(f"unknown backend {backend!r}; use auto, cli or pyslurm")
-    run = run or run_command
+    if run is None:
+        run = run_command
+        conf = os.environ.get("SLURM_CONF")
+        if conf and not os.path.isfile(conf):  # the commands would hang on a DNS lookup until their timeout
+            raise ClusterError(f"SLURM_CONF={conf} does not exist")
     if backend in ("auto", "pyslurm"):
         pyslurm = _matching_pyslurm(run)
         if pyslurm is not None:
@@ -91,15 +97,20 @@ def query_cluster(backend: str = "auto", *, run: Runner | None = None) -> Cluste
 
 
 def query_cli(run: Runner) -> ClusterInfo:
+    """Two commands when Slurm answers; one timeout when it does not (a failure stops the queries)."""
     try:
-        version = parse_version(run(["sinfo", "-V"]))
-    except ClusterError:
-        version = None  # only informative; the queries below say whether Slurm answers
-    try:
-        nodes = parse_sinfo_json(run(["sinfo", "--json"]))
-    except ClusterError:  # Slurm before 21.08 has no --json
-        nodes = parse_scontrol_nodes(run(["scontrol", "show", "-o", "node"]))
+        sinfo = run(["sinfo", "--json"])
+    except ClusterError as e:
+        if "unrecognized option" not in str(e):
+            raise
+        sinfo = None  # Slurm before 21.08 has no --json
+    if sinfo is not None and sinfo.lstrip().startswith("{"):
+        nodes, version = parse_sinfo_json(sinfo), sinfo_json_version(sinfo)
+    else:
+        nodes, version = parse_scontrol_nodes(run(["scontrol", "show", "-o", "node"])), None
     partitions, default = parse_scontrol_partitions(run(["scontrol", "show", "-o", "partition"]))
+    if version is None:
+        version = next((n.version for n in nodes if n.version), None)
     return ClusterInfo(nodes={n.name: n for n in nodes}, partitions=partitions, default_partition=default,
                        slurm_version=version, backend="cli")
 
@@ -157,8 +168,17 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
             state = ",".join(state)
         nodes.append(NodeInfo(name=str(node.get("name") or node.get("hostname")),
                               partitions=tuple(node.get("partitions") or ()),
-                              gres=parse_gres_list(node.get("gres")), state=str(state).lower()))
+                              gres=parse_gres_list(node.get("gres")), state=str(state).lower(),
+                              version=node.get("version") or None))
     return nodes
+
+
+def sinfo_json_version(text: str) -> str | None:
+    """`meta.Slurm.release` (22.05: "22.05.8"), or `meta.slurm.release` in later versions."""
+    meta = json.loads(text).get("meta", {})
+    slurm = meta.get("Slurm") or meta.get("slurm") or {}
+    release = slurm.get("release") if isinstance(slurm, dict) else None
+    return parse_version(release) if isinstance(release, str) else None
 
 
 def parse_key_values(line: str) -> dict[str, str]:
@@ -178,7 +198,8 @@ def parse_scontrol_nodes(text: str) -> list[NodeInfo]:
             continue
         partitions = tuple(p for p in record.get("Partitions", "").split(",") if p)
         nodes.append(NodeInfo(name=record["NodeName"], partitions=partitions,
-                              gres=parse_gres_list(record.get("Gres")), state=record.get("State", "").lower()))
+                              gres=parse_gres_list(record.get("Gres")), state=record.get("State", "").lower(),
+                              version=record.get("Version")))
     return nodes
 
 
