@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from xmem.analyze import AnalysisError, JobAnalysis, analyze_job
+from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
 
@@ -184,4 +184,4 @@ def _fail(as_json: bool, code: int, kind: str, message: str) -> None:
     raise typer.Exit(code)
 
 
-__all__ = ["check_command", "exit_code", "show_analysis", "AnalysisError"]
+__all__ = ["check_command", "exit_code", "show_analysis"]
