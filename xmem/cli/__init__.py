@@ -21,6 +21,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+@app.callback()
+def _root() -> None:
+    """Keep sub-command names even if only one command is registered (Typer drops a lone command's name)."""
+
+
 # Each module registers its commands on `app` when imported. A module that is not there yet is skipped,
 # so the CLI works while the project grows.
 _COMMAND_MODULES = ("estimate", "check", "slurm", "calibrate")
