@@ -2,7 +2,9 @@
 # A real single-node Slurm 22.05 cluster on this machine, for development and the integration tests, with
 # xmem-slurm's cli_filter, TaskProlog and Epilog installed from the project's slurm/ files.
 #
-#   scripts/slurm-dev-cluster.sh up   [--lab DIR] [--port N]   start (idempotent); prints the `export SLURM_CONF=...` line
+#   scripts/slurm-dev-cluster.sh up   [--lab DIR] [--port N] [--mode inline|partition]
+#                                      start (idempotent); prints the `export SLURM_CONF=...` line. partition:
+#                                      also a `cpu` partition, and the config's deferred mode (issue 5)
 #   scripts/slurm-dev-cluster.sh down [--lab DIR]              cancel jobs, stop slurmd and slurmctld by PID
 #
 # DIR defaults to /tmp/xmem-slurm-lab; N (slurmctld's port, slurmd uses N+1) to 6817. Run as root (jobs run as root).
@@ -19,11 +21,14 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cmd=${1:-}; shift || true
 LAB=/tmp/xmem-slurm-lab
 PORT=6817
+MODE=inline
 while [ $# -gt 0 ]; do
   case $1 in
     --lab) LAB=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
-    *) echo "slurm-dev-cluster: unknown argument $1 (use: up|down [--lab DIR] [--port N])" >&2; exit 2 ;;
+    --mode) MODE=$2; shift 2 ;;
+    *) echo "slurm-dev-cluster: unknown argument $1 (use: up|down [--lab DIR] [--port N] [--mode inline|partition])" >&2
+       exit 2 ;;
   esac
 done
 mkdir -p "$LAB"; LAB=$(cd "$LAB" && pwd)
@@ -90,6 +95,10 @@ Epilog=$LAB/etc/epilog.sh
 NodeName=localhost CPUs=16 Sockets=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:a100:2,gpu:h100:1,gpu:1g.10gb:1,mps:200 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+  # Deferred mode: estimation jobs run on a CPU partition (the same node here).
+  if [ "$MODE" = partition ]; then
+    echo "PartitionName=cpu Nodes=ALL MaxTime=INFINITE State=UP" >> "$LAB/etc/slurm.conf"
+  fi
   cat > "$LAB/etc/gres.conf" <<EOF
 AutoDetect=off
 Name=gpu Type=a100 File=$LAB/dev/nvidia0
@@ -105,9 +114,13 @@ EOF
 write_xmem_config() {
   local src=$REPO/etc/xmem.toml
   if [ -f "$src" ]; then
-    python3 - "$src" "$LAB" > "$LAB/etc/xmem.toml" <<'EOF'
+    python3 - "$src" "$LAB" "$MODE" > "$LAB/etc/xmem.toml" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
+if sys.argv[3] == "partition":  # deferred mode, estimates on the `cpu` partition
+    text = re.sub(r'(?m)^mode = "inline"', 'mode = "partition"', text, count=1)
+    text = re.sub(r'(?m)^cpu_partition = ""', 'cpu_partition = "cpu"', text, count=1)
+    text = re.sub(r'(?m)^mem = "16G"', 'mem = "2G"', text, count=1)  # the node declares 8000 MB
 # In the [shard] table, `enabled = true` becomes false: this cluster has no shard GRES (see the header).
 def off(m): return re.sub(r"(?m)^(\s*enabled\s*=\s*)true", r"\1false", m.group(0), count=1)
 text = re.sub(r"(?ms)^\[shard\].*?(?=^\[|\Z)", off, text, count=1)

@@ -45,6 +45,7 @@ local function readable(path)
 end
 
 local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter"
+local DEFERRED = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.deferred"
 
 local function command_prefix()
   local cfg = os.getenv("XMEM_CONFIG")
@@ -95,7 +96,10 @@ end
 function slurm_cli_pre_submit(options, pack_offset)
   -- Only whole jobs from outside an allocation: srun steps inside a job, and later components of a
   -- heterogeneous job, keep what they asked for.
-  if pack_offset ~= 0 or os.getenv("SLURM_JOB_ID") ~= nil then return slurm.SUCCESS end
+  -- Nor sbatch calls xmem makes itself (deferred mode's estimation jobs).
+  if pack_offset ~= 0 or os.getenv("SLURM_JOB_ID") ~= nil or os.getenv("XMEM_NO_FILTER") ~= nil then
+    return slurm.SUCCESS
+  end
   local argv = options["argv"] or {}
   local script = argv[1]
   if not readable(script) then script = nil end
@@ -131,9 +135,18 @@ function slurm_cli_pre_submit(options, pack_offset)
   end
   for name, value in pairs(set) do options[name] = value end
   if message ~= nil and message ~= "" then notice(message) end
+  local token = reply_field(out, "defer")
+  if token ~= nil and string.match(token, "^%x+$") then slurm.cli_store(0, token) end
   return slurm.SUCCESS
 end
 
+-- Deferred mode: the job is held; now that it has an id, queue its estimation job (and the watchdog that
+-- releases or cancels it if the estimation job dies). Failures are handled, and reported, by that command.
 function slurm_cli_post_submit(offset, job_id, step_id)
+  local token = slurm.cli_retrieve(0)
+  if offset == 0 and token ~= nil and string.match(token, "^%x+$") then
+    os.execute(command_prefix() .. "timeout 60 " .. DEFERRED .. " submit " .. token .. " " ..
+               tostring(job_id) .. " >/dev/null")
+  end
   return slurm.SUCCESS
 end

@@ -38,7 +38,7 @@ def test_cpu_job_gets_an_empty_reply(tmp_path):
     script.write_text("#!/bin/bash\n#SBATCH --ntasks=4\npython train.py\n")
     rc, out = run(submission(script), config(tmp_path))
     assert rc == 0
-    assert json.loads(out) == {"set": {}, "message": None, "reject": None, "fault": None}
+    assert json.loads(out) == {"set": {}, "message": None, "reject": None, "fault": None, "defer": None}
 
 
 def test_gpu_job_without_a_training_command_fails_open(tmp_path):

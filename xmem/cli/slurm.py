@@ -126,3 +126,29 @@ def report_command(
         table.add_row(s.gpu_type, str(s.jobs), str(s.measured), pct(s.median_abs_rel_error),
                       pct(s.p90_abs_rel_error), pct(s.mean_rel_error), str(s.underestimates), str(s.over_request))
     Console().print(table)
+
+
+@app.command("status")
+def status_command(
+    job_id: str = typer.Argument(..., help="The Slurm job id."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
+) -> None:
+    """Where a job stands with xmem-slurm: estimate pending / done / failed and why, the request before and now."""
+    from xmem.slurm.deferred import job_status
+
+    try:
+        status = job_status(job_id)
+    except LookupError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(json.dumps(status, indent=2))
+        return
+    typer.echo(f"job {status['job_id']}: {status['job_state']} ({status['reason']})")
+    typer.echo(f"estimate: {status['estimate']}" + (f" ({status['why']})" if status["why"] else ""))
+    typer.echo(f"request before: {status['request_before'] or '-'}")
+    typer.echo(f"request now:    {status['request_now'] or '-'}")
+    stamp = status["stamp"]
+    if stamp and stamp.get("peak_bytes"):
+        typer.echo(f"peak {stamp['peak_bytes'] / (1 << 30):.2f} GiB on {stamp['gpu_type']}, request sized for "
+                   f"{(stamp['needed_bytes'] or 0) / (1 << 30):.2f} GiB")

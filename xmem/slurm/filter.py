@@ -91,10 +91,11 @@ class FilterReply:
     message: str | None = None
     reject: str | None = None
     fault: str | None = None
+    defer: str | None = None  # deferred mode: the token post-submit hands to `python -m xmem.slurm.deferred`
 
     def to_json(self) -> dict[str, Any]:
         return {"set": {k: plain(v) for k, v in self.set.items()}, "message": plain(self.message),
-                "reject": plain(self.reject), "fault": plain(self.fault)}
+                "reject": plain(self.reject), "fault": plain(self.fault), "defer": plain(self.defer)}
 
 
 def plain(text: str | None) -> str | None:
@@ -192,6 +193,9 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
     if hit is not None:
         return Analysis.from_json(hit, cached=True)
     with slots() if slots else contextlib.nullcontext():
+        hit = cache.get(key)  # a burst of the same job: the first slot holder's result serves the others
+        if hit is not None:
+            return Analysis.from_json(hit, cached=True)
         analysis = analyzer(script, request, config)
     if analysis.decision is not None and not analysis.errors:
         cache.put(key, analysis.to_json())
@@ -302,6 +306,12 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
+def deferring(config: Any) -> bool:
+    """Deferred mode: estimates that are not cached run as jobs on the CPU partition (xmem.slurm.deferred)."""
+    deferred = getattr(config, "deferred", None)
+    return bool(deferred and deferred.mode == "partition" and deferred.cpu_partition)
+
+
 def run_filter(request: FilterRequest, config: Any, *,
                analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze) -> FilterReply:
     """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
@@ -327,11 +337,16 @@ def run_filter(request: FilterRequest, config: Any, *,
             job = None
         if job is not None and not job.directives.wants_gpu:
             return FilterReply()  # a CPU job: no estimate, no change, no message
+        digest = file_digest(config.source) if config.source else ""
+        files = command_files(job, request, script)
         try:
-            analysis = cached_analysis(script, request, config, cache=cache,
-                                       config_digest=file_digest(config.source) if config.source else "",
-                                       files=command_files(job, request, script), analyzer=timed_analyzer,
-                                       slots=slot)
+            if deferring(config) and cache.get(key_for(script, request, digest, files)) is None:
+                from xmem.slurm.deferred import defer
+
+                reply, token = defer(script, request, config)
+                return dataclasses.replace(reply, defer=token)
+            analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
+                                       analyzer=timed_analyzer, slots=slot)
         except NoSlotFree as e:
             return failure_reply(str(e), request, failure)
         except OSError as e:
