@@ -123,3 +123,11 @@ def test_partition_unknown_to_config_and_cluster_exits_2(workdir):
     assert done.returncode == 2
     data = json.loads(done.stdout)
     assert data["partitions"] == ["nowhere"] and data["errors"][0]["kind"] == "no_gpu_types"
+
+
+def test_human_output_shows_script_text_literally(workdir):
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\nfor s in 1 2; do python train.py [red]x; done\n")
+    done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
+    assert done.returncode == 8
+    assert "[for s in 1 2; do python train.py [red]x; done]" in done.stdout  # not taken as Rich markup
+    assert done.stderr.strip().endswith("not understood: 1 problem(s) listed above")

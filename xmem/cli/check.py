@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
@@ -61,7 +62,11 @@ def check_command(
         for error in analysis.errors:
             if error.user_traceback:
                 sys.stderr.write(error.user_traceback.rstrip("\n") + "\n")
-            sys.stderr.write(f"xmem-slurm check: {' '.join(str(error).split())}\n")
+            if error.kind == "not_understood" and analysis.job and analysis.job.problems:
+                line = f"not understood: {len(analysis.job.problems)} problem(s) listed above"
+            else:
+                line = " ".join(str(error).split())
+            sys.stderr.write(f"xmem-slurm check: {line}\n")
     raise typer.Exit(code)
 
 
@@ -90,43 +95,46 @@ def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_opti
 
 
 def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
-    """The analysis for people: job, commands, problems, estimate per GPU type, decision."""
+    """The analysis for people: job, commands, problems, estimate per GPU type, decision. Text that comes from
+    the script is escaped: `[...]` in it is not Rich markup."""
     job = analysis.job
     if job is None:
         return
     request = job.directives
-    console.print(f"[bold]Job[/] {job.path}")
+    console.print(f"[bold]Job[/] {escape(job.path or '')}")
     if request.raw:
-        table = Table(title="Slurm options", caption="line 0: sbatch command line; -1: SBATCH_* variable")
+        lines = {line_no for _, _, line_no in request.raw}
+        caption = "line 0: sbatch command line; -1: SBATCH_* variable" if lines & {0, -1} else None
+        table = Table(title="Slurm options", caption=caption)
         for column in ("line", "option", "value"):
             table.add_column(column)
         for option, value, line_no in request.raw:
-            table.add_row(str(line_no), f"--{option}", value if value is not None else "")
+            table.add_row(str(line_no), f"--{option}", escape(value) if value is not None else "")
         console.print(table)
     console.print("GPU request: " + (", ".join(str(i) for i in request.gpu_items) or "none"))
     for command in job.commands:
         extra = [f"cwd {command.cwd}"] if command.cwd else []
         extra += [f"python {command.python}"] if command.python else []
         extra += [f"{command.ranks} ranks per node (one estimated)"] if command.ranks and command.ranks > 1 else []
-        console.print(f"command (line {command.line_no}, {command.launcher}): [cyan]{' '.join(command.argv)}[/]"
-                      + (f"  ({'; '.join(extra)})" if extra else ""))
+        console.print(f"command (line {command.line_no}, {command.launcher}): [cyan]{escape(' '.join(command.argv))}"
+                      "[/]" + (f"  ({escape('; '.join(extra))})" if extra else ""))
     for problem in job.problems:
-        console.print(f"[yellow]not understood:[/] {problem}")
+        console.print(f"[yellow]not understood:[/] {escape(str(problem))}")
     _show_estimates(console, analysis, site)
     for estimate in analysis.estimates:
         if estimate.skipped:
-            console.print(f"[yellow]skipped:[/] {estimate.skipped}")
+            console.print(f"[yellow]skipped:[/] {escape(estimate.skipped)}")
         for warning in (estimate.estimate or {}).get("warnings", []):
-            console.print(f"[yellow]warning:[/] {warning}")
+            console.print(f"[yellow]warning:[/] {escape(warning)}")
     _show_offers(console, analysis)
     for note in analysis.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     decision = analysis.decision
     if decision is not None:
         what = {"rewrite": f"request --{decision.option}={decision.gres or decision.gpus}",
                 "keep": "keep the request as written", "none": "leave the job alone (no GPU)",
                 "excluded": "leave the job alone (excluded)", "no_fit": "no request fits"}[decision.action]
-        console.print(f"[bold]Decision:[/] {what}: {decision.reason}")
+        console.print(f"[bold]Decision:[/] {escape(what)}: {escape(decision.reason)}")
 
 
 def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
