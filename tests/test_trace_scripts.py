@@ -2,6 +2,7 @@
 the ones each script must make on a GPU, derived by hand from the models' shapes."""
 
 import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -261,3 +262,27 @@ def test_torchrun_ddp_traces_rank_zero_with_gradient_buckets(python):
     buckets = [e for e in allocs(result, "gradient") if e.iteration == -1]
     assert [e.nbytes for e in buckets] == [sum(params)]
     assert any("torch.compile was ignored" in w for w in result.warnings)
+
+
+# ---- loading saved weights -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_tiny_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,"
+            " intermediate_size=128, vocab_size=100)\n"
+            "LlamaForCausalLM(config).save_pretrained(sys.argv[1])\n"
+            "torch.save({'bias': torch.zeros(1000)}, sys.argv[1] + '/extra.pt')\n")
+    subprocess.run([sys.executable, "-c", code, str(directory)], check=True, capture_output=True)
+    return directory
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_optimizer_built_before_the_move_trains_the_moved_model(python, saved_tiny_model):
+    result = trace(python, "finetune_pretrained.py", str(saved_tiny_model), iterations=2)
+    parameters = allocs(result, "parameter")
+    # AdamW's two moments exist for every moved parameter, and gradients are freed by zero_grad each iteration
+    assert sizes(allocs(result, "optimizer_state")) == sorted(e.nbytes for e in parameters * 2)
+    assert sizes(allocs(result, "gradient")) == sorted(e.nbytes for e in parameters * 2)
+    loaded = [e for e in result.events if e.op == "torch.load"]
+    assert [(e.nbytes, e.category, e.iteration) for e in loaded] == [(4000, "input", -1)]

@@ -91,7 +91,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
 
     fake = fakecuda.FakeCuda(capability, device_count)
     fakecuda.install(fake)
-    state = TrainingState(iterations, progress)
+    state = TrainingState(iterations, progress, fake.optimizers)
     state.install()
     modules = _load_mod_tracker()()
 

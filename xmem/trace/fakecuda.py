@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import itertools
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -109,6 +109,7 @@ class FakeCuda:
         self.on_empty_cache: Callable[[], None] = lambda: None
         self.on_warning: Callable[[str], None] = lambda message: None
         self.on_library: Callable[[str], None] = lambda name: None
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer the program created
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0
         self.reset_peak: Callable[[], None] = lambda: None
@@ -138,7 +139,7 @@ class FakeCuda:
 def install(fake: FakeCuda) -> None:
     """Apply every process-global patch. Call once, right after `import torch` in the tracing child."""
     _install_device_guard()
-    _patch_optimizer_defaults()
+    _patch_optimizer_defaults(fake)
     _patch_torch_cuda(fake)
     _patch_tensor_and_data(fake)
     _patch_grad_scaler(fake)
@@ -159,11 +160,18 @@ def _install_device_guard() -> None:
     FakeTensorMode.avoid_device_init = property(lambda self: True)
 
 
-def _patch_optimizer_defaults() -> None:
+def _patch_optimizer_defaults(fake: FakeCuda) -> None:
     # On a GPU, optimizers default to foreach for plain tensors; FakeTensor params must count as such.
     import torch.optim.optimizer as optimizer_module
     if FakeTensor not in optimizer_module._foreach_supported_types:
         optimizer_module._foreach_supported_types.append(FakeTensor)
+    original_init = torch.optim.Optimizer.__init__
+
+    def init_and_register(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        fake.optimizers.add(self)
+
+    torch.optim.Optimizer.__init__ = init_and_register
 
 
 def _device_index(device: Any) -> int:
@@ -334,13 +342,13 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = convert(buffer, "buffer")
-        _rebind_optimizers({old: new for old, new in memo.items() if isinstance(new, nn.Parameter)})
+        _rebind_optimizers(fake.optimizers, {old: new for old, new in memo.items() if isinstance(new, nn.Parameter)})
         return self
 
     return fake_aware_apply
 
 
-def _rebind_optimizers(replaced: dict[int, torch.Tensor]) -> None:
+def _rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], replaced: dict[int, torch.Tensor]) -> None:
     """Point live optimizers at replaced parameters (keyed by the old parameter's id).
 
     Stock `_apply` keeps each Parameter object and swaps its data, so an optimizer built before `model.to("cuda")`
@@ -349,12 +357,12 @@ def _rebind_optimizers(replaced: dict[int, torch.Tensor]) -> None:
     """
     if not replaced:
         return
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-            if obj.state:
-                obj.state = collections.defaultdict(dict, {replaced.get(id(k), k): v for k, v in obj.state.items()})
+    for optimizer in list(optimizers):
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        if optimizer.state:
+            optimizer.state = collections.defaultdict(
+                dict, {replaced.get(id(k), k): v for k, v in optimizer.state.items()})
 
 
 def _patch_cuda_data_functions() -> None:

@@ -75,7 +75,7 @@ class TrainingState:
     Events before the first forward or backward are setup: iteration -1.
     """
 
-    def __init__(self, iterations: int, on_progress: Callable[[str], None]) -> None:
+    def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet) -> None:
         self.target = iterations
         self.on_progress = on_progress
         self.phase = "other"
@@ -83,7 +83,7 @@ class TrainingState:
         self.started = False
         self.stopped = False
         self.backward_ran = False
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers = optimizers  # every optimizer the program created (kept by FakeCuda)
         self._not_awaited: set[int] = set()
         self._stepped: set[int] = set()
         self._step_depth = 0
@@ -97,14 +97,6 @@ class TrainingState:
     def install(self) -> None:
         """Hook autograd, optimizers and module forwards (process-global, never removed)."""
         import torch.optim.optimizer as optimizer_module
-        state = self
-        original_init = torch.optim.Optimizer.__init__
-
-        def init_and_register(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-            original_init(self, *args, **kwargs)
-            state._optimizers.add(self)
-
-        torch.optim.Optimizer.__init__ = init_and_register
         optimizer_module.register_optimizer_step_pre_hook(self._before_step)
         optimizer_module.register_optimizer_step_post_hook(self._after_step)
         torch.nn.modules.module.register_module_forward_pre_hook(self._before_module_forward)
@@ -195,6 +187,7 @@ class AllocationRecorder(TorchDispatchMode):
         fake.peak_bytes = lambda: self.peak_bytes
         fake.reset_peak = self._reset_peak
         state.on_step_begin = self._label_parameters_and_gradients
+        torch.load = self._recording_load(torch.load)
         state.on_step_end = self._label_optimizer_state
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
@@ -202,6 +195,8 @@ class AllocationRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._opname
         self.op_counts[name] = self.op_counts.get(name, 0) + 1
+        if not self.state.stopped:
+            self._note_unseen_inputs(args, name)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
@@ -219,6 +214,24 @@ class AllocationRecorder(TorchDispatchMode):
                 if isinstance(item, torch.Tensor):
                     self._note_output(item, name, args)
         return out
+
+    def _note_unseen_inputs(self, args: tuple, op: str) -> None:
+        """CUDA storages made outside the dispatcher (torch.load(map_location="cuda") builds storages directly)
+        are recorded at their first use, late but not lost."""
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                self._note_unseen(arg, f"unseen before {op}")
+            elif isinstance(arg, (list, tuple)):
+                for item in arg:
+                    if isinstance(item, torch.Tensor):
+                        self._note_unseen(item, f"unseen before {op}")
+
+    def _note_unseen(self, tensor: torch.Tensor, op: str) -> None:
+        if tensor.device.type == "cuda":
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self._block_of_storage:
+                self._alloc(storage, key, tensor.device.index or 0, op, from_host=True)
 
     def _note_output(self, tensor: torch.Tensor, op: str, args: tuple) -> None:
         if tensor.dtype == torch.bool:
@@ -264,6 +277,19 @@ class AllocationRecorder(TorchDispatchMode):
         for library, ops in _LIBRARY_OPS.items():
             if op in ops:
                 self.libraries.add(library)
+
+    def _recording_load(self, load: Callable) -> Callable:
+        """torch.load(map_location="cuda") makes GPU storages without dispatching an op: note them as it returns."""
+        from torch.utils._pytree import tree_leaves
+
+        def load_and_record(*args: Any, **kwargs: Any) -> Any:
+            loaded = load(*args, **kwargs)
+            if not self.state.stopped:
+                for leaf in tree_leaves(loaded):
+                    if isinstance(leaf, torch.Tensor):
+                        self._note_unseen(leaf, "torch.load")
+            return loaded
+        return load_and_record
 
     # ---- stand-ins for values fake tensors do not have ------------------------------------------------------
     def _stand_in_scalar(self, tensor: torch.Tensor) -> Any:
