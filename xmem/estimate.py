@@ -209,7 +209,6 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     """
     overhead = overhead_bytes(gpu, trace.libraries)
     capacity = gpu.total_bytes - overhead
-    config = _fraction_of_total(config, gpu.total_bytes, capacity)
 
     def severity(sim: SimResult) -> tuple[bool, int]:
         return sim.oom is not None, sim.peak_reserved
@@ -219,7 +218,8 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
         ops = orchestrate(trace, gpu, env, device=device)
         # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
         points = max(len(ops.ops), 3) if with_breakdown else 2000
-        sim = simulate(ops.ops, config, capacity=capacity, timeline_points=points)
+        # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
+        sim = simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes, timeline_points=points)
         if worst is None or severity(sim) > severity(worst[1]):
             worst = (ops, sim)
     assert worst is not None  # trace_devices never returns an empty list
@@ -274,17 +274,6 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
     breakdown["allocator_slack"] = reserved - sum(breakdown.values())
     breakdown["overhead"] = overhead
     return breakdown
-
-
-def _fraction_of_total(config: AllocatorConfig, total: int, capacity: int) -> AllocatorConfig:
-    """The config whose memory fraction, applied to `capacity`, allows what torch allows: fraction x total.
-
-    torch's setMemoryFraction takes the fraction of the device's total memory, while the simulator applies it to
-    the capacity it is given (total minus the overhead); above 1 the capacity itself is the limit.
-    """
-    if config.memory_fraction is None or capacity <= 0:
-        return config
-    return dataclasses.replace(config, memory_fraction=min(1.0, config.memory_fraction * total / capacity))
 
 
 def _allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
