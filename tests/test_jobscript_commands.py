@@ -280,3 +280,10 @@ def test_typical_cluster_scripts():
     [c] = venv.commands
     assert c.argv == ("python", "main.py", "--epochs=10", "--lr", "3e-4")
     assert c.python == "/home/u/proj/venv/bin/python"
+
+
+def test_submit_dir_is_where_sbatch_ran_even_with_chdir():
+    job = parse_jobscript("#!/bin/bash\n#SBATCH -D work\npython t.py --from $SLURM_SUBMIT_DIR\n", env=ENV,
+                          submit_cwd="/home/u")
+    assert job.commands[0].cwd == "/home/u/work"
+    assert job.commands[0].argv[-1] == "/home/u"

@@ -115,44 +115,66 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         return JobAnalysis(job, errors=(AnalysisError("not_understood", reasons),))
 
     ask_cluster = _once(cluster or _query_cluster) if config.partitions.from_cluster else (lambda: None)
+    scope = _gpu_scope(job, config, gpus, ask_cluster)
+    if not scope.site_types:
+        where = ", ".join(scope.partitions) or "(none named, and no default partition in the site config)"
+        return JobAnalysis(job, partitions=scope.partitions, notes=scope.notes, errors=(AnalysisError(
+            "no_gpu_types", f"no GPU types known for partition {where}: list them under "
+                            "[partitions.gpu_types] in the site config"),))
+
+    runtime_env = {**env, **slurm_runtime_env(job.directives, submit_cwd)}
+    deadline = time.monotonic() + config.estimate.timeout_s
+    results = tuple(_estimate_command(c, scope.targets, scope.config, runtime_env, submit_cwd, deadline,
+                                      estimator or _default_estimator(), on_progress) for c in job.commands)
+    errors = tuple(r.error for r in results if r.error is not None)
+    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], scope.site_types, scope.config)
+    if not errors and not peaks:
+        errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on the GPU: "
+                                + "; ".join(r.skipped or "" for r in results)),)
+    if errors:
+        return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
+                           notes=scope.notes)
+    decision, offers = _decide(job, peaks, scope, user, ask_cluster)
+    return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
+                       notes=scope.notes, offers=offers)
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Where the job may run and what it is estimated for: the config completed from the cluster, the partitions,
+    the site's GPU types there (GRES names), the types to estimate (MIG slices as their parent) and notes."""
+
+    config: SiteConfig
+    partitions: tuple[str, ...]
+    site_types: tuple[str, ...]
+    targets: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
+               ask_cluster: ClusterSource) -> _Scope:
     partitions = job_partitions(job.directives, config)
     if not partitions and (info := ask_cluster()) and info.default_partition:
         partitions = (info.default_partition,)
     config = _with_cluster_partitions(config, partitions, ask_cluster)
-    notes: tuple[str, ...] = ()
-    site_types = tuple(gpus) if gpus else eligible_types(config, partitions)
-    if not gpus:
-        site_types, notes = _known_types(site_types, config)
-    if not site_types:
-        where = ", ".join(partitions) or "(none named, and no default partition in the site config)"
-        return JobAnalysis(job, partitions=partitions, notes=notes, errors=(AnalysisError(
-            "no_gpu_types", f"no GPU types known for partition {where}: list them under "
-                            "[partitions.gpu_types] in the site config"),))
-    targets = tuple(gpus) if gpus else estimate_types(config, partitions)
+    if gpus:
+        return _Scope(config, partitions, tuple(gpus), tuple(gpus))
+    site_types, notes = _known_types(eligible_types(config, partitions), config)
+    return _Scope(config, partitions, site_types, estimate_types(config, partitions), notes)
 
-    estimator = estimator or _default_estimator()
-    runtime_env = {**env, **slurm_runtime_env(job.directives, job.commands[0].cwd)}
-    deadline = time.monotonic() + config.estimate.timeout_s
-    results = tuple(_estimate_command(c, targets, config, runtime_env, submit_cwd, deadline, estimator,
-                                      on_progress) for c in job.commands)
-    errors = tuple(r.error for r in results if r.error is not None)
-    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], site_types, config)
-    if errors or not peaks:
-        if not errors:
-            errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on "
-                                                         "the GPU: " + "; ".join(r.skipped or "" for r in results)),)
-        return JobAnalysis(job, results, site_types, peaks, errors=errors, partitions=partitions, notes=notes)
-    available = _gpus_per_node(ask_cluster(), partitions) if job.directives.gpu_count > 1 else None
-    decision = decide(peaks, job.directives, config, user=user, partition=",".join(partitions),
-                      available=available)
-    offers = tuple({"kind": offer.kind, "request": request, "gpu_type": offer.gres_type,
-                    "granted_bytes": offer.granted_bytes, "needed_bytes": config.margin.needed(offer.peak_bytes),
+
+def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str | None,
+            ask_cluster: ClusterSource) -> tuple[Decision, tuple[Mapping[str, Any], ...]]:
+    """The policy's decision, and the offers it weighed (for people: `check` shows them)."""
+    request, partition = job.directives, ",".join(scope.partitions)
+    available = _gpus_per_node(ask_cluster(), scope.partitions) if request.gpu_count > 1 else None
+    decision = decide(peaks, request, scope.config, user=user, partition=partition, available=available)
+    offers = tuple({"kind": offer.kind, "request": value, "gpu_type": offer.gres_type,
+                    "granted_bytes": offer.granted_bytes, "needed_bytes": scope.config.margin.needed(offer.peak_bytes),
                     "fits": fits, "description": describe_offer(offer)}
-                   for offer, request, fits in considered_offers(peaks, job.directives, config,
-                                                                  partition=",".join(partitions),
-                                                                  available=available))
-    return JobAnalysis(job, results, site_types, peaks, decision, partitions=partitions, notes=notes,
-                       offers=offers)
+                   for offer, value, fits in considered_offers(peaks, request, scope.config, partition=partition,
+                                                               available=available))
+    return decision, offers
 
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],

@@ -62,7 +62,7 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
                  for n, reason in request_errors]
 
     cwd = _job_cwd(request.chdir, submit_cwd)
-    base_env = {**env, **slurm_runtime_env(request, cwd)}
+    base_env = {**env, **slurm_runtime_env(request, submit_cwd)}
     shebang = _python_shebang(lines)
     if shebang is not None:
         commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},
@@ -83,12 +83,12 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     return JobScript(request, tuple(finder.commands), tuple(problems), path)
 
 
-def slurm_runtime_env(request: SbatchRequest, cwd: str | None) -> dict[str, str]:
-    """The SLURM_* variables of the batch step that follow from the request alone."""
+def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[str, str]:
+    """The SLURM_* variables of the batch step that follow from the request and where sbatch ran."""
     env = {"SLURM_JOB_ID": _PLACEHOLDER_JOB_ID, "SLURM_JOBID": _PLACEHOLDER_JOB_ID,
            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
-    if cwd:
-        env["SLURM_SUBMIT_DIR"] = cwd
+    if submit_dir:
+        env["SLURM_SUBMIT_DIR"] = submit_dir
     optional = {
         "SLURM_JOB_NAME": request.job_name, "SLURM_JOB_PARTITION": request.partition,
         "SLURM_JOB_ACCOUNT": request.account,
