@@ -91,3 +91,11 @@ def test_calibrate_without_usable_runs_says_what_to_do(tmp_path):
                            str(estimates), "--dry-run"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "run scripts/bench_accuracy.py" in done.stderr
+
+
+def test_a_negative_context_fit_is_clamped_at_zero_and_reported():
+    # simulated reserved above the NVML peak: residuals -100 and -50 MiB -> median -75, written as 0
+    fits = fit_overheads([OverheadSample("T4", -100 * MIB, TRANSFORMER), OverheadSample("T4", -50 * MIB, TRANSFORMER)])
+    assert fits["T4"].context_bytes == 0
+    assert fits["T4"].raw_context_bytes == -75 * MIB
+    assert "unclamped context -75 MiB" in calibration_toml(fits, "p")

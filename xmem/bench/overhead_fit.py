@@ -12,7 +12,9 @@ has it, our simulated one otherwise). The fit, with no per-record or per-model t
    It is pooled over GPU types, since the data rarely separates it on each.
 2. A library every run of a GPU type uses (cuBLAS: every training job) cannot be told apart from the context: its
    term there is 0 and the context includes it.
-3. context_g = the `quantile` of (residual - identified library terms) over g's runs (0.5: the median).
+3. context_g = the `quantile` of (residual - identified library terms) over g's runs (0.5: the median), at least 0.
+   A negative fit is physically impossible (a CUDA context takes hundreds of MiB): it means the allocator figure
+   used is already above the NVML peak, which the fit reports (`raw_context_bytes`) but does not subtract.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class OverheadFit:
     library_bytes: dict[str, int]
     samples: int
     spread_bytes: int  # 10th to 90th percentile of the fitted model's residuals: how well one constant fits
+    raw_context_bytes: int = 0  # the quantile before clamping at 0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -79,9 +82,9 @@ def fit_overheads(samples: list[OverheadSample], q: float = 0.5) -> dict[str, Ov
         used = set().union(*(s.libraries for s in runs))
         own_terms = {lib: terms.get(lib, 0) for lib in sorted(used | set(terms))}  # step 2: unidentified -> 0
         bases = [s.residual_bytes - sum(own_terms[lib] for lib in s.libraries) for s in runs]
-        context = round(quantile(bases, q))
-        fits[gpu] = OverheadFit(gpu, context, own_terms, len(runs),
-                                round(quantile(bases, 0.9) - quantile(bases, 0.1)))
+        raw = round(quantile(bases, q))
+        fits[gpu] = OverheadFit(gpu, max(0, raw), own_terms, len(runs),
+                                round(quantile(bases, 0.9) - quantile(bases, 0.1)), raw)
     return fits
 
 
@@ -94,6 +97,7 @@ def calibration_toml(fits: dict[str, OverheadFit], provenance: str) -> str:
         lines += [f'[overhead."{fit.gpu}"]',
                   f"context_bytes = {fit.context_bytes}",
                   f"library_bytes = {{ {libraries} }}",
-                  "provenance = " + json.dumps(f"{provenance}; {fit.samples} runs, residual spread p10-p90 "
+                  "provenance = " + json.dumps(f"{provenance}; {fit.samples} runs, unclamped context "
+                                               f"{fit.raw_context_bytes / 2**20:.0f} MiB, residual spread p10-p90 "
                                                f"{fit.spread_bytes / 2**20:.0f} MiB"), ""]
     return "\n".join(lines)

@@ -69,11 +69,12 @@ def samples_from(refs: list[Reference], estimates: dict[str, dict]) -> list[Over
 
 def show_fits(console: Console, fits) -> None:
     table = Table(title="Fitted non-allocator overhead per GPU type")
-    for name in ("GPU type", "runs", "context MiB", "library terms MiB", "spread p10-p90 MiB"):
+    for name in ("GPU type", "runs", "context MiB", "unclamped MiB", "library terms MiB", "spread p10-p90 MiB"):
         table.add_column(name, justify="left" if name == "GPU type" else "right")
     for fit in fits.values():
         terms = ", ".join(f"{lib} {n / MIB:.0f}" for lib, n in fit.library_bytes.items())
-        table.add_row(fit.gpu, str(fit.samples), f"{fit.context_bytes / MIB:.0f}", terms,
+        table.add_row(fit.gpu, str(fit.samples), f"{fit.context_bytes / MIB:.0f}", f"{fit.raw_context_bytes / MIB:.0f}",
+                      terms,
                       f"{fit.spread_bytes / MIB:.0f}")
     console.print(table)
 
