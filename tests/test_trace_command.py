@@ -90,3 +90,12 @@ def test_torchrun_world_size_is_processes_per_node_times_nodes(train, tmp_path):
     assert parse_command(command, cwd=str(tmp_path)).world_size == 8
     assert parse_command(["torchrun", "--nproc_per_node=gpu", "train.py"], cwd=str(tmp_path)).world_size == 1
     assert parse_command(["python", "train.py"], cwd=str(tmp_path)).world_size == 1
+
+
+def test_accelerate_and_deepspeed_launchers(train, tmp_path):
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", "--mixed_precision", "bf16",
+               "train.py", "--lr", "1"]
+    assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--lr", "1"), True, 4)
+    command = ["deepspeed", "--num_gpus=2", "train.py", "--deepspeed_config", "ds.json"]
+    assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--deepspeed_config", "ds.json"),
+                                                               True, 2)

@@ -45,7 +45,27 @@ def parse_command(command: list[str], cwd: str | None = None) -> Target:
         return _parse_python_args(rest, cwd)
     if name == "torchrun":
         return _parse_torchrun_args(rest, cwd)
+    if name == "accelerate" and rest[:1] == ["launch"]:
+        return _parse_scanned_launcher(rest[1:], cwd, ("--num_processes", "--num-processes"))
+    if name == "deepspeed":
+        return _parse_scanned_launcher(rest, cwd, ("--num_gpus", "--num-gpus"))
     return _script_target(program, rest, cwd)
+
+
+def _parse_scanned_launcher(args: list[str], cwd: str | None, process_options: tuple[str, ...]) -> Target:
+    """accelerate launch / deepspeed: too many flags to know which take values, so the program is the first
+    argument ending in .py (or the one after -m/--module); the process count comes from `process_options`."""
+    world = 1
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in process_options:
+            world = _leading_int(value or (args[i + 1] if i + 1 < len(args) else "1"))
+        if arg in ("-m", "--module") and i + 1 < len(args):
+            return Target(None, args[i + 1], tuple(args[i + 2:]), distributed=True, world_size=world)
+        if arg.endswith(".py") and not arg.startswith("-"):
+            target = _script_target(arg, args[i + 1:], cwd, require_python=False)
+            return Target(target.script, None, target.args, distributed=True, world_size=world)
+    raise TraceError("not_found", "no training script (.py) found in the launcher's arguments")
 
 
 def _parse_python_args(args: list[str], cwd: str | None) -> Target:

@@ -1,7 +1,8 @@
 """Distributed training under fake CUDA: one rank runs, alone, as the launcher described it.
 
 Owns the patches of `torch.distributed.init_process_group` (torch's fake process group: collectives do nothing,
-rank and world size as the launcher said) and of `DistributedDataParallel` (a stand-in that runs the wrapped module
+rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process) and of
+`DistributedDataParallel` (a stand-in that runs the wrapped module
 and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data while it is built).
 Import only in the tracing child, after `xmem.trace.fakecuda`.
 """
@@ -30,6 +31,7 @@ def install(fake: Any) -> None:
     if not dist.is_available():
         return
     _patch_init_process_group(fake, dist)
+    _patch_spawn()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -51,6 +53,24 @@ def _patch_init_process_group(fake: Any, dist: Any) -> None:
         original_init(backend="fake", store=FakeStore(), world_size=world_size, rank=rank, **extra, **kwargs)
 
     dist.init_process_group = init_fake_process_group
+
+
+def _patch_spawn() -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs): rank 0 runs here, in this process (fresh worker processes
+    would have no fake CUDA). The world size is the number of processes asked for."""
+    import torch.multiprocessing as mp
+
+    def run_rank_zero(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+                      start_method: str = "spawn", **kwargs: Any) -> None:
+        os.environ.setdefault("WORLD_SIZE", str(nprocs))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        fn(0, *args)
+
+    mp.spawn = run_rank_zero
+    mp.start_processes = run_rank_zero
 
 
 def bucket_sizes(params: list[torch.Tensor], cap_bytes: int,

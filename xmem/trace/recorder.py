@@ -106,7 +106,9 @@ class TrainingState:
     def _before_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self.phase == "other":
             self.phase = "forward"
-            self.started = True
+            if not self.started:
+                self.started = True
+                self.on_progress("training started")
 
     def _in_backward(self, run: Callable) -> Callable:
         def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:

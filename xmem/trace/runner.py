@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from xmem.trace.command import Target, parse_command
 from xmem.trace.errors import TraceError
@@ -83,9 +83,9 @@ def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str |
         except subprocess.TimeoutExpired:
             _kill_group(process)
             relay.join(timeout=5)
-            raise TraceError("timeout", f"the program did not finish {_plural(1, 'iteration')} set within "
-                                        f"{timeout:.0f} s (stopped after {time.monotonic() - started:.0f} s); "
-                                        "raise the timeout or trace fewer iterations") from None
+            raise TraceError("timeout", f"the trace did not finish within {timeout:.0f} s (stopped after "
+                                        f"{time.monotonic() - started:.0f} s); raise the timeout or trace fewer "
+                                        "iterations", output=_read_tail(log)) from None
         relay.join(timeout=5)
         log.seek(0)
         return log.read().decode(errors="replace"), returncode
@@ -106,8 +106,9 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def _read_tail(log: Any) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")[-OUTPUT_TAIL:]
 
 
 def _last_line(text: str) -> str:
