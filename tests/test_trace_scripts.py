@@ -289,3 +289,17 @@ def test_mp_spawn_runs_rank_zero_in_process():
     assert result.iterations == 3 and "nccl" in result.libraries
     # gradient_as_bucket_view: the buckets are the gradients, nothing extra at wrap time
     assert sizes(allocs(result, "gradient")) == sorted([64 * 64 * 4, 64 * 4] * 3)
+
+
+def test_habits_of_real_scripts_get_stand_ins_and_write_no_checkpoint(tmp_path):
+    checkpoint = tmp_path / "checkpoint.pt"
+    result = trace(sys.executable, "habits.py", str(checkpoint), iterations=3)
+    assert result.iterations == 3
+    assert not checkpoint.exists()
+    assert {"unique() assumed every value distinct (no real data under fake CUDA)",
+            "tensor.numpy() returned ones (no real data under fake CUDA)",
+            "torch.save was skipped: a trace writes no checkpoints"} <= set(result.warnings)
+    # torch.unique(y) of 16 int64 labels, every value assumed distinct
+    assert [e.nbytes for e in allocs(result) if e.op == "_unique2"][:1] == [16 * 8]
+    # SGD momentum for the model only: the EMA copy is not optimized
+    assert sizes(allocs(result, "optimizer_state")) == sorted([20 * 64 * 4, 64 * 4, 64 * 5 * 4, 5 * 4])

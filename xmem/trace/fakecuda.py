@@ -264,6 +264,23 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
     torch.Tensor.pin_memory = lambda self, device=None: self
     torch.Tensor.is_pinned = lambda self, device=None: False
 
+    original_numpy = torch.Tensor.numpy
+
+    def numpy_or_stand_in(self: torch.Tensor, *, force: bool = False) -> Any:
+        if not isinstance(self, FakeTensor):
+            return original_numpy(self, force=force)
+        fake.on_warning("tensor.numpy() returned ones (no real data under fake CUDA)")
+        with unset_fake_temporarily():
+            return torch.ones(self.shape, dtype=self.dtype).numpy()
+
+    torch.Tensor.numpy = numpy_or_stand_in
+
+    def save_nothing(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        # A trace must not overwrite the user's checkpoints with tensors that hold no data.
+        fake.on_warning("torch.save was skipped: a trace writes no checkpoints")
+
+    torch.save = save_nothing
+
     # Worker processes would receive fake tensors they cannot pickle back; load in the main process.
     loader_init = torch.utils.data.DataLoader.__init__
 

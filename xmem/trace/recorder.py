@@ -64,6 +64,28 @@ _MAX_TRUE_STAND_INS = 100
 _INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
 
 
+_SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
+# (return_inverse, return_counts) argument positions of each unique op; None: the op has no such argument
+_UNIQUE_OPS = {"_unique2": (2, 3), "_unique": (2, None), "unique_dim": (3, 4), "unique_consecutive": (1, 2)}
+
+
+def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """(values, inverse, counts) of a unique op with every value distinct; unrequested parts are empty."""
+    inverse_at, counts_at = _UNIQUE_OPS[name]
+
+    def asked(position: int | None, keyword: str) -> bool:
+        if position is None:
+            return False
+        return bool(kwargs.get(keyword, args[position] if len(args) > position else False))
+
+    values = torch.empty(x.numel() if name != "unique_dim" else x.shape, dtype=x.dtype, device=x.device)
+    inverse = torch.empty(x.shape if asked(inverse_at, "return_inverse") else 0, dtype=torch.long, device=x.device)
+    if counts_at is None:
+        return values, inverse
+    counts = torch.empty(x.numel() if asked(counts_at, "return_counts") else 0, dtype=torch.long, device=x.device)
+    return values, inverse, counts
+
+
 class TrainingState:
     """Where the program is in its training loop: phase, iteration, and when to stop.
 
@@ -313,21 +335,20 @@ class AllocationRecorder(TorchDispatchMode):
         return False
 
     def _stand_in_dynamic_shape(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        # Upper bound: every element selected. Memory estimates should err on the large side.
+        """Outputs whose size depends on tensor data, at their upper bound: every element selected, every value
+        distinct. Memory estimates should err on the large side."""
         name = func._opname
+        x = args[0]
+        if name in _UNIQUE_OPS:
+            self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
+            return _unique_upper_bound(name, x, args, kwargs)
+        self.warn(_SELECTION_WARNING)
         if name == "nonzero":
-            x = args[0]
-            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
-                      "CUDA)")
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
         if name == "masked_select":
-            x, mask = args[0], args[1]
-            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
-                      "CUDA)")
-            return torch.empty(torch.broadcast_shapes(x.shape, mask.shape).numel(), dtype=x.dtype, device=x.device)
+            return torch.empty(torch.broadcast_shapes(x.shape, args[1].shape).numel(), dtype=x.dtype,
+                               device=x.device)
         if name == "index" and len(args) > 1:
-            self.warn("nonzero()/boolean-mask selections assumed every element selected (no real data under fake "
-                      "CUDA)")
             indices: list = []
             for index in args[1]:
                 if index is not None and index.dtype in (torch.bool, torch.uint8):
@@ -335,7 +356,7 @@ class AllocationRecorder(TorchDispatchMode):
                                    for _ in range(index.dim()))
                 else:
                     indices.append(index)
-            return func(args[0], indices)
+            return func(x, indices)
         raise
 
     # ---- listeners --------------------------------------------------------------------------------------------
