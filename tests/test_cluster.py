@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -134,13 +135,29 @@ def test_unknown_backend():
         query_cluster("rest")
 
 
+def free_port_pair() -> int:
+    """A port N with N and N + 1 free (the dev cluster script puts slurmd on N + 1)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with socket.socket() as second:
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.mark.slurm
 def test_live_cluster_through_the_cli(tmp_path, monkeypatch):
     if not all(shutil.which(n) for n in ("slurmctld", "slurmd", "sinfo", "munged")) or os.geteuid() != 0:
         pytest.skip("needs Slurm installed and root (scripts/slurm-dev-cluster.sh)")
     script = REPO / "scripts" / "slurm-dev-cluster.sh"
     lab = tmp_path / "lab"
-    up = subprocess.run(["bash", str(script), "up", "--lab", str(lab), "--port", "6927"], capture_output=True,
+    port = str(free_port_pair())
+    up = subprocess.run(["bash", str(script), "up", "--lab", str(lab), "--port", port], capture_output=True,
                         text=True, timeout=300)
     try:
         assert up.returncode == 0, up.stderr

@@ -1,12 +1,13 @@
 """The directive parser against the real thing: each script is submitted (held, never run) to a throw-away
 single-node Slurm 22.05 started here, and what slurmctld recorded (`scontrol show job -o`) must equal what
-`parse_jobscript` read. No cli_filter: sbatch alone. Ports 6917/6918, so the dev cluster (6817) and the
-integration tests' cluster (6837) are left alone."""
+`parse_jobscript` read. No cli_filter: sbatch alone. Its ports are free ones picked at start, so other
+clusters on this machine (the dev cluster, the integration tests', a parallel test run) are left alone."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,8 +24,8 @@ ClusterName=xmemparse
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=6917
-SlurmdPort=6918
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={lab}/state
@@ -77,6 +78,18 @@ def _wait(predicate, what: str, seconds: float = 15) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def free_ports(n: int) -> list[int]:
+    """Ports nothing listens on now (the OS picks them)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def _start_munge() -> None:
     if _run("munge", "-n").returncode == 0:
         return
@@ -114,7 +127,8 @@ def slurm(tmp_path_factory):
         (lab / sub).mkdir()
     for i in range(4):
         (lab / "dev" / f"nvidia{i}").symlink_to("/dev/null")
-    (lab / "etc" / "slurm.conf").write_text(SLURM_CONF.format(lab=lab))
+    ctld_port, slurmd_port = free_ports(2)
+    (lab / "etc" / "slurm.conf").write_text(SLURM_CONF.format(lab=lab, ctld_port=ctld_port, slurmd_port=slurmd_port))
     (lab / "etc" / "gres.conf").write_text(GRES_CONF.format(lab=lab))
     env = {**os.environ, "SLURM_CONF": str(lab / "etc" / "slurm.conf")}
     for name in list(env):
