@@ -287,3 +287,11 @@ def test_submit_dir_is_where_sbatch_ran_even_with_chdir():
                           submit_cwd="/home/u")
     assert job.commands[0].cwd == "/home/u/work"
     assert job.commands[0].argv[-1] == "/home/u"
+
+
+def test_environment_runners_are_problems_not_silently_skipped():
+    job = parse("uv run python t.py\npoetry run python t.py\nuv pip install numpy\n")
+    assert not job.commands
+    assert [(p.line_no, p.reason) for p in job.problems] == [
+        (3, "python is started through 'uv', which xmem does not follow"),
+        (4, "python is started through 'poetry', which xmem does not follow")]

@@ -61,7 +61,7 @@ Item = str | Opaque
 
 _WRAPPERS = {"exec", "time", "nohup", "command", "builtin", "nice", "ionice", "taskset", "numactl", "stdbuf"}
 _TEXT_COMMANDS = {"echo", "printf", "which", "type", "whereis", "module", "ml", "pip", "pip3", "hash", "alias",
-                  "conda", "mamba", "micromamba", "uv", "nvidia-smi", "cat", "tee", "grep", "read"}
+                  "conda", "mamba", "micromamba", "nvidia-smi", "cat", "tee", "grep", "read"}
 _UNSUPPORTED_LAUNCHERS = {"deepspeed", "mpirun", "mpiexec", "horovodrun", "singularity", "apptainer", "docker",
                           "podman", "enroot", "charliecloud", "parallel", "xargs"}
 _NOT_TRAINING_MODULES = {"pip", "venv", "ensurepip", "site", "json.tool", "http.server", "pytest",
