@@ -131,3 +131,26 @@ def test_human_output_shows_script_text_literally(workdir):
     assert done.returncode == 8
     assert "[for s in 1 2; do python train.py [red]x; done]" in done.stdout  # not taken as Rich markup
     assert done.stderr.strip().endswith("not understood: 1 problem(s) listed above")
+
+
+def test_wrap_is_checked_like_sbatch_wraps_it(workdir):
+    done = check("--wrap", "python train.py 8", "-p", "debug", "--json", "--config", str(EXAMPLE_CONFIG),
+                 cwd=workdir)
+    assert done.returncode == 0  # no GPU asked: nothing to estimate
+    data = json.loads(done.stdout)
+    assert data["job"]["commands"][0]["argv"] == ["python", "train.py", "8"]
+    assert data["job"]["problems"] == [] and data["decision"]["action"] == "none"
+
+
+def test_gres_and_gpus_options_override_the_script(workdir):
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\nfor i in 1; do python t.py; done\n")
+    done = check(str(workdir / "job.sh"), "--gres", "gpu:a100:1", "-G", "h100:1", "--json", "--config",
+                 str(EXAMPLE_CONFIG), cwd=workdir)
+    request = json.loads(done.stdout)["job"]["directives"]
+    assert (request["gres"], request["gpus"]) == (["gpu:a100:1"], "h100:1")
+    assert [r[2] for r in request["raw"]] == [2, 0, 0]  # the script's line, then the command line
+
+
+def test_script_and_wrap_together_is_a_usage_error(workdir):
+    done = check("job.sh", "--wrap", "true", cwd=workdir)
+    assert done.returncode == 2 and "one of them" in done.stderr

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import typer
@@ -30,7 +33,8 @@ GIB = 1 << 30
 
 @app.command("check")
 def check_command(
-    script: str = typer.Argument(..., metavar="JOB.sh", help="The batch script, as you would give it to sbatch."),
+    script: Optional[str] = typer.Argument(None, metavar="JOB.sh",
+                                           help="The batch script, as you would give it to sbatch."),
     args: Optional[list[str]] = typer.Argument(None, metavar="[ARGS]...",
                                                help="The script's own arguments (after `--` if one starts with -)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
@@ -41,16 +45,24 @@ def check_command(
                                                  "partition's types."),
     partition: Optional[str] = typer.Option(None, "--partition", "-p",
                                             help="As sbatch -p: overrides the script's #SBATCH --partition."),
+    gres: Optional[str] = typer.Option(None, "--gres", help="As sbatch --gres: overrides the script's."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", "-G", help="As sbatch --gpus: overrides the script's."),
+    wrap: Optional[str] = typer.Option(None, "--wrap", metavar="COMMAND",
+                                       help="As sbatch --wrap: check this command instead of a script."),
 ) -> None:
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
     err = Console(stderr=True)
+    if (script is None) == (wrap is None):
+        _fail(as_json, EXIT_USAGE, "bad_option", "give a batch script or --wrap COMMAND (one of them)")
     try:
         site = load_site_config(config)
     except ConfigError as e:
         _fail(as_json, EXIT_USAGE, "bad_config", str(e))
-    cli_options = {"partition": partition} if partition else None
+    given = {"partition": partition, "gres": gres, "gpus": gpus}
+    cli_options = {name: value for name, value in given.items() if value} or None
     try:
-        analysis = _analyze(err, as_json, script, list(args or ()), cli_options, site, gpu)
+        with _script_file(script, wrap) as path:
+            analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu)
     except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
         _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
     code = exit_code(analysis)
@@ -68,6 +80,18 @@ def check_command(
                 line = " ".join(str(error).split())
             sys.stderr.write(f"xmem-slurm check: {line}\n")
     raise typer.Exit(code)
+
+
+@contextmanager
+def _script_file(script: Optional[str], wrap: Optional[str]) -> Iterator[str]:
+    """The script to analyse; for --wrap, a temporary one holding the command as sbatch writes it."""
+    if script is not None:
+        yield script
+        return
+    with tempfile.NamedTemporaryFile("w", prefix="xmem-wrap-", suffix=".sh") as f:
+        f.write(f"#!/bin/sh\n# This script was created by sbatch --wrap.\n\n{wrap}\n")
+        f.flush()
+        yield f.name
 
 
 def exit_code(analysis: JobAnalysis) -> int:
