@@ -126,7 +126,8 @@ def test_partition_unknown_to_config_and_cluster_exits_2(workdir):
 
 
 def test_human_output_shows_script_text_literally(workdir):
-    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\nfor s in 1 2; do python train.py [red]x; done\n")
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\n"
+                                    "for s in 1 2; do python train.py [red]x; done\n")
     done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
     assert done.returncode == 8
     assert "[for s in 1 2; do python train.py [red]x; done]" in done.stdout  # not taken as Rich markup
