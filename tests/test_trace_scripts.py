@@ -303,3 +303,12 @@ def test_habits_of_real_scripts_get_stand_ins_and_write_no_checkpoint(tmp_path):
     assert [e.nbytes for e in allocs(result) if e.op == "_unique2"][:1] == [16 * 8]
     # SGD momentum for the model only: the EMA copy is not optimized
     assert sizes(allocs(result, "optimizer_state")) == sorted([20 * 64 * 4, 64 * 4, 64 * 5 * 4, 5 * 4])
+
+
+def test_data_parallel_replicates_onto_the_second_gpu():
+    result = trace(sys.executable, "data_parallel.py", iterations=2, device_count=2)
+    assert result.iterations == 2
+    on_gpu1 = [e for e in allocs(result) if e.device == 1 and e.iteration == 0]
+    # each iteration: the replica's weight and bias, and half of the batch of 8 (4 x 32 fp32)
+    assert {32 * 32 * 4, 32 * 4, 4 * 32 * 4} <= {e.nbytes for e in on_gpu1}
+    assert all(e.device == 0 for e in allocs(result, "parameter") + allocs(result, "gradient"))

@@ -1,8 +1,8 @@
 """Distributed training under fake CUDA: one rank runs, alone, as the launcher described it.
 
 Owns the patches of `torch.distributed.init_process_group` (torch's fake process group: collectives do nothing,
-rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process) and of
-`DistributedDataParallel` (a stand-in that runs the wrapped module
+rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process), of the
+device-to-device transfers of single-process `nn.DataParallel`, and of `DistributedDataParallel` (a stand-in that runs the wrapped module
 and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data while it is built).
 Import only in the tracing child, after `xmem.trace.fakecuda`.
 """
@@ -32,6 +32,7 @@ def install(fake: Any) -> None:
         return
     _patch_init_process_group(fake, dist)
     _patch_spawn()
+    _patch_data_parallel_transfers()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -71,6 +72,45 @@ def _patch_spawn() -> None:
 
     mp.spawn = run_rank_zero
     mp.start_processes = run_rank_zero
+
+
+def _patch_data_parallel_transfers() -> None:
+    """nn.DataParallel over several fake GPUs: the transfers between devices are C++ kernels that need a driver,
+    so they are re-stated with plain copies (same tensors, same devices), and the replicas run one after another
+    on this thread, which the recorder watches (upstream runs them on worker threads)."""
+    import functools
+    import sys
+
+    import torch.nn.parallel.comm as comm
+    data_parallel = sys.modules["torch.nn.parallel.data_parallel"]  # the attribute of that name is a function
+
+    def broadcast_coalesced(tensors: list, devices: list, buffer_size: int = 0) -> list[list[torch.Tensor]]:
+        # upstream: the first device's outputs are the inputs themselves
+        targets = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+        return [list(tensors) if i == 0 else [t.to(device) for t in tensors] for i, device in enumerate(targets)]
+
+    def reduce_add_coalesced(inputs: list, destination: Any = None, buffer_size: int = 0) -> list[torch.Tensor]:
+        target = torch.device("cuda", destination or 0) if not isinstance(destination, torch.device) else destination
+        return [functools.reduce(torch.add, [t.to(target) for t in same]) for same in zip(*inputs)]
+
+    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None, dim: int = 0,
+                streams: Any = None, out: Any = None) -> tuple[torch.Tensor, ...]:
+        chunks = tensor.split(chunk_sizes, dim) if chunk_sizes else tensor.chunk(len(devices), dim)
+        return tuple(chunk.contiguous().to(torch.device("cuda", d) if isinstance(d, int) else d)
+                     for chunk, d in zip(chunks, devices))
+
+    def gather(tensors: list, dim: int = 0, destination: Any = None, out: Any = None) -> torch.Tensor:
+        target = torch.device("cuda", destination or 0) if isinstance(destination, (int, type(None))) else destination
+        return torch.cat([t.to(target) for t in tensors], dim)
+
+    def apply_one_by_one(modules: Any, inputs: Any, kwargs_tup: Any = None, devices: Any = None) -> list:
+        kwargs_tup = kwargs_tup or ({},) * len(modules)
+        return [module(*(args if isinstance(args, (list, tuple)) else (args,)), **kwargs)
+                for module, args, kwargs in zip(modules, inputs, kwargs_tup)]
+
+    comm.broadcast_coalesced, comm.reduce_add_coalesced = broadcast_coalesced, reduce_add_coalesced
+    comm.scatter, comm.gather = scatter, gather
+    data_parallel.parallel_apply = apply_one_by_one
 
 
 def bucket_sizes(params: list[torch.Tensor], cap_bytes: int,

@@ -40,12 +40,12 @@ _LIBRARY_OPS = {
               "native_batch_norm_backward", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
               "_cudnn_rnn", "_cudnn_rnn_backward", "_scaled_dot_product_cudnn_attention", "cudnn_grid_sampler"},
     "cufft": {"_fft_r2c", "_fft_c2r", "_fft_c2c"},
+    "cusolver": {"linalg_cholesky_ex", "cholesky", "cholesky_solve", "cholesky_inverse", "linalg_qr", "geqrf",
+                 "ormqr", "_linalg_svd", "_linalg_eigh", "linalg_eig", "linalg_lu_factor_ex", "linalg_lu",
+                 "linalg_lu_solve", "linalg_solve_triangular", "triangular_solve", "_linalg_solve_ex",
+                 "linalg_inv_ex", "linalg_ldl_factor_ex", "_linalg_det", "_linalg_slogdet",
+                 "linalg_householder_product"},
 }
-_LIBRARY_OPS["cusolver"] = {"linalg_cholesky_ex", "cholesky", "cholesky_solve", "cholesky_inverse", "linalg_qr",
-                             "geqrf", "ormqr", "_linalg_svd", "_linalg_eigh", "linalg_eig", "linalg_lu_factor_ex",
-                             "linalg_lu", "linalg_lu_solve", "linalg_solve_triangular", "triangular_solve",
-                             "_linalg_solve_ex", "linalg_inv_ex", "linalg_ldl_factor_ex", "_linalg_det",
-                             "_linalg_slogdet", "linalg_householder_product"}
 
 # Ops that bring data onto the GPU (host copies, random batches): outside forward/backward/optimizer, the inputs.
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
@@ -63,7 +63,7 @@ _BOOL_FLIP = {"logical_not", "bitwise_not"}
 _MAX_TRUE_STAND_INS = 100
 _INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
 
-
+# Outputs whose size depends on data get their upper bound (see AllocationRecorder._stand_in_dynamic_shape).
 _SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
 # (return_inverse, return_counts) argument positions of each unique op; None: the op has no such argument
 _UNIQUE_OPS = {"_unique2": (2, 3), "_unique": (2, None), "unique_dim": (3, 4), "unique_consecutive": (1, 2)}
@@ -104,7 +104,6 @@ class TrainingState:
         self.completed = 0
         self.started = False
         self.stopped = False
-        self.backward_ran = False
         self._optimizers = optimizers  # every optimizer the program created (kept by FakeCuda)
         self._not_awaited: set[int] = set()
         self._stepped: set[int] = set()
@@ -134,7 +133,7 @@ class TrainingState:
 
     def _in_backward(self, run: Callable) -> Callable:
         def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:
-            outer, self.phase, self.started, self.backward_ran = self.phase, "backward", True, True
+            outer, self.phase, self.started = self.phase, "backward", True
             try:
                 return run(*args, **kwargs)
             finally:
@@ -262,6 +261,7 @@ class AllocationRecorder(TorchDispatchMode):
             _guess_truth(tensor, op, args)
         if tensor.device.type != "cuda":
             return
+        self.threads.add(threading.get_ident())
         if op not in self._cuda_ops:
             self._first_cuda_use(op)
         storage = tensor.untyped_storage()
@@ -297,7 +297,6 @@ class AllocationRecorder(TorchDispatchMode):
 
     def _first_cuda_use(self, op: str) -> None:
         self._cuda_ops.add(op)
-        self.threads.add(threading.get_ident())
         for library, ops in _LIBRARY_OPS.items():
             if op in ops:
                 self.libraries.add(library)
