@@ -1,6 +1,7 @@
 """The dev cluster (scripts/slurm-dev-cluster.sh) for the integration tests: up once per session, down at the end.
 
-It runs on its own LAB directory and ports (6837/6838), so a developer's cluster on the default ones is left alone.
+Each runs on its own LAB directory and ports (6837/6838 inline, 6877/6878 deferred), so a developer's cluster on
+the default ones is left alone.
 """
 
 from __future__ import annotations
@@ -93,19 +94,18 @@ def _slurm_available() -> str | None:
     return "slurmctld is not installed and apt-get could not install it"
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> DevCluster:
+def _start(tmp_path_factory, name: str, port: int, mode: str = "inline"):
     why_not = _slurm_available()
     if why_not:
         pytest.skip(why_not)
     if os.geteuid() != 0:
         pytest.skip("the dev cluster runs slurmctld/slurmd as root (SlurmUser=root); run the tests as root")
-    lab = tmp_path_factory.mktemp("slurm-lab")
+    lab = tmp_path_factory.mktemp(name)
     xmem_slurm = Path(sys.executable).parent / "xmem-slurm"
     env = {**os.environ, "XMEM_SLURM": str(xmem_slurm)}
     env.pop("SLURM_JOB_ID", None)  # the filter skips submissions from inside a job
-    up = subprocess.run(["bash", str(SCRIPT), "up", "--lab", str(lab), "--port", str(PORT)], capture_output=True,
-                        text=True, timeout=300, env=env)
+    up = subprocess.run(["bash", str(SCRIPT), "up", "--lab", str(lab), "--port", str(port), "--mode", mode],
+                        capture_output=True, text=True, timeout=300, env=env)
     if up.returncode != 0:
         subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)
         raise RuntimeError(f"slurm-dev-cluster.sh up failed:\n{up.stdout}\n{up.stderr}")
@@ -114,3 +114,15 @@ def cluster(tmp_path_factory) -> DevCluster:
     env.update(exports, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     yield DevCluster(lab, env)
     subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> DevCluster:
+    """Inline mode: the filter estimates during sbatch."""
+    yield from _start(tmp_path_factory, "slurm-lab", PORT)
+
+
+@pytest.fixture(scope="session")
+def deferred_cluster(tmp_path_factory) -> DevCluster:
+    """Deferred mode (issue 5): estimates run as jobs on the `cpu` partition. Ports 6877/6878."""
+    yield from _start(tmp_path_factory, "slurm-lab-deferred", PORT + 40, "partition")
