@@ -220,6 +220,8 @@ class AllocationRecorder(TorchDispatchMode):
         self.op_counts[name] = self.op_counts.get(name, 0) + 1
         if not self.state.stopped:
             self._note_unseen_inputs(args, name)
+            if name == "convolution" and args[0].dtype == torch.bfloat16:
+                self.arch_sensitive = True  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
