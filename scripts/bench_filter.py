@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """How much time xmem-slurm's cli_filter adds to `sbatch`, measured on the real dev cluster.
 
-    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--json]
+    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--mode inline|partition] [--json]
 
 Starts its own dev cluster (scripts/slurm-dev-cluster.sh, LAB in a temporary directory, ports 6857/6858), submits
 held jobs (they never run) and reports the median wall time of `sbatch` for:
   baseline   the GPU job through a slurm.conf without the cli_filter (same controller)
   cpu        a CPU job through the filter (parsed, no estimate)
-  fresh      the GPU job with a fresh estimate (the script's bytes changed each time)
+  fresh      the GPU job with a fresh estimate (the script's bytes changed each time); with --mode partition
+             (deferred, issue 5) the estimate is queued as a CPU job instead: this is sbatch's latency then
   cached     the unchanged GPU job again (the analysis comes from the cache)
 and the filter's share: each minus the baseline. Run as root (the dev cluster needs it).
 """
@@ -61,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=10, help="submissions per cheap case (median reported)")
     parser.add_argument("--fresh", type=int, default=3, help="submissions with a fresh estimate")
+    parser.add_argument("--mode", choices=("inline", "partition"), default="inline",
+                        help="the dev cluster's estimation mode")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -70,20 +73,21 @@ def main() -> None:
         env = {**os.environ, "XMEM_SLURM": str(Path(sys.executable).parent / "xmem-slurm"),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "PWD": str(work)}
         env.pop("SLURM_JOB_ID", None)
-        up = subprocess.run(["bash", str(CLUSTER), "up", "--lab", str(lab), "--port", str(PORT)], env=env,
+        up = subprocess.run(["bash", str(CLUSTER), "up", "--lab", str(lab), "--port", str(PORT), "--mode", args.mode],
+                            env=env,
                             capture_output=True, text=True, timeout=300)
         if up.returncode != 0:
             raise SystemExit(f"dev cluster did not start:\n{up.stderr}")
         env.update(re.findall(r"(\w+)=(\S+)", up.stdout.strip().splitlines()[-1].removeprefix("export ")))
         try:
-            figures = measure(lab, work, env, args.repeat, args.fresh)
+            figures = measure(lab, work, env, args.repeat, args.fresh, args.mode)
         finally:
             subprocess.run(["bash", str(CLUSTER), "down", "--lab", str(lab)], env=env, capture_output=True,
                            timeout=120)
     report(figures, args.json)
 
 
-def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int) -> dict[str, dict]:
+def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int, mode: str) -> dict[str, dict]:
     (work / "train.py").write_text(TRAIN)
     gpu = work / "gpu.sh"
     gpu.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
@@ -105,7 +109,11 @@ def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int)
         changed = work / f"gpu-{i}.sh"
         changed.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# variant {i}\npython train.py\n")
         samples["fresh"].append(sbatch_seconds(changed, env))
-    sbatch_seconds(gpu, env, expect="smallest fit")  # fill the cache
+    if mode == "partition":
+        sbatch_seconds(gpu, env, expect="queued")
+        wait_for_estimates(env)  # the estimation jobs fill the cache
+    else:
+        sbatch_seconds(gpu, env, expect="smallest fit")  # fill the cache
     for _ in range(repeat):
         samples["cached"].append(sbatch_seconds(gpu, env, expect="(cached estimate)"))
     base = statistics.median(samples["baseline"])
@@ -113,6 +121,17 @@ def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int)
                    "max_s": round(max(v), 3), "n": len(v),
                    "added_s": round(statistics.median(v) - base, 3) if case != "baseline" else 0.0}
             for case, v in samples.items()}
+
+
+def wait_for_estimates(env: dict[str, str], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = subprocess.run(["squeue", "-h", "-o", "%j"], env=env, capture_output=True, text=True,
+                               timeout=30).stdout.split()
+        if not any(n.startswith("xmem-estimate-") for n in names):
+            return
+        time.sleep(1)
+    raise SystemExit(f"estimation jobs still running after {timeout_s} s")
 
 
 def report(figures: dict[str, dict], as_json: bool) -> None:

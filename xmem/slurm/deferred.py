@@ -167,6 +167,8 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
     comment = _with_state(user_comment, f"state={state};was={_plain(was)}" +
                           (f";why={_plain(note)}" if state != "done" else ""), stamp)
     _scontrol("update", f"JobId={job_id}", f"Comment={comment}")
+    if request.options.get("hold"):  # the user's own --hold: theirs to release
+        return f"job {job_id} left held, as submitted ({state}): {note}"
     _scontrol("release", job_id)
     return f"job {job_id} released ({state}): {note}"
 

@@ -1,0 +1,56 @@
+"""Deferred mode's pure parts: the spool snapshot, the comment states, the scontrol form of a request.
+(The flow itself is tested on the real Slurm: tests/integration/test_deferred.py.)"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from xmem.slurm.deferred import _tres, _user_request, _with_state, defer, load_request
+from xmem.slurm.filter import FilterRequest, deferring
+from xmem.slurm.node import JobStamp
+
+
+def site(tmp_path, mode="partition", cpu_partition="cpu"):
+    return SimpleNamespace(estimate=SimpleNamespace(cache_dir=str(tmp_path / "cache")),
+                           deferred=SimpleNamespace(mode=mode, cpu_partition=cpu_partition))
+
+
+def test_deferring_needs_partition_mode_and_a_cpu_partition(tmp_path):
+    assert deferring(site(tmp_path))
+    assert not deferring(site(tmp_path, mode="inline"))
+    assert not deferring(site(tmp_path, cpu_partition=None))
+
+
+def test_defer_snapshots_the_script_and_holds_the_job(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    request = FilterRequest(script=str(script), argv=(str(script), "x"), user="ann",
+                            options={"gres": "gres:gpu:1", "comment": "my run"}, env={"A": "1"}, cwd=str(tmp_path))
+    reply, token = defer(str(script), request, site(tmp_path))
+    assert reply.set == {"hold": "set", "comment": "my run xmem:state=pending;was=gpu:1"}
+    assert "queued on partition cpu" in reply.message
+    script.write_text("edited\n")
+    spool = tmp_path / "cache" / "spool" / token
+    snapshot, original = load_request(spool)
+    assert Path(snapshot.script).read_text() == "#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n"
+    assert original == str(script)
+    assert (snapshot.argv, snapshot.options, snapshot.env, snapshot.cwd) == (
+        (str(script), "x"), request.options, {"A": "1"}, str(tmp_path))
+    assert json.loads((spool / "request.json").read_text())["user"] == "ann"
+
+
+def test_comment_states_keep_the_users_text_and_the_stamp():
+    stamp = JobStamp(peak_bytes=5, needed_bytes=6, gpu_type="h100", request="gpu:h100:1", action="rewrite")
+    assert _with_state("mine xmem:state=pending;was=gpu:1", "state=done;was=gpu:1", stamp) == (
+        "mine " + stamp.comment() + ";state=done;was=gpu:1")
+    assert _with_state(None, "state=failed;why=x") == "xmem:state=failed;why=x"
+    assert JobStamp.from_comment(_with_state(None, "state=done", stamp)) == stamp
+
+
+def test_requests_in_scontrol_form():
+    assert _tres("gres", "gpu:1g.10gb:1") == "gres:gpu:1g.10gb:1"
+    assert _tres("gres", "gpu:a100:1,mps:10") == "gres:gpu:a100:1,gres:mps:10"
+    assert _tres("gpus", "h100:2") == "gres:gpu:h100:2"
+    assert _user_request({"gres": "gres:gpu:1"}) == "gpu:1"
+    assert _user_request({"gpus-per-node": "a100:1"}) == "gpus-per-node=a100:1"
+    assert _user_request({}) is None
