@@ -1,6 +1,6 @@
 """Measure what a trace costs: wall time of run_trace and peak RSS of the tracing child, per workload.
 
-    .venv/bin/python scripts/bench_trace.py [gpt2] [gpt2-bf16] [llama7b] [--iterations 3] [--python PY]
+    .venv/bin/python scripts/bench_trace.py [gpt2] [gpt2-bf16] [llama7b] [llama7b-fp32] [--iterations 3] [--python PY]
 
 Each workload is traced from a fresh parent process, so the child's peak RSS (getrusage RUSAGE_CHILDREN) is its own.
 Prints one line per workload and a JSON summary.
@@ -21,6 +21,7 @@ WORKLOADS = {
     "gpt2": ["tests/scripts/gpt2_train.py"],  # GPT2LMHeadModel(GPT2Config()), B=8, T=1024, AdamW, fp32
     "gpt2-bf16": ["tests/scripts/gpt2_train.py", "--amp", "bf16"],
     "llama7b": ["tests/scripts/llama7b_train.py"],  # 7B Llama shape, B=1, T=2048, AdamW, bf16, checkpointing
+    "llama7b-fp32": ["tests/scripts/llama7b_train.py", "--dtype", "fp32", "--checkpointing", "off"],
 }
 
 
