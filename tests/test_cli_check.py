@@ -68,9 +68,10 @@ def test_json_on_a_real_training_script(workdir):
 def test_human_output_shows_job_estimate_and_decision(workdir):
     pytest.importorskip("xmem.estimate", reason="the estimator (xmem.estimate) has not landed")
     (workdir / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\ncd {workdir}\npython train.py 512\n")
-    done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir)
+    done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
     assert done.returncode == 0, done.stderr
-    for text in ("--gres", "python train.py 512", "Predicted peak GPU memory", "1g.10gb", "Decision:"):
+    for text in ("--gres", "python train.py 512", "Predicted peak GPU memory", "at the peak on", "optimizer state",
+                 "Requests weighed", "<- chosen", "Decision:"):
         assert text in done.stdout
 
 

@@ -148,6 +148,12 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
     for estimate in analysis.estimates:
         if estimate.skipped:
             console.print(f"[yellow]skipped:[/] {escape(estimate.skipped)}")
+        breakdown = (estimate.estimate or {}).get("breakdown") or {}
+        if breakdown:
+            parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
+                              sorted(breakdown.items(), key=lambda kv: -kv[1]) if n >= 2**20)
+            console.print(f"line {estimate.command.line_no}, at the peak on "
+                          f"{escape(str(estimate.estimate.get('breakdown_gpu')))}: {escape(parts)}")
         for warning in (estimate.estimate or {}).get("warnings", []):
             console.print(f"[yellow]warning:[/] {escape(warning)}")
     _show_offers(console, analysis)
@@ -205,6 +211,10 @@ def _memory_of(gpu_type: str, site: SiteConfig) -> Optional[int]:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
+
+
+def _size(nbytes: int) -> str:
+    return _gib(nbytes) if nbytes >= GIB else f"{nbytes / 2**20:.0f} MiB"
 
 
 def _fail(as_json: bool, code: int, kind: str, message: str) -> None:
