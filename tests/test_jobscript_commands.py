@@ -295,3 +295,9 @@ def test_environment_runners_are_problems_not_silently_skipped():
     assert [(p.line_no, p.reason) for p in job.problems] == [
         (3, "python is started through 'uv', which xmem does not follow"),
         (4, "python is started through 'poetry', which xmem does not follow")]
+
+
+def test_subshell_changes_do_not_leak():
+    job = parse("(cd /elsewhere && export X=1 && python a.py)\npython b.py\n", submit_cwd="/home/u")
+    assert [(c.argv[1], c.cwd, dict(c.env)) for c in job.commands] == [
+        ("a.py", "/elsewhere", {"X": "1"}), ("b.py", "/home/u", {})]

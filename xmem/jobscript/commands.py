@@ -9,6 +9,7 @@ that needs command output, an unsupported launcher) becomes a `Problem` naming t
 
 from __future__ import annotations
 
+import copy
 import os
 import posixpath
 from collections.abc import Mapping
@@ -147,8 +148,14 @@ class Finder:
     depth: int = 0
 
     def run(self, tokens: list[Token]) -> None:
+        saved: list[ShellState] = []
         for words, after_or in _simple_commands(tokens):
-            if after_or:
+            if words == "(":  # a subshell: what it changes (cd, variables) is gone after its `)`
+                saved.append(copy.deepcopy(self.state))
+            elif words == ")":
+                if saved:
+                    self.state = saved.pop()
+            elif after_or:
                 self.depth += 1  # `a || b`: b runs only when a fails, which a static read cannot tell
                 self._command(words)
                 self.depth -= 1
@@ -492,10 +499,10 @@ def _rank_count(value: Item | None) -> int | None:
     return None
 
 
-def _simple_commands(tokens: list[Token]) -> list[tuple[list[Word], bool]]:
+def _simple_commands(tokens: list[Token]) -> list[tuple[list[Word] | str, bool]]:
     """Group tokens into simple commands, each with whether it follows `||`; redirections and their targets are
-    dropped."""
-    commands: list[tuple[list[Word], bool]] = []
+    dropped. A subshell's `(` and `)` come through as such."""
+    commands: list[tuple[list[Word] | str, bool]] = []
     current: list[Word] = []
     after_or = skip_next = False
     for token in tokens:
@@ -506,6 +513,8 @@ def _simple_commands(tokens: list[Token]) -> list[tuple[list[Word], bool]]:
                 if current:
                     commands.append((current, after_or))
                 current = []
+                if token.text in ("(", ")"):
+                    commands.append((token.text, False))
                 after_or = token.text == "||"
             continue
         if skip_next:
