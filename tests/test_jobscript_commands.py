@@ -301,3 +301,9 @@ def test_subshell_changes_do_not_leak():
     job = parse("(cd /elsewhere && export X=1 && python a.py)\npython b.py\n", submit_cwd="/home/u")
     assert [(c.argv[1], c.cwd, dict(c.env)) for c in job.commands] == [
         ("a.py", "/elsewhere", {"X": "1"}), ("b.py", "/home/u", {})]
+
+
+def test_export_of_a_value_with_spaces_is_one_assignment():
+    c = only_command('A="x y"\nexport B=$A\ndeclare C=$A\npython t.py "$B" "$C"\n')
+    assert c.argv == ("python", "t.py", "x y", "x y")
+    assert c.env == {"B": "x y"}

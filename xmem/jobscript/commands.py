@@ -181,7 +181,10 @@ class Finder:
             for name, value in prefix_env.items():
                 self.state.assign(name, self._blocky(value, name))
             return
-        items = [self._expand(w) for w in words]
+        if words[0].literal in ("export", "declare", "readonly", "local"):
+            items = [self._expand(words[0])] + [self._declaration(w) for w in words[1:]]
+        else:
+            items = [self._expand(w) for w in words]
         flat = [item for group in items for item in group]
         if not flat:
             return
@@ -223,6 +226,13 @@ class Finder:
         except Unknown as e:
             return name, Opaque(word.source, e.what)
 
+    def _declaration(self, word: Word) -> list[Item]:
+        """`export X=$A`: an assignment argument is not split into words (bash's declaration builtins)."""
+        if not _assignment_name(word):
+            return self._expand(word)
+        name, value = self._assignment(word)
+        return [value if isinstance(value, Opaque) else f"{name}={value}"]
+
     def _expand(self, word: Word) -> list[Item]:
         try:
             return list(expand(word, self.state.lookup, self.state.positional, self.state.script_name))
@@ -240,8 +250,8 @@ class Finder:
             self._dispatch_wrapped(items, prefix_env, line_no, sources)
         elif name in ("cd", "pushd"):
             self._cd(items[1:], line_no)
-        elif name == "export":
-            self._export(items[1:], line_no)
+        elif name in ("export", "declare", "readonly", "local"):
+            self._export(items[1:], line_no, exported=name == "export" or "-x" in items[1:])
         elif name == "unset":
             for item in items[1:]:
                 if isinstance(item, str) and not item.startswith("-"):
@@ -303,21 +313,23 @@ class Finder:
             self.state.cwd = posixpath.normpath(posixpath.join(base, target)) if base or target.startswith("/") \
                 else target
 
-    def _export(self, args: list[Item], line_no: int) -> None:
+    def _export(self, args: list[Item], line_no: int, exported: bool = True) -> None:
         for arg in args:
             if isinstance(arg, Opaque):
                 name = arg.source.partition("=")[0]
                 if name.isidentifier():
-                    self.state.exported.add(name)
+                    if exported:
+                        self.state.exported.add(name)
                     self.state.assign(name, arg)
                 continue
             if arg.startswith("-"):
                 continue
             name, eq, value = arg.partition("=")
             if eq:
-                self.state.exported.add(name)
+                if exported:
+                    self.state.exported.add(name)
                 self.state.assign(name, self._blocky(value, name))
-            else:
+            elif exported:
                 self.state.export(name)
 
     def _source(self, args: list[Item], line_no: int) -> None:
