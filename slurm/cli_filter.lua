@@ -75,8 +75,8 @@ local function fault(what)
 end
 
 -- The filter's reply is one JSON object: {"set": {name: string...}, "message": string|null,
--- "reject": string|null, "fault": string|null}. It is read with patterns, not a JSON library, so the values must be plain
--- strings (the Python side guarantees it: no quotes or backslashes inside them).
+-- "reject": string|null, "fault": string|null, "defer": string|null}. It is read with patterns, not a JSON
+-- library, so the values must be plain strings (the Python side guarantees it: no quotes or backslashes).
 local function reply_field(out, name)
   return string.match(out, '"' .. name .. '"%s*:%s*"([^"\\]*)"')
 end

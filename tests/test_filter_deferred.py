@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from xmem.slurm.deferred import _tres, _user_request, _with_state, defer, load_request
-from xmem.slurm.filter import FilterRequest, deferring
+from xmem.slurm.deferred import _tres, _with_state, defer, load_request
+from xmem.slurm.filter import FilterRequest, deferring, user_request
 from xmem.slurm.node import JobStamp
 
 
@@ -51,6 +51,6 @@ def test_requests_in_scontrol_form():
     assert _tres("gres", "gpu:1g.10gb:1") == "gres:gpu:1g.10gb:1"
     assert _tres("gres", "gpu:a100:1,mps:10") == "gres:gpu:a100:1,gres:mps:10"
     assert _tres("gpus", "h100:2") == "gres:gpu:h100:2"
-    assert _user_request({"gres": "gres:gpu:1"}) == "gpu:1"
-    assert _user_request({"gpus-per-node": "a100:1"}) == "gpus-per-node=a100:1"
-    assert _user_request({}) is None
+    assert user_request({"gres": "gres:gpu:1"}) == "gpu:1"
+    assert user_request({"gpus-per-node": "a100:1"}) == "gpus-per-node=a100:1"
+    assert user_request({}) is None

@@ -135,10 +135,10 @@ def test_epilog_record_appears_and_report_summarises_it(cluster, generic):
     summary = {s["gpu_type"]: s for s in json.loads(report.stdout)["gpu_types"]}[stamp.gpu_type]
     mine = [r for r in records.values() if r.gpu_type == stamp.gpu_type and r.measured_bytes]
     errors = sorted(abs(r.estimate_bytes - r.measured_bytes) / r.measured_bytes for r in mine)
+    middle = len(errors) // 2
+    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
     assert summary["measured"] == len(mine)
-    assert summary["median_abs_rel_error"] == pytest.approx(errors[(len(errors) - 1) // 2]
-                                                            if len(errors) % 2 else
-                                                            (errors[len(errors) // 2 - 1] + errors[len(errors) // 2]) / 2)
+    assert summary["median_abs_rel_error"] == pytest.approx(median)
 
 
 def test_resubmission_hits_the_cache(cluster, generic):

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from xmem.slurm.filter import FilterReply, FilterRequest, cached_analysis, failure_reply, reply_for
+from xmem.slurm.filter import FilterReply, FilterRequest, cached_analysis, failure_reply, reply_for, user_request
 from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
@@ -54,19 +54,11 @@ def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply
                     "options": dict(request.options), "user": request.user, "env": dict(request.env),
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
-    was = _user_request(request.options) or "none"
+    was = user_request(request.options) or "none"
     comment = _with_state(request.options.get("comment"), f"state=pending;was={_plain(was)}")
     message = (f"GPU memory estimate queued on partition {config.deferred.cpu_partition}: the job is held until "
                f"it is done (xmem-slurm status JOBID)")
     return FilterReply(set={"hold": "set", "comment": comment}, message=message), token
-
-
-def _user_request(options: Mapping[str, str]) -> str | None:
-    for option in ("gres", "gpus", "gpus-per-node"):
-        if options.get(option):
-            value = ",".join(v.removeprefix("gres:") for v in options[option].split(","))
-            return value if option == "gres" else f"{option}={value}"
-    return None
 
 
 def _plain(text: str) -> str:
@@ -147,7 +139,7 @@ def _config_digest(config: Any) -> str:
 
 def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) -> str:
     """Carry the filter's reply over to the held job, then release it (or cancel it on a refusal)."""
-    was = _user_request(request.options) or "none"
+    was = user_request(request.options) or "none"
     user_comment = request.options.get("comment")
     if reply.reject:
         _scontrol("update", f"JobId={job_id}",

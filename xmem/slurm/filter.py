@@ -9,7 +9,8 @@ xmem.jobscript, xmem.analyze and xmem.policy; nothing here second-guesses them.
 Contract, in:  {"script": abs path | null, "argv": [...], "options": {long option: value, as
                 slurm.json_cli_options gives them}, "user": str | null, "env": {name: value},
                 "cwd": optional, default the filter's own working directory (sbatch's)}
-         out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null}
+         out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null,
+                "defer": token | null (deferred mode: post-submit queues the estimation job, xmem.slurm.deferred)}
 `fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
 its install-time default). Every string in the reply is plain: no quotes, backslashes or control characters,
 so the Lua side can read it without a JSON library.
@@ -26,7 +27,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -180,11 +181,13 @@ def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
 def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
     options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
     return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
-                     env=request.env, files=files, extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
+                     env=request.env, files=files,
+                     extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
 
 
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
-                    config_digest: str, files: list[str] = (), analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
+                    config_digest: str, files: Sequence[str] = (),
+                    analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None) -> Analysis:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient)."""
@@ -204,16 +207,13 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
 
 # --- from analysis to reply ------------------------------------------------------------------------------------
 
-def gib(n: int | None) -> str:
-    return f"{n / GIB:.1f} GiB" if n is not None else "?"
-
-
 def user_request(options: Mapping[str, str]) -> str | None:
-    """The GPU request as it stands (gres read back without its `gres:` prefixes, or --gpus)."""
-    if options.get("gres"):
-        return ",".join(item.removeprefix("gres:") for item in options["gres"].split(","))
-    if options.get("gpus"):
-        return "gpus=" + options["gpus"]
+    """The GPU request as it stands: gres read back without its `gres:` prefixes, or `gpus=...` /
+    `gpus-per-node=...`."""
+    for option in ("gres", "gpus", "gpus-per-node"):
+        if options.get(option):
+            value = ",".join(v.removeprefix("gres:") for v in options[option].split(","))
+            return value if option == "gres" else f"{option}={value}"
     return None
 
 

@@ -120,5 +120,6 @@ def _summarize_type(gpu_type: str, records: list[JobRecord]) -> TypeSummary:
         p90_abs_rel_error=percentile(magnitudes, 90) if magnitudes else None,
         mean_rel_error=sum(errors) / len(errors) if errors else None,
         underestimates=sum(1 for e in errors if e < 0),
-        over_request=sum(1 for r in pairs if r.needed_bytes and r.measured_bytes > r.needed_bytes),  # type: ignore[operator]
+        over_request=sum(1 for r in pairs
+                         if r.needed_bytes and r.measured_bytes > r.needed_bytes),  # type: ignore[operator]
     )
