@@ -167,6 +167,18 @@ def test_explicit_request_is_kept_per_policy(cluster, work, generic):
     assert "keeping gpu:h100:1" in xmem_lines(sub.stderr)[0]
 
 
+def test_generic_gpus_request_is_rewritten_in_the_same_form(cluster, work):
+    path = script(work, "gpus.sh", "#SBATCH --gpus=1")
+    before = cache_entries(cluster)
+    sub = cluster.sbatch(path)
+    assert sub.returncode == 0, sub.stderr
+    expected = expected_decision(cluster, path, new_analyses(cluster, before)["peaks"])
+    assert (expected.action, expected.option) == ("rewrite", "gpus")
+    info = cluster.job(sub.job_id)  # settled at submission
+    assert info["TresPerJob"] == f"gres:gpu:{expected.gpus}"
+    assert info.get("TresPerNode", "(null)") == "(null)"  # not doubled by a gres request
+
+
 @pytest.mark.parametrize("export", ["ALL", "NONE"])
 def test_mps_job_gets_its_pinned_memory_limit(cluster, work, export):
     path = script(work, "mps.sh", "#SBATCH --gres=mps:40")
