@@ -179,6 +179,18 @@ def test_generic_gpus_request_is_rewritten_in_the_same_form(cluster, work):
     assert info.get("TresPerNode", "(null)") == "(null)"  # not doubled by a gres request
 
 
+def test_wrapped_command_is_estimated_like_a_script(cluster, work):
+    before = cache_entries(cluster)
+    started = cluster.run("sbatch", "--parsable", "-o", str(work / "out-%j.txt"), "--gres=gpu:1",
+                          "--wrap", "python train.py --wrapped", cwd=work, timeout=400)
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip().split(";")[0]
+    wrapped = work / "wrapped.sh"
+    wrapped.write_text("#!/bin/sh\n#SBATCH --gres=gpu:1\npython train.py --wrapped\n")
+    expected = expected_decision(cluster, wrapped, new_analyses(cluster, before)["peaks"])
+    assert cluster.job(job_id)["TresPerNode"] == f"gres:{expected.gres}"
+
+
 @pytest.mark.parametrize("export", ["ALL", "NONE"])
 def test_mps_job_gets_its_pinned_memory_limit(cluster, work, export):
     path = script(work, "mps.sh", "#SBATCH --gres=mps:40")
