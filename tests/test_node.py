@@ -120,7 +120,8 @@ def test_epilog_record_from_comment_and_measure_file(tmp_path):
     record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None, now=lambda: 5.0)
     assert record.to_json() == {"job_id": "42", "user": "ann", "gpu_type": "a100", "gres": "mps:40",
                                 "estimate_bytes": 7 * GIB, "needed_bytes": 8 * GIB, "exit_code": 0,
-                                "measured_bytes": 6 * GIB, "measured_by": "file", "ended_at": 5.0}
+                                "measured_bytes": 6 * GIB, "measured_by": "file", "ended_at": 5.0,
+                                "deferred_state": None, "request_before": None}
     assert not os.path.exists(tmp_path / "xmem-measure-42.json")
 
 
@@ -139,3 +140,12 @@ def test_epilog_falls_back_to_nvml_on_the_jobs_gpus(tmp_path):
 def test_epilog_records_nothing_for_a_job_with_no_estimate_and_no_measurement(tmp_path):
     env = {"SLURM_JOB_ID": "9", "SLURM_JOB_COMMENT": "plain", "SLURM_JOB_GPUS": "0"}
     assert epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None) is None
+
+
+def test_epilog_records_the_outcome_of_a_deferred_estimate(tmp_path):
+    env = {"SLURM_JOB_ID": "12", "SLURM_JOB_COMMENT": STAMP.comment() + ";state=done;was=gpu:1"}
+    record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None)
+    assert (record.deferred_state, record.request_before, record.gres) == ("done", "gpu:1", "mps:40")
+    failed = {"SLURM_JOB_ID": "13", "SLURM_JOB_COMMENT": "xmem:state=failed;was=gpu:1;why=cannot+estimate"}
+    record = epilog_record(failed, measure_dir=str(tmp_path), nvml=lambda g, s: None)
+    assert (record.deferred_state, record.estimate_bytes) == ("failed", None)

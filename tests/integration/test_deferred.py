@@ -15,6 +15,7 @@ import pytest
 from xmem.config import load_site_config
 from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
+from xmem.slurm.store import read_records
 
 pytestmark = pytest.mark.slurm
 
@@ -105,6 +106,8 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     assert done["JobState"] == "COMPLETED"  # the submitted version ran, not the edited one
     out = cluster.output(work, sub.job_id)
     assert "trained on cpu" in out and f"XMEM_PEAK_BYTES={status['stamp']['peak_bytes']}" in out
+    record = {r.job_id: r for r in read_records(cluster.store)}[sub.job_id]  # the Epilog's record
+    assert (record.deferred_state, record.request_before, record.gres) == ("done", "gpu:1", info["TresPerNode"][5:])
 
 
 def test_failed_estimate_releases_the_job_unchanged(deferred_cluster, work):

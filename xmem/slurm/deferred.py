@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from xmem.slurm.filter import FilterReply, FilterRequest, cached_analysis, failure_reply, reply_for, user_request
-from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment
+from xmem.slurm.node import COMMENT_TAG, JobStamp, comment_fields
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
@@ -231,10 +231,9 @@ def job_status(job_id: str) -> dict[str, Any]:
         raise LookupError(out.stderr.strip() or f"no job {job_id}")
     fields = dict(p.split("=", 1) for p in re.split(r" (?=[A-Z][A-Za-z:/]*=)", out.stdout.strip()) if "=" in p)
     comment = fields.get("Comment", "")
-    token = re.search(r"xmem:(\S*)", comment)
-    pairs = dict(p.split("=", 1) for p in token.group(1).split(";") if "=" in p) if token else {}
+    pairs = comment_fields(comment)
     stamp = JobStamp.from_comment(comment)
-    estimate = "none" if not token else pairs.get("state", "done")
+    estimate = "none" if COMMENT_TAG not in comment else pairs.get("state", "done")
     request = next((f"{k}={v}" for k, v in ((k, fields.get(k)) for k in ("TresPerNode", "TresPerJob"))
                     if v and v != "(null)"), None)
     return {"job_id": job_id, "job_state": fields.get("JobState"), "reason": fields.get("Reason"),

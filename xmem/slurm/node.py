@@ -61,10 +61,7 @@ class JobStamp:
     @classmethod
     def from_comment(cls, comment: str | None) -> JobStamp:
         """The stamp in a job comment (anywhere in it: the user's own comment may come first)."""
-        match = re.search(r"xmem:(\S*)", comment or "")
-        if not match:
-            return cls()
-        pairs = dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p)
+        pairs = comment_fields(comment)
         return cls._build({f: pairs.get(key) for f, key in cls._COMMENT.items()})
 
     @classmethod
@@ -234,9 +231,17 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
         start = env.get("SLURM_JOB_START_TIME", "")
         measured = nvml(gpus, float(start) if start.isdigit() else None) if gpus else None
         measured_by = "nvml" if measured else None
-    if stamp.is_empty() and measured is None:
+    deferred = comment_fields(env.get("SLURM_JOB_COMMENT"))
+    if stamp.is_empty() and measured is None and "state" not in deferred:
         return None
     return JobRecord(job_id=job_id, user=env.get("SLURM_JOB_USER"), gpu_type=stamp.gpu_type,
                      gres=stamp.request, estimate_bytes=stamp.peak_bytes, needed_bytes=stamp.needed_bytes,
                      exit_code=exit_code_of(env), measured_bytes=measured, measured_by=measured_by,
-                     ended_at=now())
+                     ended_at=now(), deferred_state=deferred.get("state"),
+                     request_before=deferred.get("was", "").replace("+", " ") or None)
+
+
+def comment_fields(comment: str | None) -> dict[str, str]:
+    """Every `key=value` of the comment's `xmem:` token (the stamp's and deferred mode's state, was, why)."""
+    match = re.search(r"xmem:(\S*)", comment or "")
+    return dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p) if match else {}

@@ -33,6 +33,8 @@ class JobRecord:
     measured_bytes: int | None = None  # measured peak, if the job or NVML reported one
     measured_by: str | None = None  # "nvml" or "file"
     ended_at: float | None = None  # Unix time the epilog ran
+    deferred_state: str | None = None  # deferred mode's outcome (done, kept, unchanged, failed); None inline
+    request_before: str | None = None  # deferred mode: the request as submitted, before the estimate
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
