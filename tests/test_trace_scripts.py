@@ -220,6 +220,14 @@ def test_cuda_api_script_runs_with_stand_ins(python):
         "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"])
     # scores[scores > 0] with every element assumed selected: 128 fp32 values
     assert 128 * 4 in [e.nbytes for e in allocs(result) if e.op == "index"]
+    # an H100 (80 GB) by default: the script picks a batch of 8 (8 x 32 fp32 inputs)
+    assert 8 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]
+
+
+def test_device_properties_can_name_the_exact_gpu():
+    result = trace(sys.executable, "cuda_api.py", iterations=1, env={**os.environ,
+                   "XMEM_FAKE_GPU_NAME": "NVIDIA H200", "XMEM_FAKE_TOTAL_MEMORY": str(141 * 2**30)})
+    assert 16 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]  # batch 16 on a 141 GB GPU
 
 
 def test_program_without_cuda_gives_an_empty_trace(python=sys.executable):  # this build only: keeps the suite short

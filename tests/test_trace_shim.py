@@ -1,6 +1,7 @@
 """The native shim: torch found from its files, the build kind detected, the .so cached per torch and source,
 and a clear error when g++ is missing."""
 
+import os
 import subprocess
 import sys
 
@@ -49,3 +50,13 @@ def test_loading_after_torch_is_refused():
     code = "import torch; from xmem.trace import shim; shim.load_shim()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode != 0 and "before torch is imported" in done.stderr
+
+
+def test_unwritable_cache_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # mkdir under a regular file fails, even for root
+    monkeypatch.setattr(shim.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    built = shim.build_shim(shim.find_torch())
+    assert built.parent == tmp_path / "tmp" / f"xmem-slurm-native-{os.getuid()}" and built.exists()

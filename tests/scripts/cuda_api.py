@@ -9,6 +9,7 @@ torch.manual_seed(0)
 torch.cuda.manual_seed_all(0)
 props = torch.cuda.get_device_properties(0)
 print(torch.cuda.get_device_name(), props.total_memory, props.multi_processor_count, torch.cuda.current_device())
+batch = 16 if props.total_memory > 100 * 2**30 else 8  # sized from the GPU, as some scripts do
 use_bf16 = torch.cuda.is_bf16_supported()
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.benchmark = True
@@ -17,7 +18,7 @@ model = nn.Linear(32, 32).cuda()
 torch.cuda.empty_cache()
 optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 data = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 32))
-loader = torch.utils.data.DataLoader(data, batch_size=16, pin_memory=True, num_workers=2)
+loader = torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True, num_workers=2)
 weights = torch.from_numpy(np.ones(4, dtype=np.float32)).cuda()
 table = torch.tensor([1.0, 2.0, 3.0], device="cuda")
 scores = torch.randn(128, device="cuda")

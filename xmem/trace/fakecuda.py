@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -116,7 +117,11 @@ class FakeCuda:
 
     @property
     def properties(self) -> FakeDeviceProperties:
+        """A typical GPU of the capability; $XMEM_FAKE_GPU_NAME / $XMEM_FAKE_TOTAL_MEMORY (bytes) name the exact one
+        (scripts that size their batch from total_memory then see the target GPU)."""
         name, memory, sms = GPU_BY_CAPABILITY.get(self.capability, ("NVIDIA GPU", 80 << 30, 100))
+        name = os.environ.get("XMEM_FAKE_GPU_NAME", name)
+        memory = int(os.environ.get("XMEM_FAKE_TOTAL_MEMORY", memory))
         return FakeDeviceProperties(name, memory, self.capability[0], self.capability[1], sms)
 
     @property

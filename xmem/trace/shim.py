@@ -72,7 +72,15 @@ def build_shim(torch: TorchInstall) -> Path:
     if compiler is None:
         raise ShimError("g++ not found: the fake-CUDA tracer compiles a small C++ shim once "
                         "(install it, e.g. `apt-get install g++`, or set CXX)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=target.parent)
+        probe.close()
+    except OSError:  # read-only home: build per user in the temporary directory instead
+        target = Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     libs = ["-lc10", "-ltorch_cpu"] + (["-ltorch_cuda"] if torch.build == "cuda" else [])
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
