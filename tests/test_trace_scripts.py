@@ -320,3 +320,17 @@ def test_data_parallel_replicates_onto_the_second_gpu():
     # each iteration: the replica's weight and bias, and half of the batch of 8 (4 x 32 fp32)
     assert {32 * 32 * 4, 32 * 4, 4 * 32 * 4} <= {e.nbytes for e in on_gpu1}
     assert all(e.device == 0 for e in allocs(result, "parameter") + allocs(result, "gradient"))
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_fsdp2_shards_parameters_gradients_and_optimizer_state(python):
+    result = run_trace(["torchrun", "--nproc_per_node=4", str(SCRIPTS / "fsdp2_train.py")], iterations=2,
+                       python=python)
+    assert result.iterations == 2 and "nccl" in result.libraries
+    weight_shard, bias_shard = 256 * 256 * 4 // 4, 256 * 4 // 4  # rank 0 keeps a quarter of each parameter
+    assert sizes(allocs(result, "optimizer_state")) == sorted([weight_shard, bias_shard] * 4 * 2)
+    shards = [e.nbytes for e in allocs(result, "parameter") if e.nbytes in (weight_shard, bias_shard)]
+    assert sorted(shards) == sorted([weight_shard, bias_shard] * 4)
+    # all-gathered for forward: weight + bias of one layer at a time, in one flat buffer
+    gathered = [e for e in allocs(result, phase="forward") if e.nbytes == 256 * 256 * 4 + 256 * 4]
+    assert len(gathered) == 4 * 2  # 4 layers x 2 iterations

@@ -33,6 +33,7 @@ def install(fake: Any) -> None:
     _patch_init_process_group(fake, dist)
     _patch_spawn()
     _patch_data_parallel_transfers()
+    _patch_device_mesh()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -72,6 +73,29 @@ def _patch_spawn() -> None:
 
     mp.spawn = run_rank_zero
     mp.start_processes = run_rank_zero
+
+
+def _patch_device_mesh() -> None:
+    """A DeviceMesh is host-side bookkeeping: a CPU tensor of ranks that it searches (`nonzero`). Under the fake
+    mode that tensor would hold no values, so the mesh's own methods run on real CPU tensors."""
+    import functools
+    import inspect
+
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def on_real_tensors(function: Any) -> Any:
+        @functools.wraps(function)
+        def run_without_fake_mode(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return function(*args, **kwargs)
+        return run_without_fake_mode
+
+    mesh_class = device_mesh.DeviceMesh
+    for name, member in list(vars(mesh_class).items()):
+        if inspect.isfunction(member) and (name == "__init__" or not name.startswith("__")):
+            setattr(mesh_class, name, on_real_tensors(member))
+    device_mesh.init_device_mesh = on_real_tensors(device_mesh.init_device_mesh)
 
 
 def _patch_data_parallel_transfers() -> None:

@@ -68,6 +68,15 @@ class FakeStream:
     def query(self) -> bool:
         return True
     def synchronize(self) -> None: ...
+    def is_capturing(self) -> bool:
+        return False
+    def __enter__(self) -> "FakeStream":  # `with stream:` makes it current, as torch.Stream does
+        assert _installed is not None, "fake CUDA is not installed"
+        self._previous, _installed.current_stream = _installed.current_stream, self
+        return self
+    def __exit__(self, *exc: Any) -> None:
+        assert _installed is not None
+        _installed.current_stream = self._previous
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and other.stream_id == self.stream_id
     def __hash__(self) -> int:
@@ -141,8 +150,13 @@ class FakeCuda:
             self.current_stream = previous
 
 
+_installed: FakeCuda | None = None  # the process's fake GPU(s), once install() ran
+
+
 def install(fake: FakeCuda) -> None:
     """Apply every process-global patch. Call once, right after `import torch` in the tracing child."""
+    global _installed
+    _installed = fake
     _install_device_guard()
     _patch_optimizer_defaults(fake)
     _patch_torch_cuda(fake)
@@ -259,9 +273,39 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
     torch.cuda.memory.empty_cache = empty_cache
     torch.cuda.memory.memory_allocated = answers["memory_allocated"]
     torch.cuda.memory.max_memory_allocated = answers["max_memory_allocated"]
+    _patch_accelerator(fake, answers)
     # The optimizer's CUDA-graph health check asks the real runtime; there is no capture here.
     cuda.is_current_stream_capturing = lambda: False
     torch.cuda.graphs.is_current_stream_capturing = lambda: False
+
+
+def _patch_accelerator(fake: FakeCuda, cuda_answers: dict[str, Any]) -> None:
+    """torch.accelerator (device-generic API, used by FSDP2 and DeviceMesh) answers as torch.cuda does."""
+    cuda = torch.device("cuda")
+    torch._C._get_accelerator = lambda *args, **kwargs: cuda
+    answers = dict(
+        current_accelerator=lambda check_available=False: cuda,
+        is_available=lambda: True,
+        device_count=cuda_answers["device_count"],
+        current_device_index=cuda_answers["current_device"],
+        current_device_idx=cuda_answers["current_device"],
+        set_device_index=cuda_answers["set_device"],
+        set_device_idx=cuda_answers["set_device"],
+        synchronize=cuda_answers["synchronize"],
+        current_stream=cuda_answers["current_stream"],
+        set_stream=cuda_answers["set_stream"],
+        get_device_capability=lambda device=None: {"major": fake.ask_capability()[0], "minor": fake.capability[1]},
+        empty_cache=cuda_answers["empty_cache"],
+        memory_allocated=cuda_answers["memory_allocated"],
+        max_memory_allocated=cuda_answers["max_memory_allocated"],
+        memory_reserved=cuda_answers["memory_reserved"],
+        max_memory_reserved=cuda_answers["max_memory_reserved"],
+        reset_peak_memory_stats=cuda_answers["reset_peak_memory_stats"],
+        memory_stats=cuda_answers["memory_stats"],
+    )
+    for name, answer in answers.items():
+        if hasattr(torch.accelerator, name):
+            setattr(torch.accelerator, name, answer)
 
 
 def _patch_tensor_and_data(fake: FakeCuda) -> None:

@@ -17,7 +17,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.trace.events import MemEvent, Trace
@@ -252,13 +252,22 @@ class AllocationRecorder(TorchDispatchMode):
                         self._note_unseen(item, f"unseen before {op}")
 
     def _note_unseen(self, tensor: torch.Tensor, op: str) -> None:
-        if tensor.device.type == "cuda":
+        if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
+            for inner in _inner_tensors(tensor):
+                self._note_unseen(inner, op)
+        elif tensor.device.type == "cuda":
             storage = tensor.untyped_storage()
             key = storage._cdata
             if key not in self._block_of_storage:
                 self._alloc(storage, key, tensor.device.index or 0, op, from_host=True)
 
     def _note_output(self, tensor: torch.Tensor, op: str, args: tuple) -> None:
+        if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
+            # a wrapper subclass (DTensor...): its own storage is a shell of the global size; the memory is in the
+            # inner tensors, made while the subclass dispatched (with this mode off)
+            for inner in _inner_tensors(tensor):
+                self._note_unseen(inner, op)
+            return
         if tensor.dtype == torch.bool:
             _guess_truth(tensor, op, args)
         if tensor.device.type != "cuda":
@@ -376,15 +385,17 @@ class AllocationRecorder(TorchDispatchMode):
     def _reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def block_of(self, tensor: torch.Tensor | None) -> int | None:
-        if tensor is None or tensor.device.type != "cuda":
-            return None
-        return self._block_of_storage.get(tensor.untyped_storage()._cdata)
-
     def label(self, tensor: torch.Tensor | None, category: str) -> None:
-        block = self.block_of(tensor)
-        if block is not None:
-            self.category[block] = category
+        """Set the category of the storage(s) behind `tensor` (the inner tensors' for a wrapper subclass)."""
+        if tensor is None:
+            return
+        if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
+            for inner in _inner_tensors(tensor):
+                self.label(inner, category)
+        elif tensor.device.type == "cuda":
+            block = self._block_of_storage.get(tensor.untyped_storage()._cdata)
+            if block is not None:
+                self.category[block] = category
 
     def _label_parameters_and_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
@@ -405,6 +416,12 @@ class AllocationRecorder(TorchDispatchMode):
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
                      alloc_conf=alloc_conf, seconds=seconds, torch_version=torch.__version__)
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a traceable wrapper subclass holds (upstream protocol: __tensor_flatten__)."""
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor)]
 
 
 def _category_at_birth(phase: str, op: str, from_host: bool) -> str:

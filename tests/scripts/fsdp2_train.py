@@ -1,0 +1,19 @@
+"""FSDP2 (fully_shard) training of 4 Linear layers, launched by torchrun (a valid multi-GPU script)."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).cuda()
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters())
+for step in range(5):
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
