@@ -65,7 +65,7 @@ class DevCluster:
         parts = re.split(r" (?=[A-Z][A-Za-z:/]*=)", line)
         return dict(p.split("=", 1) for p in parts if "=" in p)
 
-    def wait(self, job_id: str, timeout: float = 120) -> dict[str, str]:
+    def wait(self, job_id: str, timeout: float = 300) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.job(job_id)

@@ -65,10 +65,10 @@ def script(work: Path, name: str, directives: str, body: str = JOB_BODY) -> Path
     return path
 
 
-def new_analyses(cluster, before: set[Path]) -> dict:
+def new_analyses(cluster, before: set[Path], stderr: str = "") -> dict:
     """The analysis the filter cached for the submission just made (one new cache entry)."""
     entries = set((cluster.lab / "cache" / "analyses").glob("*.json")) - before
-    assert len(entries) == 1, entries
+    assert len(entries) == 1, f"no new analysis; sbatch said: {stderr}"
     return json.loads(entries.pop().read_text())
 
 
@@ -94,9 +94,9 @@ def generic(cluster, work):
     before = cache_entries(cluster)
     sub = cluster.sbatch(path)
     assert sub.returncode == 0 and xmem_lines(sub.stderr), sub.stderr
-    analysis = new_analyses(cluster, before)
+    analysis = new_analyses(cluster, before, sub.stderr)
     print(f"\nfigure: sbatch with a fresh estimate took {sub.seconds:.2f} s")
-    return path, sub, analysis, cluster.wait(sub.job_id)
+    return path, sub, analysis, cluster.wait(sub.job_id, timeout=300)
 
 
 def test_generic_gpu_job_is_rewritten_to_the_policys_request(cluster, generic):
@@ -172,7 +172,7 @@ def test_generic_gpus_request_is_rewritten_in_the_same_form(cluster, work):
     before = cache_entries(cluster)
     sub = cluster.sbatch(path)
     assert sub.returncode == 0, sub.stderr
-    expected = expected_decision(cluster, path, new_analyses(cluster, before)["peaks"])
+    expected = expected_decision(cluster, path, new_analyses(cluster, before, sub.stderr)["peaks"])
     assert (expected.action, expected.option) == ("rewrite", "gpus")
     info = cluster.job(sub.job_id)  # settled at submission
     assert info["TresPerJob"] == f"gres:gpu:{expected.gpus}"
@@ -187,7 +187,7 @@ def test_wrapped_command_is_estimated_like_a_script(cluster, work):
     job_id = started.stdout.strip().split(";")[0]
     wrapped = work / "wrapped.sh"
     wrapped.write_text("#!/bin/sh\n#SBATCH --gres=gpu:1\npython train.py --wrapped\n")
-    expected = expected_decision(cluster, wrapped, new_analyses(cluster, before)["peaks"])
+    expected = expected_decision(cluster, wrapped, new_analyses(cluster, before, started.stderr)["peaks"])
     assert cluster.job(job_id)["TresPerNode"] == f"gres:{expected.gres}"
 
 
