@@ -1,4 +1,4 @@
-"""Habits of real training scripts: an EMA copy, metrics through numpy, unique labels, one_hot, a LR schedule,
+"""Habits of real training scripts: an EMA copy, metrics through numpy, unique labels, one_hot, a LR schedule, a CUDA generator,
 the old torch.cuda.amp API, a checkpoint saved every step (a valid GPU script). Argument: checkpoint path."""
 import copy
 import sys
@@ -15,8 +15,10 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
 scaler = torch.cuda.amp.GradScaler()
 history = []
+shuffle = torch.Generator(device="cuda")
+shuffle.manual_seed(0)
 for step in range(10):
-    x = torch.randn(16, 20, device="cuda")
+    x = torch.randn(16, 20, device="cuda")[torch.randperm(16, device="cuda", generator=shuffle)]
     y = torch.randint(0, 5, (16,), device="cuda")
     classes = torch.unique(y)
     target = F.one_hot(y).float()

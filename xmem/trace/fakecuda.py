@@ -100,6 +100,17 @@ class FakeEvent:
         return 1.0
 
 
+class HostGenerator(torch.Generator):
+    """torch.Generator whose "cuda" generators live on the host: a CUDA generator needs a driver, and under fake
+    tensors random ops only need a generator to exist (their values are never made)."""
+
+    def __new__(cls, device: Any = "cpu") -> "HostGenerator":
+        return super().__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:  # the C type's initialiser already ran in __new__
+        pass
+
+
 class FakeCuda:
     """The pretended GPU(s): answers torch.cuda questions and tells listeners what the program asked or did.
 
@@ -323,6 +334,7 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
             return torch.ones(self.shape, dtype=self.dtype).numpy()
 
     torch.Tensor.numpy = numpy_or_stand_in
+    torch.Generator = HostGenerator
 
     def save_nothing(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         # A trace must not overwrite the user's checkpoints with tensors that hold no data.
