@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 
@@ -21,25 +22,29 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
 @app.callback()
 def _root() -> None:
     """Keep sub-command names even if only one command is registered (Typer drops a lone command's name)."""
 
 
-# Each module registers its commands on `app` when imported. A module that is not there yet is skipped,
-# so the CLI works while the project grows.
-_COMMAND_MODULES = ("estimate", "check", "slurm", "calibrate")
+# Which module registers which command (each module does `@app.command()` when imported). Only the module of the
+# command being run is imported: the node-side verbs (prolog, epilog) stay fast and do not depend on the estimator.
+COMMAND_MODULES: dict[str, str] = {
+    "estimate": "estimate",
+    "check": "check",
+    "filter": "slurm", "prolog": "slurm", "epilog": "slurm", "report": "slurm", "status": "slurm",
+    "calibrate": "calibrate",
+}
 
 
-def _load_commands() -> None:
-    for name in _COMMAND_MODULES:
-        try:
-            importlib.import_module(f"xmem.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"xmem.cli.{name}":
-                raise
+def _load_commands(argv: list[str]) -> None:
+    wanted = COMMAND_MODULES.get(argv[0]) if argv else None
+    modules = [wanted] if wanted else sorted(set(COMMAND_MODULES.values()))  # help or an unknown verb: all
+    for name in modules:
+        importlib.import_module(f"xmem.cli.{name}")
 
 
 def main() -> None:
-    _load_commands()
+    _load_commands(sys.argv[1:])
     app()
