@@ -75,6 +75,13 @@ def test_mlp_adam_keeps_two_moments_per_parameter(mlp):
     assert {(e.iteration, e.phase) for e in state} == {(0, "optimizer")}
 
 
+def test_fused_adam_keeps_its_step_counters_on_the_gpu():
+    result = trace(sys.executable, "mlp_adam.py", "--fused", iterations=2)
+    assert result.op_counts.get("_fused_adam_") == 2
+    # exp_avg + exp_avg_sq per parameter, plus one fp32 scalar `step` per parameter (fused/capturable only)
+    assert sizes(allocs(result, "optimizer_state")) == sorted(MLP_PARAM_BYTES * 2 + [4] * 4)
+
+
 def test_mlp_inputs_and_phases(mlp):
     # x: 64x100 fp32 and y: 64 int64, moved to the GPU each iteration
     assert sizes(allocs(mlp[0], "input")) == sorted([64 * 100 * 4, 64 * 8] * 3)

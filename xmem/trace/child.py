@@ -83,8 +83,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     except shim.ShimError as error:
         raise ChildFailure("internal", str(error)) from None
 
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode  # the first import of torch: after the shim
 
     from xmem.trace import fakecuda
     from xmem.trace.recorder import AllocationRecorder, StopTracing, TrainingState
@@ -116,7 +115,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         outcome = error
     seconds = time.monotonic() - started
     if outcome is not None and not state.stopped:
-        raise _failure_from(outcome, torch)
+        raise _failure_from(outcome)
     trace = recorder.to_trace(capability, seconds, alloc_conf)
     if trace.used_cuda and trace.iterations == 0:
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
@@ -160,7 +159,7 @@ def _run_user_program(command: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _failure_from(error: BaseException, torch) -> ChildFailure:
+def _failure_from(error: BaseException) -> ChildFailure:
     """User code raised (or exited non-zero): the one-line message and the user's own frames."""
     if isinstance(error, ChildFailure):
         return error
