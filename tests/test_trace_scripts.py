@@ -341,3 +341,11 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(python):
     # all-gathered for forward: weight + bias of one layer at a time, in one flat buffer
     gathered = [e for e in allocs(result, phase="forward") if e.nbytes == 256 * 256 * 4 + 256 * 4]
     assert len(gathered) == 4 * 2  # 4 layers x 2 iterations
+
+
+def test_frozen_weights_made_on_the_gpu_are_parameters():
+    result = trace(sys.executable, "frozen_on_gpu.py", iterations=2)
+    backbone = [128 * 128 * 4, 128 * 4, 128 * 4, 128 * 4, 128 * 128 * 4, 128 * 4]  # Linear, LayerNorm, Linear
+    head = [2 * 128 * 4, 2 * 4]
+    assert sizes(allocs(result, "parameter")) == sorted(backbone + head)
+    assert sizes(allocs(result, "optimizer_state")) == sorted(head * 2)

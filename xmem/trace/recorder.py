@@ -110,6 +110,7 @@ class TrainingState:
         self._step_depth = 0
         self.on_step_begin: Callable[[torch.optim.Optimizer], None] = lambda opt: None
         self.on_step_end: Callable[[torch.optim.Optimizer], None] = lambda opt: None
+        self.on_module_forward: Callable[[torch.nn.Module], None] = lambda module: None
 
     @property
     def iteration(self) -> int:
@@ -125,6 +126,7 @@ class TrainingState:
         torch.autograd.grad = self._in_backward(torch.autograd.grad)
 
     def _before_module_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.on_module_forward(module)
         if self.phase == "other":
             self.phase = "forward"
             if not self.started:
@@ -212,6 +214,7 @@ class AllocationRecorder(TorchDispatchMode):
         state.on_step_begin = self._label_parameters_and_gradients
         torch.load = self._recording_load(torch.load)
         state.on_step_end = self._label_optimizer_state
+        state.on_module_forward = self._label_module_tensors
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -396,6 +399,13 @@ class AllocationRecorder(TorchDispatchMode):
             block = self._block_of_storage.get(tensor.untyped_storage()._cdata)
             if block is not None:
                 self.category[block] = category
+
+    def _label_module_tensors(self, module: torch.nn.Module) -> None:
+        # frozen weights (no optimizer) made directly on the GPU are known as parameters only by their module
+        for param in module._parameters.values():
+            self.label(param, "parameter")
+        for buffer in module._buffers.values():
+            self.label(buffer, "buffer")
 
     def _label_parameters_and_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
