@@ -31,16 +31,22 @@ def config_path(model_id: str, config_dir: Path = CONFIG_DIR) -> Path:
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The measured jobs ran transformers 4.51.3, whose T5 had only its own eager attention (scores, softmax and dropout
+# kept for backward); newer releases give T5 SDPA, which keeps none of them. Other families: the library default.
+ATTENTION_AS_MEASURED = {"t5": "eager"}
 
 
-def build_model(model_id: str, config_dir: Path = CONFIG_DIR, dtype: str = "float32") -> torch.nn.Module:
+def build_model(model_id: str, config_dir: Path = CONFIG_DIR, dtype: str = "float32",
+                attention: str | None = None) -> torch.nn.Module:
     path = config_path(model_id, config_dir)
     if not path.is_file():
         known = sorted(p.stem.replace("--", "/") for p in config_dir.glob("*.json"))
         raise SystemExit(f"transformer.py: no configuration {path}; known models: {', '.join(known)}")
     config = AutoConfig.for_model(**json.loads(path.read_text()))
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    return auto.from_config(config, dtype=DTYPES[dtype])
+    attention = attention or ATTENTION_AS_MEASURED.get(config.model_type)
+    extra = {"attn_implementation": attention} if attention else {}
+    return auto.from_config(config, dtype=DTYPES[dtype], **extra)
 
 
 def build_optimizer(name: str, params, fused: bool = False) -> torch.optim.Optimizer:
@@ -63,8 +69,8 @@ def synthetic_batch(batch_size: int, vocab_size: int, seq_len: int) -> dict[str,
 
 def train(model_id: str, optimizer_name: str, batch_size: int, zero_grad_mode: int, iterations: int,
           device: str, seq_len: int = SEQUENCE_LENGTH, dtype: str = "float32", amp: str = "none",
-          fused: bool = False) -> None:
-    model = build_model(model_id, dtype=dtype)
+          fused: bool = False, attention: str | None = None) -> None:
+    model = build_model(model_id, dtype=dtype, attention=attention)
     optimizer = build_optimizer(optimizer_name, model.parameters(), fused)  # on the CPU parameters, as measured
     model.to(device)
     model.train()
@@ -103,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="model weights (modern variants)")
     parser.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast (modern variants)")
     parser.add_argument("--fused", action="store_true", help="fused optimizer (modern variants)")
+    parser.add_argument("--attention", help="attn_implementation (default: as in the measured jobs)")
     args = parser.parse_args(argv)
     train(args.model, args.optimizer, args.batch_size, args.zero_grad_mode, args.iterations, args.device,
-          args.seq_len, args.dtype, args.amp, args.fused)
+          args.seq_len, args.dtype, args.amp, args.fused, args.attention)
 
 
 if __name__ == "__main__":
