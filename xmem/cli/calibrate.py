@@ -105,7 +105,7 @@ def calibrate_command(
     provenance = (f"fitted on {data} against {estimates} by `xmem-slurm calibrate --data {data} "
                   f"--estimates {estimates} --quantile {quantile}` on {today}")
     text = calibration_toml(fits, provenance)
-    show_fits(err, fits)
+    show_fits(Console(stderr=True, width=120), fits)
     if dry_run:
         typer.echo(text)
         return
