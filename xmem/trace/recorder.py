@@ -197,7 +197,10 @@ class AllocationRecorder(TorchDispatchMode):
         self._block_of_storage: dict[int, int] = {}
         self._block_ids = itertools.count()
         self._cuda_ops: set[str] = set()
-        self._lock = threading.Lock()
+        # One lock for everything: the FakeTensorMode keeps per-mode state that two autograd device threads
+        # (several fake GPUs) must not change at once; re-entrant because a storage can die, and its finalizer
+        # record the free, while this thread holds it.
+        self._lock = threading.RLock()
         self._true_stand_ins: dict[tuple, int] = {}
         self._connect()
 
@@ -218,7 +221,10 @@ class AllocationRecorder(TorchDispatchMode):
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        with self._lock:
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = func._opname
         self.op_counts[name] = self.op_counts.get(name, 0) + 1
         if not self.state.stopped:
