@@ -61,7 +61,7 @@ def estimate_command(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
-                                         help="Site config whose [catalog] applies (default: $XMEM_CONFIG, "
+                                         help="Site config whose \\[catalog] section applies (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
