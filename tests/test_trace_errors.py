@@ -86,3 +86,8 @@ def test_users_output_is_captured_not_printed(capfd):
     run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
     printed = capfd.readouterr()
     assert "step 0 loss" not in printed.out + printed.err
+
+
+def test_missing_interpreter_is_not_found():
+    error = trace_error(["python", str(SCRIPTS / "mlp_adam.py")], python="/no/such/venv/bin/python")
+    assert error.kind == "not_found" and "/no/such/venv/bin/python" in error.message

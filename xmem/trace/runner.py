@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     """
     target = parse_command(list(command), cwd)
     interpreter = python or sys.executable
+    if shutil.which(interpreter) is None:
+        raise TraceError("not_found", f"Python interpreter {interpreter} not found: give the job's python")
     with tempfile.TemporaryDirectory(prefix="xmem-trace-") as scratch:
         out = Path(scratch) / "trace.json"
         child = [interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
