@@ -35,6 +35,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
 
     Returns the Trace; a program that never touches CUDA gives a Trace with used_cuda=False and no events.
     Raises TraceError (kind not_found, not_python, user_error, no_optimizer_step, timeout or internal).
+    `env` (the program's environment; default: this one) may set XMEM_FAKE_GPU_NAME and XMEM_FAKE_TOTAL_MEMORY
+    (bytes) so that torch.cuda.get_device_properties names the exact GPU instead of a typical one of `capability`.
     """
     target = parse_command(list(command), cwd)
     interpreter = python or sys.executable
