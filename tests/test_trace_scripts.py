@@ -349,3 +349,10 @@ def test_frozen_weights_made_on_the_gpu_are_parameters():
     head = [2 * 128 * 4, 2 * 4]
     assert sizes(allocs(result, "parameter")) == sorted(backbone + head)
     assert sizes(allocs(result, "optimizer_state")) == sorted(head * 2)
+
+
+def test_meta_device_model_materialised_on_the_gpu():
+    result = trace(sys.executable, "meta_init.py", iterations=2)
+    params = [64 * 64 * 4, 64 * 4, 64 * 4, 64 * 4, 8 * 64 * 4, 8 * 4]
+    assert sizes(allocs(result, "parameter")) == sorted(params)
+    assert all(e.op == "empty_like" and e.iteration == -1 for e in allocs(result, "parameter"))
