@@ -356,3 +356,12 @@ def test_meta_device_model_materialised_on_the_gpu():
     params = [64 * 64 * 4, 64 * 4, 64 * 4, 64 * 4, 8 * 64 * 4, 8 * 4]
     assert sizes(allocs(result, "parameter")) == sorted(params)
     assert all(e.op == "empty_like" and e.iteration == -1 for e in allocs(result, "parameter"))
+
+
+def test_fsdp1_keeps_a_quarter_of_the_flat_parameter():
+    result = run_trace(["torchrun", "--nproc_per_node=4", str(SCRIPTS / "fsdp1_train.py")], iterations=2)
+    assert result.iterations == 2
+    layer = 256 * 256 * 4 + 256 * 4
+    # the flat parameter of 4 layers, sharded 4 ways: rank 0 holds exactly the first layer
+    assert layer in [e.nbytes for e in allocs(result, "parameter")]
+    assert sizes(allocs(result, "optimizer_state")) == sorted([256 * 256 * 4, 256 * 4] * 2)

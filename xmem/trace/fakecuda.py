@@ -323,6 +323,8 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
     # Pinning needs a driver; under the trace pinned host memory is not GPU memory anyway.
     torch.Tensor.pin_memory = lambda self, device=None: self
     torch.Tensor.is_pinned = lambda self, device=None: False
+    # Streams are ids here; the allocator's deferred free after record_stream is not modelled (a known gap).
+    torch.Tensor.record_stream = lambda self, stream: None
 
     original_numpy = torch.Tensor.numpy
 
