@@ -4,7 +4,7 @@ and whether another GPU generation would pick differently (the trace's arch_sens
 import pytest
 import torch
 
-from xmem.trace.fakecuda import choose_attention_backend
+from xmem.trace.attention import choose_attention_backend
 
 
 class Shape:
