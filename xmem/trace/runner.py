@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -84,13 +85,19 @@ def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str |
         relay.start()
         started = time.monotonic()
         try:
-            returncode = process.wait(timeout=timeout)
+            with _sigterm_raises():
+                returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(process)
             relay.join(timeout=5)
             raise TraceError("timeout", f"the trace did not finish within {timeout:.0f} s (stopped after "
                                         f"{time.monotonic() - started:.0f} s); raise the timeout or trace fewer "
                                         "iterations", output=_read_tail(log)) from None
+        except BaseException:
+            # Interrupted (Ctrl-C, `timeout` around the filter, scancel of an estimation job): the child runs in a
+            # session of its own, so it would outlive us and keep a login node's core busy.
+            _kill_group(process)
+            raise
         relay.join(timeout=5)
         log.seek(0)
         return log.read().decode(errors="replace"), returncode
@@ -101,6 +108,25 @@ def _relay_progress(read_fd: int, on_progress: Callable[[str], None] | None) -> 
         for line in lines:
             if on_progress is not None:
                 on_progress(line.rstrip("\n"))
+
+
+@contextmanager
+def _sigterm_raises():
+    """Turn SIGTERM into SystemExit while waiting, so the cleanup above runs (by default SIGTERM ends Python at
+    once). Only where it is ours to change: the main thread, and no handler set by the program embedding us."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

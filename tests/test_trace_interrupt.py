@@ -1,0 +1,60 @@
+"""An interrupted estimate leaves no tracing child behind (the child runs in a session of its own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def processes_running(marker: str) -> list[int]:
+    """Pids of live processes whose command line mentions `marker`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_estimating_process_stops_the_tracing_child(tmp_path, sig):
+    script = tmp_path / f"sleeps_{sig.name}.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"from xmem.trace import run_trace; run_trace(['python', {str(script)!r}])"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # both command lines name the script: the child is the one that is not the parent
+        def children() -> list[int]:
+            return [p for p in processes_running(str(script)) if p != parent.pid]
+
+        assert wait_for(children, 60), "the tracing child never started"
+        os.kill(parent.pid, sig)
+        parent.wait(timeout=30)
+        assert wait_for(lambda: not children(), 10), "the tracing child outlived the interrupted estimate"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in processes_running(str(script)):
+            os.kill(pid, signal.SIGKILL)
