@@ -9,11 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# pip's output without the local-index notices; a failing pip still fails the script (pipefail).
+quiet_pip() { "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
+
 make_venv() {  # make_venv DIR TORCH-REQUIREMENTS...
   local dir=$1; shift
   [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
-  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true
-  "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 | grep -v '^WARNING: Location' || true
+  quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@"
+  quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
   "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
 }
 
