@@ -1,26 +1,13 @@
 """The error contract of run_trace: each way a program can fail to be traced gives its own TraceError kind, with a
 one-line message, and for user errors the user's own traceback frames only."""
 
-import os
 import stat
 import sys
-from pathlib import Path
 
 import pytest
 
+from torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import TraceError, run_trace
-
-SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def _cpu_build_python() -> pytest.param:
-    python = os.environ.get("XMEM_TEST_CPU_PYTHON", "")
-    reason = ("XMEM_TEST_CPU_PYTHON is unset (path of a Python with the CPU build of torch)" if not python else
-              f"XMEM_TEST_CPU_PYTHON={python} is not an executable" if not os.access(python, os.X_OK) else "")
-    return pytest.param(python, id="cpu-build", marks=pytest.mark.skipif(bool(reason), reason=reason))
-
-
-PYTHONS = [pytest.param(sys.executable, id="this-build"), _cpu_build_python()]
 
 
 def trace_error(command, **options) -> TraceError:

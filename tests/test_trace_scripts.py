@@ -5,23 +5,11 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
+from torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import run_trace
-
-SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def _cpu_build_python() -> pytest.param:
-    python = os.environ.get("XMEM_TEST_CPU_PYTHON", "")
-    reason = ("XMEM_TEST_CPU_PYTHON is unset (path of a Python with the CPU build of torch)" if not python else
-              f"XMEM_TEST_CPU_PYTHON={python} is not an executable" if not os.access(python, os.X_OK) else "")
-    return pytest.param(python, id="cpu-build", marks=pytest.mark.skipif(bool(reason), reason=reason))
-
-
-PYTHONS = [pytest.param(sys.executable, id="this-build"), _cpu_build_python()]
 
 
 def trace(python, script, *args, **options):
