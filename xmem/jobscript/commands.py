@@ -245,6 +245,8 @@ class Finder:
             if _mentions_launcher(sources):
                 self.problem(line_no, f"the command itself is {head.source}, which depends on {head.what}")
             return
+        if self._launch(items, prefix_env, line_no, via=None, ranks=None):
+            return
         name = posixpath.basename(head)
         if name in _WRAPPERS or name == "env":
             self._dispatch_wrapped(items, prefix_env, line_no, sources)
@@ -263,12 +265,6 @@ class Finder:
             self._source(items[1:], line_no)
         elif name in ("conda", "mamba", "micromamba") and len(items) > 1 and items[1] == "activate":
             self._conda_activate(items[2:], line_no)
-        elif _is_python(name):
-            self._python(items, prefix_env, line_no, launcher="python", ranks=None)
-        elif name == "torchrun":
-            self._torchrun(items[1:], prefix_env, line_no, _sibling_python(head, self.state), "torchrun")
-        elif name == "accelerate" and len(items) > 1 and items[1] == "launch":
-            self._accelerate(items[2:], prefix_env, line_no, _sibling_python(head, self.state))
         elif name == "srun":
             self._srun(items[1:], prefix_env, line_no, sources)
         elif name in _UNSUPPORTED_LAUNCHERS:
@@ -460,16 +456,24 @@ class Finder:
         ranks = _rank_count(per_node if per_node is not None else ntasks)
         if ranks is None:
             ranks = self.default_ranks
-        head = rest[0]
+        if not self._launch(rest, prefix_env, line_no, via="srun", ranks=ranks):
+            self._dispatch(rest, prefix_env, line_no, sources[-len(rest):])
+
+    def _launch(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, via: str | None,
+                ranks: int | None) -> bool:
+        """Record a python, torchrun or `accelerate launch` command; False when `items` is none of these.
+        `via` is an outer launcher (srun) recorded in place of the program's own name."""
+        head = items[0]
         name = posixpath.basename(head) if isinstance(head, str) else ""
         if _is_python(name):
-            self._python(rest, prefix_env, line_no, launcher="srun", ranks=ranks)
+            self._python(items, prefix_env, line_no, launcher=via or "python", ranks=ranks)
         elif name == "torchrun":
-            self._torchrun(rest[1:], prefix_env, line_no, _sibling_python(head, self.state), "srun")
-        elif name == "accelerate" and len(rest) > 1 and rest[1] == "launch":
-            self._accelerate(rest[2:], prefix_env, line_no, _sibling_python(head, self.state))
+            self._torchrun(items[1:], prefix_env, line_no, _sibling_python(head, self.state), via or "torchrun")
+        elif name == "accelerate" and len(items) > 1 and items[1] == "launch":
+            self._accelerate(items[2:], prefix_env, line_no, _sibling_python(head, self.state))
         else:
-            self._dispatch(rest, prefix_env, line_no, sources[-len(rest):])
+            return False
+        return True
 
 
     def _interpreter(self, head: Item) -> str | None:
