@@ -295,25 +295,17 @@ def _patch_accelerator(fake: FakeCuda, cuda_answers: dict[str, Any]) -> None:
     """torch.accelerator (device-generic API, used by FSDP2 and DeviceMesh) answers as torch.cuda does."""
     cuda = torch.device("cuda")
     torch._C._get_accelerator = lambda *args, **kwargs: cuda
-    answers = dict(
+    same = ("is_available", "device_count", "synchronize", "current_stream", "set_stream", "empty_cache",
+            "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+            "reset_peak_memory_stats", "memory_stats")
+    answers = {name: cuda_answers[name] for name in same}
+    answers.update(
         current_accelerator=lambda check_available=False: cuda,
-        is_available=lambda: True,
-        device_count=cuda_answers["device_count"],
         current_device_index=cuda_answers["current_device"],
         current_device_idx=cuda_answers["current_device"],
         set_device_index=cuda_answers["set_device"],
         set_device_idx=cuda_answers["set_device"],
-        synchronize=cuda_answers["synchronize"],
-        current_stream=cuda_answers["current_stream"],
-        set_stream=cuda_answers["set_stream"],
         get_device_capability=lambda device=None: {"major": fake.ask_capability()[0], "minor": fake.capability[1]},
-        empty_cache=cuda_answers["empty_cache"],
-        memory_allocated=cuda_answers["memory_allocated"],
-        max_memory_allocated=cuda_answers["max_memory_allocated"],
-        memory_reserved=cuda_answers["memory_reserved"],
-        max_memory_reserved=cuda_answers["max_memory_reserved"],
-        reset_peak_memory_stats=cuda_answers["reset_peak_memory_stats"],
-        memory_stats=cuda_answers["memory_stats"],
     )
     for name, answer in answers.items():
         if hasattr(torch.accelerator, name):
