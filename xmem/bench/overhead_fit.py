@@ -20,11 +20,12 @@ has it, our simulated one otherwise). The fit, with no per-record or per-model t
 from __future__ import annotations
 
 import json  # a JSON string is a valid TOML basic string
-import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from xmem.bench.metrics import percentile
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,6 @@ class OverheadFit:
     samples: int
     spread_bytes: int  # 10th to 90th percentile of the fitted model's residuals: how well one constant fits
     raw_context_bytes: int = 0  # the quantile before clamping at 0
-
-
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolation quantile, q in [0, 1]."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def library_terms(samples: Iterable[OverheadSample]) -> dict[str, int]:
@@ -82,9 +75,9 @@ def fit_overheads(samples: list[OverheadSample], q: float = 0.5) -> dict[str, Ov
         used = set().union(*(s.libraries for s in runs))
         own_terms = {lib: terms.get(lib, 0) for lib in sorted(used | set(terms))}  # step 2: unidentified -> 0
         bases = [s.residual_bytes - sum(own_terms[lib] for lib in s.libraries) for s in runs]
-        raw = round(quantile(bases, q))
+        raw = round(percentile(bases, 100 * q))
         fits[gpu] = OverheadFit(gpu, max(0, raw), own_terms, len(runs),
-                                round(quantile(bases, 0.9) - quantile(bases, 0.1)), raw)
+                                round(percentile(bases, 90) - percentile(bases, 10)), raw)
     return fits
 
 
