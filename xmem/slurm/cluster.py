@@ -105,7 +105,8 @@ def query_cli(run: Runner) -> ClusterInfo:
             raise
         sinfo = None  # Slurm before 21.08 has no --json
     if sinfo is not None and sinfo.lstrip().startswith("{"):
-        nodes, version = parse_sinfo_json(sinfo), sinfo_json_version(sinfo)
+        data = _load_sinfo_json(sinfo)  # parsed once: megabytes on a large cluster
+        nodes, version = _sinfo_nodes(data), sinfo_json_version(data)
     else:
         nodes, version = parse_scontrol_nodes(run(["scontrol", "show", "-o", "node"])), None
     partitions, default = parse_scontrol_partitions(run(["scontrol", "show", "-o", "partition"]))
@@ -155,12 +156,20 @@ def parse_gres_list(text: str | None) -> tuple[GresItem, ...]:
 
 def parse_sinfo_json(text: str) -> list[NodeInfo]:
     """`sinfo --json` (openapi v0.0.38 in 22.05; later versions keep `nodes[].name/gres/partitions/state`)."""
+    return _sinfo_nodes(_load_sinfo_json(text))
+
+
+def _load_sinfo_json(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ClusterError(f"sinfo --json printed something that is not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
         raise ClusterError("sinfo --json has no nodes list")
+    return data
+
+
+def _sinfo_nodes(data: Mapping[str, Any]) -> list[NodeInfo]:
     nodes = []
     for node in data["nodes"]:
         state = node.get("state", "")
@@ -173,9 +182,9 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
     return nodes
 
 
-def sinfo_json_version(text: str) -> str | None:
+def sinfo_json_version(data: Mapping[str, Any]) -> str | None:
     """`meta.Slurm.release` (22.05: "22.05.8"), or `meta.slurm.release` in later versions."""
-    meta = json.loads(text).get("meta", {})
+    meta = data.get("meta", {})
     slurm = meta.get("Slurm") or meta.get("slurm") or {}
     release = slurm.get("release") if isinstance(slurm, dict) else None
     return parse_version(release) if isinstance(release, str) else None
