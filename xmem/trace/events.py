@@ -11,27 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-# Phases of a training step, and memory categories named once (the words of torch's mem_tracker).
-Phase = Literal["forward", "backward", "optimizer", "other"]
-Category = Literal[
-    "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "other", "workspace"
-]
-
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
-CATEGORIES: tuple[str, ...] = (
-    "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace", "other"
-)
-
 
 @dataclass(frozen=True, slots=True)
 class MemEvent:
-    """One GPU storage allocation or free, in program order.
+    """One GPU storage allocation or free, or a `torch.cuda.empty_cache()` call, in program order.
 
     `block` identifies the storage: an alloc and its free share it. `nbytes` is the storage's requested size
-    (unrounded: rounding is the simulator's job). A free repeats the alloc's size, stream and device.
+    (unrounded: rounding is the simulator's job). A free repeats the alloc's size, stream and device. An
+    `empty_cache` event has block -1 and 0 bytes.
     """
 
-    action: Literal["alloc", "free"]
+    action: Literal["alloc", "free", "empty_cache"]
     block: int
     nbytes: int
     device: int = 0
