@@ -29,7 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from xmem.slurm.filter import FilterReply, FilterRequest, cached_analysis, failure_reply, reply_for, user_request
+from xmem.slurm.filter import (FilterReply, FilterRequest, analysis_cache, cached_analysis, command_files,
+                               config_digest, estimate_slots, failure_reply, parse_job, reply_for, user_request)
 from xmem.slurm.node import COMMENT_TAG, JobStamp, comment_fields
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
@@ -113,28 +114,14 @@ def load_request(spool: Path) -> tuple[FilterRequest, str]:
 def run(spool: Path, job_id: str, config: Any) -> str:
     """Runs as the estimation job. Returns what happened, one line (also in the job's comment)."""
     request, original = load_request(spool)
-    from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot
-    from xmem.slurm.filter import command_files, parse_job
-
-    try:
-        job = parse_job(request.script, request)
-    except Exception:
-        job = None
-    cache = AnalysisCache(Path(os.path.expanduser(config.estimate.cache_dir)) / "analyses")
+    job = parse_job(request.script, request)
     analysis = cached_analysis(
-        request.script, request, config, cache=cache,
-        config_digest=_config_digest(config), files=command_files(job, request, original),
-        slots=lambda: estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, config.estimate.timeout_s))
+        request.script, request, config, cache=analysis_cache(config), config_digest=config_digest(config),
+        files=command_files(job, request, original), slots=lambda: estimate_slots(config))
     reply = reply_for(analysis, request, config.failure)
     outcome = apply(job_id, reply, request, config)
     _cancel_watchdog(spool)
     return outcome
-
-
-def _config_digest(config: Any) -> str:
-    from xmem.cache import file_digest
-
-    return file_digest(config.source) if config.source else ""
 
 
 def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) -> str:

@@ -158,12 +158,16 @@ def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
 
 
 def parse_job(script: str, request: FilterRequest) -> Any:
-    """The batch script as xmem.jobscript reads it, in the submitter's environment and directory."""
+    """The batch script as xmem.jobscript reads it, in the submitter's environment and directory; None when it
+    is not understood here (the analysis then says why, in its own words)."""
     from xmem.jobscript import parse_jobscript
 
-    return parse_jobscript(Path(script).read_text(errors="replace"), path=script,
-                           script_args=list(request.script_args), submit_cwd=request.cwd,
-                           cli_options=request.cli_options(), env=dict(request.env) or None)
+    try:
+        return parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                               script_args=list(request.script_args), submit_cwd=request.cwd,
+                               cli_options=request.cli_options(), env=dict(request.env) or None)
+    except Exception:
+        return None
 
 
 def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
@@ -183,6 +187,21 @@ def key_for(script: str, request: FilterRequest, config_digest: str, files: list
     return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
                      env=request.env, files=files,
                      extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
+
+
+def analysis_cache(config: Any) -> AnalysisCache:
+    """The site's analysis cache (per user: the cache directory is under the user's home by default)."""
+    return AnalysisCache(Path(os.path.expanduser(config.estimate.cache_dir)) / "analyses")
+
+
+def config_digest(config: Any) -> str:
+    """The site config's part of the cache key: its bytes, not its name."""
+    return file_digest(config.source) if config.source else ""
+
+
+def estimate_slots(config: Any) -> contextlib.AbstractContextManager:
+    """One of the host's estimate slots, waiting at most the site's estimate timeout."""
+    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
 
 
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
@@ -317,11 +336,8 @@ def run_filter(request: FilterRequest, config: Any, *,
     """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
     wait for an estimate slot and the estimate together."""
     failure = config.failure
-    cache = AnalysisCache(Path(os.path.expanduser(config.estimate.cache_dir)) / "analyses")
+    cache = analysis_cache(config)
     started = time.monotonic()
-
-    def slot() -> contextlib.AbstractContextManager:
-        return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
 
     def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Analysis:
         left = max(1.0, site.estimate.timeout_s - (time.monotonic() - started))
@@ -331,13 +347,10 @@ def run_filter(request: FilterRequest, config: Any, *,
     with wrapped_script(request) as script:
         if script is None:
             return FilterReply()
-        try:
-            job = parse_job(script, request)
-        except Exception:  # not understood here: the analysis will say why, in its own words
-            job = None
+        job = parse_job(script, request)
         if job is not None and not job.directives.wants_gpu:
             return FilterReply()  # a CPU job: no estimate, no change, no message
-        digest = file_digest(config.source) if config.source else ""
+        digest = config_digest(config)
         files = command_files(job, request, script)
         try:
             if deferring(config) and cache.get(key_for(script, request, digest, files)) is None:
@@ -346,7 +359,7 @@ def run_filter(request: FilterRequest, config: Any, *,
                 reply, token = defer(script, request, config)
                 return dataclasses.replace(reply, defer=token)
             analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
-                                       analyzer=timed_analyzer, slots=slot)
+                                       analyzer=timed_analyzer, slots=lambda: estimate_slots(config))
         except NoSlotFree as e:
             return failure_reply(str(e), request, failure)
         except OSError as e:
