@@ -77,6 +77,22 @@ class DevCluster:
     def output(self, workdir: Path, job_id: str) -> str:
         return (workdir / f"out-{job_id}.txt").read_text()
 
+    def analyses(self) -> set[Path]:
+        """The entries of the filter's analysis cache (the site config puts it under the lab)."""
+        return set((self.lab / "cache" / "analyses").glob("*.json"))
+
+
+@pytest.fixture(scope="session")
+def job_dir(tmp_path_factory):
+    """Makes a directory for test jobs: `train.py` (the given training script) and `broken.py`, which fails as
+    a script needing data that is not here does."""
+    def make(name: str, train: str) -> Path:
+        d = tmp_path_factory.mktemp(name)
+        (d / "train.py").write_text(train)
+        (d / "broken.py").write_text("raise RuntimeError('needs /data/imagenet, which is not here')\n")
+        return d
+    return make
+
 
 def _slurm_available() -> str | None:
     """None if Slurm is (or could be made) installed, else why not."""

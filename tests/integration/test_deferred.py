@@ -37,11 +37,8 @@ BURST = 50
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("deferred-jobs")
-    (d / "train.py").write_text(TRAIN)
-    (d / "broken.py").write_text("raise RuntimeError('needs /data/imagenet, which is not here')\n")
-    return d
+def work(job_dir) -> Path:
+    return job_dir("deferred-jobs", TRAIN)
 
 
 def script(work: Path, name: str, body: str = "python train.py\n", directives: str = "#SBATCH --gres=gpu:1") -> Path:
@@ -68,13 +65,9 @@ def wait_settled(cluster, job_id: str, timeout: float = 180) -> dict[str, str]:
     raise AssertionError(f"job {job_id} still held after {timeout} s: {cluster.job(job_id)}")
 
 
-def analyses(cluster) -> set[Path]:
-    return set((cluster.lab / "cache" / "analyses").glob("*.json"))
-
-
 def expected_gres(cluster, path: Path, text: str, before: set[Path]) -> str:
     """The policy's request for the job, from the estimate its deferred run cached (the one new entry)."""
-    (entry,) = analyses(cluster) - before
+    (entry,) = cluster.analyses() - before
     peaks = json.loads(entry.read_text())["peaks"]
     job = parse_jobscript(text, path=str(path), env=cluster.env)
     decision = decide(peaks, job.directives, load_site_config(cluster.config), user="root")
@@ -86,7 +79,7 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     cluster = deferred_cluster
     path = script(work, "job.sh", "env | grep ^XMEM_ | sort\npython train.py\n")
     submitted = path.read_text()
-    before = analyses(cluster)
+    before = cluster.analyses()
     sub = cluster.sbatch(path)
     path.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython broken.py\n")  # edited right after sbatch
     assert sub.returncode == 0, sub.stderr
@@ -147,7 +140,7 @@ def test_estimation_job_cancelled_by_hand_releases_the_job(deferred_cluster, wor
 def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_cluster, work):
     cluster = deferred_cluster
     path = script(work, "burst.sh")
-    before = analyses(cluster)
+    before = cluster.analyses()
     ids: list[str] = []
     lock = threading.Lock()
 

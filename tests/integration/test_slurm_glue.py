@@ -52,11 +52,8 @@ python train.py
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("jobs")
-    (d / "train.py").write_text(TRAIN)
-    (d / "broken.py").write_text("raise RuntimeError('needs /data/imagenet, which is not here')\n")
-    return d
+def work(job_dir) -> Path:
+    return job_dir("jobs", TRAIN)
 
 
 def script(work: Path, name: str, directives: str, body: str = JOB_BODY) -> Path:
@@ -67,13 +64,9 @@ def script(work: Path, name: str, directives: str, body: str = JOB_BODY) -> Path
 
 def new_analyses(cluster, before: set[Path], stderr: str = "") -> dict:
     """The analysis the filter cached for the submission just made (one new cache entry)."""
-    entries = set((cluster.lab / "cache" / "analyses").glob("*.json")) - before
+    entries = cluster.analyses() - before
     assert len(entries) == 1, f"no new analysis; sbatch said: {stderr}"
     return json.loads(entries.pop().read_text())
-
-
-def cache_entries(cluster) -> set[Path]:
-    return set((cluster.lab / "cache" / "analyses").glob("*.json"))
 
 
 def expected_decision(cluster, job_script: Path, peaks: dict, cli_options: dict | None = None):
@@ -91,7 +84,7 @@ def xmem_lines(stderr: str) -> list[str]:
 def generic(cluster, work):
     """A generic `--gres=gpu:1` job with a real (small) training script: submitted once, waited for."""
     path = script(work, "generic.sh", "#SBATCH --gres=gpu:1")
-    before = cache_entries(cluster)
+    before = cluster.analyses()
     sub = cluster.sbatch(path)
     assert sub.returncode == 0 and xmem_lines(sub.stderr), sub.stderr
     analysis = new_analyses(cluster, before, sub.stderr)
@@ -143,10 +136,10 @@ def test_epilog_record_appears_and_report_summarises_it(cluster, generic):
 
 def test_resubmission_hits_the_cache(cluster, generic):
     path, first, _, first_info = generic
-    before = cache_entries(cluster)
+    before = cluster.analyses()
     sub = cluster.sbatch(path)
     assert sub.returncode == 0, sub.stderr
-    assert cache_entries(cluster) == before  # nothing new estimated
+    assert cluster.analyses() == before  # nothing new estimated
     (line,) = xmem_lines(sub.stderr)
     assert line.endswith("(cached estimate)")
     assert cluster.job(sub.job_id)["TresPerNode"] == first_info["TresPerNode"]  # set at submission
@@ -169,7 +162,7 @@ def test_explicit_request_is_kept_per_policy(cluster, work, generic):
 
 def test_generic_gpus_request_is_rewritten_in_the_same_form(cluster, work):
     path = script(work, "gpus.sh", "#SBATCH --gpus=1")
-    before = cache_entries(cluster)
+    before = cluster.analyses()
     sub = cluster.sbatch(path)
     assert sub.returncode == 0, sub.stderr
     expected = expected_decision(cluster, path, new_analyses(cluster, before, sub.stderr)["peaks"])
@@ -180,7 +173,7 @@ def test_generic_gpus_request_is_rewritten_in_the_same_form(cluster, work):
 
 
 def test_wrapped_command_is_estimated_like_a_script(cluster, work):
-    before = cache_entries(cluster)
+    before = cluster.analyses()
     started = cluster.run("sbatch", "--parsable", "-o", str(work / "out-%j.txt"), "--gres=gpu:1",
                           "--wrap", "python train.py --wrapped", cwd=work, timeout=400)
     assert started.returncode == 0, started.stderr
