@@ -15,8 +15,11 @@ from typing import Any, Optional
 import typer
 
 from xmem.cli import app
+from xmem.slurm.store import DEFAULT_STORE
 
 ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
+StoreOption = typer.Option(os.environ.get("XMEM_STORE", DEFAULT_STORE), "--store",
+                           help="The JSONL store of job records the epilog writes (default: $XMEM_STORE).")
 
 
 def _load_config(explicit: Optional[str]) -> Any:
@@ -74,8 +77,7 @@ def prolog_command(
 
 @app.command("epilog")
 def epilog_command(
-    store: str = typer.Option(os.environ.get("XMEM_STORE", "/var/lib/xmem/records.jsonl"), "--store",
-                              help="The JSONL store of job records."),
+    store: str = StoreOption,
     measure_dir: Optional[str] = typer.Option(None, "--measure-dir", envvar="XMEM_MEASURE_DIR",
                                               help="Where jobs leave their measured peak (XMEM_MEASURE_FILE)."),
 ) -> None:
@@ -94,8 +96,7 @@ def epilog_command(
 
 @app.command("report")
 def report_command(
-    store: str = typer.Option(os.environ.get("XMEM_STORE", "/var/lib/xmem/records.jsonl"), "--store",
-                              help="The JSONL store the epilog writes."),
+    store: str = StoreOption,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
 ) -> None:
     """Estimate against measured peak, per GPU type, from the epilog's records."""
