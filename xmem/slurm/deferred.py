@@ -31,7 +31,7 @@ from typing import Any
 
 from xmem.slurm.filter import (FilterReply, FilterRequest, analysis_cache, cached_analysis, command_files,
                                config_digest, estimate_slots, failure_reply, parse_job, reply_for, user_request)
-from xmem.slurm.node import COMMENT_TAG, JobStamp, comment_fields
+from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
@@ -68,9 +68,7 @@ def _plain(text: str) -> str:
 
 def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = None) -> str:
     """The job comment: the user's text, then one `xmem:` token with the stamp (if any) and the state."""
-    token = (stamp.comment() + ";" if stamp and not stamp.is_empty() else COMMENT_TAG) + state
-    kept = re.sub(r"\s*xmem:\S*", "", user_comment or "").strip()
-    return f"{kept} {token}".strip()
+    return add_to_comment(user_comment, stamp or JobStamp(), state)
 
 
 # --- post-submit: the estimation job and its watchdog ---------------------------------------------------------

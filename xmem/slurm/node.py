@@ -78,10 +78,14 @@ def _plain(value: object) -> str:
     return re.sub(r"[,;\s\"'\\]", "+", str(value))
 
 
-def add_to_comment(user_comment: str | None, stamp: JobStamp) -> str:
-    """The job comment with the stamp in it: the user's comment kept, an older stamp replaced."""
+def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -> str:
+    """The job comment with the stamp in it: the user's comment kept, an older `xmem:` token replaced.
+    `state` (deferred mode's `state=...;was=...` pairs) goes in the same token, after the stamp's."""
+    token = stamp.comment()
+    if state:
+        token += (";" if not stamp.is_empty() else "") + state
     kept = re.sub(r"\s*xmem:\S*", "", user_comment or "").strip()
-    return f"{kept} {stamp.comment()}".strip()
+    return f"{kept} {token}".strip()
 
 
 # --- TaskProlog ------------------------------------------------------------------------------------------------
