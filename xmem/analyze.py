@@ -21,6 +21,7 @@ from xmem.policy import (Decision, considered_offers, decide, describe_offer, el
                          job_partitions)
 
 if TYPE_CHECKING:
+    from xmem.gpus import GpuType
     from xmem.slurm.cluster import ClusterInfo
 
 # Estimator failures that mean "this command is not a GPU training step" rather than "the estimate failed".
@@ -127,7 +128,8 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     results = tuple(_estimate_command(c, scope.targets, scope.config, runtime_env, submit_cwd, deadline,
                                       estimator or _default_estimator(), on_progress) for c in job.commands)
     errors = tuple(r.error for r in results if r.error is not None)
-    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], scope.site_types, scope.config)
+    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], scope.site_types, scope.config,
+                           scope.catalog)
     if not errors and not peaks:
         errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on the GPU: "
                                 + "; ".join(r.skipped or "" for r in results)),)
@@ -142,25 +144,30 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
 @dataclass(frozen=True)
 class _Scope:
     """Where the job may run and what it is estimated for: the config completed from the cluster, the partitions,
-    the site's GPU types there (GRES names), the types to estimate (MIG slices as their parent) and notes."""
+    the site's GPU types there (GRES names), the types to estimate (MIG slices as their parent), the GPU catalog
+    (read once for the job: the types, the peaks and the policy all need it) and notes."""
 
     config: SiteConfig
     partitions: tuple[str, ...]
     site_types: tuple[str, ...]
     targets: tuple[str, ...]
+    catalog: Mapping[str, GpuType]
     notes: tuple[str, ...] = ()
 
 
 def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
                ask_cluster: ClusterSource) -> _Scope:
+    from xmem.gpus import load_catalog
+
     partitions = job_partitions(job.directives, config)
     if not partitions and (info := ask_cluster()) and info.default_partition:
         partitions = (info.default_partition,)
     config = _with_cluster_partitions(config, partitions, ask_cluster)
+    catalog = load_catalog(config.catalog_overrides or None)
     if gpus:
-        return _Scope(config, partitions, tuple(gpus), tuple(gpus))
-    site_types, notes = _known_types(eligible_types(config, partitions), config)
-    return _Scope(config, partitions, site_types, estimate_types(config, partitions), notes)
+        return _Scope(config, partitions, tuple(gpus), tuple(gpus), catalog)
+    site_types, notes = _known_types(eligible_types(config, partitions), config, catalog)
+    return _Scope(config, partitions, site_types, estimate_types(config, partitions), catalog, notes)
 
 
 def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str | None,
@@ -168,22 +175,23 @@ def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str |
     """The policy's decision, and the offers it weighed (for people: `check` shows them)."""
     request, partition = job.directives, ",".join(scope.partitions)
     available = _gpus_per_node(ask_cluster(), scope.partitions) if request.gpu_count > 1 else None
-    decision = decide(peaks, request, scope.config, user=user, partition=partition, available=available)
+    decision = decide(peaks, request, scope.config, user=user, partition=partition, catalog=scope.catalog,
+                      available=available)
     offers = tuple({"kind": offer.kind, "request": value, "gpu_type": offer.gres_type,
                     "granted_bytes": offer.granted_bytes, "needed_bytes": scope.config.margin.needed(offer.peak_bytes),
                     "fits": fits, "description": describe_offer(offer)}
                    for offer, value, fits in considered_offers(peaks, request, scope.config, partition=partition,
-                                                               available=available))
+                                                               catalog=scope.catalog, available=available))
     return decision, offers
 
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],
-                   config: SiteConfig) -> dict[str, int]:
+                   config: SiteConfig, catalog: Mapping[str, GpuType] | None = None) -> dict[str, int]:
     """Per site GPU type (GRES name), the largest peak over the commands. A MIG slice gets its parent's peak.
     Estimates are keyed by catalog names; they are matched to the site's names through the catalog."""
     from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 
-    catalog = load_catalog(config.catalog_overrides or None)
+    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
     peaks: dict[str, int] = {}
     for site_type in site_types:
         parent = config.mig.parent_of(site_type) or site_type
@@ -236,12 +244,12 @@ def _with_cluster_partitions(config: SiteConfig, partitions: Sequence[str],
     return config.with_partitions(found) if found else config
 
 
-def _known_types(types: Sequence[str], config: SiteConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _known_types(types: Sequence[str], config: SiteConfig,
+                 catalog: Mapping[str, GpuType]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The GPU types the catalog can size (MIG slices through their parent), and a note for each one left out
     (only Slurm can name those: the site config's own types are checked when it is loaded)."""
-    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
+    from xmem.gpus import UnknownGpuError, find_gpu
 
-    catalog = load_catalog(config.catalog_overrides or None)
     known, notes = [], []
     for gpu_type in types:
         try:
