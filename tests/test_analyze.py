@@ -91,6 +91,25 @@ def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_pat
     assert kw["iterations"] == 3 and kw["timeout"] <= SITE.estimate.timeout_s
 
 
+def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):
+    import importlib
+
+    import xmem.gpus
+    policy = importlib.import_module("xmem.policy.decide")  # the package exports a function of that name
+    reads = []
+
+    def counting(*args, **kw):
+        reads.append(args)
+        return real(*args, **kw)
+    real = xmem.gpus.load_catalog
+    monkeypatch.setattr(xmem.gpus, "load_catalog", counting)
+    monkeypatch.setattr(policy, "load_catalog", counting)
+    estimator = FakeEstimator({"train.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 6 * GIB}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython train.py\n"), estimator)
+    assert result.decision is not None and result.offers  # the types, the peaks and the policy all used it
+    assert len(reads) == 1
+
+
 def test_estimator_error_is_reported_with_its_kind_and_line(tmp_path):
     error = TraceError("user_error", "ValueError: bad lr", user_traceback="Traceback ...")
     estimator = FakeEstimator({}, errors={"train.py": error})

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
 from xmem.policy import (Decision, considered_offers, decide, describe_offer, eligible_types, estimate_types,
-                         job_partitions)
+                         job_partitions, screen)
 
 if TYPE_CHECKING:
     from xmem.gpus import GpuType
@@ -108,8 +108,8 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                           cli_options=cli_options, env=env)
     user = user or env.get("USER")
 
-    early = decide({}, job.directives, config, user=user)  # no GPU wanted, or excluded: no estimate needed
-    if early.action in ("none", "excluded"):
+    early = screen(job.directives, config, user=user)  # no GPU wanted, or excluded: no estimate needed
+    if early is not None:
         return JobAnalysis(job, decision=early)
     if not job.commands:
         reasons = "; ".join(str(p) for p in job.problems) or "no training command found"

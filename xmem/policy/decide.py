@@ -66,13 +66,10 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
     """The request to make for a job whose peak is `peaks[gpu type]` bytes per rank (GRES type names or catalog
     names as keys; a MIG slice may be absent, its parent's peak is used). `available`: GPUs of each GRES type one
     node offers, when known (from the cluster); offers needing more are left out."""
-    if not request.wants_gpu:
-        return Decision("none", "the job asks for no GPU")
+    early = screen(request, config, user=user, account=account, partition=partition)
+    if early is not None:
+        return early
     partitions = job_partitions(request, config, partition)
-    account = account or request.account
-    excluded = _exclusion(config, user, account, partitions)
-    if excluded:
-        return Decision("excluded", excluded)
     catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
@@ -85,6 +82,15 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
                                              and not request.is_generic_gpu_request):
         return _keep(request, offers, peaks, config, catalog)
     return _cheapest(offers, config, request, option, partitions)
+
+
+def screen(request: SbatchRequest, config: SiteConfig, *, user: str | None = None, account: str | None = None,
+           partition: str | None = None) -> Decision | None:
+    """The decision when the job needs no estimate (it asks for no GPU, or is excluded); None when it does."""
+    if not request.wants_gpu:
+        return Decision("none", "the job asks for no GPU")
+    excluded = _exclusion(config, user, account or request.account, job_partitions(request, config, partition))
+    return Decision("excluded", excluded) if excluded else None
 
 
 def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *,
