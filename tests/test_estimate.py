@@ -220,3 +220,18 @@ def test_progress_reaches_the_tracer_and_names_each_simulation(traced):
     assert traced.calls[0][2]["on_progress"] == messages.append
     assert messages == ["simulating the caching allocator on A100-SXM4-40GB",
                         "simulating the caching allocator on T4"]
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "max_split_size_mb:30", "expandable_segments:True"])
+def test_shared_replays_give_what_one_replay_per_gpu_type_gives(traced, alloc_conf):
+    # Two small types that share their ops with the catalog's A100s: one runs out, one fits.
+    overrides = {"gpus": {name: {"total_bytes": total, "capability": [8, 0]} for name, total in
+                          [("Tiny", 150 * MIB), ("Fits", 400 * MIB)]},
+                 "overhead": {name: {"context_bytes": 0, "library_bytes": {"cublas": 0}} for name in ("Tiny", "Fits")}}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
+    result = estimate(["python", "train.py"], env=env, catalog_overrides=overrides)
+    catalog = load_catalog(overrides)
+    config = estimate_module.AllocatorConfig.parse(alloc_conf)
+    alone = {name: estimate_module.estimate_gpu(traced.trace, gpu, config, env)[0] for name, gpu in catalog.items()}
+    assert result.gpus == alone
+    assert alone["Tiny"].oom is not None and alone["Fits"].fits

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xmem.gpus import GpuType, find_gpu, load_catalog, overhead_bytes
+from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate
 from xmem.trace import run_trace
@@ -142,11 +143,18 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     biggest = max(targets, key=lambda g: g.total_bytes).name
     results: dict[str, GpuEstimate] = {}
     breakdown: dict[str, int] = {}
+    # GPU types that replay the same ops (same trace, same cuBLAS workspace) share a replay where it is exact.
+    replays: dict[tuple, tuple[GpuOps, SimResult | None]] = {}
+    same_ops = Counter((capability_class(g.capability), cublas_workspace_bytes(g, job_env)) for g in targets
+                       if g.name != biggest)  # the breakdown's replay keeps every op: it is not shared
     for gpu in targets:
         if on_progress:
             on_progress(f"simulating the caching allocator on {gpu.name}")
-        trace = traces[capability_class(gpu.capability)]
-        results[gpu.name], parts = estimate_gpu(trace, gpu, config, job_env, with_breakdown=gpu.name == biggest)
+        cls = capability_class(gpu.capability)
+        shared = same_ops[cls, cublas_workspace_bytes(gpu, job_env)] > 1
+        results[gpu.name], parts = estimate_gpu(traces[cls], gpu, config, job_env,
+                                                with_breakdown=gpu.name == biggest,
+                                                replays=replays if shared else None)
         breakdown = parts or breakdown
     return Estimate(
         command=tuple(command),
@@ -202,10 +210,12 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
 
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
-                 with_breakdown: bool = False) -> tuple[GpuEstimate, dict[str, int]]:
+                 with_breakdown: bool = False,
+                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None) -> tuple[GpuEstimate, dict[str, int]]:
     """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
 
-    With several devices in the trace, the device with the highest peak (or the first OOM) counts.
+    With several devices in the trace, the device with the highest peak (or the first OOM) counts. `replays`, if
+    given, shares replays between the GPU types of one estimate (see `_replay`).
     """
     overhead = overhead_bytes(gpu, trace.libraries)
     capacity = gpu.total_bytes - overhead
@@ -215,11 +225,8 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
 
     worst: tuple[GpuOps, SimResult] | None = None
     for device in trace_devices(trace):
-        ops = orchestrate(trace, gpu, env, device=device)
-        # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
-        points = max(len(ops.ops), 3) if with_breakdown else 2000
-        # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
-        sim = simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes, timeline_points=points)
+        ops, sim = _replay(trace, gpu, config, env, device, capacity, with_breakdown,
+                           None if with_breakdown else replays)
         if worst is None or severity(sim) > severity(worst[1]):
             worst = (ops, sim)
     assert worst is not None  # trace_devices never returns an empty list
@@ -241,6 +248,33 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     if not with_breakdown:
         return gpu_estimate, {}
     return gpu_estimate, breakdown_at(ops, fullest_peak_op(sim), sim.peak_reserved, overhead)
+
+
+def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None, device: int,
+            capacity: int, with_breakdown: bool, replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None
+            ) -> tuple[GpuOps, SimResult]:
+    """`device`'s ops on `gpu` and their replay with `capacity`; with `replays`, shared between GPU types.
+
+    The ops depend on the GPU type only through the cuBLAS workspace size. Without a memory fraction or expandable
+    segments (the only uses of the device's size short of an OOM), the replay depends on the capacity only if it
+    runs out: a replay with no limit whose peak reserved fits `capacity` is, op for op, the replay with
+    `capacity`, since no cudaMalloc in it asked for more than that peak.
+    """
+    key = (id(trace), cublas_workspace_bytes(gpu, env), device)
+    if replays is not None and key in replays:
+        ops, unlimited = replays[key]
+    else:
+        ops, unlimited = orchestrate(trace, gpu, env, device=device), None
+    # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
+    points = max(len(ops.ops), 3) if with_breakdown else 2000
+    if replays is not None and key not in replays:
+        if config.memory_fraction is None and not config.expandable_segments:
+            unlimited = simulate(ops.ops, config, timeline_points=points)
+        replays[key] = ops, unlimited
+    if unlimited is not None and unlimited.peak_reserved <= capacity:
+        return ops, unlimited
+    # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
+    return ops, simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes, timeline_points=points)
 
 
 def fullest_peak_op(sim: SimResult) -> int:
