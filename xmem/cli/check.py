@@ -23,6 +23,8 @@ from rich.table import Table
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
+from xmem.gpus import load_catalog
+from xmem.policy import gres_capacity
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
 ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
@@ -173,8 +175,9 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
     table = Table(title="Predicted peak GPU memory per rank")
     for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
         table.add_column(column, justify="left" if column == "GPU type" else "right")
+    catalog = load_catalog(site.catalog_overrides or None)
     for gpu_type, peak in analysis.peaks.items():
-        total = _memory_of(gpu_type, site)
+        total = gres_capacity(gpu_type, site.mig.parent_of(gpu_type), catalog)
         needed = site.margin.needed(peak)
         style = "" if total is None or needed <= total else "[red]"
         table.add_row(gpu_type, _gib(peak), f"{style}{_gib(needed)}", _gib(total) if total else "?")
@@ -194,19 +197,6 @@ def _show_offers(console: Console, analysis: JobAnalysis) -> None:
             mark += " <- chosen"
         table.add_row(offer["request"], _gib(offer["granted_bytes"]), _gib(offer["needed_bytes"]), mark)
     console.print(table)
-
-
-def _memory_of(gpu_type: str, site: SiteConfig) -> Optional[int]:
-    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, mig_profile
-
-    try:
-        catalog = load_catalog(site.catalog_overrides or None)
-        parent = site.mig.parent_of(gpu_type)
-        if parent:
-            return mig_profile(find_gpu(parent, catalog), gpu_type).memory_bytes
-        return find_gpu(gpu_type, catalog).total_bytes
-    except UnknownGpuError:
-        return None
 
 
 def _gib(nbytes: int) -> str:

@@ -148,7 +148,7 @@ def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mappin
     for gres_type in eligible_types(config, partitions):
         parent = config.mig.parent_of(gres_type)
         estimate_type = parent or gres_type
-        capacity = _capacity(gres_type, parent, catalog)
+        capacity = gres_capacity(gres_type, parent, catalog)
         peak = peak_for(estimate_type, peaks, catalog)
         if capacity is None or peak is None:
             continue
@@ -188,7 +188,9 @@ def _share(kind: str, gres_type: str, estimate_type: str, capacity: int, units: 
     return Offer(kind, gres_type, estimate_type, count, capacity * count // units, capacity // units, peak, units)
 
 
-def _capacity(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
+def gres_capacity(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
+    """The memory of one GPU of `gres_type`: the MIG profile's when `parent` is its GPU, else the whole GPU's;
+    None when the catalog does not know it."""
     try:
         if parent:
             return mig_profile(find_gpu(parent, catalog), gres_type).memory_bytes
