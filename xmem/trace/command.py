@@ -17,8 +17,7 @@ from xmem.trace.errors import TraceError
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?$")
 _PYTHON_OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
 _DISTRIBUTED_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
-_TORCHRUN_FLAGS = {"--standalone", "--module", "-m", "--no-python", "--no_python", "--run-path", "--run_path",
-                   "--use-env", "--use_env", "--no-python"}
+_TORCHRUN_FLAGS = {"--standalone", "--module", "-m", "--run-path", "--run_path", "--use-env", "--use_env"}
 
 
 @dataclass(frozen=True)
