@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-DEFAULT_CACHE_DIR = "~/.cache/xmem-slurm/estimates"
 DEFAULT_MAX_ENTRIES = 500
 KEY_VERSION = "1"  # bump when the meaning of a cached value changes
 
@@ -123,8 +122,7 @@ class AnalysisCache:
     last rename winning is harmless.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] = DEFAULT_CACHE_DIR,
-                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.directory = Path(os.path.expanduser(str(directory)))
         self.max_entries = max_entries
 
