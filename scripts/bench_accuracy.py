@@ -17,6 +17,9 @@ the record's total memory as capacity, and writes:
 `--trace-cache DIR` keeps each job's trace there and reuses it: a re-run after a change that does not touch the
 tracer (a new overhead calibration, a simulator fix) repeats everything after the trace. `seconds` then counts only
 that part; the first run's full seconds stay in its own estimates.jsonl.
+`--reference-stack` (the default) runs the jobs with the library stack they were measured with
+(benchmarks/requirements-reference.txt: transformers 4.51.3), installed once into bench-out/reference-stack from PyPI
+and put first on the jobs' PYTHONPATH; `--no-reference-stack` runs them with the interpreter's own libraries.
 Records whose job is identical (same command, environment, GPU type and capacity) are estimated once; the others
 carry `"same_job_as"`.
 """
@@ -28,6 +31,8 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -38,6 +43,22 @@ from xmem.bench.report import BenchResult, print_table, summary, write_picture
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS_DIR = ROOT / "benchmarks" / "jobs"
+REFERENCE_REQUIREMENTS = ROOT / "benchmarks" / "requirements-reference.txt"
+REFERENCE_STACK = ROOT / "bench-out" / "reference-stack"
+
+
+def reference_stack(python: str, requirements: Path = REFERENCE_REQUIREMENTS, target: Path = REFERENCE_STACK) -> Path:
+    """`target` holding exactly the pinned `requirements`, installed with `python`'s pip when missing or stale."""
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    marker = target / ".requirements-sha256"
+    if marker.is_file() and marker.read_text() == digest:
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    command = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), "-r", str(requirements)]
+    print(f"bench_accuracy: installing the reference stack: {' '.join(command)}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True)
+    marker.write_text(digest)
+    return target
 
 
 def last_line(text: str) -> str:
@@ -57,7 +78,7 @@ def use_trace_cache(directory: Path) -> None:
     def cached_trace(command, **kwargs):
         env = kwargs.get("env") or {}
         key = json.dumps([command, kwargs.get("iterations"), list(kwargs.get("capability", ())),
-                          {k: v for k, v in env.items() if k.startswith(("PYTORCH_", "CUDA", "CUBLAS"))}])
+                          {k: v for k, v in env.items() if k.startswith(("PYTORCH_", "CUDA", "CUBLAS", "PYTHONPATH"))}])
         path = directory / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
         if path.is_file():
             return Trace.load(path)
@@ -164,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="estimate only records whose model contains this text")
     parser.add_argument("--rescore", action="store_true", help="reuse OUT/estimates.jsonl, do not estimate")
     parser.add_argument("--trace-cache", type=Path, help="directory to keep and reuse the jobs' traces")
+    parser.add_argument("--reference-stack", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the jobs with the measured library stack (default; see the module docstring)")
     args = parser.parse_args(argv)
 
     try:
@@ -188,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         unique = list({r.path: r for r in refs}.values())
         if args.trace_cache:
             args.trace_cache.mkdir(parents=True, exist_ok=True)
+        if args.reference_stack:
+            try:
+                stack = reference_stack(args.python)
+            except (OSError, subprocess.CalledProcessError) as e:
+                print(f"bench_accuracy: cannot install the reference stack ({e}); "
+                      "install it by hand or pass --no-reference-stack", file=sys.stderr)
+                return 2
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack), os.environ.get("PYTHONPATH")]))
         results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file,
                                 args.trace_cache)
 
@@ -196,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jobs": args.jobs,
+        "reference_stack": args.reference_stack,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     report = summary(refs, results, meta)

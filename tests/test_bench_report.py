@@ -98,3 +98,37 @@ def test_identical_jobs_share_one_key_and_the_order_interleaves_kinds():
     assert script.job_key(a1) == script.job_key(a2) != script.job_key(b)
     assert script.job_key(unknown1) != script.job_key(unknown2)  # each keeps its own reason
     assert [r.path for r in script.interleaved([a1, a2, b])] == ["a1", "b", "a2"]
+
+
+def demo_wheel(directory: Path, version: str) -> Path:
+    """A minimal pure-Python wheel, so pip installs it with no index."""
+    import zipfile
+    wheel = directory / f"demo_stack_pkg-{version}-py3-none-any.whl"
+    info = f"demo_stack_pkg-{version}.dist-info"
+    files = {
+        "demo_stack_pkg/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: demo-stack-pkg\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def test_reference_stack_installs_once_and_again_when_the_pins_change(tmp_path):
+    script = load_script()
+    requirements, target = tmp_path / "requirements.txt", tmp_path / "stack"
+    requirements.write_text(f"{demo_wheel(tmp_path, '1.0')}\n")
+    assert script.reference_stack(sys.executable, requirements, target) == target
+    assert "1.0" in (target / "demo_stack_pkg" / "__init__.py").read_text()
+
+    (target / "left-by-hand").write_text("")  # an up-to-date stack is reused as it is
+    script.reference_stack(sys.executable, requirements, target)
+    assert (target / "left-by-hand").exists()
+
+    requirements.write_text(f"{demo_wheel(tmp_path, '2.0')}\n")  # new pins: a clean reinstall
+    script.reference_stack(sys.executable, requirements, target)
+    assert "2.0" in (target / "demo_stack_pkg" / "__init__.py").read_text()
+    assert not (target / "left-by-hand").exists()

@@ -34,6 +34,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # The measured jobs ran transformers 4.51.3, whose T5 had only its own eager attention (scores, softmax and dropout
 # kept for backward); newer releases give T5 SDPA, which keeps none of them. Other families: the library default.
 ATTENTION_AS_MEASURED = {"t5": "eager"}
+# from_config's dtype keyword: `torch_dtype` up to transformers 4.55 (the measured jobs ran 4.51.3), `dtype` since.
+DTYPE_KEYWORD = "dtype" if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
 
 
 def build_model(model_id: str, config_dir: Path = CONFIG_DIR, dtype: str = "float32",
@@ -46,7 +48,8 @@ def build_model(model_id: str, config_dir: Path = CONFIG_DIR, dtype: str = "floa
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     attention = attention or ATTENTION_AS_MEASURED.get(config.model_type)
     extra = {"attn_implementation": attention} if attention else {}
-    return auto.from_config(config, dtype=DTYPES[dtype], **extra)
+    extra[DTYPE_KEYWORD] = DTYPES[dtype]
+    return auto.from_config(config, **extra)
 
 
 def build_optimizer(name: str, params, fused: bool = False) -> torch.optim.Optimizer:
