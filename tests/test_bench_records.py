@@ -40,7 +40,7 @@ def test_record_fields_and_estimators_are_parsed():
 
 
 def test_null_zero_grad_mode_means_just_before_backward():
-    assert parse_reference(record(mode=None)).zero_grad_mode == 1
+    assert parse_reference(record(mode=None)).zero_grad_mode == 0
     assert parse_reference(record(mode=0)).zero_grad_mode == 0
 
 
