@@ -9,7 +9,8 @@ the record's total memory as capacity, and writes:
 
 - OUT/estimates.jsonl: one line per record, `{"path", "estimate_bytes", "oom", "seconds"}` plus details (reserved,
   allocated, overhead, libraries, command); a record with no estimate carries `"error"`: why.
-- OUT/summary.json: MRE, p90, under-estimate share, OOM recall, PEF, MCP and median seconds, per model and overall,
+- OUT/summary.json: MRE, p90, under-estimate share, short-request share (the estimate with the site margin of
+  `--config`, default etc/xmem.toml, still below the measured peak), OOM recall, PEF, MCP and median seconds, per model and overall,
   for us and for every estimator recorded in the data; the targets and whether they are met.
 - OUT/accuracy.png: estimated vs measured, and the signed error distribution per estimator.
 
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from xmem.bench.records import BadRecord, Reference, Unreproducible, job_command, job_env, load_references
 from xmem.bench.report import BenchResult, print_table, summary, write_picture
+from xmem.config import ConfigError, load_site_config
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS_DIR = ROOT / "benchmarks" / "jobs"
@@ -185,10 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="estimate only records whose model contains this text")
     parser.add_argument("--rescore", action="store_true", help="reuse OUT/estimates.jsonl, do not estimate")
     parser.add_argument("--trace-cache", type=Path, help="directory to keep and reuse the jobs' traces")
+    parser.add_argument("--config", type=Path, default=ROOT / "etc" / "xmem.toml",
+                        help="site configuration whose [margin] the short-request share applies (default etc/xmem.toml)")
     parser.add_argument("--reference-stack", action=argparse.BooleanOptionalAction, default=True,
                         help="run the jobs with the measured library stack (default; see the module docstring)")
     args = parser.parse_args(argv)
 
+    try:
+        margin = load_site_config(args.config).margin
+    except (OSError, ConfigError) as e:
+        print(f"bench_accuracy: cannot read the site configuration: {e}", file=sys.stderr)
+        return 2
     try:
         refs = load_references(args.data)
     except (OSError, BadRecord) as e:
@@ -228,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jobs": args.jobs,
         "reference_stack": args.reference_stack,
+        "margin": {"relative": margin.relative, "absolute_bytes": margin.absolute_bytes, "config": str(args.config)},
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    report = summary(refs, results, meta)
+    report = summary(refs, results, meta, needed=margin.needed)
     (args.out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")
     write_picture(refs, results, args.out / "accuracy.png")
     print_table(report)

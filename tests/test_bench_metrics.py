@@ -37,6 +37,13 @@ def test_under_share_counts_runs_without_real_oom():
     assert score(runs()).under_share == pytest.approx(1 / 3)
 
 
+def test_short_request_share_adds_the_site_margin_before_comparing():
+    # B (3 GiB for 4) is short with no margin, covered by +1 GiB; the real OOMs D and E are not counted
+    assert score(runs(), needed=lambda estimate: estimate).short_request_share == pytest.approx(1 / 3)
+    assert score(runs(), needed=lambda estimate: estimate + GIB).short_request_share == 0
+    assert score(runs()).short_request_share is None
+
+
 def test_oom_recall_is_share_of_real_ooms_predicted():
     # D predicted, E missed
     assert score(runs()).oom_recall == pytest.approx(0.5)

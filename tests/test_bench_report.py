@@ -59,6 +59,11 @@ def test_summary_scores_ours_and_the_recorded_estimator_per_model():
     assert report["scores"]["xMem"]["MnasNet"]["mre"] == pytest.approx(0.25)  # 5 vs 4 and 3 vs 4 GiB
     assert report["targets_met"]["under_share"] is False
     assert [row[:2] for row in table_rows(report)][:2] == [["MnasNet", OURS], ["MnasNet", "xMem"]]
+    assert ours["overall"]["short_request_share"] is None  # no margin given
+
+    with_margin = summary(refs, results, {}, needed=lambda estimate: int(estimate * 1.1))
+    assert with_margin["scores"][OURS]["overall"]["short_request_share"] == 0  # b: 3.8 GiB x 1.1 covers 4 GiB
+    assert with_margin["scores"]["xMem"]["MnasNet"]["short_request_share"] == pytest.approx(1 / 2)  # 3.3 < 4
 
 
 def test_rescore_writes_summary_and_picture(tmp_path):

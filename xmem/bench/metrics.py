@@ -5,6 +5,8 @@ Owns the definitions (reference-measurements.md, "Metrics"); pure functions over
 - error = |estimate - ground| / ground, on runs with neither a real nor a predicted OOM (on a real OOM, `ground` is
   only the level reached before it, not a peak). MRE is its median, p90 its 90th percentile.
 - under-estimate share: runs with no real OOM whose estimate is below the measured peak.
+- short-request share: the same with the site's safety margin added to the estimate (`needed`, as the policy asks
+  for it): the runs a scheduler acting on the estimate would really have under-sized.
 - OOM recall: share of the runs that really ran out of memory for which OOM was predicted.
 - PEF: share of runs that are not accurate. Accurate = (no real OOM, no OOM predicted, and a run capped at the
   estimate would not OOM) or (real OOM, OOM predicted). "Capped run would not OOM" is the recorded second real run
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -44,6 +47,7 @@ class Scores:
     p90: float | None
     bias: float | None  # median signed error (estimate - ground) / ground on the same runs: + over, - under
     under_share: float | None
+    short_request_share: float | None  # None when no margin was given
     oom_recall: float | None
     pef: float | None
     mcp_gib: float | None
@@ -76,6 +80,11 @@ def under_share(outcomes: list[Outcome]) -> float | None:
     return sum(o.estimate < o.ground for o in fits) / len(fits) if fits else None
 
 
+def short_request_share(outcomes: list[Outcome], needed: Callable[[int], int]) -> float | None:
+    fits = [o for o in outcomes if not o.real_oom]
+    return sum(needed(o.estimate) < o.ground for o in fits) / len(fits) if fits else None
+
+
 def oom_recall(outcomes: list[Outcome]) -> float | None:
     ooms = [o for o in outcomes if o.real_oom]
     return sum(o.oom for o in ooms) / len(ooms) if ooms else None
@@ -103,7 +112,8 @@ def mcp_gib(outcomes: list[Outcome]) -> float | None:
     return (saved - claimed) / len(outcomes) / GIB
 
 
-def score(outcomes: list[Outcome]) -> Scores:
+def score(outcomes: list[Outcome], needed: Callable[[int], int] | None = None) -> Scores:
+    """The figures of `outcomes`; `needed` (estimate -> bytes requested, the site margin) adds the short-request share."""
     errors = scored_errors(outcomes)
     signed = [(o.estimate - o.ground) / o.ground for o in outcomes if not o.real_oom and not o.oom]
     seconds = [o.seconds for o in outcomes if o.seconds is not None]
@@ -114,6 +124,7 @@ def score(outcomes: list[Outcome]) -> Scores:
         p90=percentile(errors, 90),
         bias=statistics.median(signed) if signed else None,
         under_share=under_share(outcomes),
+        short_request_share=short_request_share(outcomes, needed) if needed else None,
         oom_recall=oom_recall(outcomes),
         pef=pef(outcomes),
         mcp_gib=mcp_gib(outcomes),

@@ -7,7 +7,7 @@ picture. Pure except `write_picture` (matplotlib, Agg backend) and `print_table`
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from xmem.bench.metrics import GIB, Outcome, Scores, score
@@ -71,13 +71,14 @@ def outcomes_by_estimator(refs: list[Reference], results: dict[str, BenchResult]
     return table
 
 
-def group_scores(pairs: Iterable[tuple[Reference, Outcome]], by=lambda ref: ref.model) -> dict[str, Scores]:
-    """Scores per group (default: per model), and "overall"."""
+def group_scores(pairs: Iterable[tuple[Reference, Outcome]], by=lambda ref: ref.model,
+                 needed: Callable[[int], int] | None = None) -> dict[str, Scores]:
+    """Scores per group (default: per model), and "overall"; `needed` as in `metrics.score`."""
     groups: dict[str, list[Outcome]] = defaultdict(list)
     for ref, outcome in pairs:
         groups[by(ref)].append(outcome)
         groups["overall"].append(outcome)
-    return {name: score(outs) for name, outs in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))}
+    return {name: score(outs, needed) for name, outs in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))}
 
 
 def targets_met(overall: Scores) -> dict[str, bool | None]:
@@ -88,9 +89,11 @@ def targets_met(overall: Scores) -> dict[str, bool | None]:
     return met
 
 
-def summary(refs: list[Reference], results: dict[str, BenchResult], meta: dict) -> dict:
+def summary(refs: list[Reference], results: dict[str, BenchResult], meta: dict,
+            needed: Callable[[int], int] | None = None) -> dict:
+    """`needed`: estimate -> bytes the site policy would request (its margin), for the short-request share."""
     per_estimator = outcomes_by_estimator(refs, results)
-    scores = {est: group_scores(pairs) for est, pairs in per_estimator.items()}
+    scores = {est: group_scores(pairs, needed=needed) for est, pairs in per_estimator.items()}
     missing = [{"path": r.path, "reason": results[r.path].error if r.path in results else "not estimated"}
                for r in refs if r.path not in results or results[r.path].estimate_bytes is None]
     ours_overall = scores[OURS].get("overall")
@@ -104,9 +107,9 @@ def summary(refs: list[Reference], results: dict[str, BenchResult], meta: dict) 
         "scores": {est: {group: s.to_json() for group, s in groups.items()} for est, groups in scores.items()},
         # where our misses come from: the same figures for us per optimizer and per (model, optimizer)
         "ours_by_optimizer": {g: s.to_json() for g, s in group_scores(per_estimator[OURS],
-                                                                      lambda r: r.optimizer).items()},
+                                                                      lambda r: r.optimizer, needed).items()},
         "ours_by_model_optimizer": {g: s.to_json() for g, s in group_scores(
-            per_estimator[OURS], lambda r: f"{r.model} / {r.optimizer}").items()},
+            per_estimator[OURS], lambda r: f"{r.model} / {r.optimizer}", needed).items()},
     }
 
 
@@ -128,13 +131,13 @@ def table_rows(summary_dict: dict) -> list[list[str]]:
             if s is None:
                 continue
             rows.append([group, est, str(s["runs"]), _pct(s["mre"]), _pct(s["p90"]), _pct(s["bias"]),
-                         _pct(s["under_share"]),
+                         _pct(s["under_share"]), _pct(s.get("short_request_share")),
                          _pct(s["oom_recall"]), _pct(s["pef"]), _num(s["mcp_gib"]), _num(s["median_seconds"], 1)])
     return rows
 
 
-TABLE_HEADER = ["model", "estimator", "runs", "MRE %", "p90 %", "bias %", "under %", "OOM hit %", "PEF %",
-                "MCP GiB", "median s"]
+TABLE_HEADER = ["model", "estimator", "runs", "MRE %", "p90 %", "bias %", "under %", "short %", "OOM hit %",
+                "PEF %", "MCP GiB", "median s"]
 
 
 def print_table(summary_dict: dict) -> None:
@@ -151,7 +154,7 @@ def print_table(summary_dict: dict) -> None:
             table.add_section()
         previous = row[0]
         table.add_row(*row, style="bold" if row[1] == OURS else None)
-    Console(width=140).print(table)
+    Console(width=150).print(table)
     met = summary_dict.get("targets_met", {})
     if met:
         Console().print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED' if v is False else 'n/a'}"
