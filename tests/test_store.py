@@ -5,7 +5,7 @@ import multiprocessing
 
 import pytest
 
-from xmem.slurm.store import JobRecord, append_record, percentile, read_records, summarize
+from xmem.slurm.store import JobRecord, append_record, read_records, summarize
 
 GIB = 1 << 30
 
@@ -44,14 +44,6 @@ def test_concurrent_epilogs_never_interleave_lines(tmp_path):
     lines = store.read_text().splitlines()
     assert len(lines) == 200
     assert all(json.loads(line)["user"] == "u" * 500 for line in lines)
-
-
-def test_percentile_interpolates_like_numpy():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([0, 10], 90) == 9
-    assert percentile([7], 90) == 7
-    with pytest.raises(ValueError):
-        percentile([], 50)
 
 
 def test_summary_per_gpu_type():

@@ -18,10 +18,11 @@ Owns the definitions (reference-measurements.md, "Metrics"); pure functions over
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy
 
 GIB = 1 << 30
 
@@ -62,13 +63,8 @@ def relative_error(o: Outcome) -> float:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """numpy's (linear-interpolation) percentile, q in [0, 100]; None for no values."""
+    return float(numpy.percentile(values, q)) if values else None
 
 
 def scored_errors(outcomes: list[Outcome]) -> list[float]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
-import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy
 
 DEFAULT_STORE = "/var/lib/xmem/records.jsonl"
 
@@ -92,16 +93,6 @@ class TypeSummary:
     over_request: int  # measured peak above the margin-included size the request was made for
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarize(records: Iterable[JobRecord]) -> list[TypeSummary]:
     """One summary per GPU type (records without a type under "unknown"), sorted by type name."""
     by_type: dict[str, list[JobRecord]] = {}
@@ -118,8 +109,8 @@ def _summarize_type(gpu_type: str, records: list[JobRecord]) -> TypeSummary:
         gpu_type=gpu_type,
         jobs=len(records),
         measured=len(pairs),
-        median_abs_rel_error=percentile(magnitudes, 50) if magnitudes else None,
-        p90_abs_rel_error=percentile(magnitudes, 90) if magnitudes else None,
+        median_abs_rel_error=float(numpy.percentile(magnitudes, 50)) if magnitudes else None,
+        p90_abs_rel_error=float(numpy.percentile(magnitudes, 90)) if magnitudes else None,
         mean_rel_error=sum(errors) / len(errors) if errors else None,
         underestimates=sum(1 for e in errors if e < 0),
         over_request=sum(1 for r in pairs
