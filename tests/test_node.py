@@ -149,3 +149,14 @@ def test_epilog_records_the_outcome_of_a_deferred_estimate(tmp_path):
     failed = {"SLURM_JOB_ID": "13", "SLURM_JOB_COMMENT": "xmem:state=failed;was=gpu:1;why=cannot+estimate"}
     record = epilog_record(failed, measure_dir=str(tmp_path), nvml=lambda g, s: None)
     assert (record.deferred_state, record.estimate_bytes) == ("failed", None)
+
+
+def test_scontrol_record_keeps_spaces_inside_a_value():
+    from xmem.slurm.node import parse_scontrol_record
+    line = ("JobId=42 JobName=train job UserId=alice(1000) JobState=PENDING Reason=JobHeldUser "
+            "Comment=xmem:state=pending why=estimating+now TresPerNode=gres:gpu:a100:1 TresPerJob=(null)\n")
+    fields = parse_scontrol_record(line)
+    assert fields["JobName"] == "train job"
+    assert fields["Comment"] == "xmem:state=pending why=estimating+now"
+    assert fields["TresPerNode"] == "gres:gpu:a100:1"
+    assert fields["TresPerJob"] == "(null)"

@@ -31,7 +31,7 @@ from typing import Any
 
 from xmem.slurm.filter import (FilterReply, FilterRequest, analysis_cache, cached_analysis, command_files,
                                config_digest, estimate_slots, failure_reply, parse_job, reply_for, user_request)
-from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
+from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment, comment_fields, scontrol_show_job
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
@@ -159,10 +159,11 @@ def _tres(option: str, value: str) -> str:
 
 
 def _current(job_id: str, field: str) -> str | None:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         timeout=30).stdout
-    match = re.search(rf"\b{field}=(\S*)", out)
-    return match.group(1) if match and match.group(1) not in ("", "(null)") else None
+    try:
+        value = scontrol_show_job(job_id).get(field)
+    except LookupError:
+        return None
+    return value if value not in (None, "", "(null)") else None
 
 
 def retype(job_id: str, field: str, new: str, old: str | None) -> str | None:
@@ -211,10 +212,7 @@ def rescue(spool: Path, job_id: str, config: Any) -> str:
 
 def job_status(job_id: str) -> dict[str, Any]:
     """Where a job stands, from `scontrol show job`: its state and the xmem token of its comment."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise LookupError(out.stderr.strip() or f"no job {job_id}")
-    fields = dict(p.split("=", 1) for p in re.split(r" (?=[A-Z][A-Za-z:/]*=)", out.stdout.strip()) if "=" in p)
+    fields = scontrol_show_job(job_id)
     comment = fields.get("Comment", "")
     pairs = comment_fields(comment)
     stamp = JobStamp.from_comment(comment)

@@ -90,15 +90,28 @@ def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -
 
 # --- TaskProlog ------------------------------------------------------------------------------------------------
 
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """One `scontrol show ... -o` line as {field: value}. A value runs to the next ` Name=`, so a comment may hold
+    spaces."""
+    return dict(p.split("=", 1) for p in re.split(r" (?=[A-Z][A-Za-z:/]*=)", line.strip()) if "=" in p)
+
+
+def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """The job's fields as slurmctld has them; LookupError when it does not know the job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         timeout=timeout_s, check=False)
+    if out.returncode != 0:
+        raise LookupError(out.stderr.strip() or f"no job {job_id}")
+    return parse_scontrol_record(out.stdout)
+
+
 def comment_from_scontrol(job_id: str, timeout_s: float = 5.0) -> str | None:
     """The job's comment, asked of slurmctld (the TaskProlog's environment has no SLURM_JOB_COMMENT)."""
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                             timeout=timeout_s, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
+        comment = scontrol_show_job(job_id, timeout_s).get("Comment")
+    except (OSError, subprocess.SubprocessError, LookupError):
         return None
-    match = re.search(r"\bComment=(.*?)(?= \w+=|$)", out)
-    return match.group(1) if match and match.group(1) != "(null)" else None
+    return comment if comment not in (None, "(null)") else None
 
 
 def job_stamp(env: Mapping[str, str], comment_of: Callable[[str], str | None] = comment_from_scontrol) -> JobStamp:

@@ -15,8 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy
-
 DEFAULT_STORE = "/var/lib/xmem/records.jsonl"
 
 
@@ -102,6 +100,8 @@ def summarize(records: Iterable[JobRecord]) -> list[TypeSummary]:
 
 
 def _summarize_type(gpu_type: str, records: list[JobRecord]) -> TypeSummary:
+    import numpy  # here, not at the top: the node hooks import this module and need no numpy
+
     pairs = [r for r in records if r.estimate_bytes and r.measured_bytes]
     errors = [(r.estimate_bytes - r.measured_bytes) / r.measured_bytes for r in pairs]  # type: ignore[operator]
     magnitudes = [abs(e) for e in errors]
