@@ -108,24 +108,25 @@ def _patch_data_parallel_transfers() -> None:
     import torch.nn.parallel.comm as comm
     data_parallel = sys.modules["torch.nn.parallel.data_parallel"]  # the attribute of that name is a function
 
+    def cuda_device(device: Any) -> torch.device:
+        """A device as comm's functions take it: an index (None: 0), a name or a torch.device."""
+        return torch.device("cuda", device or 0) if device is None or isinstance(device, int) else torch.device(device)
+
     def broadcast_coalesced(tensors: list, devices: list, buffer_size: int = 0) -> list[list[torch.Tensor]]:
         # upstream: the first device's outputs are the inputs themselves
-        targets = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
-        return [list(tensors) if i == 0 else [t.to(device) for t in tensors] for i, device in enumerate(targets)]
+        return [list(tensors) if i == 0 else [t.to(cuda_device(d)) for t in tensors] for i, d in enumerate(devices)]
 
     def reduce_add_coalesced(inputs: list, destination: Any = None, buffer_size: int = 0) -> list[torch.Tensor]:
-        target = torch.device("cuda", destination or 0) if not isinstance(destination, torch.device) else destination
+        target = cuda_device(destination)
         return [functools.reduce(torch.add, [t.to(target) for t in same]) for same in zip(*inputs)]
 
     def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None, dim: int = 0,
                 streams: Any = None, out: Any = None) -> tuple[torch.Tensor, ...]:
         chunks = tensor.split(chunk_sizes, dim) if chunk_sizes else tensor.chunk(len(devices), dim)
-        return tuple(chunk.contiguous().to(torch.device("cuda", d) if isinstance(d, int) else d)
-                     for chunk, d in zip(chunks, devices))
+        return tuple(chunk.contiguous().to(cuda_device(d)) for chunk, d in zip(chunks, devices))
 
     def gather(tensors: list, dim: int = 0, destination: Any = None, out: Any = None) -> torch.Tensor:
-        target = torch.device("cuda", destination or 0) if isinstance(destination, (int, type(None))) else destination
-        return torch.cat([t.to(target) for t in tensors], dim)
+        return torch.cat([t.to(cuda_device(destination)) for t in tensors], dim)
 
     def apply_one_by_one(modules: Any, inputs: Any, kwargs_tup: Any = None, devices: Any = None) -> list:
         kwargs_tup = kwargs_tup or ({},) * len(modules)
