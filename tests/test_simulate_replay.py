@@ -56,6 +56,8 @@ def test_peaks_name_their_first_op_and_segments_are_counted_there():
     assert result.num_segments_at_peak == 2
     assert result.fragmentation_at_peak == pytest.approx((50 - 34) / 50)
     assert (result.final_allocated, result.final_reserved) == (41 * MiB, 50 * MiB)
+    # reserved stays at 50 MiB from op1 on; op4 holds the most allocated there (41 MiB against 34 at op1)
+    assert result.fullest_peak_index == 4
 
 
 def test_timeline_is_downsampled_but_keeps_both_peaks_and_the_last_op():

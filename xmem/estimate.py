@@ -80,8 +80,8 @@ class Estimate:
     """The whole answer for one command: every requested GPU type, and what was live at the peak.
 
     `breakdown` is taken on `breakdown_gpu`, the requested type with the most memory (the one least likely to stop
-    at an OOM): bytes live per category at the peak (see `fullest_peak_op`), plus `allocator_slack` (peak reserved
-    minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
+    at an OOM): bytes live per category at the peak (SimResult.fullest_peak_index), plus `allocator_slack` (peak
+    reserved minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
     (context and libraries). Its values add up to that type's `peak_bytes`.
     """
 
@@ -225,8 +225,7 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
 
     worst: tuple[GpuOps, SimResult] | None = None
     for device in trace_devices(trace):
-        ops, sim = _replay(trace, gpu, config, env, device, capacity, with_breakdown,
-                           None if with_breakdown else replays)
+        ops, sim = _replay(trace, gpu, config, env, device, capacity, replays)
         if worst is None or severity(sim) > severity(worst[1]):
             worst = (ops, sim)
     assert worst is not None  # trace_devices never returns an empty list
@@ -247,11 +246,11 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     )
     if not with_breakdown:
         return gpu_estimate, {}
-    return gpu_estimate, breakdown_at(ops, fullest_peak_op(sim), sim.peak_reserved, overhead)
+    return gpu_estimate, breakdown_at(ops, sim.fullest_peak_index, sim.peak_reserved, overhead)
 
 
 def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None, device: int,
-            capacity: int, with_breakdown: bool, replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None
+            capacity: int, replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None
             ) -> tuple[GpuOps, SimResult]:
     """`device`'s ops on `gpu` and their replay with `capacity`; with `replays`, shared between GPU types.
 
@@ -265,29 +264,14 @@ def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[st
         ops, unlimited = replays[key]
     else:
         ops, unlimited = orchestrate(trace, gpu, env, device=device), None
-    # Every op in the timeline when a breakdown is wanted: it needs reserved/allocated per op.
-    points = max(len(ops.ops), 3) if with_breakdown else 2000
     if replays is not None and key not in replays:
         if config.memory_fraction is None and not config.expandable_segments:
-            unlimited = simulate(ops.ops, config, timeline_points=points)
+            unlimited = simulate(ops.ops, config)
         replays[key] = ops, unlimited
     if unlimited is not None and unlimited.peak_reserved <= capacity:
         return ops, unlimited
     # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
-    return ops, simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes, timeline_points=points)
-
-
-def fullest_peak_op(sim: SimResult) -> int:
-    """The op where reserved memory is at its peak and, among those, the most memory is allocated.
-
-    Reserved memory reaches its peak early (the first time the cache has to grow that far) and then stays while
-    cached blocks are reused; the op that fills the peak best shows what the peak memory is for.
-    """
-    best_index, best_allocated = sim.peak_reserved_index, -1
-    for index, allocated, reserved in sim.timeline:
-        if reserved == sim.peak_reserved and allocated > best_allocated:
-            best_index, best_allocated = index, allocated
-    return best_index
+    return ops, simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes)
 
 
 def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[str, int]:

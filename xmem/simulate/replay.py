@@ -103,17 +103,19 @@ def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> 
 def _result(allocator: DeviceCachingAllocator, allocated_at: array, reserved_at: array, peak_allocated_index: int,
             peak_reserved_index: int, segments_at_peak: int, timeline_points: int, oom: OomInfo | None) -> SimResult:
     if not allocated_at:
-        return SimResult(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, (), None)
+        return SimResult(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, (), None)
     peak_allocated = allocated_at[peak_allocated_index]
     peak_reserved = reserved_at[peak_reserved_index]
     at_peak_allocated = allocated_at[peak_reserved_index]
     fragmentation = (peak_reserved - at_peak_allocated) / peak_reserved if peak_reserved else 0.0
     keep = (peak_allocated_index, peak_reserved_index, len(allocated_at) - 1)
+    at_peak = [i for i in range(peak_reserved_index, len(reserved_at)) if reserved_at[i] == peak_reserved]
     return SimResult(
         peak_allocated=peak_allocated,
         peak_allocated_index=peak_allocated_index,
         peak_reserved=peak_reserved,
         peak_reserved_index=peak_reserved_index,
+        fullest_peak_index=max(at_peak, key=allocated_at.__getitem__),
         fragmentation_at_peak=fragmentation,
         final_allocated=allocator.allocated_bytes,
         final_reserved=allocator.total_allocated_memory,

@@ -32,6 +32,9 @@ class SimResult:
     peak_allocated_index: int
     peak_reserved: int
     peak_reserved_index: int
+    # among the ops at peak reserved, the one with the most allocated: reserved reaches its peak early (the first
+    # time the cache grows that far) and stays there while cached blocks are reused; this op shows what it is for
+    fullest_peak_index: int
     fragmentation_at_peak: float  # (reserved - allocated) / reserved at the peak-reserved op
     final_allocated: int
     final_reserved: int
