@@ -244,15 +244,7 @@ def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
 
 
 def _catalog(table: Mapping[str, Any]) -> Mapping[str, Any]:
-    if not table:
-        return {}
-    from xmem.gpus import CatalogError, load_catalog
-
-    try:
-        load_catalog(table)  # the catalog's own checks: unknown type, missing total_bytes, bad capability
-    except (CatalogError, ValueError, TypeError) as e:
-        raise ConfigError(f"catalog: {e}") from None
-    return dict(table)
+    return dict(table)  # checked by the catalog itself, in _check_gpu_types (one load)
 
 
 def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
@@ -265,10 +257,14 @@ def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
 
 
 def _check_gpu_types(config: SiteConfig) -> None:
-    """Every GPU type named must be in the catalog (its memory comes from there), or be a MIG profile offered."""
-    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, mig_profile
+    """[catalog] overrides must pass the catalog's own checks (unknown type, missing total_bytes, bad capability),
+    and every GPU type named must be in the catalog (its memory comes from there) or be a MIG profile offered."""
+    from xmem.gpus import CatalogError, UnknownGpuError, find_gpu, load_catalog, mig_profile
 
-    catalog = load_catalog(config.catalog_overrides or None)
+    try:
+        catalog = load_catalog(config.catalog_overrides or None)
+    except (CatalogError, ValueError, TypeError) as e:
+        raise ConfigError(f"catalog: {e}") from None
     for gpu_name, profiles in config.mig.profiles.items():
         try:
             gpu = find_gpu(gpu_name, catalog)
