@@ -171,6 +171,14 @@ def run_estimates(refs: list[Reference], jobs: int, python: str, iterations: int
     return results
 
 
+def previous_estimation(summary_file: Path) -> dict | None:
+    """The `estimation` account (command, date, jobs, wall seconds) of the run whose estimates are rescored."""
+    try:
+        return json.loads(summary_file.read_text()).get("estimation")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def read_results(path: Path) -> dict[str, BenchResult]:
     return {r.path: r for r in (BenchResult.from_json(json.loads(line))
                                 for line in path.read_text().splitlines() if line.strip())}
@@ -231,14 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file,
                                 args.trace_cache)
 
+    command = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.rescore:  # the estimates, their seconds and wall time are the earlier run's: keep its account
+        estimation = previous_estimation(args.out / "summary.json")
+    else:
+        estimation = {"command": command, "date": now, "jobs": args.jobs, "reference_stack": args.reference_stack,
+                      "wall_seconds": round(time.perf_counter() - started, 1)}
     meta = {
         "data": str(args.data),
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "jobs": args.jobs,
-        "reference_stack": args.reference_stack,
+        "command": command,
+        "date": now,
+        "estimation": estimation,
         "margin": {"relative": margin.relative, "absolute_bytes": margin.absolute_bytes, "config": str(args.config)},
-        "wall_seconds": round(time.perf_counter() - started, 1),
     }
     report = summary(refs, results, meta, needed=margin.needed)
     (args.out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -75,12 +75,17 @@ def test_rescore_writes_summary_and_picture(tmp_path):
         json.dumps({"path": "a", "estimate_bytes": 4 * GIB, "oom": False, "seconds": 1.0}) + "\n"
         + json.dumps({"path": "b", "estimate_bytes": None, "oom": None, "seconds": 0.5,
                       "error": "estimate failed: TraceError: boom"}) + "\n")
+    estimation = {"command": "bench_accuracy.py --jobs 1", "date": "2026-11-29T12:00:00+00:00", "jobs": 1,
+                  "reference_stack": True, "wall_seconds": 1053.0}
+    (out / "summary.json").write_text(json.dumps({"estimation": estimation}))
     done = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--rescore"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "summary.json").read_text())
     assert report["estimated"] == 1
     assert report["not_estimated"] == [{"path": "b", "reason": "estimate failed: TraceError: boom"}]
+    assert report["estimation"] == estimation  # the estimates' own run, not the rescore, accounts for them
+    assert report["margin"]["relative"] == pytest.approx(0.10)  # etc/xmem.toml's margin
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert "not estimated: b: estimate failed: TraceError: boom" in done.stdout
 
