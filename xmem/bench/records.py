@@ -14,9 +14,9 @@ from pathlib import Path
 ESTIMATORS = {"solution": "xMem", "DNNmem": "DNNmem", "SchedTune": "SchedTune", "LLmem": "LLmem"}
 
 # zero_grad mode of records that do not say it. The notes guessed mode 1 (just before backward), but the data says
-# mode 0: the 16 configurations measured both with null and with 0 on the same GPU differ by 0.2-2 % (GPT-Neo: null
-# reads 24-38 MiB below 0 at every batch size), while mode 1 keeps the previous gradients through the forward pass
-# (+0.5 GiB for GPT-Neo 125M with Adam). Mode 0 is also the loop of PyTorch's CIFAR-10 tutorial.
+# mode 0: the 22 configurations measured both with null and with 0 on the same GPU differ by 0.2-3.8 % (median
+# 0.5 %; GPT-Neo: null reads 24-38 MiB below 0 at every batch size), while mode 1 keeps the previous gradients
+# through the forward pass (+0.5 GiB for GPT-Neo 125M with Adam). Mode 0 is also PyTorch's CIFAR-10 tutorial loop.
 DEFAULT_ZERO_GRAD_MODE = 0
 
 CNN_MODELS = frozenset({  # the CNN job's model keys (lower case, letters and digits only)
