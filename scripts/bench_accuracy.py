@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Score xmem-slurm's estimates against real GPU measurements, side by side with the recorded estimators.
 
-    .venv/bin/python scripts/bench_accuracy.py --data benchmarks/data/xmem-dev.jsonl --out benchmarks/results/dev --jobs 2
+    .venv/bin/python scripts/bench_accuracy.py --data benchmarks/data/xmem-dev.jsonl --out benchmarks/results/dev
 
 For every record of the data (the xMem `evaluation_result.json` schema, or what scripts/measure_gpu.py writes), it
 re-creates the job with benchmarks/jobs/, estimates it with `xmem.estimate.estimate` for the record's GPU type with
@@ -10,7 +10,8 @@ the record's total memory as capacity, and writes:
 - OUT/estimates.jsonl: one line per record, `{"path", "estimate_bytes", "oom", "seconds"}` plus details (reserved,
   allocated, overhead, libraries, command); a record with no estimate carries `"error"`: why.
 - OUT/summary.json: MRE, p90, under-estimate share, short-request share (the estimate with the site margin of
-  `--config`, default etc/xmem.toml, still below the measured peak), OOM recall, PEF, MCP and median seconds, per model and overall,
+  `--config`, default etc/xmem.toml, still below the measured peak), OOM recall, PEF, MCP and median seconds, per
+  model and overall,
   for us and for every estimator recorded in the data; the targets and whether they are met.
 - OUT/accuracy.png: estimated vs measured, and the signed error distribution per estimator.
 
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rescore", action="store_true", help="reuse OUT/estimates.jsonl, do not estimate")
     parser.add_argument("--trace-cache", type=Path, help="directory to keep and reuse the jobs' traces")
     parser.add_argument("--config", type=Path, default=ROOT / "etc" / "xmem.toml",
-                        help="site configuration whose [margin] the short-request share applies (default etc/xmem.toml)")
+                        help="site configuration whose [margin] the short-request share applies "
+                             "(default etc/xmem.toml)")
     parser.add_argument("--reference-stack", action=argparse.BooleanOptionalAction, default=True,
                         help="run the jobs with the measured library stack (default; see the module docstring)")
     args = parser.parse_args(argv)

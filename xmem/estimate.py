@@ -211,7 +211,8 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
                  with_breakdown: bool = False,
-                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None) -> tuple[GpuEstimate, dict[str, int]]:
+                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None
+                 ) -> tuple[GpuEstimate, dict[str, int]]:
     """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
 
     With several devices in the trace, the device with the highest peak (or the first OOM) counts. `replays`, if

@@ -109,7 +109,8 @@ def mcp_gib(outcomes: list[Outcome]) -> float | None:
 
 
 def score(outcomes: list[Outcome], needed: Callable[[int], int] | None = None) -> Scores:
-    """The figures of `outcomes`; `needed` (estimate -> bytes requested, the site margin) adds the short-request share."""
+    """The figures of `outcomes`; `needed` (estimate -> bytes requested, the site margin) adds the short-request
+    share."""
     errors = scored_errors(outcomes)
     signed = [(o.estimate - o.ground) / o.ground for o in outcomes if not o.real_oom and not o.oom]
     seconds = [o.seconds for o in outcomes if o.seconds is not None]

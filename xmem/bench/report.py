@@ -56,7 +56,8 @@ def recorded_outcome(ref: Reference, estimator: str) -> Outcome | None:
                    run.capped_oom)
 
 
-def outcomes_by_estimator(refs: list[Reference], results: dict[str, BenchResult]) -> dict[str, list[tuple[Reference, Outcome]]]:
+def outcomes_by_estimator(refs: list[Reference],
+                          results: dict[str, BenchResult]) -> dict[str, list[tuple[Reference, Outcome]]]:
     """For each estimator (ours first), the (record, outcome) pairs it answered."""
     table: dict[str, list[tuple[Reference, Outcome]]] = {OURS: []}
     table.update({label: [] for label in ESTIMATORS.values()})
@@ -78,7 +79,8 @@ def group_scores(pairs: Iterable[tuple[Reference, Outcome]], by=lambda ref: ref.
     for ref, outcome in pairs:
         groups[by(ref)].append(outcome)
         groups["overall"].append(outcome)
-    return {name: score(outs, needed) for name, outs in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))}
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))
+    return {name: score(outs, needed) for name, outs in ordered}
 
 
 def targets_met(overall: Scores) -> dict[str, bool | None]:

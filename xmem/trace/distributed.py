@@ -2,8 +2,9 @@
 
 Owns the patches of `torch.distributed.init_process_group` (torch's fake process group: collectives do nothing,
 rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process), of the
-device-to-device transfers of single-process `nn.DataParallel`, and of `DistributedDataParallel` (a stand-in that runs the wrapped module
-and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data while it is built).
+device-to-device transfers of single-process `nn.DataParallel`, and of `DistributedDataParallel` (a stand-in that
+runs the wrapped module and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data
+while it is built).
 Import only in the tracing child, after `xmem.trace.fakecuda`.
 """
 
