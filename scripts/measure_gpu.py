@@ -14,6 +14,9 @@ the job hit CUDA OOM, and an allocator snapshot (`torch.cuda.memory._snapshot()`
 Output: OUT/measurements.jsonl, one line per job: `{"path", "study", "result": {"train info": {...}, "ground":
 {"memory", "real_oom", "max_memory_reserved", "max_memory_allocated", "context_bytes", ...}}}`, which
 bench_accuracy.py and `xmem-slurm calibrate` read unchanged. Needs an NVIDIA GPU and its driver's libnvidia-ml.
+The library stack is the interpreter's (recorded under `versions`): score such measurements with
+`bench_accuracy.py --no-reference-stack` on the same stack, or measure with `PYTHONPATH=bench-out/reference-stack`
+to match the shared data's transformers 4.51.3.
 """
 
 from __future__ import annotations
@@ -181,7 +184,9 @@ def run_child(spec: JobSpec, snapshot_path: Path, nvml_index: int) -> dict:
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "context_bytes": used_now - poller.samples[0] - reserved_now, "snapshot": snapshot_path.name,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability())},
+                     "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability()),
+                     # the model code's library, when the job imported it (the transformer jobs)
+                     "transformers": getattr(sys.modules.get("transformers"), "__version__", None)},
     }
 
 
