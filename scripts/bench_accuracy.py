@@ -43,6 +43,7 @@ from pathlib import Path
 from xmem.bench.records import BadRecord, Reference, Unreproducible, job_command, job_env, load_references
 from xmem.bench.report import BenchResult, print_table, summary, write_picture
 from xmem.config import ConfigError, load_site_config
+from xmem.gpus import find_gpu, load_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS_DIR = ROOT / "benchmarks" / "jobs"
@@ -117,10 +118,12 @@ def estimate_record(ref: Reference, python: str, iterations: int, timeout: float
                            details={"command": command})
     seconds = time.perf_counter() - started
     (gpu,) = result.gpus.values()
+    context = find_gpu(gpu.gpu, load_catalog(overrides)).context_bytes
     return BenchResult(
         ref.path, estimate_bytes=gpu.peak_bytes, oom=not gpu.fits, seconds=seconds,
         details={"gpu": gpu.gpu, "peak_reserved_bytes": gpu.peak_reserved_bytes,
                  "peak_allocated_bytes": gpu.peak_allocated_bytes, "overhead_bytes": gpu.overhead_bytes,
+                 "context_bytes": context,
                  "libraries": list(result.libraries), "breakdown": result.breakdown,
                  "warnings": list(result.warnings), "command": command},
     )

@@ -16,6 +16,7 @@ from xmem.bench.report import OURS, BenchResult, summary, table_rows
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_accuracy.py"
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def line(path: str, model: str, ground: int, real_oom: bool = False, xmem: int | None = None) -> dict:
@@ -142,3 +143,15 @@ def test_reference_stack_installs_once_and_again_when_the_pins_change(tmp_path):
     script.reference_stack(sys.executable, requirements, target)
     assert "2.0" in (target / "demo_stack_pkg" / "__init__.py").read_text()
     assert not (target / "left-by-hand").exists()
+
+
+def test_our_figure_leaves_the_context_out_where_the_record_does():
+    from xmem.bench.report import our_outcome
+    xmem_record = parse_reference(line("a", "MnasNet", 4 * GIB))  # the xMem harness's peaks leave the context out
+    measured = parse_reference({"path": "m", "result": {
+        "train info": line("m", "MnasNet", 4 * GIB)["result"]["train info"],
+        "ground": {"memory": 4 * GIB, "real_oom": False}}})  # measure_gpu.py's peaks count it
+    result = BenchResult("a", 4 * GIB + 300 * MIB, False, 1.0, details={"context_bytes": 300 * MIB})
+    assert not xmem_record.ground_has_context and measured.ground_has_context
+    assert our_outcome(xmem_record, result).estimate == 4 * GIB
+    assert our_outcome(measured, result).estimate == 4 * GIB + 300 * MIB

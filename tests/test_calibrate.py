@@ -78,8 +78,11 @@ def test_calibrate_command_joins_runs_and_estimates_and_writes_the_file(tmp_path
                            str(estimates), "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     table = tomllib.loads(out.read_text())["overhead"]["RTX-3060-12GB"]
-    # c really ran out of memory and d was predicted to: only a (500 MiB) and b (600 MiB) count -> median 550
-    assert table["context_bytes"] == 550 * MIB
+    # c really ran out of memory and d was predicted to: only a (500 MiB) and b (600 MiB) count -> median 550.
+    # xMem records' peaks leave the context out: the 550 MiB is what loaded during the run, written as cuBLAS's
+    # term, and the catalog's context stands.
+    assert table["library_bytes"]["cublas"] == 550 * MIB
+    assert "context_bytes" not in table
     assert "xmem-slurm calibrate --data" in table["provenance"]
 
 
@@ -97,5 +100,29 @@ def test_a_negative_context_fit_is_clamped_at_zero_and_reported():
     # simulated reserved above the NVML peak: residuals -100 and -50 MiB -> median -75, written as 0
     fits = fit_overheads([OverheadSample("T4", -100 * MIB, TRANSFORMER), OverheadSample("T4", -50 * MIB, TRANSFORMER)])
     assert fits["T4"].context_bytes == 0
-    assert fits["T4"].raw_context_bytes == -75 * MIB
+    assert fits["T4"].raw_base_bytes == -75 * MIB
     assert "unclamped context -75 MiB" in calibration_toml(fits, "p")
+
+
+def test_peaks_without_the_context_fit_the_always_loaded_library_and_keep_the_catalog_context():
+    a = "RTX-3060-12GB"
+    runs = ([OverheadSample(a, r * MIB, TRANSFORMER, peak_has_context=False) for r in (60, 80, 100)]
+            + [OverheadSample(a, r * MIB, CNN, peak_has_context=False) for r in (90, 100, 110)])
+    fit = fit_overheads(runs)[a]
+    # cuDNN: median with 100 - median without 80 = 20 MiB; bases 60 80 100 70 80 90 -> median 80, into cuBLAS
+    assert fit.context_bytes is None
+    assert fit.library_bytes == {"cublas": 80 * MIB, "cudnn": 20 * MIB}
+    text = calibration_toml({a: fit}, "p")
+    assert "context_bytes" not in text and "catalog's stands" in text
+    shipped = tomllib.loads(CATALOG_PATH.read_text())
+    gpu = find_gpu(a, catalog_from_tables(shipped, tomllib.loads(text), {}))
+    context = shipped["overhead"]["default"]["context_bytes"]
+    assert overhead_bytes(gpu, ["cublas", "cudnn"]) == context + 100 * MIB
+
+
+def test_peaks_with_the_context_are_the_ones_that_fit_it():
+    a = "RTX-3060-12GB"
+    runs = ([OverheadSample(a, 500 * MIB, TRANSFORMER), OverheadSample(a, 520 * MIB, TRANSFORMER)]
+            + [OverheadSample(a, 80 * MIB, TRANSFORMER, peak_has_context=False)])
+    fit = fit_overheads(runs)[a]
+    assert (fit.context_bytes, fit.samples) == (510 * MIB, 2)

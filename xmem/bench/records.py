@@ -55,6 +55,11 @@ class Reference:
     zero_grad_mode: int  # resolved: DEFAULT_ZERO_GRAD_MODE where the record has null
     ground_bytes: int  # NVML peak of the real run (level reached before the OOM when real_oom)
     real_oom: bool
+    # Whether `ground` counts the CUDA context. measure_gpu.py samples NVML before the job creates it: yes. The
+    # xMem harness had created it before its first sample: no. Evidence: on the dev data, ground minus our simulated
+    # reserved is within 10 MiB for 18 of 21 T5 runs and exactly 94 MiB for 3 of the 4 distinct A100 jobs, where a
+    # context (hundreds of MiB) would show.
+    ground_has_context: bool = True
     options: dict = field(default_factory=dict)  # modern variants: amp, fused, dtype, alloc_conf (measure_gpu.py)
     measured_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved() of the real run, where measured
     estimators: dict[str, EstimatorRun] = field(default_factory=dict)
@@ -102,6 +107,7 @@ def parse_reference(line: dict) -> Reference:
             zero_grad_mode=DEFAULT_ZERO_GRAD_MODE if mode is None else int(mode),
             ground_bytes=ground,
             real_oom=real_oom,
+            ground_has_context="ground" in result,
             options=dict(info.get("options") or {}),
             measured_reserved_bytes=_optional_int((result.get("ground") or {}).get("max_memory_reserved")),
             estimators={name: _estimator_run(result[name]) for name in ESTIMATORS if name in result},

@@ -63,18 +63,19 @@ def samples_from(refs: list[Reference], estimates: dict[str, dict]) -> list[Over
         if reserved is None:
             continue
         gpu = find_gpu(ref.gpu_name, catalog).name
-        samples.append(OverheadSample(gpu, ref.ground_bytes - reserved, frozenset(line.get("libraries", ()))))
+        samples.append(OverheadSample(gpu, ref.ground_bytes - reserved, frozenset(line.get("libraries", ())),
+                                      ref.ground_has_context))
     return samples
 
 
 def show_fits(console: Console, fits) -> None:
     table = Table(title="Fitted non-allocator overhead per GPU type")
-    for name in ("GPU type", "runs", "context MiB", "unclamped MiB", "library terms MiB", "spread p10-p90 MiB"):
+    for name in ("GPU type", "runs", "context MiB", "unclamped base MiB", "library terms MiB", "spread p10-p90 MiB"):
         table.add_column(name, justify="left" if name == "GPU type" else "right")
     for fit in fits.values():
         terms = ", ".join(f"{lib} {n / MIB:.0f}" for lib, n in fit.library_bytes.items())
-        table.add_row(fit.gpu, str(fit.samples), f"{fit.context_bytes / MIB:.0f}", f"{fit.raw_context_bytes / MIB:.0f}",
-                      terms,
+        context = "catalog's" if fit.context_bytes is None else f"{fit.context_bytes / MIB:.0f}"
+        table.add_row(fit.gpu, str(fit.samples), context, f"{fit.raw_base_bytes / MIB:.0f}", terms,
                       f"{fit.spread_bytes / MIB:.0f}")
     console.print(table)
 
@@ -86,7 +87,7 @@ def calibrate_command(
                                    help="scripts/bench_accuracy.py's estimates.jsonl for the same records."),
     out: Path = typer.Option(CALIBRATION_PATH, "--out", help="Where to write the calibration TOML."),
     quantile: float = typer.Option(0.5, "--quantile", min=0.0, max=1.0,
-                                   help="Quantile of the residuals taken as the context (0.5: median)."),
+                                   help="Quantile of the residuals taken as the fitted overhead (0.5: median)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the fit and the TOML; write nothing."),
 ) -> None:
     """Fit CUDA context + per-library overhead per GPU type from real runs, and write the calibration file."""
