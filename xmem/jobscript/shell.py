@@ -299,12 +299,8 @@ def expand(word: Word, lookup: Lookup, positional: list[str], script_name: str =
         if part.kind == "dyn":
             raise Unknown(f"{part.text} (command output)")
         if part.text == "@" and part.quoted:
-            for n, arg in enumerate(positional):
-                if n:
-                    fields.append("".join(current))
-                    current = []
-                current.append(arg)
-                have_field = True
+            current = _spread(positional, fields, current)
+            have_field = have_field or bool(positional)
             continue
         value = _parameter(part.text, lookup, positional, script_name)
         if part.quoted or isinstance(value, _Quoted):
@@ -315,18 +311,25 @@ def expand(word: Word, lookup: Lookup, positional: list[str], script_name: str =
         if value[:1].isspace() and (current or have_field):
             fields.append("".join(current))
             current, have_field = [], False
-        for n, piece in enumerate(pieces):
-            if n:
-                fields.append("".join(current))
-                current = []
-            current.append(piece)
-            have_field = True
+        current = _spread(pieces, fields, current)
+        have_field = have_field or bool(pieces)
         if value[-1:].isspace() and pieces:
             fields.append("".join(current))
             current, have_field = [], False
     if current or have_field:
         fields.append("".join(current))
     return fields
+
+
+def _spread(words: list[str], fields: list[str], current: list[str]) -> list[str]:
+    """Add `words` to the field being built: the first joins it, each next one closes it and starts a new one.
+    Returns the field being built now."""
+    for n, word in enumerate(words):
+        if n:
+            fields.append("".join(current))
+            current = []
+        current.append(word)
+    return current
 
 
 def _parameter(expr: str, lookup: Lookup, positional: list[str], script_name: str) -> str:
