@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from xmem.cache import AnalysisCache, NoSlotFree, cache_key, estimate_slot, relevant_env
+from xmem.cache import LARGE_FILE_BYTES, AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest, relevant_env
 
 BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}
 
@@ -54,6 +54,19 @@ def test_content_of_files_the_command_runs_is_part_of_the_key(tmp_path):
     before = key(files=(train,))
     train.write_text("model = 2\n")
     assert key(files=(train,)) != before
+
+
+def test_a_large_file_is_keyed_by_size_and_time_without_reading_it(tmp_path):
+    checkpoint = tmp_path / "last.ckpt"
+    with checkpoint.open("wb") as f:  # sparse: nothing to read but zeros, and nothing is read
+        f.truncate(LARGE_FILE_BYTES + 1)
+    before = file_digest(checkpoint)
+    assert before == f"size={LARGE_FILE_BYTES + 1} mtime_ns={checkpoint.stat().st_mtime_ns}"
+    os.utime(checkpoint, ns=(1, 2))
+    assert file_digest(checkpoint) != before
+    small = tmp_path / "train.py"
+    small.write_text("print()\n")
+    assert len(file_digest(small)) == 64 and file_digest(tmp_path / "missing") == ""
 
 
 def test_put_then_get_roundtrips(tmp_path):

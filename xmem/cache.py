@@ -80,10 +80,19 @@ def _source_version(package: str) -> str:
 _VERSION = re.compile(r"""(?m)^__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""")
 
 
+LARGE_FILE_BYTES = 16 << 20  # a command names a checkpoint or a dataset: key it by size and time, not content
+
+
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file's bytes, or "" if it cannot be read (a missing file is part of the key too)."""
+    """sha256 of a file's bytes, read in chunks; for a file over LARGE_FILE_BYTES its size and modification time
+    instead, so that a submission never reads gigabytes; "" if it cannot be read (a missing file is part of the key
+    too)."""
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        info = os.stat(path)
+        if info.st_size > LARGE_FILE_BYTES:
+            return f"size={info.st_size} mtime_ns={info.st_mtime_ns}"
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError:
         return ""
 
