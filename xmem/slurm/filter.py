@@ -207,10 +207,12 @@ def estimate_slots(config: Any) -> contextlib.AbstractContextManager:
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
                     config_digest: str, files: Sequence[str] = (),
                     analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
-                    slots: Callable[[], contextlib.AbstractContextManager] | None = None) -> Analysis:
+                    slots: Callable[[], contextlib.AbstractContextManager] | None = None,
+                    key: str | None = None) -> Analysis:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
-    Failures are not cached: the next submission tries again (the cause may have been transient)."""
-    key = key_for(script, request, config_digest, list(files))
+    Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
+    cache key when the caller has it already (key_for reads and hashes the script and its files)."""
+    key = key or key_for(script, request, config_digest, list(files))
     hit = cache.get(key)
     if hit is not None:
         return Analysis.from_json(hit, cached=True)
@@ -353,13 +355,14 @@ def run_filter(request: FilterRequest, config: Any, *,
         digest = config_digest(config)
         files = command_files(job, request, script)
         try:
-            if deferring(config) and cache.get(key_for(script, request, digest, files)) is None:
+            key = key_for(script, request, digest, files)
+            if deferring(config) and cache.get(key) is None:
                 from xmem.slurm.deferred import defer
 
                 reply, token = defer(script, request, config)
                 return dataclasses.replace(reply, defer=token)
             analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
-                                       analyzer=timed_analyzer, slots=lambda: estimate_slots(config))
+                                       analyzer=timed_analyzer, slots=lambda: estimate_slots(config), key=key)
         except NoSlotFree as e:
             return failure_reply(str(e), request, failure)
         except OSError as e:
