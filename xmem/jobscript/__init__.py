@@ -12,7 +12,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand
+from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand, _is_python
 from xmem.jobscript.directives import (DirectiveError, GresItem, SbatchRequest, build_request, parse_gpus,
                                        parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
@@ -31,11 +31,6 @@ class JobScript:
     commands: tuple[TrainCommand, ...]
     problems: tuple[Problem, ...]
     path: str | None = None
-
-    @property
-    def understood(self) -> bool:
-        """At least one training command was found (problems may still have been noted)."""
-        return bool(self.commands)
 
     def to_json(self) -> dict:
         return {"path": self.path, "directives": self.directives.to_json(),
@@ -136,7 +131,6 @@ def _python_shebang(lines: list[str]) -> str | None:
     if not words:
         return None
     program = words[1] if posixpath.basename(words[0]) == "env" and len(words) > 1 else words[0]
-    name = posixpath.basename(program)
-    if name == "python" or (name.startswith("python") and name[6:].replace(".", "").isdigit()):
+    if _is_python(posixpath.basename(program)):
         return program if "/" in program else ""
     return None

@@ -136,12 +136,11 @@ class Directive:
 class DirectiveScan:
     directives: list[Directive] = field(default_factory=list)
     errors: list[tuple[int, str, str]] = field(default_factory=list)  # (line_no, line, reason)
-    body_start: int = 0  # index of the first line sbatch stops at (the first command)
 
 
 def scan_directives(lines: list[str]) -> DirectiveScan:
     """Read `#SBATCH` lines as sbatch does: from the top until the first line that is not a comment or blank."""
-    scan = DirectiveScan(body_start=len(lines))
+    scan = DirectiveScan()
     for index, line in enumerate(lines):
         line_no = index + 1
         if line.startswith(MAGIC) and (len(line) == len(MAGIC) or line[len(MAGIC)].isspace()):
@@ -153,8 +152,7 @@ def scan_directives(lines: list[str]) -> DirectiveScan:
         elif line.lstrip().startswith("#") or not line.strip():
             continue
         else:
-            scan.body_start = index  # sbatch stops at the first command: later #SBATCH lines are comments
-            break
+            break  # sbatch stops at the first command: later #SBATCH lines are comments
     return scan
 
 
