@@ -353,3 +353,15 @@ def test_fsdp1_keeps_a_quarter_of_the_flat_parameter():
     # the flat parameter of 4 layers, sharded 4 ways: rank 0 holds exactly the first layer
     assert layer in [e.nbytes for e in allocs(result, "parameter")]
     assert sizes(allocs(result, "optimizer_state")) == sorted([256 * 256 * 4, 256 * 4] * 2)
+
+
+def test_the_allocator_setting_is_the_one_in_force_at_the_first_allocation(tmp_path):
+    loop = ("p = torch.nn.Parameter(torch.ones(4, device='cuda'))\nopt = torch.optim.SGD([p], lr=0.1)\n"
+            "for _ in range(2):\n    p.sum().backward(); opt.step()\n")
+    sets_it = tmp_path / "sets_conf.py"  # the script sets it itself, before it allocates
+    sets_it.write_text("import os, torch\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n" + loop)
+    assert run_trace([sys.executable, str(sets_it)], iterations=1).alloc_conf == "expandable_segments:True"
+    plain = tmp_path / "plain.py"  # PYTORCH_CUDA_ALLOC_CONF wins even when empty, as in torch
+    plain.write_text("import torch\n" + loop)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}
+    assert run_trace([sys.executable, str(plain)], iterations=1, env=env).alloc_conf == ""

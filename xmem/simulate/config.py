@@ -84,15 +84,25 @@ class AllocatorConfig:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> AllocatorConfig:
-        """The config a CUDA job runs with: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else PYTORCH_ALLOC_CONF."""
-        # CUDAAllocatorConfig::instance() reads PYTORCH_CUDA_ALLOC_CONF first; checked on torch 2.13 and 2.14.
-        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-            if name in env:
-                try:
-                    return cls.parse(env[name])
-                except ValueError as error:
-                    raise ValueError(f"{name}: {error}") from None
-        return cls()
+        """The config a CUDA job runs with (see `alloc_conf_setting`)."""
+        setting = alloc_conf_setting(env)
+        if setting is None:
+            return cls()
+        name, text = setting
+        try:
+            return cls.parse(text)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+
+
+def alloc_conf_setting(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(variable, text) of the allocator setting: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else
+    PYTORCH_ALLOC_CONF; None if neither is set."""
+    # CUDAAllocatorConfig::instance() reads PYTORCH_CUDA_ALLOC_CONF first; checked on torch 2.13 and 2.14.
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in env:
+            return name, env[name]
+    return None
 
 
 def _is_power_of_2(value: int) -> bool:

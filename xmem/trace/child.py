@@ -94,7 +94,6 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     state.install()
     modules = ModulePaths()
     recorder = AllocationRecorder(fake, state, modules.innermost)
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     progress("running the program")
     started = time.monotonic()
     outcome: BaseException | None = None
@@ -111,7 +110,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     seconds = time.monotonic() - started
     if outcome is not None and not state.stopped:
         raise _failure_from(outcome)
-    trace = recorder.to_trace(capability, seconds, alloc_conf)
+    trace = recorder.to_trace(capability, seconds)
     if trace.used_cuda and trace.iterations == 0:
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
                                                 "used CUDA; xmem traces training loops that call optimizer.step()")

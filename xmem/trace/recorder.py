@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from xmem.simulate.config import alloc_conf_setting
 from xmem.trace.events import MemEvent, Trace
 from xmem.trace.fakecuda import FakeCuda
 
@@ -192,6 +193,7 @@ class AllocationRecorder(TorchDispatchMode):
         self.threads: set[int] = set()
         self.warnings: list[str] = []
         self.arch_sensitive = False
+        self.alloc_conf: str | None = None  # the allocator setting, read at the first allocation as torch does
         self.live_bytes = 0
         self.peak_bytes = 0
         self._block_of_storage: dict[int, int] = {}
@@ -294,6 +296,9 @@ class AllocationRecorder(TorchDispatchMode):
     def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool) -> None:
         state = self.state
         nbytes = storage.nbytes()
+        if self.alloc_conf is None:  # the caching allocator reads its setting once, when it first allocates
+            setting = alloc_conf_setting(os.environ)
+            self.alloc_conf = setting[1] if setting else ""
         with self._lock:
             block = next(self._block_ids)
             self._block_of_storage[key] = block
@@ -426,12 +431,12 @@ class AllocationRecorder(TorchDispatchMode):
                     self.label(value, "optimizer_state")
 
     # ---- the result -------------------------------------------------------------------------------------------
-    def to_trace(self, capability: tuple[int, int], seconds: float, alloc_conf: str) -> Trace:
+    def to_trace(self, capability: tuple[int, int], seconds: float) -> Trace:
         events = [MemEvent(*row[:9], category=self.category.get(row[1], "other")) for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
-                     alloc_conf=alloc_conf, seconds=seconds, torch_version=torch.__version__)
+                     alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__)
 
 
 def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
