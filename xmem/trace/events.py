@@ -33,6 +33,9 @@ class MemEvent:
     category: str = "other"
 
 
+EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))
+
+
 @dataclass(slots=True)
 class Trace:
     """Everything the tracer learned about one run of the user's program under fake CUDA."""
@@ -51,9 +54,9 @@ class Trace:
     torch_version: str = ""
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        # events as compact rows: they dominate the size
-        d["events"] = [dataclasses.astuple(e) for e in self.events]
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+        # events as compact rows: they dominate the size (and asdict/astuple would copy each one twice)
+        d["events"] = [tuple(map(e.__getattribute__, EVENT_FIELDS)) for e in self.events]
         return d
 
     @classmethod
