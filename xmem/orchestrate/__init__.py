@@ -16,18 +16,13 @@ from dataclasses import dataclass, field
 
 from xmem.gpus import GpuType, cublas_workspace_bytes
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE
-from xmem.trace.events import MemEvent, Trace
+from xmem.trace.events import CUBLAS_OPS, MemEvent, Trace
 
 Op = tuple  # (action, block, nbytes, stream), the simulator's input row
 Label = tuple[str, str, int]  # (category, phase, iteration)
 
 MIB = 1 << 20
 
-# ATen ops that run a cuBLAS (or cuBLASLt) GEMM/GEMV on CUDA and so acquire the thread's cuBLAS handle and workspace.
-CUBLAS_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "matmul", "linear", "addr", "dot", "vdot",
-    "_addmm_activation", "_scaled_mm", "_int_mm",
-})
 # ATen ops that run a cuDNN convolution on CUDA (fake CUDA reports them as `convolution`/`convolution_backward`).
 CONV_OPS = frozenset({
     "convolution", "convolution_backward", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",

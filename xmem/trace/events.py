@@ -35,6 +35,13 @@ class MemEvent:
 
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))
 
+# ATen ops that run a cuBLAS (or cuBLASLt) GEMM/GEMV on CUDA and so acquire the thread's cuBLAS handle and workspace:
+# the tracer counts them as loading cuBLAS, the orchestrator gives their thread and stream a workspace.
+CUBLAS_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "matmul", "linear", "addr", "dot", "vdot",
+    "_addmm_activation", "_scaled_mm", "_int_mm",
+})
+
 
 @dataclass(slots=True)
 class Trace:

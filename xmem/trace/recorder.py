@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.config import alloc_conf_setting
-from xmem.trace.events import MemEvent, Trace
+from xmem.trace.events import CUBLAS_OPS, MemEvent, Trace
 from xmem.trace.fakecuda import FakeCuda
 
 aten = torch.ops.aten
@@ -34,8 +34,8 @@ class StopTracing(BaseException):
 
 # Which GPU library a real run of an op on cuda would load (upstream: the CUDA kernels behind each ATen op).
 _LIBRARY_OPS = {
-    "cublas": {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "vdot",
-               "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm", "addr"},
+    # _grouped_mm: CUTLASS on sm90, a loop of cuBLAS mm elsewhere; counted as loading cuBLAS, given no workspace
+    "cublas": CUBLAS_OPS | {"_grouped_mm"},
     "cudnn": {"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
               "cudnn_convolution_transpose", "cudnn_batch_norm", "cudnn_batch_norm_backward", "native_batch_norm",
               "native_batch_norm_backward", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
