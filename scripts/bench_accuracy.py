@@ -106,19 +106,19 @@ def estimate_record(ref: Reference, python: str, iterations: int, timeout: float
     if trace_cache is not None:
         use_trace_cache(trace_cache)
 
-    overrides = {"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}}
     env = {**os.environ, **job_env(ref)}
     started = time.perf_counter()
-    try:
+    try:  # the catalog load is part of an estimate, as in `xmem-slurm estimate`, and may fail like it
+        catalog = load_catalog({"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}})
         result = estimate(command, gpus=[ref.gpu_name], iterations=iterations, env=env, cwd=str(ROOT),
-                          timeout=timeout, catalog_overrides=overrides)
+                          timeout=timeout, catalog=catalog)
     except Exception as e:  # noqa: BLE001 - a failed estimate is a benchmark result, not a crash
         return BenchResult(ref.path, seconds=time.perf_counter() - started,
                            error=f"estimate failed: {type(e).__name__}: {last_line(str(e))}",
                            details={"command": command})
     seconds = time.perf_counter() - started
     (gpu,) = result.gpus.values()
-    context = find_gpu(gpu.gpu, load_catalog(overrides)).context_bytes
+    context = find_gpu(gpu.gpu, catalog).context_bytes
     return BenchResult(
         ref.path, estimate_bytes=gpu.peak_bytes, oom=not gpu.fits, seconds=seconds,
         details={"gpu": gpu.gpu, "peak_reserved_bytes": gpu.peak_reserved_bytes,

@@ -125,8 +125,8 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
 
     runtime_env = {**env, **slurm_runtime_env(job.directives, submit_cwd)}
     deadline = time.monotonic() + config.estimate.timeout_s
-    results = tuple(_estimate_command(c, scope.targets, scope.config, runtime_env, submit_cwd, deadline,
-                                      estimator or _default_estimator(), on_progress) for c in job.commands)
+    results = tuple(_estimate_command(c, scope, runtime_env, submit_cwd, deadline, estimator or _default_estimator(),
+                                      on_progress) for c in job.commands)
     errors = tuple(r.error for r in results if r.error is not None)
     peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], scope.site_types, scope.config,
                            scope.catalog)
@@ -206,19 +206,20 @@ def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[
     return peaks
 
 
-def _estimate_command(command: TrainCommand, targets: Sequence[str], config: SiteConfig, env: Mapping[str, str],
-                      submit_cwd: str, deadline: float, estimator: Estimator,
+def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, str], submit_cwd: str,
+                      deadline: float, estimator: Estimator,
                       on_progress: Callable[[str], None] | None) -> CommandEstimate:
+    config = scope.config
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return CommandEstimate(command, error=AnalysisError(
             "timeout", f"the estimate time limit ({config.estimate.timeout_s:g} s) was spent before line "
                        f"{command.line_no}", line_no=command.line_no))
     try:
-        result = estimator(list(command.argv), gpus=list(targets), iterations=config.estimate.iterations,
+        result = estimator(list(command.argv), gpus=list(scope.targets), iterations=config.estimate.iterations,
                            env={**env, **command.env}, cwd=command.cwd or submit_cwd, timeout=remaining,
                            python=command.python or config.estimate.python,
-                           catalog_overrides=config.catalog_overrides or None, on_progress=on_progress)
+                           catalog=scope.catalog, on_progress=on_progress)
     except Exception as e:  # the estimator's own errors carry a kind; anything else is reported as internal
         kind = getattr(e, "kind", None) or ("unknown_gpu" if type(e).__name__ == "UnknownGpuError" else "internal")
         message = getattr(e, "message", None) or str(e) or type(e).__name__

@@ -124,13 +124,16 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
              timeout: float | None = None, python: str | None = None,
              catalog_overrides: Mapping[str, Any] | None = None,
-             on_progress: Callable[[str], None] | None = None) -> Estimate:
+             on_progress: Callable[[str], None] | None = None,
+             catalog: Mapping[str, GpuType] | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
-    Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as it comes.
+    `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
+    fresh load). Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
+    it comes.
     """
     started = time.perf_counter()
-    catalog = load_catalog(catalog_overrides)
+    catalog = catalog if catalog is not None else load_catalog(catalog_overrides)
     targets = resolve_gpus(gpus, catalog)
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
                                         timeout=timeout, python=python, on_progress=on_progress)
@@ -145,8 +148,8 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     breakdown: dict[str, int] = {}
     # GPU types that replay the same ops (same trace, same cuBLAS workspace) share a replay where it is exact.
     replays: dict[tuple, tuple[GpuOps, SimResult | None]] = {}
-    same_ops = Counter((capability_class(g.capability), cublas_workspace_bytes(g, job_env)) for g in targets
-                       if g.name != biggest)  # the breakdown's replay keeps every op: it is not shared
+    same_ops = Counter((capability_class(g.capability), cublas_workspace_bytes(g, job_env)) for g in targets)
+    devices = {id(t): trace_devices(t) for t in traces.values()}  # one scan of each trace's events
     for gpu in targets:
         if on_progress:
             on_progress(f"simulating the caching allocator on {gpu.name}")
@@ -154,7 +157,8 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
         shared = same_ops[cls, cublas_workspace_bytes(gpu, job_env)] > 1
         results[gpu.name], parts = estimate_gpu(traces[cls], gpu, config, job_env,
                                                 with_breakdown=gpu.name == biggest,
-                                                replays=replays if shared else None)
+                                                replays=replays if shared else None,
+                                                devices=devices[id(traces[cls])])
         breakdown = parts or breakdown
     return Estimate(
         command=tuple(command),
@@ -163,7 +167,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
         breakdown_gpu=biggest,
         iterations=min(t.iterations for t in traces.values()),
         seconds=time.perf_counter() - started,
-        warnings=_warnings(traces),
+        warnings=_warnings(traces, {d for ds in devices.values() for d in ds}),
         libraries=tuple(sorted({lib for t in traces.values() for lib in t.libraries})),
         used_cuda=True,
         torch_version=first.torch_version,
@@ -211,8 +215,8 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
                  with_breakdown: bool = False,
-                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None
-                 ) -> tuple[GpuEstimate, dict[str, int]]:
+                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None,
+                 devices: Sequence[int] | None = None) -> tuple[GpuEstimate, dict[str, int]]:
     """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
 
     With several devices in the trace, the device with the highest peak (or the first OOM) counts. `replays`, if
@@ -225,7 +229,7 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
         return sim.oom is not None, sim.peak_reserved
 
     worst: tuple[GpuOps, SimResult] | None = None
-    for device in trace_devices(trace):
+    for device in devices if devices is not None else trace_devices(trace):
         ops, sim = _replay(trace, gpu, config, env, device, capacity, replays)
         if worst is None or severity(sim) > severity(worst[1]):
             worst = (ops, sim)
@@ -306,7 +310,7 @@ def _allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
         raise BadJobSettingError(f"the job's allocator settings: {e}") from None
 
 
-def _warnings(traces: Mapping[str, Trace]) -> tuple[str, ...]:
+def _warnings(traces: Mapping[str, Trace], devices: set[int]) -> tuple[str, ...]:
     seen: dict[str, None] = {}
     for trace in traces.values():
         seen.update(dict.fromkeys(trace.warnings))
@@ -314,7 +318,6 @@ def _warnings(traces: Mapping[str, Trace]) -> tuple[str, ...]:
     if len(distinct) > 1:
         classes = ", ".join(f"{cls} at sm_{t.capability[0]}{t.capability[1]}" for cls, t in traces.items())
         seen[f"the job takes GPU-dependent code paths; traced once per class ({classes})"] = None
-    devices = {d for t in traces.values() for d in trace_devices(t)}
     if len(devices) > 1:
         seen[f"the job used {len(devices)} GPUs; figures are for the busiest one"] = None
     return tuple(seen)
