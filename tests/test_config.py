@@ -116,3 +116,8 @@ def test_with_partitions_adds_cluster_types_without_overriding_the_file():
 def test_deferred_section_is_parsed():
     config = config_from_dict({"deferred": {"mode": "partition", "cpu_partition": "cpu", "mem": "32G"}})
     assert (config.deferred.mode, config.deferred.cpu_partition, config.deferred.mem) == ("partition", "cpu", "32G")
+
+
+def test_partition_mode_without_a_cpu_partition_is_refused():
+    with pytest.raises(ConfigError, match="deferred.cpu_partition: required"):
+        config_from_dict({"deferred": {"mode": "partition"}})

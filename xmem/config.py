@@ -95,7 +95,8 @@ class EstimateConfig:
 
 @dataclass(frozen=True)
 class DeferredConfig:
-    """Placeholder for a later issue: estimate in the submission (inline) or in a CPU job (partition)."""
+    """Where estimates that are not cached run: in the submission (inline) or in a job on `cpu_partition`
+    (partition; xmem.slurm.deferred)."""
 
     mode: str = "inline"
     cpu_partition: str | None = None
@@ -248,9 +249,14 @@ def _catalog(table: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
+    mode = _choice(table.get("mode", "inline"), "deferred.mode", DEFERRED_MODES)
+    cpu_partition = _optional_string(table.get("cpu_partition"), "deferred.cpu_partition")
+    if mode == "partition" and not cpu_partition:
+        raise ConfigError('deferred.cpu_partition: required when deferred.mode is "partition" (the partition the '
+                          "estimation jobs run on)")
     return DeferredConfig(
-        mode=_choice(table.get("mode", "inline"), "deferred.mode", DEFERRED_MODES),
-        cpu_partition=_optional_string(table.get("cpu_partition"), "deferred.cpu_partition"),
+        mode=mode,
+        cpu_partition=cpu_partition,
         time_limit=_optional_string(table.get("time_limit", "00:15:00"), "deferred.time_limit") or "00:15:00",
         mem=_optional_string(table.get("mem", "16G"), "deferred.mem") or "16G",
     )
