@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from xmem.jobscript import parse_jobscript
-from xmem.slurm.cluster import parse_key_values
+from xmem.slurm.node import parse_scontrol_record
 
 pytestmark = pytest.mark.slurm
 
@@ -158,7 +158,7 @@ def submit(slurm, text: str, *options: str, extra_env: dict | None = None) -> di
                 env={**env, **(extra_env or {})})
     assert done.returncode == 0, done.stderr
     shown = _run("scontrol", "show", "job", "-o", done.stdout.strip().split(";")[0], env=env)
-    return parse_key_values(shown.stdout)
+    return parse_scontrol_record(shown.stdout)
 
 
 def expected(text: str, cli: dict | None = None, extra_env: dict | None = None) -> dict[str, str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xmem.jobscript import GresItem
+from xmem.slurm.node import parse_scontrol_record
 
 COMMAND_TIMEOUT_S = 10.0
 GPU_GRES = "gpu"
@@ -190,19 +191,10 @@ def sinfo_json_version(data: Mapping[str, Any]) -> str | None:
     return parse_version(release) if isinstance(release, str) else None
 
 
-def parse_key_values(line: str) -> dict[str, str]:
-    """One `scontrol show -o` record: `Key=value` pairs separated by spaces (values may hold spaces only in a few
-    free-text fields, which xmem does not read)."""
-    pairs: dict[str, str] = {}
-    for match in re.finditer(r"(?:^|\s)([A-Za-z][\w/:.]*)=(\S*)", line):
-        pairs[match.group(1)] = match.group(2)
-    return pairs
-
-
 def parse_scontrol_nodes(text: str) -> list[NodeInfo]:
     nodes = []
     for line in text.splitlines():
-        record = parse_key_values(line)
+        record = parse_scontrol_record(line)
         if "NodeName" not in record:
             continue
         partitions = tuple(p for p in record.get("Partitions", "").split(",") if p)
@@ -215,7 +207,7 @@ def parse_scontrol_nodes(text: str) -> list[NodeInfo]:
 def parse_scontrol_partitions(text: str) -> tuple[tuple[str, ...], str | None]:
     names, default = [], None
     for line in text.splitlines():
-        record = parse_key_values(line)
+        record = parse_scontrol_record(line)
         if "PartitionName" not in record:
             continue
         names.append(record["PartitionName"])

@@ -91,9 +91,9 @@ def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -
 # --- TaskProlog ------------------------------------------------------------------------------------------------
 
 def parse_scontrol_record(line: str) -> dict[str, str]:
-    """One `scontrol show ... -o` line as {field: value}. A value runs to the next ` Name=`, so a comment may hold
-    spaces."""
-    return dict(p.split("=", 1) for p in re.split(r" (?=[A-Z][A-Za-z:/]*=)", line.strip()) if "=" in p)
+    """One `scontrol show job|node|partition -o` line as {field: value}. Slurm's field names start with a capital
+    (`MCS_label`, `TRES`); a value runs to the next ` Name=`, so a comment or a node's OS may hold spaces."""
+    return dict(p.split("=", 1) for p in re.split(r"\s+(?=[A-Z][\w/:.]*=)", line.strip()) if "=" in p)
 
 
 def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
