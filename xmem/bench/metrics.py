@@ -72,8 +72,7 @@ def scored_errors(outcomes: list[Outcome]) -> list[float]:
 
 
 def under_share(outcomes: list[Outcome]) -> float | None:
-    fits = [o for o in outcomes if not o.real_oom]
-    return sum(o.estimate < o.ground for o in fits) / len(fits) if fits else None
+    return short_request_share(outcomes, lambda estimate: estimate)  # the estimate itself as the request
 
 
 def short_request_share(outcomes: list[Outcome], needed: Callable[[int], int]) -> float | None:
