@@ -283,7 +283,6 @@ class AllocationRecorder(TorchDispatchMode):
             _guess_truth(tensor, op, args)
         if tensor.device.type != "cuda":
             return
-        self.threads.add(threading.get_ident())
         if op not in self._cuda_ops:
             self._first_cuda_use(op)
         storage = tensor.untyped_storage()
@@ -296,6 +295,7 @@ class AllocationRecorder(TorchDispatchMode):
     def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool) -> None:
         state = self.state
         nbytes = storage.nbytes()
+        self.threads.add(threading.get_ident())  # once per new storage, not per output (views, in-place results)
         if self.alloc_conf is None:  # the caching allocator reads its setting once, when it first allocates
             setting = alloc_conf_setting(os.environ)
             self.alloc_conf = setting[1] if setting else ""
