@@ -160,18 +160,18 @@ def directive_arguments(text: str) -> list[str]:
     """Split a directive's text into arguments like sbatch's `get_argument`: whitespace separates, double quotes
     group, a backslash escapes, and an unquoted `#` starts a comment."""
     args: list[str] = []
-    current: list[str] | None = None
+    current: list[str] | None = None  # characters of the argument being built; appended to, never copied
     quoted = escaped = False
     for ch in text:
         if escaped:
-            current = (current or []) + [ch]
+            current.append(ch)  # type: ignore[union-attr]  # the backslash started the argument
             escaped = False
         elif ch == "\\":
             escaped = True
-            current = current or []
+            current = [] if current is None else current
         elif ch == '"':
             quoted = not quoted
-            current = current or []
+            current = [] if current is None else current
         elif not quoted and ch == "#":
             break
         elif not quoted and ch.isspace():
@@ -179,7 +179,8 @@ def directive_arguments(text: str) -> list[str]:
                 args.append("".join(current))
                 current = None
         else:
-            current = (current or []) + [ch]
+            current = [] if current is None else current
+            current.append(ch)
     if quoted:
         raise DirectiveError("unterminated double quote")
     if current is not None:
