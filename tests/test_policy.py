@@ -2,6 +2,8 @@
 a100 = A100-SXM4-40GB, 42,474,471,424 B (39.56 GiB); h100 = H100-SXM5-80GB, 85,520,809,984 B (79.65 GiB);
 its MIG 1g.10gb = 9.75 GiB = 10,468,982,784 B. A shard of an h100 = 85,520,809,984 / 4 = 21,380,202,496 B."""
 
+import os
+
 import pytest
 
 from xmem.config import config_from_dict
@@ -192,3 +194,89 @@ def test_considered_offers_follow_preference_then_size():
     assert [(value, fits) for _, value, fits in offers] == [
         ("gpu:1g.10gb:1", False), ("shard:1g.10gb:4", False), ("shard:h100:1", True), ("mps:a100:34", True),
         ("gpu:a100:1", True), ("gpu:h100:1", True)]
+
+
+# --- what a request must never become (issue 14: W1, W2, W4; issue 10: suspect estimates) ----------------------
+
+def gpu_estimate(peak: int, total: int, fits: bool = True) -> dict:
+    """One GPU type of `Estimate.to_json()`, as the analysis reads it."""
+    oom = None if fits else {"requested_bytes": 2 * GIB, "reserved_bytes": peak, "capacity_bytes": total}
+    return {"peak_bytes": peak, "total_bytes": total, "fits": fits, "oom": oom}
+
+
+def test_a_replay_that_ran_out_of_memory_never_sizes_a_small_request():
+    from xmem.analyze import combined_peaks
+
+    # 39.7 GiB needed: the A100 replay stops at an OOM after 0.51 GiB; the H100 replay runs to the end.
+    estimate = {"gpus": {"A100-SXM4-40GB": gpu_estimate(int(0.51 * GIB), A100_BYTES, fits=False),
+                         "H100-SXM5-80GB": gpu_estimate(int(39.7 * GIB), H100_BYTES)}}
+    config = site()
+    job_peaks = combined_peaks([estimate], ["a100", "h100", "1g.10gb"], config, CATALOG)
+    assert job_peaks["a100"] > A100_BYTES and job_peaks["1g.10gb"] == int(39.7 * GIB)
+    d = decide(job_peaks, request("#SBATCH --gres=gpu:1"), config, catalog=CATALOG)
+    assert d.action == "rewrite" and d.gpu_type == "h100" and d.granted_bytes >= int(39.7 * GIB)
+
+
+def test_out_of_memory_on_every_type_keeps_the_users_request():
+    from xmem.policy import job_peak
+
+    job_peaks = {"a100": job_peak(gpu_estimate(GIB, A100_BYTES, fits=False)),
+                 "h100": job_peak(gpu_estimate(GIB, H100_BYTES, fits=False))}
+    d = decide(job_peaks, request("#SBATCH --gres=gpu:1"), site(), catalog=CATALOG)
+    assert d.action == "no_fit" and d.gres is None
+
+
+@pytest.mark.parametrize("why", ["no command of the job used CUDA under the trace",
+                                 "the estimate is suspect (optimizer steps 22 MB of parameters, the trace saw 12 KB)"])
+def test_an_untrusted_estimate_keeps_the_request_as_written(why):
+    d = decide({"a100": 0, "h100": 0}, request("#SBATCH --gres=gpu:1"), site(), catalog=CATALOG, untrusted=why)
+    assert (d.action, d.reason, d.gres, d.peak_bytes) == ("keep", why, None, None)
+
+
+def test_no_cuda_job_keeps_its_request_through_the_analysis(tmp_path):
+    """The whole analysis with the real estimator: a GPU job whose program never touches CUDA (TensorFlow's
+    place) was sized by its 0 bytes (the smallest slice)."""
+    from xmem.analyze import analyze_job
+
+    (tmp_path / "tf.py").write_text("print('tensorflow runs here, not torch')\n")
+    (tmp_path / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython tf.py\n")
+    analysis = analyze_job(tmp_path / "job.sh", config=site(), submit_cwd=str(tmp_path), env=dict(os.environ))
+    assert not analysis.errors
+    assert analysis.decision.action == "keep" and "used CUDA" in analysis.decision.reason
+
+
+def test_gpus_asked_through_two_options_are_kept_not_half_rewritten():
+    d = run(7, "#SBATCH --gres=gpu:1 --gpus=1")
+    assert (d.action, d.gres, d.gpus) == ("keep", None, None)
+    assert "--gres and --gpus" in d.reason
+
+
+def test_per_task_gpus_are_counted_per_node_against_what_a_node_has():
+    available = {"a100": 2, "h100": 1, "1g.10gb": 1}
+    d = decide(peaks(7), request("#SBATCH --ntasks=2 --gpus-per-task=1"), site(), catalog=CATALOG,
+               available=available)
+    assert (d.option, d.gpus) == ("gpus-per-task", "a100:1")  # two tasks: one slice per task cannot be placed
+    d = decide(peaks(7), request("#SBATCH --ntasks=1 --gpus-per-task=1"), site(), catalog=CATALOG,
+               available=available)
+    assert d.gpus == "1g.10gb:1"
+
+
+def test_gpus_per_node_counts_tasks_on_one_node():
+    from xmem.policy import gpus_per_node
+
+    assert gpus_per_node(request("#SBATCH --ntasks=4 --gpus-per-task=2")) == 8
+    assert gpus_per_node(request("#SBATCH --ntasks=4 --nodes=2 --gpus-per-task=1")) == 2
+    assert gpus_per_node(request("#SBATCH --ntasks-per-node=3 --gpus-per-task=1")) == 3
+    assert gpus_per_node(request("#SBATCH --gres=gpu:2")) == 2
+
+
+def test_a_suspect_estimate_is_untrusted_whatever_its_peak():
+    from xmem.analyze import CommandEstimate, untrusted_estimate
+    from xmem.jobscript import TrainCommand
+
+    command = TrainCommand(argv=("python", "train.py"), cwd="/w", env={}, python=None, launcher="python", line_no=3)
+    sound = {"gpus": {}, "used_cuda": True, "suspect_reasons": []}
+    suspect = {**sound, "suspect_reasons": ["the optimizer steps 21.9 MB of parameters, the trace saw 12 KB"]}
+    assert untrusted_estimate([CommandEstimate(command, sound)]) is None
+    why = untrusted_estimate([CommandEstimate(command, sound), CommandEstimate(command, suspect)])
+    assert why == "the estimate is suspect (the optimizer steps 21.9 MB of parameters, the trace saw 12 KB)"

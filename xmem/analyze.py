@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
 from xmem.policy import (Decision, considered_offers, decide, describe_offer, eligible_types, estimate_types,
-                         job_partitions, screen)
+                         gpus_per_node, job_partitions, job_peak, screen)
 
 if TYPE_CHECKING:
     from xmem.gpus import GpuType
@@ -128,15 +128,16 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     results = tuple(_estimate_command(c, scope, runtime_env, submit_cwd, deadline, estimator or _default_estimator(),
                                       on_progress) for c in job.commands)
     errors = tuple(r.error for r in results if r.error is not None)
-    peaks = combined_peaks([r.estimate for r in results if r.estimate is not None], scope.site_types, scope.config,
-                           scope.catalog)
-    if not errors and not peaks:
+    counted = [r.estimate for r in results if r.estimate is not None and not r.skipped]
+    peaks = combined_peaks(counted, scope.site_types, scope.config, scope.catalog)
+    untrusted = untrusted_estimate(results)
+    if not errors and not peaks and not untrusted:
         errors = (AnalysisError("no_optimizer_step", "no command of the job reached an optimizer step on the GPU: "
                                 + "; ".join(r.skipped or "" for r in results)),)
     if errors:
         return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
                            notes=scope.notes)
-    decision, offers = _decide(job, peaks, scope, user, ask_cluster)
+    decision, offers = _decide(job, peaks, scope, user, ask_cluster, untrusted)
     return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
                        notes=scope.notes, offers=offers)
 
@@ -170,13 +171,30 @@ def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
     return _Scope(config, partitions, site_types, estimate_types(config, partitions), catalog, notes)
 
 
+def untrusted_estimate(results: Sequence[CommandEstimate]) -> str | None:
+    """Why the job's estimates cannot size its request (the policy then keeps the user's): no command used CUDA
+    under the trace (TensorFlow or JAX, CUDA only in a subprocess, an early exit), or an estimate failed its
+    self-audit (`suspect_reasons`). None when they can."""
+    suspect = [reason for r in results if r.estimate and not r.skipped
+               for reason in r.estimate.get("suspect_reasons") or ()]
+    if suspect:
+        return "the estimate is suspect (" + "; ".join(dict.fromkeys(suspect)) + ")"
+    if any(r.estimate and not r.skipped for r in results):
+        return None
+    if any(r.estimate and not r.estimate.get("used_cuda", True) for r in results):
+        return ("no command of the job used CUDA under the trace (TensorFlow or JAX, CUDA only in a subprocess, "
+                "an early exit?), so its GPU memory is unknown")
+    return None
+
+
 def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str | None,
-            ask_cluster: ClusterSource) -> tuple[Decision, tuple[Mapping[str, Any], ...]]:
+            ask_cluster: ClusterSource,
+            untrusted: str | None = None) -> tuple[Decision, tuple[Mapping[str, Any], ...]]:
     """The policy's decision, and the offers it weighed (for people: `check` shows them)."""
     request, partition = job.directives, ",".join(scope.partitions)
-    available = _gpus_per_node(ask_cluster(), scope.partitions) if request.gpu_count > 1 else None
+    available = _gpus_per_node(ask_cluster(), scope.partitions) if gpus_per_node(request) > 1 else None
     decision = decide(peaks, request, scope.config, user=user, partition=partition, catalog=scope.catalog,
-                      available=available)
+                      available=available, untrusted=untrusted)
     offers = tuple({"kind": offer.kind, "request": value, "gpu_type": offer.gres_type,
                     "granted_bytes": offer.granted_bytes, "needed_bytes": scope.config.margin.needed(offer.peak_bytes),
                     "fits": fits, "description": describe_offer(offer)}
@@ -187,7 +205,8 @@ def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str |
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],
                    config: SiteConfig, catalog: Mapping[str, GpuType] | None = None) -> dict[str, int]:
-    """Per site GPU type (GRES name), the largest peak over the commands. A MIG slice gets its parent's peak.
+    """Per site GPU type (GRES name), the largest need over the commands (`job_peak`: more than the GPU holds where
+    a replay ran out of memory). A MIG slice gets its parent's peak.
     Estimates are keyed by catalog names; they are matched to the site's names through the catalog."""
     from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 
@@ -199,7 +218,7 @@ def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[
             name = find_gpu(parent, catalog).name
         except UnknownGpuError:
             continue
-        values = [e["gpus"][key]["peak_bytes"] for e in estimates for key in e.get("gpus", {})
+        values = [job_peak(e["gpus"][key]) for e in estimates for key in e.get("gpus", {})
                   if key == name or key == parent]
         if values:
             peaks[site_type] = max(values)

@@ -3,6 +3,9 @@
 Owns the offers a partition makes (whole GPUs, MIG slices, MPS shares, shards) and what each gives in bytes,
 the safety margin, the choice of the cheapest fitting offer in the site's order of preference, and the rules for
 requests the user wrote (keep / fill generic ones / rewrite) and for excluded users, accounts and partitions.
+What a request must never become: smaller on an estimate that ran out of memory (`job_peak`) or that cannot be
+trusted (`untrusted`: no CUDA seen, a suspect estimate), nor a request Slurm would refuse where the user's was
+accepted (GPUs asked through two options; more GPUs per node than a node has, counting per-task requests).
 Pure: no file, no Slurm, no torch. The GPU catalog comes in as an argument (loaded from the config if omitted).
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog, mig_profile
@@ -62,21 +66,29 @@ class Decision:
 
 def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *, user: str | None = None,
            account: str | None = None, partition: str | None = None,
-           catalog: Mapping[str, GpuType] | None = None, available: Mapping[str, int] | None = None) -> Decision:
+           catalog: Mapping[str, GpuType] | None = None, available: Mapping[str, int] | None = None,
+           untrusted: str | None = None) -> Decision:
     """The request to make for a job whose peak is `peaks[gpu type]` bytes per rank (GRES type names or catalog
-    names as keys; a MIG slice may be absent, its parent's peak is used). `available`: GPUs of each GRES type one
-    node offers, when known (from the cluster); offers needing more are left out."""
+    names as keys; a MIG slice may be absent, its parent's peak is used; see `job_peak`). `available`: GPUs of
+    each GRES type one node offers, when known (from the cluster); offers needing more are left out.
+    `untrusted`: why the estimate cannot size this job; the user's request is then kept as written."""
     early = screen(request, config, user=user, account=account, partition=partition)
     if early is not None:
         return early
+    if untrusted:
+        return Decision("keep", untrusted)
+    if len(gpu_options(request)) > 1:
+        return Decision("keep", f"GPUs are asked for through {' and '.join('--' + o for o in gpu_options(request))}"
+                                ": rewriting one would leave the other")
     partitions = job_partitions(request, config, partition)
     catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
     if available is not None:
-        on_one_node = [o for o in offers if _fits_one_node(o, available)]
+        on_one_node = [o for o in offers if _fits_one_node(o, available, request)]
         if offers and not on_one_node:
-            return Decision("no_fit", f"no node of partition {','.join(partitions)} has {count} GPUs of one type")
+            return Decision("no_fit", f"no node of partition {','.join(partitions)} has "
+                                      f"{gpus_per_node(request)} GPUs of one type")
         offers = on_one_node
     if config.explicit_request == "keep" or (config.explicit_request == "fill_generic"
                                              and not request.is_generic_gpu_request):
@@ -103,7 +115,7 @@ def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: 
     offers = site_offers(config, job_partitions(request, config, partition), catalog, peaks, count=count,
                          option=option)
     if available is not None:
-        offers = [o for o in offers if _fits_one_node(o, available)]
+        offers = [o for o in offers if _fits_one_node(o, available, request)]
     rank = {kind: i for i, kind in enumerate(config.preference)}
     offers = sorted((o for o in offers if o.kind in rank), key=lambda o: (rank[o.kind], o.granted_bytes))
     return [(o, _request_value(o, request, option), config.margin.needed(o.peak_bytes) <= o.granted_bytes)
@@ -163,9 +175,45 @@ def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mappin
     return offers
 
 
-def _fits_one_node(offer: Offer, available: Mapping[str, int]) -> bool:
-    """Whole GPUs and MIG slices are counted per node; MPS and shards come out of one GPU."""
-    return offer.kind not in ("gpu", "mig") or offer.count <= available.get(offer.gres_type, 0)
+def _fits_one_node(offer: Offer, available: Mapping[str, int], request: SbatchRequest) -> bool:
+    """Whole GPUs and MIG slices are counted per node (a per-task count times the tasks a node runs); MPS and
+    shards come out of one GPU."""
+    wanted = offer.count * _tasks_per_node(request) if request.gpus_per_task else offer.count
+    return offer.kind not in ("gpu", "mig") or wanted <= available.get(offer.gres_type, 0)
+
+
+def gpu_options(request: SbatchRequest) -> tuple[str, ...]:
+    """The sbatch options the job asks for GPUs through (`gres`, `gpus`, `gpus-per-node`, `gpus-per-task`)."""
+    options = ("gres",) if any(g.name in ("gpu", "mps", "shard") and g.count > 0 for g in request.gres) else ()
+    return options + tuple(name for name, value in (("gpus", request.gpus), ("gpus-per-node", request.gpus_per_node),
+                                                    ("gpus-per-task", request.gpus_per_task)) if value)
+
+
+def gpus_per_node(request: SbatchRequest) -> int:
+    """Whole GPUs one node must hold for the job: a per-task request counts once per task the node runs."""
+    if request.gpus_per_task:
+        return max(1, sum(i.count for i in parse_gpus(request.gpus_per_task))) * _tasks_per_node(request)
+    return request.gpu_count
+
+
+def _tasks_per_node(request: SbatchRequest) -> int:
+    """The most tasks one node may run: --ntasks-per-node, else all of --ntasks on one node unless --nodes
+    spreads them (sbatch may place them all together when it does not)."""
+    if request.ntasks_per_node:
+        return request.ntasks_per_node
+    nodes = int(request.nodes) if request.nodes and request.nodes.isdigit() and int(request.nodes) > 0 else 1
+    return math.ceil((request.ntasks or 1) / nodes)
+
+
+def job_peak(gpu_estimate: Mapping[str, Any]) -> int:
+    """The bytes a job needs on one GPU type, from its estimate there (`GpuEstimate.to_json()`): the peak, or one
+    byte more than the GPU holds when the replay ran out of memory (`fits` false): the peak reached before an
+    out-of-memory stop is not the job's, so it must never size a request; the type and its slices then do not
+    fit, and a larger type (or the user's request) is chosen."""
+    peak = int(gpu_estimate["peak_bytes"])
+    if gpu_estimate.get("fits", True) and gpu_estimate.get("oom") is None:
+        return peak
+    return max(peak, int(gpu_estimate.get("total_bytes") or 0) + 1)
 
 
 def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuType]) -> int | None:
