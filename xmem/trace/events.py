@@ -43,6 +43,32 @@ CUBLAS_OPS = frozenset({
 })
 
 
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """Something the run's own objects say the trace must hold, taken by `xmem.trace.facts` (not from the alloc
+    stream): `storages` distinct non-empty CUDA storages (0: not counted) of at least `nbytes` on `device`, live
+    under one of `categories` once the trace's first `at_event` events have happened. `what` names it for the
+    audit's reason (FACT_* below), `source` says where the figure comes from ("param_groups of
+    SGD", "AdamW rule: 2 x stepped parameter bytes")."""
+
+    what: str
+    categories: tuple[str, ...]
+    device: int
+    storages: int
+    nbytes: int
+    at_event: int
+    source: str = ""
+
+
+# What the facts are about (`Fact.what`), as the audit's reasons name them.
+FACT_BATCH = "the first batch given to the model"
+FACT_MODEL_STATE = "the model's parameters and buffers on the GPU"
+FACT_STEPPED = "the parameters the optimizers step"
+FACT_GRADIENTS = "the gradients of the stepped parameters after the first backward"
+FACT_STATE = "the optimizer state after the first step"
+FACT_STATE_BY_RULE = "the optimizer state its kind requires"
+
+
 @dataclass(slots=True)
 class Trace:
     """Everything the tracer learned about one run of the user's program under fake CUDA."""
@@ -59,11 +85,13 @@ class Trace:
     alloc_conf: str = ""  # PYTORCH_(CUDA_)ALLOC_CONF seen in the job's environment
     seconds: float = 0.0
     torch_version: str = ""
+    facts: list[Fact] | None = None  # for the self-audit (xmem.audit); None: not collected
 
     def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}
         # events as compact rows: they dominate the size (and asdict/astuple would copy each one twice)
         d["events"] = [tuple(map(e.__getattribute__, EVENT_FIELDS)) for e in self.events]
+        d["facts"] = None if self.facts is None else [dataclasses.asdict(f) for f in self.facts]
         return d
 
     @classmethod
@@ -71,6 +99,8 @@ class Trace:
         d = dict(d)
         d["events"] = [MemEvent(*row) for row in d.get("events", [])]
         d["capability"] = tuple(d.get("capability", (9, 0)))
+        facts = d.get("facts")
+        d["facts"] = None if facts is None else [Fact(**{**f, "categories": tuple(f["categories"])}) for f in facts]
         return cls(**d)
 
     def save(self, path: Path) -> None:

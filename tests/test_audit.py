@@ -1,0 +1,146 @@
+"""The self-audit (xmem.audit) on hand-built traces and facts: a trace that holds what its run's objects say is
+sound; one that misses any of it is suspect, with a reason that says what is missing."""
+
+from xmem.audit import audit, held_at
+from xmem.trace.events import (FACT_GRADIENTS, FACT_MODEL_STATE, FACT_STATE, FACT_STATE_BY_RULE, FACT_STEPPED, Fact,
+                               MemEvent, Trace)
+
+# torchvision regnet_x_400mf as a CPU build of torchvision makes it: 215 parameter tensors, 21,983,904 bytes (fp32)
+REGNET_PARAMS, REGNET_PARAM_BYTES = 215, 21_983_904
+
+
+def alloc(block, nbytes, category, device=0):
+    return MemEvent("alloc", block, nbytes, device=device, category=category)
+
+
+def free(block, nbytes, category, device=0):
+    return MemEvent("free", block, nbytes, device=device, category=category)
+
+
+def fact(what, categories, storages, nbytes, at_event, device=0, source="hand-built"):
+    return Fact(what, categories, device, storages, nbytes, at_event, source)
+
+
+def model_and_step(param_sizes, state_copies=2):
+    """Events of a model moved to the GPU, one backward and one Adam step, and the points between them."""
+    events = [alloc(i, n, "parameter") for i, n in enumerate(param_sizes)]
+    step_begin = len(events) + len(param_sizes)
+    events += [alloc(100 + i, n, "gradient") for i, n in enumerate(param_sizes)]
+    events += [alloc(200 + i * state_copies + k, n, "optimizer_state")
+               for i, n in enumerate(param_sizes) for k in range(state_copies)]
+    return events, step_begin, len(events)
+
+
+def test_a_trace_that_holds_every_fact_is_sound():
+    sizes = [4000, 40, 800]
+    events, begin, end = model_and_step(sizes)
+    total = sum(sizes)
+    trace = Trace(events=events, iterations=1, used_cuda=True, facts=[
+        fact(FACT_STEPPED, ("parameter",), 3, total, begin),
+        fact(FACT_GRADIENTS, ("gradient",), 3, total, begin),
+        fact(FACT_STATE, ("optimizer_state",), 6, 2 * total, end),
+        fact(FACT_STATE_BY_RULE, ("optimizer_state",), 0, 2 * total, end, source="Adam rule"),
+    ])
+    assert audit(trace) == ()
+
+
+def test_the_regnet_trace_that_saw_17_of_215_parameters_is_suspect():
+    # The issue's case: torchvision computed RegNet's widths from stand-in values, so the traced model was a tiny
+    # one; its optimizer steps the real model's 22 MB, the trace holds 17 storages of 12 KB as parameters.
+    events = [alloc(i, 720, "parameter") for i in range(17)]
+    events += [alloc(100 + i, 720, "gradient") for i in range(17)]
+    begin = len(events)
+    events += [alloc(200 + i, 720, "optimizer_state") for i in range(17)]
+    trace = Trace(events=events, iterations=3, used_cuda=True, facts=[
+        fact(FACT_STEPPED, ("parameter",), REGNET_PARAMS, REGNET_PARAM_BYTES, begin, source="param_groups of SGD"),
+        fact(FACT_GRADIENTS, ("gradient",), REGNET_PARAMS, REGNET_PARAM_BYTES, begin),
+        fact(FACT_STATE_BY_RULE, ("optimizer_state",), 0, REGNET_PARAM_BYTES, len(events), source="SGD rule: 1 x"),
+    ])
+    reasons = audit(trace)
+    assert len(reasons) == 3
+    assert reasons[0] == ("the parameters the optimizers step on GPU 0: 21.0 MiB in 215 storage(s) (param_groups "
+                          "of SGD), but the trace holds 12.0 KiB in 17 storage(s) as parameter at that point")
+    assert reasons[2].startswith("the optimizer state its kind requires on GPU 0: 21.0 MiB (SGD rule: 1 x), but "
+                                 "the trace holds 12.0 KiB as optimizer state")
+
+
+def test_gradients_freed_before_the_step_are_missing():
+    sizes = [1000, 1000]
+    events, begin, end = model_and_step(sizes)
+    events.insert(begin, free(101, 1000, "gradient"))  # a gradient dropped before the step began
+    trace = Trace(events=events, iterations=1, used_cuda=True,
+                  facts=[fact(FACT_STEPPED, ("parameter",), 2, 2000, begin + 1),
+                         fact(FACT_GRADIENTS, ("gradient",), 2, 2000, begin + 1)])
+    assert audit(trace) == ("the gradients of the stepped parameters after the first backward on GPU 0: 2.0 KiB in "
+                            "2 storage(s) (hand-built), but the trace holds 1000 B in 1 storage(s) as gradient at "
+                            "that point",)
+
+
+def test_fewer_storages_are_suspect_even_when_the_bytes_add_up():
+    # one storage labelled parameter where the optimizer steps three: two were never seen (the bytes of a
+    # bigger unrelated storage make up for them)
+    events = [alloc(0, 3000, "parameter")]
+    trace = Trace(events=events, iterations=1, used_cuda=True,
+                  facts=[fact(FACT_STEPPED, ("parameter",), 3, 3000, 1)])
+    assert len(audit(trace)) == 1
+
+
+def test_bytes_in_another_category_do_not_count():
+    events = [alloc(0, 5000, "temporary")]  # the moments exist, but as temporaries: not kept as state
+    trace = Trace(events=events, iterations=1, used_cuda=True,
+                  facts=[fact(FACT_STATE_BY_RULE, ("optimizer_state",), 0, 5000, 1)])
+    assert audit(trace)[0].endswith("but the trace holds 0 B as optimizer state at that point")
+
+
+def test_a_fact_is_checked_on_its_own_device():
+    events = [alloc(0, 800, "parameter", device=0), alloc(1, 800, "parameter", device=1)]
+    facts = [fact(FACT_STEPPED, ("parameter",), 1, 800, 2, device=1),
+             fact(FACT_STEPPED, ("parameter",), 2, 1600, 2, device=0)]
+    assert audit(Trace(events=events, iterations=1, used_cuda=True, facts=facts[:1])) == ()
+    (reason,) = audit(Trace(events=events, iterations=1, used_cuda=True, facts=facts))
+    assert reason.startswith("the parameters the optimizers step on GPU 0: 1.6 KiB in 2 storage(s)")
+
+
+def test_more_than_the_facts_is_not_suspect():
+    # an EMA copy or a second model: parameters the optimizers do not step
+    events = [alloc(0, 800, "parameter"), alloc(1, 800, "parameter"), alloc(2, 64, "buffer")]
+    trace = Trace(events=events, iterations=1, used_cuda=True, facts=[
+        fact(FACT_STEPPED, ("parameter",), 1, 800, 3),
+        fact(FACT_MODEL_STATE, ("parameter", "buffer"), 2, 864, 3),
+    ])
+    assert audit(trace) == ()
+
+
+def test_a_shortfall_within_the_tolerance_is_not_suspect():
+    events = [alloc(0, 50_000, "parameter"), alloc(1, 99_500, "optimizer_state")]  # 0.5 % short of the rule
+    trace = Trace(events=events, iterations=1, used_cuda=True,
+                  facts=[fact(FACT_STEPPED, ("parameter",), 1, 50_000, 2),
+                         fact(FACT_STATE_BY_RULE, ("optimizer_state",), 0, 100_000, 2)])
+    assert audit(trace) == ()
+
+
+def test_a_trace_without_facts_is_not_audited_and_one_with_no_stepped_parameter_is_suspect():
+    events = [alloc(0, 800, "parameter")]
+    assert audit(Trace(events=events, iterations=2, used_cuda=True, facts=None)) == ()
+    (reason,) = audit(Trace(events=events, iterations=2, used_cuda=True, facts=[]))
+    assert reason.startswith("no parameter on the GPU was stepped by an optimizer")
+    assert audit(Trace(events=[], iterations=0, used_cuda=False, facts=[])) == ()
+
+
+def test_held_at_answers_points_in_any_order():
+    events = [alloc(0, 10, "parameter"), alloc(1, 20, "activation"), free(1, 20, "activation"),
+              alloc(2, 0, "temporary"), MemEvent("empty_cache", -1, 0)]
+    at_3, at_0, at_2, at_5 = held_at(events, [3, 0, 2, 5])
+    assert at_0 == {}
+    assert at_2 == {(0, "parameter"): (1, 10), (0, "activation"): (1, 20)}
+    assert at_3 == at_5 == {(0, "parameter"): (1, 10)}  # the 0-byte storage is no storage
+
+
+def test_facts_survive_the_trace_json():
+    facts = [fact(FACT_STEPPED, ("parameter", "buffer"), 2, 1600, 2, device=1)]
+    trace = Trace(events=[alloc(0, 800, "parameter")], facts=facts)
+    assert Trace.from_json(trace.to_json()).facts == facts
+    assert Trace.from_json({**trace.to_json(), "facts": None}).facts is None
+    legacy = trace.to_json()
+    del legacy["facts"]
+    assert Trace.from_json(legacy).facts is None

@@ -1,0 +1,259 @@
+"""Facts of a traced run taken from its own objects, not from the recorder's alloc stream: the parameters the
+optimizers step (their param_groups), their gradients after the first backward, the optimizers' state after the
+first step (observed, and by the optimizer kind's rule), the model state on the GPU and the first batch.
+
+Owns `FactCollector` (the tracing child's global module-forward and optimizer-step hooks, active until each
+optimizer's first step) and the pure functions it uses, which read tensor metadata only (shapes, dtypes, storages,
+requires_grad): no op is dispatched, nothing is allocated. Each `Fact` carries the number of trace events
+recorded when it was taken, so `xmem.audit` can compare it with the trace's bytes per category at that point.
+Imports torch: child side only (and tests).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from xmem.trace.events import (FACT_BATCH, FACT_GRADIENTS, FACT_MODEL_STATE, FACT_STATE, FACT_STATE_BY_RULE,
+                               FACT_STEPPED, Fact)
+
+# Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
+# "temporary", one copied from the host "input").
+BATCH_CATEGORIES = ("input", "activation", "temporary", "other")
+
+# Storages per device: {device: {storage id: nbytes}}.
+Storages = dict[int, dict[int, int]]
+
+
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold `tensor`'s memory: itself, or a wrapper subclass's inner tensors (DTensor's local
+    shard; upstream protocol: __tensor_flatten__)."""
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter or not hasattr(tensor,
+                                                                                       "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)
+    return [part for t in inner if isinstance(t, torch.Tensor) for part in plain_tensors(t)]
+
+
+def storages(tensors: Iterable[Any], device_type: str = "cuda") -> Storages:
+    """The distinct non-empty storages behind `tensors` (others ignored) on devices of `device_type`."""
+    found: Storages = {}
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        for part in plain_tensors(tensor):
+            if part.device.type != device_type or part.is_sparse:
+                continue
+            storage = part.untyped_storage()
+            if storage.nbytes() > 0:
+                found.setdefault(part.device.index or 0, {})[storage._cdata] = storage.nbytes()
+    return found
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [leaf for per_param in optimizer.state.values() for leaf in tree_leaves(per_param)
+            if isinstance(leaf, torch.Tensor)]
+
+
+def module_state(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A module tree's parameters and buffers."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def state_copies(optimizer: torch.optim.Optimizer, group: dict) -> int | None:
+    """How many parameter-sized state tensors `optimizer` keeps per stepped parameter of `group` (upstream: each
+    torch.optim class's `_init_group`; step counters and other scalars come on top); None for a kind whose rule is
+    not known here (subclasses included: they may keep more)."""
+    kind = type(optimizer)
+    if kind.__module__.split(".")[:2] != ["torch", "optim"]:
+        return None
+    name = kind.__name__
+    if name in ("Adam", "AdamW"):
+        return 3 if group.get("amsgrad") else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+    if name == "SGD":
+        return 1 if group.get("momentum", 0) != 0 else 0  # momentum_buffer
+    if name == "RMSprop":  # square_avg (+ momentum_buffer) (+ grad_avg)
+        return 1 + (group.get("momentum", 0) > 0) + bool(group.get("centered"))
+    if name in ("Adamax", "NAdam", "RAdam", "Adadelta", "Rprop"):
+        return 2  # (exp_avg, exp_inf) / (exp_avg, exp_avg_sq) / (square_avg, acc_delta) / (prev, step_size)
+    if name in ("Adagrad", "ASGD"):
+        return 1  # sum / ax
+    return None
+
+
+def stepped_bytes(params: Iterable[torch.Tensor], device_type: str = "cuda") -> dict[int, int]:
+    """Per device, the bytes of the parameters that have a gradient (the ones an optimizer step makes state
+    for), each counted at its own size (a view of a flat buffer by its elements, not the whole storage)."""
+    found: dict[int, int] = {}
+    for param in params:
+        if param.grad is None:
+            continue
+        for part in plain_tensors(param):
+            if part.device.type == device_type:
+                device = part.device.index or 0
+                found[device] = found.get(device, 0) + part.numel() * part.element_size()
+    return found
+
+
+def state_by_rule(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> tuple[dict[int, int], str]:
+    """Per device, the state bytes `optimizer` must hold after a step by its kind's rule, and the rule in words
+    ("" when its kind has no known rule). Call it before the step: only parameters with a gradient get state."""
+    expected: dict[int, int] = {}
+    rules: list[str] = []
+    for group in optimizer.param_groups:
+        copies = state_copies(optimizer, group)
+        if copies is None:
+            return {}, ""
+        for device, nbytes in stepped_bytes(group["params"], device_type).items():
+            expected[device] = expected.get(device, 0) + copies * nbytes
+        rules.append(f"{copies} x")
+    unique = sorted(set(rules))
+    return expected, f"{type(optimizer).__name__} rule: {' or '.join(unique)} stepped parameter bytes"
+
+
+def facts_of(what: str, categories: tuple[str, ...], found: Storages, at_event: int, source: str) -> list[Fact]:
+    """One Fact per device of `found`."""
+    return [Fact(what, categories, device, len(ids), sum(ids.values()), at_event, source)
+            for device, ids in sorted(found.items())]
+
+
+def merged(*parts: Storages) -> Storages:
+    out: Storages = {}
+    for part in parts:
+        for device, ids in part.items():
+            out.setdefault(device, {}).update(ids)
+    return out
+
+
+def _never_raising(hook: Callable) -> Callable:
+    """A fault in taking facts must not end the user's program: the collector gives up (its result is None)."""
+    def guarded(self: "FactCollector", *args: Any) -> None:
+        if self.broken:
+            return
+        try:
+            hook(self, *args)
+        except Exception as error:  # noqa: BLE001 - the audit is lost, not the trace
+            self.broken = f"{type(error).__name__}: {error}"
+    return guarded
+
+
+class FactCollector:
+    """Takes the run's facts in the tracing child, through its own global hooks (`install`).
+
+    - At the first outermost module call: the CUDA tensors passed to it (the batch).
+    - At each optimizer's first step, before it: the parameters stepped by the optimizers seen so far and their
+      gradients, and the first time also the model state (the parameters and buffers of every module tree called
+      so far, on the GPU); after it: their state, as the optimizer objects hold it and by each kind's rule.
+    Facts are cumulative over the optimizers seen so far, so that one optimizer's bytes cannot hide another's.
+    `event_count()` must say how many trace events have been recorded. `device_type`: where the tensors that
+    count live ("cuda" in a trace; "cpu" lets a test take the facts of a real CPU run).
+    """
+
+    def __init__(self, event_count: Callable[[], int], device_type: str = "cuda") -> None:
+        self.event_count = event_count
+        self.device_type = device_type
+        self.facts: list[Fact] = []
+        self.broken = ""  # why taking facts failed, if it did
+        self._optimizers: list[weakref.ref] = []  # in the order of their first step
+        self._rules: dict[int, tuple[dict[int, int], str]] = {}  # id(optimizer) -> state_by_rule before its step
+        self._roots: weakref.WeakSet = weakref.WeakSet()
+        self._calls = threading.local()  # per thread: module calls under way (DataParallel calls in threads)
+        self._batch_at: int | None = None
+        self._step_depth = 0
+        self._first_step: torch.optim.Optimizer | None = None
+        self._module_hooks: list = []
+
+    def install(self) -> None:
+        """Hook module calls (removed at the first step) and optimizer steps. Install before anything whose
+        post-step hook may end the trace (TrainingState's stop), so that the first step's state is seen."""
+        from torch.nn.modules import module
+        from torch.optim import optimizer
+        self._module_hooks = [module.register_module_forward_pre_hook(self._before_call),
+                              module.register_module_forward_hook(self._after_call, with_kwargs=True,
+                                                                  always_call=True)]
+        optimizer.register_optimizer_step_pre_hook(self.on_step_begin)
+        optimizer.register_optimizer_step_post_hook(self.on_step_end)
+
+    # ---- module calls, until the first step ---------------------------------------------------------------------
+    def result(self) -> list[Fact] | None:
+        """The facts for `Trace.facts`; None if taking them failed (no audit then)."""
+        return None if self.broken else list(self.facts)
+
+    @_never_raising
+    def _before_call(self, module: torch.nn.Module, args: Any) -> None:
+        depth = getattr(self._calls, "depth", 0)
+        if depth == 0:
+            self._roots.add(module)
+            if self._batch_at is None:
+                self._batch_at = self.event_count()
+        self._calls.depth = depth + 1
+
+    @_never_raising
+    def _after_call(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._calls.depth = depth = getattr(self._calls, "depth", 1) - 1
+        if depth == 0 and self._batch_at is not None and not any(f.what == FACT_BATCH for f in self.facts):
+            # the call's inputs were alive when it began: the fact holds at that point
+            found = storages(tree_leaves((args, kwargs)), self.device_type)
+            self.facts += facts_of(FACT_BATCH, BATCH_CATEGORIES, found, self._batch_at,
+                                   "the first model call's arguments")
+
+    def _stop_watching_modules(self) -> None:
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
+
+    # ---- optimizer steps ----------------------------------------------------------------------------------------
+    @_never_raising
+    def on_step_begin(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._step_depth += 1
+        if self._step_depth > 1 or any(ref() is optimizer for ref in self._optimizers):
+            return  # a step nested in another's (part of it), or not the first
+        at = self.event_count()
+        self._first_step = optimizer
+        self._optimizers.append(weakref.ref(optimizer))
+        self._rules[id(optimizer)] = state_by_rule(optimizer, self.device_type)
+        if self._module_hooks:
+            self._stop_watching_modules()
+            model = merged(*(storages(module_state(m), self.device_type) for m in list(self._roots)))
+            self.facts += facts_of(FACT_MODEL_STATE, ("parameter", "buffer"), model, at,
+                                   "parameters and buffers of the modules called before the first step")
+        optimizers = self._seen()
+        kinds = ", ".join(type(o).__name__ for o in optimizers)
+        params = [p for o in optimizers for p in optimizer_params(o)]
+        self.facts += facts_of(FACT_STEPPED, ("parameter",), storages(params, self.device_type), at,
+                               f"param_groups of {kinds}")
+        grads = storages((p.grad for p in params), self.device_type)
+        self.facts += facts_of(FACT_GRADIENTS, ("gradient",), grads, at, f".grad of the parameters of {kinds}")
+
+    @_never_raising
+    def on_step_end(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._step_depth -= 1
+        if self._step_depth > 0 or optimizer is not self._first_step:
+            return
+        self._first_step = None
+        at = self.event_count()
+        optimizers = self._seen()
+        kinds = ", ".join(type(o).__name__ for o in optimizers)
+        held = storages((t for o in optimizers for t in optimizer_state_tensors(o)), self.device_type)
+        self.facts += facts_of(FACT_STATE, ("optimizer_state",), held, at, f"the state of {kinds}")
+        rules = [self._rules[id(o)] for o in optimizers if self._rules.get(id(o), ({}, ""))[1]]
+        by_device: dict[int, int] = {}
+        for expected, _ in rules:
+            for device, nbytes in expected.items():
+                by_device[device] = by_device.get(device, 0) + nbytes
+        source = "; ".join(dict.fromkeys(rule for _, rule in rules))
+        self.facts += [Fact(FACT_STATE_BY_RULE, ("optimizer_state",), device, 0, nbytes, at, source)
+                       for device, nbytes in sorted(by_device.items()) if nbytes > 0]
+
+    def _seen(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
