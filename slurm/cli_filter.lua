@@ -18,6 +18,20 @@ local function notice(msg)
   io.stderr:write("xmem-slurm: " .. msg .. "\n")
 end
 
+-- What the user is told once Slurm has accepted the job (post-submit), so that "submitted unchanged" is never
+-- printed for a job Slurm then refuses. The deferred-mode token, and whether the user asked for --hold
+-- (post-submit must not release such a job), travel in the same store: "token\nhold\nmessage".
+local function keep_for_post_submit(message, token, user_hold)
+  slurm.cli_store(0, (token or "") .. "\n" .. (user_hold and "hold" or "") .. "\n" .. (message or ""))
+end
+
+-- The exit code of a finished os.execute: Lua 5.1 returns the wait status, later versions (ok, how, code).
+local function exit_code(ok, how, code)
+  if type(ok) == "number" then return ok >= 256 and math.floor(ok / 256) or ok end
+  if ok == true then return 0 end
+  return code or 1
+end
+
 local function shquote(s)
   return "'" .. string.gsub(s, "'", "'\\''") .. "'"
 end
@@ -70,24 +84,101 @@ local function fault(what)
     notice("cannot estimate this job's GPU memory (" .. what .. "); the site requires an estimate, job refused")
     return slurm.ERROR
   end
-  notice("cannot estimate this job's GPU memory (" .. what .. "); submitted unchanged")
+  keep_for_post_submit("cannot estimate this job's GPU memory (" .. what .. "); submitted unchanged")
   return slurm.SUCCESS
 end
 
 -- The filter's reply is one JSON object: {"set": {name: string...}, "message": string|null,
--- "reject": string|null, "fault": string|null, "defer": string|null}. It is read with patterns, not a JSON
--- library, so the values must be plain strings (the Python side guarantees it: no quotes or backslashes).
-local function reply_field(out, name)
-  return string.match(out, '"' .. name .. '"%s*:%s*"([^"\\]*)"')
+-- "reject": string|null, "fault": string|null, "defer": string|null}, written by Python's json.dumps with
+-- ensure_ascii. Strings are decoded exactly (an option value passes unchanged: quotes, backslashes, UTF-8).
+local ESCAPES = {['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n", r = "\r", t = "\t"}
+
+local function utf8_char(code)
+  if code < 0x80 then return string.char(code) end
+  if code < 0x800 then return string.char(0xC0 + math.floor(code / 64), 0x80 + code % 64) end
+  if code < 0x10000 then
+    return string.char(0xE0 + math.floor(code / 4096), 0x80 + math.floor(code / 64) % 64, 0x80 + code % 64)
+  end
+  return string.char(0xF0 + math.floor(code / 262144), 0x80 + math.floor(code / 4096) % 64,
+                     0x80 + math.floor(code / 64) % 64, 0x80 + code % 64)
 end
 
-local function reply_set(out)
-  local body = string.match(out, '"set"%s*:%s*(%b{})')
-  if body == nil then return nil end
-  local set = {}
-  for k, v in string.gmatch(body, '"([%w_-]+)"%s*:%s*"([^"\\]*)"') do set[k] = v end
-  return set
+-- The JSON string whose opening quote is at out[i]: its text and the position after it (nil if malformed).
+local function json_string_at(out, i)
+  local parts, j = {}, i + 1
+  while true do
+    local k = string.find(out, '["\\]', j)
+    if k == nil then return nil end
+    parts[#parts + 1] = string.sub(out, j, k - 1)
+    if string.sub(out, k, k) == '"' then return table.concat(parts), k + 1 end
+    local e = string.sub(out, k + 1, k + 1)
+    if e == "u" then
+      local code = tonumber(string.sub(out, k + 2, k + 5), 16)
+      if code == nil then return nil end
+      local low = string.match(out, "^\\u(%x%x%x%x)", k + 6)
+      if code >= 0xD800 and code < 0xDC00 and low then  -- a surrogate pair: one character above U+FFFF
+        code = 0x10000 + (code - 0xD800) * 1024 + (tonumber(low, 16) - 0xDC00)
+        k = k + 6
+      end
+      parts[#parts + 1] = utf8_char(code)
+      j = k + 6
+    elseif ESCAPES[e] then
+      parts[#parts + 1] = ESCAPES[e]
+      j = k + 2
+    else
+      return nil
+    end
+  end
 end
+
+-- The reply as a table: string or nil fields, and `set` as a table of strings; nil if it is not a reply.
+local function parse_reply(out)
+  local reply, i = {}, string.find(out, "{", 1, true)
+  if i == nil then return nil end
+  local function skip(pattern)
+    local _, e = string.find(out, "^%s*" .. pattern, i)
+    if e then i = e + 1 end
+    return e
+  end
+  local function object(into)
+    while true do
+      if skip("}") then return true end
+      skip(",")
+      if not string.find(out, '^%s*"', i) then return false end
+      skip("")
+      local key, after = json_string_at(out, i)
+      if key == nil then return false end
+      i = after
+      if not skip(":") then return false end
+      if skip("null") then
+        into[key] = nil
+      elseif skip("{") then
+        into[key] = {}
+        if not object(into[key]) then return false end
+      elseif string.find(out, '^%s*"', i) then
+        skip("")
+        into[key], i = json_string_at(out, i)
+        if into[key] == nil then return false end
+      else
+        return false
+      end
+    end
+  end
+  i = i + 1
+  if not object(reply) or type(reply.set) ~= "table" then return nil end
+  return reply
+end
+
+-- sbatch's own command line has a lone `:` between the components of a heterogeneous job; cli_filter sees
+-- one component at a time, so the filter is told (it leaves such jobs alone).
+local function hetjob_on_command_line()
+  local f = io.open("/proc/self/cmdline", "r")
+  if not f then return false end
+  local cmdline = f:read("*a") or ""
+  f:close()
+  return string.find("\0" .. cmdline, "%z:%z") ~= nil
+end
+
 
 function slurm_cli_setup_defaults(options, early_pass)
   return slurm.SUCCESS
@@ -110,43 +201,54 @@ function slurm_cli_pre_submit(options, pack_offset)
   local f = io.open(input, "w")
   f:write('{"script":', json_string(script), ',"argv":', json_list(argv),
           ',"options":', slurm.json_cli_options(options) or "{}",
+          ',"hetjob":', hetjob_on_command_line() and "true" or "false",
           ',"user":', json_string(os.getenv("USER")), ',"env":', slurm.json_env() or "{}", '}')
   f:close()
   local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. FILTER ..
               " < " .. shquote(input) .. " > " .. shquote(output) .. " 2>/dev/null"
-  local ok, how, code = os.execute(cmd)
+  local status = exit_code(os.execute(cmd))
   local rf = io.open(output, "r")
   local out = rf and rf:read("*a") or ""
   if rf then rf:close() end
   os.remove(input); os.remove(output)
-  -- Lua 5.1's os.execute returns the wait status; `timeout` exits 124 on expiry.
-  local status = type(ok) == "number" and ok or code
-  if status == 124 or status == 124 * 256 then return fault("timed out after " .. TIMEOUT_S .. " s") end
+  if status == 124 then return fault("timed out after " .. TIMEOUT_S .. " s") end  -- `timeout` on expiry
 
-  local set = reply_set(out)
-  if set == nil then return fault("xmem-slurm filter gave no answer") end
-  local why = reply_field(out, "fault")
-  if why ~= nil then return fault(why) end
-  local message = reply_field(out, "message")
-  local reject = reply_field(out, "reject")
-  if reject ~= nil then
-    notice(reject)
+  local reply = parse_reply(out)
+  if reply == nil then return fault("xmem-slurm filter gave no answer") end
+  if reply.fault ~= nil then return fault(reply.fault) end
+  if reply.reject ~= nil then
+    notice(reply.reject)
     return slurm.ERROR
   end
-  for name, value in pairs(set) do options[name] = value end
-  if message ~= nil and message ~= "" then notice(message) end
-  local token = reply_field(out, "defer")
-  if token ~= nil and string.match(token, "^%x+$") then slurm.cli_store(0, token) end
+  local user_hold = options["hold"] ~= nil  -- read before the reply's own hold is set
+  for name, value in pairs(reply.set) do options[name] = value end
+  local token = reply.defer
+  if token ~= nil and not string.match(token, "^%x+$") then token = nil end
+  keep_for_post_submit(reply.message, token, user_hold)
   return slurm.SUCCESS
 end
 
--- Deferred mode: the job is held; now that it has an id, queue its estimation job (and the watchdog that
--- releases or cancels it if the estimation job dies). Failures are handled, and reported, by that command.
+-- Once Slurm has the job: the user's line, and in deferred mode the estimation job (and the watchdog that
+-- releases or cancels the held job if the estimation job dies). `submit` exits 0 when queued, 2 when it could
+-- not queue and has already released (or, fail-closed, cancelled) the job and said why; anything else (a crash,
+-- a timeout) leaves that to this side, so that no job stays held for xmem.
 function slurm_cli_post_submit(offset, job_id, step_id)
-  local token = slurm.cli_retrieve(0)
-  if offset == 0 and token ~= nil and string.match(token, "^%x+$") then
-    os.execute(command_prefix() .. "timeout 60 " .. DEFERRED .. " submit " .. token .. " " ..
-               tostring(job_id) .. " >/dev/null")
+  local stored = offset == 0 and slurm.cli_retrieve(0)
+  if not stored then return slurm.SUCCESS end
+  local token, user_hold, message = string.match(stored, "^(%x*)\n(%a*)\n(.*)$")
+  if message ~= nil and message ~= "" then notice(message) end
+  if token == nil or token == "" then return slurm.SUCCESS end
+  local job = tostring(job_id)
+  local status = exit_code(os.execute(command_prefix() .. "timeout 60 " .. DEFERRED .. " submit " .. token ..
+                                      " " .. job .. " >/dev/null"))
+  if status == 0 or status == 2 then return slurm.SUCCESS end
+  if failure_mode() == "closed" then
+    os.execute("timeout 30 scancel " .. job .. " >/dev/null 2>&1")
+    notice("the estimate could not be queued (exit " .. status .. "); the site requires one: job " .. job ..
+           " cancelled")
+  elseif user_hold ~= "hold" then
+    os.execute("timeout 30 scontrol release " .. job .. " >/dev/null 2>&1")
+    notice("the estimate could not be queued (exit " .. status .. "): job " .. job .. " released unchanged")
   end
   return slurm.SUCCESS
 end

@@ -117,12 +117,15 @@ def test_exports_respect_the_users_choice(export, expected):
     assert with_exports(export, {"XMEM_PEAK_BYTES": "1"}) == expected
 
 
-def test_reply_strings_are_plain_for_the_lua_side():
-    reply = FilterReply(message='can\'t "parse"\nline \\2', set={"comment": 'a"b'})
-    out = reply.to_json()
-    assert out["message"] == "can't 'parse' line /2" and out["set"]["comment"] == "a'b"
+def test_option_values_pass_exactly_and_lines_for_people_are_one_short_line():
+    export = 'ALL,MSG="hello world",WINPATH=C:\\dir\\x'
+    reply = FilterReply(message='can\'t "parse"\nline \\2', set={"export": export, "comment": 'a"b\\c'})
+    out = json.loads(json.dumps(reply.to_json()))
+    assert out["set"] == {"export": export, "comment": 'a"b\\c'}
+    assert out["message"] == 'can\'t "parse" line \\2'
     assert plain(None) is None
-    assert '\\' not in json.dumps(out)
+    long = plain("RuntimeError: " + "x" * 1_000_000)
+    assert len(long) <= 600 and long.endswith("[... cut]")
 
 
 def test_cache_skips_the_second_analysis_and_never_caches_a_failure(tmp_path):
@@ -146,3 +149,71 @@ def test_cache_skips_the_second_analysis_and_never_caches_a_failure(tmp_path):
     assert len(calls) == 2
     script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py --more\n")
     assert not run().cached and len(calls) == 3
+
+
+def test_a_damaged_cache_entry_is_computed_again(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann")
+    cache = AnalysisCache(tmp_path / "cache")
+    calls = []
+
+    def analyzer(path, r, config):
+        calls.append(path)
+        return Analysis(decision(), PEAKS)
+
+    key = "k" * 64
+    for damaged in ({"decision": "rewrite"}, {"decision": {"action": "rewrite", "gres": 7}, "peaks": {}},
+                    {"decision": decision(), "peaks": {"a100": "big"}}, {"decision": None, "errors": []}):
+        cache.put(key, damaged)
+        got = cached_analysis(str(script), req, None, cache=cache, config_digest="", analyzer=analyzer, key=key)
+        assert not got.cached and got.decision == decision()
+    assert len(calls) == 4
+
+
+def test_an_estimate_of_files_edited_during_the_trace_is_not_cached(tmp_path):
+    """The cache key hashes train.py before the trace reads it: an edit meanwhile must not file the edited
+    program's estimate under the original's key."""
+    script, train = tmp_path / "job.sh", tmp_path / "train.py"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    train.write_text("print('v1')\n")
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
+                        cwd=str(tmp_path))
+    cache = AnalysisCache(tmp_path / "cache")
+
+    def editing_analyzer(path, r, config):
+        train.write_text("print('v2: a bigger model')\n")  # the user edits right after sbatch
+        return Analysis(decision(), PEAKS)
+
+    run = lambda analyzer: cached_analysis(str(script), req, None, cache=cache, config_digest="",
+                                           files=[str(train)], analyzer=analyzer)
+    assert run(editing_analyzer).decision == decision()  # the answer stands (it is what the job will run)
+    train.write_text("print('v1')\n")
+    assert not run(lambda *a: Analysis(decision(peak_bytes=1), PEAKS)).cached  # v1's key holds nothing
+    assert run(editing_analyzer).decision == decision(peak_bytes=1)  # v1's own estimate, now cached
+
+
+def test_a_hetjob_passes_unchanged_with_a_notice(tmp_path):
+    from types import SimpleNamespace
+
+    from xmem.slurm.filter import run_filter
+
+    script = tmp_path / "het.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --ntasks=1\n#SBATCH hetjob\n#SBATCH --gres=gpu:1\n"
+                      "srun --het-group=1 python train.py\n")
+    config = SimpleNamespace(failure="open", estimate=SimpleNamespace(cache_dir=str(tmp_path / "c")))
+    never = lambda *a: pytest.fail("a hetjob must not be estimated")
+    for req in (FilterRequest(script=str(script), argv=(str(script),), options={"ntasks": "1"}),
+                FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"},
+                              hetjob=True)):
+        reply = run_filter(req, config, analyzer=never)
+        assert reply.set == {} and "heterogeneous job" in reply.message and "unchanged" in reply.message
+
+
+def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
+    why = "no command of the job used CUDA under the trace"
+    reply = reply_for(Analysis(Decision("keep", why).to_json(), {}), request(gres="gres:gpu:1", comment="run 3"),
+                      "open")
+    assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
+    assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]
+    assert JobStamp.from_comment(reply.set["comment"]).peak_bytes is None  # no MPS limit from it

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand, _is_python
-from xmem.jobscript.directives import (DirectiveError, GresItem, SbatchRequest, build_request, parse_gpus,
-                                       parse_gres, scan_directives)
+from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, build_request,
+                                       directive_arguments, parse_gpus, parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
 
 __all__ = ["JobScript", "SbatchRequest", "GresItem", "TrainCommand", "Problem", "parse_jobscript", "parse_gres",
@@ -31,9 +31,10 @@ class JobScript:
     commands: tuple[TrainCommand, ...]
     problems: tuple[Problem, ...]
     path: str | None = None
+    het_line: int = 0  # the first `#SBATCH hetjob` line: a heterogeneous job (its components are not told apart)
 
     def to_json(self) -> dict:
-        return {"path": self.path, "directives": self.directives.to_json(),
+        return {"path": self.path, "het_line": self.het_line, "directives": self.directives.to_json(),
                 "commands": [c.to_json() for c in self.commands],
                 "problems": [{"line_no": p.line_no, "line": p.line, "reason": p.reason} for p in self.problems]}
 
@@ -50,6 +51,7 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     """
     lines = text.splitlines()
     scan = scan_directives(lines)
+    het_line = het_separator_line(lines)
     problems = [Problem(n, line, f"#SBATCH: {reason}") for n, line, reason in scan.errors]
     env = os.environ if env is None else env
     request, request_errors = build_request(scan.directives, cli_options, env)
@@ -62,7 +64,7 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     if shebang is not None:
         commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},
                                  python=shebang or None, launcher="python", line_no=1),)
-        return JobScript(request, commands, tuple(problems), path)
+        return JobScript(request, commands, tuple(problems), path, het_line)
 
     state = ShellState(base_env=base_env, positional=list(script_args), script_name=path or "", cwd=cwd)
     finder = Finder(state=state, lines=lines, default_ranks=request.ntasks_per_node or request.ntasks)
@@ -75,7 +77,26 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     if not finder.commands and not problems:
         problems.append(Problem(0, "", "no training command found (python/python3, torchrun, srun python, "
                                        "accelerate launch)"))
-    return JobScript(request, tuple(finder.commands), tuple(problems), path)
+    return JobScript(request, tuple(finder.commands), tuple(problems), path, het_line)
+
+
+HET_SEPARATORS = ("hetjob", "packjob")  # packjob: the name before Slurm 20.02, still read by sbatch
+
+
+def het_separator_line(lines: Sequence[str]) -> int:
+    """The line of the first `#SBATCH hetjob` (or `packjob`) in the directive block, 0 when none: sbatch starts
+    the next component of a heterogeneous job there (a directive whose first word is the separator)."""
+    for line_no, line in enumerate(lines, 1):
+        if line.startswith(MAGIC):
+            try:
+                words = directive_arguments(line[len(MAGIC):])
+            except DirectiveError:
+                continue
+            if words and words[0] in HET_SEPARATORS:
+                return line_no
+        elif not (line.lstrip().startswith("#") or not line.strip()):
+            return 0  # sbatch reads directives up to the first command (as scan_directives)
+    return 0
 
 
 def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[str, str]:

@@ -12,8 +12,11 @@ Contract, in:  {"script": abs path | null, "argv": [...], "options": {long optio
          out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null,
                 "defer": token | null (deferred mode: post-submit queues the estimation job, xmem.slurm.deferred)}
 `fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
-its install-time default). Every string in the reply is plain: no quotes, backslashes or control characters,
-so the Lua side can read it without a JSON library.
+its install-time default). Option values in `set` are exact (what the user wrote passes unchanged: quotes,
+backslashes); the Lua side decodes JSON strings. The lines for people (`message`, `reject`, `fault`) are one line
+of at most MESSAGE_MAX_CHARS. `hetjob` in the input (the Lua side saw a `:` component separator) or a
+`#SBATCH hetjob` line: heterogeneous jobs are not sized (cli_filter hands each component over on its own, and the
+first's options leak into the next), so they pass unchanged with a notice.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest
+from xmem.cache import (SHARED_SLOTS_DIR, AnalysisCache, NoSlotFree, cache_key, estimate_slot, file_digest,
+                        user_cache_dir)
+from xmem.slurm.cache_check import valid_analysis
 from xmem.slurm.node import JobStamp, add_to_comment
 
 GIB = 1 << 30
+MESSAGE_MAX_CHARS = 600  # a user's 1 MB exception message must not flood the terminal or the job comment
 # sbatch options that say nothing about the job's GPU memory: left out of the cache key.
 OPTIONS_NOT_IN_KEY = frozenset({
     "argv", "output", "error", "input", "job-name", "parsable", "wait", "quiet", "verbose", "comment", "export",
@@ -56,6 +62,7 @@ class FilterRequest:
     user: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None  # where sbatch runs: the job's default working directory
+    hetjob: bool = False  # the sbatch command line has a `:` component separator
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FilterRequest:
@@ -65,7 +72,8 @@ class FilterRequest:
         return cls(script=data.get("script") or None, argv=tuple(str(a) for a in data.get("argv") or ()),
                    options=options, user=data.get("user") or None,
                    env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
-                   cwd=data.get("cwd") or os.getcwd())  # the filter runs in sbatch's directory
+                   cwd=data.get("cwd") or os.getcwd(),  # the filter runs in sbatch's directory
+                   hetjob=bool(data.get("hetjob")))
 
     @property
     def script_args(self) -> tuple[str, ...]:
@@ -95,16 +103,16 @@ class FilterReply:
     defer: str | None = None  # deferred mode: the token post-submit hands to `python -m xmem.slurm.deferred`
 
     def to_json(self) -> dict[str, Any]:
-        return {"set": {k: plain(v) for k, v in self.set.items()}, "message": plain(self.message),
+        return {"set": {k: str(v) for k, v in self.set.items()}, "message": plain(self.message),
                 "reject": plain(self.reject), "fault": plain(self.fault), "defer": plain(self.defer)}
 
 
-def plain(text: str | None) -> str | None:
-    """A string the Lua side can read with a pattern: one line, no double quotes or backslashes."""
+def plain(text: str | None, limit: int = MESSAGE_MAX_CHARS) -> str | None:
+    """A line for people: control characters as spaces, cut to `limit` characters (with a mark)."""
     if text is None:
         return None
-    text = re.sub(r"[\x00-\x1f\x7f]+", " ", str(text)).replace('"', "'").replace("\\", "/")
-    return text.strip()
+    text = re.sub(r"[\x00-\x1f\x7f]+", " ", str(text)).strip()
+    return text if len(text) <= limit else text[:limit - 15].rstrip() + " [... cut]"
 
 
 # --- the analysis, cached -------------------------------------------------------------------------------------
@@ -124,8 +132,20 @@ class Analysis:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Analysis:
-        return cls(decision=data.get("decision"), peaks=data.get("peaks") or {},
-                   errors=tuple(data.get("errors") or ()), cached=cached)
+        """The analysis back from `to_json()`; ValueError when `data` is not one (a damaged cache entry)."""
+        decision, peaks, errors = data.get("decision"), data.get("peaks") or {}, data.get("errors") or []
+        from xmem.policy import ACTIONS
+
+        if not (isinstance(decision, Mapping) and decision.get("action") in ACTIONS
+                and all(isinstance(v, str) or v is None for k, v in decision.items() if k in _DECISION_TEXT)
+                and all(isinstance(v, int) or v is None for k, v in decision.items() if k.endswith("_bytes"))
+                and isinstance(peaks, Mapping) and all(isinstance(v, int) for v in peaks.values())
+                and isinstance(errors, list)):
+            raise ValueError("not an analysis")
+        return cls(decision=decision, peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
+
+
+_DECISION_TEXT = ("reason", "gres", "gpus", "option", "kind", "gpu_type", "comment")
 
 
 def analysis_from_job(job_analysis: Any) -> Analysis:
@@ -190,8 +210,8 @@ def key_for(script: str, request: FilterRequest, config_digest: str, files: list
 
 
 def analysis_cache(config: Any) -> AnalysisCache:
-    """The site's analysis cache (per user: the cache directory is under the user's home by default)."""
-    return AnalysisCache(Path(os.path.expanduser(config.estimate.cache_dir)) / "analyses")
+    """The site's analysis cache: the user's private part of the cache directory, entries checked on read."""
+    return AnalysisCache(user_cache_dir(config.estimate.cache_dir) / "analyses", validate=valid_analysis)
 
 
 def config_digest(config: Any) -> str:
@@ -211,19 +231,43 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
                     key: str | None = None) -> Analysis:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
-    cache key when the caller has it already (key_for reads and hashes the script and its files)."""
+    cache key when the caller has it already (key_for reads and hashes the script and its files).
+
+    The key hashes the files before the trace reads them: the result is stored only if they hash the same
+    afterwards (an edit during the estimate would otherwise file the edited program's estimate under the
+    original's key). The answer itself stands: it is of the files the job will run."""
     key = key or key_for(script, request, config_digest, list(files))
-    hit = cache.get(key)
+    hit = _cached(cache, key)
     if hit is not None:
-        return Analysis.from_json(hit, cached=True)
+        return hit
     with slots() if slots else contextlib.nullcontext():
-        hit = cache.get(key)  # a burst of the same job: the first slot holder's result serves the others
+        hit = _cached(cache, key)  # a burst of the same job: the first slot holder's result serves the others
         if hit is not None:
-            return Analysis.from_json(hit, cached=True)
+            return hit
         analysis = analyzer(script, request, config)
-    if analysis.decision is not None and not analysis.errors:
-        cache.put(key, analysis.to_json())
+    if analysis.decision is not None and not analysis.errors and _same_files(key, script, request, config_digest,
+                                                                             files):
+        with contextlib.suppress(OSError):  # a cache that cannot be written never costs the answer
+            cache.put(key, analysis.to_json())
     return analysis
+
+
+def _cached(cache: AnalysisCache, key: str) -> Analysis | None:
+    """A cache hit, or None: a damaged entry counts as a miss, so it is computed (and written) again."""
+    hit = cache.get(key)
+    if hit is None:
+        return None
+    try:
+        return Analysis.from_json(hit, cached=True)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def _same_files(key: str, script: str, request: FilterRequest, config_digest: str, files: Sequence[str]) -> bool:
+    try:
+        return key_for(script, request, config_digest, list(files)) == key
+    except OSError:
+        return False
 
 
 # --- from analysis to reply ------------------------------------------------------------------------------------
@@ -279,11 +323,20 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
         request_text = user_request(request.options)
         line = f"{reason}; keeping {request_text}{cached}"
     stamp = stamp_for(analysis, request_text)
-    options["comment"] = add_to_comment(request.options.get("comment"), stamp)
+    why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_word(reason)}"
+    options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
     export = with_exports(request.options.get("export"), stamp.env())
     if export is not None:
         options["export"] = export
     return FilterReply(set=options, message=line)
+
+
+def comment_word(text: str, limit: int = 200) -> str:
+    """`text` as one value of the comment's `xmem:` token: no spaces, commas, semicolons or quotes, short."""
+    return re.sub(r"[,;\s\"'\\]+", "+", text)[:limit]
+
+
+HETJOB_NOTICE = ("a heterogeneous job (hetjob): xmem-slurm does not size its components; submitted unchanged")
 
 
 def rewrite_options(decision: Mapping[str, Any]) -> dict[str, str]:
@@ -350,6 +403,8 @@ def run_filter(request: FilterRequest, config: Any, *,
         if script is None:
             return FilterReply()
         job = parse_job(script, request)
+        if request.hetjob or (job is not None and job.het_line):
+            return FilterReply(message=HETJOB_NOTICE)
         if job is not None and not job.directives.wants_gpu:
             return FilterReply()  # a CPU job: no estimate, no change, no message
         digest = config_digest(config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pwd
 import re
 import stat
 import subprocess
@@ -84,8 +85,9 @@ def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -
     token = stamp.comment()
     if state:
         token += (";" if not stamp.is_empty() else "") + state
-    kept = re.sub(r"\s*xmem:\S*", "", user_comment or "").strip()
-    return f"{kept} {token}".strip()
+    # Only a token of ours is replaced: the user's own words (even `xmem:`) pass unchanged.
+    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why)=\S*", "", user_comment or "")
+    return f"{kept} {token}" if kept.strip() else token
 
 
 # --- TaskProlog ------------------------------------------------------------------------------------------------
@@ -166,25 +168,52 @@ def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], in
 
 # --- Epilog ----------------------------------------------------------------------------------------------------
 
-def read_measure_file(path: str) -> int | None:
-    """The peak the job wrote: a bare integer or {"peak_bytes": N}. The epilog runs as root and the file is the
-    user's, so symlinks, non-regular files and large files are refused."""
+MAX_MEASURED_BYTES = 1 << 50  # 1 PiB: far above any GPU's memory; a larger "peak" is a typo or mischief
+
+
+def read_measure_file(path: str, owner_uid: int | None = None) -> int | None:
+    """The peak the job wrote: a bare integer or {"peak_bytes": N}. The epilog runs as root in a directory every
+    job can write, so the file counts only if it is a regular file (no symlink) owned by the job's user
+    (`owner_uid`; default: the caller), at most MEASURE_FILE_MAX_BYTES long (a longer one is refused, not cut),
+    holding a whole, finite number of bytes in range. Anything else reads as no measurement."""
+    owner = os.geteuid() if owner_uid is None else owner_uid
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != owner or info.st_size > MEASURE_FILE_MAX_BYTES:
             return None
-        text = os.read(fd, MEASURE_FILE_MAX_BYTES).decode(errors="replace").strip()
+        blob = os.read(fd, MEASURE_FILE_MAX_BYTES + 1)
     finally:
         os.close(fd)
-    try:
-        data = json.loads(text)
-    except ValueError:
+    if len(blob) > MEASURE_FILE_MAX_BYTES:  # grew after the fstat
         return None
-    value = data.get("peak_bytes") if isinstance(data, dict) else data
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    try:
+        data = json.loads(blob.decode(errors="replace").strip())
+    except (ValueError, RecursionError):
+        return None
+    return _measured_bytes(data.get("peak_bytes") if isinstance(data, dict) else data)
+
+
+def _measured_bytes(value: object) -> int | None:
+    """A positive, finite, in-range number of bytes (`1e400` parses as infinity; `2.5e9` is fine)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value) if 0 < value <= MAX_MEASURED_BYTES else None
+
+
+def job_uid(env: Mapping[str, str]) -> int:
+    """The job's user id from the epilog's environment (SLURM_JOB_UID, else SLURM_JOB_USER); -1 (no one) if
+    neither says, so that no measure file is trusted."""
+    uid = env.get("SLURM_JOB_UID", "")
+    if uid.isdigit():
+        return int(uid)
+    try:
+        return pwd.getpwnam(env.get("SLURM_JOB_USER", "")).pw_uid
+    except KeyError:
+        return -1
 
 
 def nvml_peak(gpu_indices: list[int], since: float | None) -> int | None:
@@ -237,7 +266,7 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
     measured, measured_by = None, None
     path = measure_file_path(measure_dir, job_id)
     if path:
-        measured = read_measure_file(path)
+        measured = read_measure_file(path, job_uid(env))
         measured_by = "file" if measured else None
         try:
             os.unlink(path)
