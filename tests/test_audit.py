@@ -1,5 +1,8 @@
 """The self-audit (xmem.audit) on hand-built traces and facts: a trace that holds what its run's objects say is
-sound; one that misses any of it is suspect, with a reason that says what is missing."""
+sound; one that misses any of it is suspect, with a reason that says what is missing (in the estimate's JSON and
+table too)."""
+
+import json
 
 from xmem.audit import audit, held_at
 from xmem.trace.events import (FACT_GRADIENTS, FACT_MODEL_STATE, FACT_STATE, FACT_STATE_BY_RULE, FACT_STEPPED, Fact,
@@ -144,3 +147,45 @@ def test_facts_survive_the_trace_json():
     legacy = trace.to_json()
     del legacy["facts"]
     assert Trace.from_json(legacy).facts is None
+
+
+# ---- the audit in the estimate and what people see ------------------------------------------------------------
+def regnet_like_trace():
+    events = [MemEvent("alloc", i, 720, op="_to_copy", category="parameter") for i in range(17)]
+    return Trace(events=events, iterations=1, used_cuda=True, torch_version="2.14.1",
+                 facts=[fact(FACT_STEPPED, ("parameter",), REGNET_PARAMS, REGNET_PARAM_BYTES, 17,
+                             source="param_groups of SGD")])
+
+
+def estimate_of(monkeypatch, trace):
+    import xmem.estimate as estimate_module
+    monkeypatch.setattr(estimate_module, "run_trace", lambda command, **options: trace)
+    return estimate_module.estimate(["python", "train.py"], gpus=["a100"])
+
+
+def test_an_estimate_whose_trace_misses_its_parameters_is_suspect_in_its_json(monkeypatch):
+    from xmem.estimate import Estimate
+
+    result = estimate_of(monkeypatch, regnet_like_trace())
+    assert result.suspect and len(result.suspect_reasons) == 1
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["suspect"] is True and data["suspect_reasons"] == list(result.suspect_reasons)
+    assert Estimate.from_json(data).suspect_reasons == result.suspect_reasons
+    sound = estimate_of(monkeypatch, Trace(events=regnet_like_trace().events, iterations=1, used_cuda=True,
+                                           facts=[fact(FACT_STEPPED, ("parameter",), 17, 17 * 720, 17)]))
+    assert not sound.suspect and sound.to_json()["suspect_reasons"] == []
+    legacy = sound.to_json()
+    del legacy["suspect"], legacy["suspect_reasons"]  # an estimate cached before the audit existed
+    assert Estimate.from_json(legacy).suspect_reasons == ()
+
+
+def test_the_estimate_table_says_why_it_is_suspect(monkeypatch):
+    from rich.console import Console
+
+    from xmem.cli.estimate import show_estimate
+
+    console = Console(record=True, width=200)
+    show_estimate(console, estimate_of(monkeypatch, regnet_like_trace()))
+    text = console.export_text()
+    assert "suspect: the parameters the optimizers step on GPU 0: 21.0 MiB in 215 storage(s)" in text
+    assert "these figures may be far too low" in text

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from xmem.audit import audit
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate
@@ -83,6 +84,9 @@ class Estimate:
     at an OOM): bytes live per category at the peak (SimResult.fullest_peak_index), plus `allocator_slack` (peak
     reserved minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
     (context and libraries). Its values add up to that type's `peak_bytes`.
+
+    `suspect_reasons`: where a trace contradicts the facts of its own run (`xmem.audit`); a suspect estimate may be
+    far below what the job needs, so nothing should shrink a request on it.
     """
 
     command: tuple[str, ...]
@@ -95,6 +99,11 @@ class Estimate:
     libraries: tuple[str, ...]
     used_cuda: bool
     torch_version: str
+    suspect_reasons: tuple[str, ...] = ()
+
+    @property
+    def suspect(self) -> bool:
+        return bool(self.suspect_reasons)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -108,6 +117,8 @@ class Estimate:
             "libraries": list(self.libraries),
             "used_cuda": self.used_cuda,
             "torch_version": self.torch_version,
+            "suspect": self.suspect,
+            "suspect_reasons": list(self.suspect_reasons),
         }
 
     @classmethod
@@ -117,7 +128,8 @@ class Estimate:
                    gpus={name: GpuEstimate.from_json(name, g) for name, g in d["gpus"].items()},
                    breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
                    iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
-                   libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"])
+                   libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
+                   suspect_reasons=tuple(d.get("suspect_reasons", ())))
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
@@ -171,6 +183,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
         libraries=tuple(sorted({lib for t in traces.values() for lib in t.libraries})),
         used_cuda=True,
         torch_version=first.torch_version,
+        suspect_reasons=_audit(traces),
     )
 
 
@@ -321,6 +334,12 @@ def _warnings(traces: Mapping[str, Trace], devices: set[int]) -> tuple[str, ...]
     if len(devices) > 1:
         seen[f"the job used {len(devices)} GPUs; figures are for the busiest one"] = None
     return tuple(seen)
+
+
+def _audit(traces: Mapping[str, Trace]) -> tuple[str, ...]:
+    """The self-audit's reasons over the distinct traces, each once."""
+    distinct = {id(t): t for t in traces.values()}.values()
+    return tuple(dict.fromkeys(reason for trace in distinct for reason in audit(trace)))
 
 
 def _no_cuda_estimate(command: Sequence[str], targets: Sequence[GpuType], trace: Trace, seconds: float) -> Estimate:

@@ -28,6 +28,7 @@ from xmem.policy import gres_capacity
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
 ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
+                        "no_cuda": 9,
                         "internal": EXIT_INTERNAL, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
                         "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
 GIB = 1 << 30
@@ -156,6 +157,8 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
                               sorted(breakdown.items(), key=lambda kv: -kv[1]) if n >= 2**20)
             console.print(f"line {estimate.command.line_no}, at the peak on "
                           f"{escape(str(estimate.estimate.get('breakdown_gpu')))}: {escape(parts)}")
+        for reason in (estimate.estimate or {}).get("suspect_reasons", []):
+            console.print(f"[red]suspect:[/] {escape(reason)}")
         for warning in (estimate.estimate or {}).get("warnings", []):
             console.print(f"[yellow]warning:[/] {escape(warning)}")
     _show_offers(console, analysis)

@@ -2,7 +2,7 @@
 
 Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, and the exit
 codes (0 ok, 1 internal, 2 bad option or GPU name, 3 command not found, 4 not a Python program, 5 the user's code
-raised, 6 no optimizer step reached, 7 timeout). The work itself is `xmem.estimate.estimate`.
+raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU). The work itself is `xmem.estimate.estimate`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from xmem.trace import TraceError
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                    "internal": EXIT_INTERNAL}
+                    "no_cuda": 9, "internal": EXIT_INTERNAL}
 GIB = 1 << 30
 MIB = 1 << 20
 # How the breakdown names its non-tensor parts for people.
@@ -95,7 +95,8 @@ def _estimate_with_progress(err: Console, command: list[str], settings: dict[str
 
 
 def show_estimate(console: Console, result: Estimate) -> None:
-    """The estimate for people: one row per GPU type, then the breakdown at the peak, warnings and time."""
+    """The estimate for people: one row per GPU type, then the breakdown at the peak, why the estimate is suspect
+    (if it is), warnings and time."""
     table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
     for column in ("GPU type", "predicted peak", "GPU memory", "headroom", "verdict"):
         table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
@@ -113,6 +114,11 @@ def show_estimate(console: Console, result: Estimate) -> None:
             share = f"{100 * nbytes / peak:.1f} %" if peak else "-"
             parts.add_row(PART_NAMES.get(category, category.replace("_", " ")), _size(nbytes), share)
         console.print(parts)
+    for reason in result.suspect_reasons:
+        console.print(f"[red]suspect:[/] {reason}", highlight=False)
+    if result.suspect:
+        console.print("[red]The trace contradicts the run's own objects: these figures may be far too low.[/]",
+                      highlight=False)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     console.print(f"{result.iterations} iteration(s) traced in {result.seconds:.1f} s"
