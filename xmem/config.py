@@ -20,6 +20,8 @@ EXPLICIT_MODES = ("keep", "fill_generic", "rewrite")
 FAILURE_MODES = ("open", "closed")
 DEFERRED_MODES = ("inline", "partition")
 MIB = 1 << 20
+GIB = 1 << 30
+DEFAULT_TRACE_MEMORY_BYTES = 8 * GIB  # the tracer's host-memory limit unless the site sets one
 
 
 class ConfigError(ValueError):
@@ -91,6 +93,7 @@ class EstimateConfig:
     cache_dir: str = "~/.cache/xmem-slurm"
     max_concurrent: int = 2
     python: str | None = None  # interpreter for jobs that name none (None: the one xmem runs on)
+    memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES  # host memory one trace may use (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         failure=_choice(policy.get("failure", "open"), "policy.failure", FAILURE_MODES),
         exclude=_exclude(_table(data, "exclude", ("users", "accounts", "partitions"))),
         estimate=_estimate(_table(data, "estimate", ("timeout_s", "iterations", "cache_dir", "max_concurrent",
-                                                     "python"))),
+                                                     "python", "memory_limit_gib"))),
         catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
         deferred=_deferred(_table(data, "deferred", ("mode", "cpu_partition", "time_limit", "mem"))),
     )
@@ -241,6 +244,8 @@ def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
         or "~/.cache/xmem-slurm",
         max_concurrent=_positive_int(table.get("max_concurrent", 2), "estimate.max_concurrent"),
         python=_optional_string(table.get("python"), "estimate.python"),
+        memory_limit_bytes=int(GIB * _non_negative_number(
+            table.get("memory_limit_gib", DEFAULT_TRACE_MEMORY_BYTES / GIB), "estimate.memory_limit_gib")),
     )
 
 

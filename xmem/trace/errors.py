@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "internal")
+# memory_limit: the tracer hit its host-memory limit (or was killed, most likely for memory); crashed: the program
+# died of a signal (an abort, a segfault in an extension); no_cuda: the program ended without using the GPU.
+KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "memory_limit", "crashed",
+         "no_cuda", "internal")
+SHOWN_LINES = 20  # of the program's output, beside its traceback
 
 
 class TraceError(Exception):
@@ -22,3 +26,8 @@ class TraceError(Exception):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+    def last_lines(self, count: int = SHOWN_LINES) -> str:
+        """The last `count` lines the program printed (what a user looks at first when a run fails)."""
+        lines = self.output.rstrip("\n").splitlines()[-count:]
+        return "\n".join(lines) + "\n" if lines else ""

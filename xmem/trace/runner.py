@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -18,89 +19,168 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from xmem.trace.command import Target, parse_command
+from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
+from xmem.trace import sandbox, shim
+from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
 from xmem.trace.errors import TraceError
 from xmem.trace.events import Trace
 
 XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
+NO_CUDA_MESSAGE = "the program ended without using the GPU (it was shown {gpus}); its last output lines say why"
+SCRATCH_PREFIX = "xmem-trace-"  # then the estimating process's pid: stale ones are found by it
+MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no timeout
+LOADING_PROGRESS = "loading fake CUDA"  # the tracer's progress line before the program runs
+STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its group is killed
 
 
 def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int, int] = (9, 0),
-              device_count: int = 1, env: Mapping[str, str] | None = None, cwd: str | None = None,
+              device_count: int | None = None, env: Mapping[str, str] | None = None, cwd: str | None = None,
               timeout: float | None = None, python: str | None = None,
-              on_progress: Callable[[str], None] | None = None) -> Trace:
+              on_progress: Callable[[str], None] | None = None,
+              memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES) -> Trace:
     """Run `command` (as the user would type it) under fake CUDA for `iterations` optimizer steps.
 
-    Returns the Trace; a program that never touches CUDA gives a Trace with used_cuda=False and no events.
-    Raises TraceError (kind not_found, not_python, user_error, no_optimizer_step, timeout or internal).
-    `env` (the program's environment; default: this one) may set XMEM_FAKE_GPU_NAME and XMEM_FAKE_TOTAL_MEMORY
-    (bytes) so that torch.cuda.get_device_properties names the exact GPU instead of a typical one of `capability`.
+    Returns the Trace; a program that ends without using CUDA raises TraceError no_cuda (with its output).
+    `device_count`: the GPUs of the job's node (default: `command.gpus_per_node`). Raises TraceError (one of
+    errors.KINDS). `env` (the program's environment; default: this one) may set
+    XMEM_FAKE_GPU_NAME and XMEM_FAKE_TOTAL_MEMORY (bytes) so that torch.cuda.get_device_properties names the exact
+    GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
+    the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
+    memory (0: no limit).
     """
     target = parse_command(list(command), cwd)
-    interpreter = python or sys.executable
-    if shutil.which(interpreter) is None:
-        raise TraceError("not_found", f"Python interpreter {interpreter} not found: give the job's python")
-    with tempfile.TemporaryDirectory(prefix="xmem-trace-") as scratch:
+    gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
+    interpreter = shutil.which(python or sys.executable)
+    if interpreter is None:
+        raise TraceError("not_found", f"Python interpreter {python or sys.executable} not found: give the job's python")
+    remove_stale_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
-        child = [interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
-                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(device_count)]
-        output, returncode = _run_child(child, target, _child_env(env, target), cwd, timeout, on_progress)
-        if not out.exists():
-            raise TraceError("internal", f"the tracing child ended (status {returncode}) without writing a result: "
-                                         f"{_last_line(output)}", output=output[-OUTPUT_TAIL:])
-        payload = json.loads(out.read_text())
+        helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
+                                        _cpu_seconds(timeout), _shim_dirs())
+        child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
+                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
+        run = _run_child(child, target, _child_env(env, target, gpus), cwd, timeout, on_progress)
+        ended = sandbox.read_result(Path(scratch))
+        payload = json.loads(out.read_text()) if out.exists() else None
+    if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
+        reason = ended.get("failed") or f"the sandbox ended (status {run.returncode}): {_last_line(run.output)}"
+        raise TraceError("internal", reason, output=run.output[-OUTPUT_TAIL:])
+    if payload is None:
+        raise _no_result(ended["status"], run, memory_limit_bytes)
     if "error" in payload:
-        raise TraceError(payload["error"], payload["message"], payload.get("traceback", ""),
-                         output=output[-OUTPUT_TAIL:])
-    return Trace.from_json(payload)
+        raise _classified(TraceError(payload["error"], payload["message"], payload.get("traceback", ""),
+                                     output=run.output[-OUTPUT_TAIL:]), memory_limit_bytes)
+    trace = Trace.from_json(payload)
+    if not trace.used_cuda:  # a 0-byte answer would send a GPU job out with no memory to spare
+        raise TraceError("no_cuda", NO_CUDA_MESSAGE.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
+    protection = ended.get("protection", "unknown")
+    if not protection.startswith("namespaces"):
+        trace.warnings.append(f"the program's files were protected by the {protection}")
+    return trace
 
 
-def _child_env(env: Mapping[str, str] | None, target: Target) -> dict[str, str]:
-    child_env = dict(os.environ if env is None else env)
+def remove_stale_scratch(min_age_s: float = 60.0) -> None:
+    """Remove this user's scratch directories whose estimating process is gone (killed before it could clean up).
+
+    The name carries the owner's pid; one younger than `min_age_s` is left alone (its pid may not be running yet
+    in a reused-pid race), as is anything that is not ours."""
+    now = time.time()
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            info = path.lstat()
+            owner = int(path.name[len(SCRATCH_PREFIX):].split("-", 1)[0])
+        except (OSError, ValueError):
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or now - info.st_mtime < min_age_s:
+            continue
+        if not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _cpu_seconds(timeout: float | None) -> int:
+    """The tracer's hard CPU-time limit: what the wall-clock timeout allows on every core, so that a tracer whose
+    caller vanished still stops."""
+    wall = timeout if timeout else MAX_TRACE_SECONDS
+    return int(wall * (os.cpu_count() or 1)) + 60
+
+
+def _shim_dirs() -> list[str]:
+    """Where the native shim is cached: kept writable inside the sandbox, so that it is compiled once."""
+    cache = shim.cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass
+    return [str(cache), str(Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}")]
+
+
+def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict[str, str]:
+    """The job's environment as its launcher makes it for rank 0 (collectives are fake), on a node of `gpus`."""
+    child_env = launcher_env(target, os.environ if env is None else env, gpus)
     paths = [XMEM_PARENT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    if target.distributed:
-        # Rank 0 of the job is estimated, in the world the launcher would make (collectives are fake).
-        world = str(target.world_size)
-        child_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, GROUP_RANK="0")
-        child_env.setdefault("MASTER_ADDR", "127.0.0.1")
-        child_env.setdefault("MASTER_PORT", "29500")
     return child_env
 
 
+@dataclass
+class ChildRun:
+    output: str  # the program's stdout+stderr
+    returncode: int  # the sandbox helper's
+    last_progress: str = ""  # the tracer's last progress line ("iteration 2/3")
+
+
 def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str | None, timeout: float | None,
-               on_progress: Callable[[str], None] | None) -> tuple[str, int]:
-    """Run the child; return (its combined stdout+stderr, exit status). Progress lines arrive on a pipe."""
+               on_progress: Callable[[str], None] | None) -> ChildRun:
+    """Run the child; return its output and status. Progress lines arrive on a pipe."""
     read_fd, write_fd = os.pipe()
+    seen: list[str] = []
+
+    def progress(line: str) -> None:
+        seen[:] = [line]
+        if on_progress is not None:
+            on_progress(line)
+
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen([*child, "--progress-fd", str(write_fd), "--", *target.child_argv()],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                    pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
-        relay = threading.Thread(target=_relay_progress, args=(read_fd, on_progress), daemon=True)
+        relay = threading.Thread(target=_relay_progress, args=(read_fd, progress), daemon=True)
         relay.start()
         started = time.monotonic()
         try:
             with _sigterm_raises():
                 returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(process)
-            relay.join(timeout=5)
+            _stop(process)
+            relay.join(timeout=1)
             raise TraceError("timeout", f"the trace did not finish within {timeout:.0f} s (stopped after "
                                         f"{time.monotonic() - started:.0f} s); raise the timeout or trace fewer "
                                         "iterations", output=_read_tail(log)) from None
         except BaseException:
             # Interrupted (Ctrl-C, `timeout` around the filter, scancel of an estimation job): the child runs in a
             # session of its own, so it would outlive us and keep a login node's core busy.
-            _kill_group(process)
+            _stop(process)
             raise
-        relay.join(timeout=5)
+        relay.join(timeout=1)  # the sandbox has ended every process that could hold the pipe open
         log.seek(0)
-        return log.read().decode(errors="replace"), returncode
+        return ChildRun(log.read().decode(errors="replace"), returncode, seen[0] if seen else "")
 
 
 def _relay_progress(read_fd: int, on_progress: Callable[[str], None] | None) -> None:
@@ -129,12 +209,67 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen) -> None:
+    """Ask the sandbox helper to end everything it runs (SIGTERM), then kill its process group outright."""
+    try:
+        process.terminate()
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     process.wait()
+
+
+def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceError:
+    """The tracer ended without writing a result: say what happened to it, in the program's terms."""
+    output = run.output[-OUTPUT_TAIL:]
+    when = f"before the trace ended (last progress: {run.last_progress})" if run.last_progress else \
+        "before the trace ended"
+    if "signal" not in status:
+        code = status["exit"]
+        if run.last_progress in ("", LOADING_PROGRESS):  # the program never started: our failure
+            return TraceError("internal", f"the tracer ended (status {code}) before running the program: "
+                                          f"{_last_line(run.output)}", output=output)
+        return TraceError("user_error", f"the program called os._exit({code}) {when}; xmem records a program that "
+                                        "returns or calls sys.exit()", output=output)
+    number = status["signal"]
+    name = _signal_name(number)
+    if number == signal.SIGXCPU:
+        return TraceError("timeout", f"the trace used up its CPU-time limit {when}", output=output)
+    if _out_of_memory(run.output) or number == signal.SIGKILL:
+        limit = f"; the trace's own limit is {_gib(memory_limit_bytes)}" if memory_limit_bytes else ""
+        return TraceError("memory_limit", f"the tracer was killed by signal {number} ({name}) {when}, most likely "
+                                          f"for host memory (the node's out-of-memory killer{limit}: "
+                                          "estimate.memory_limit_gib in the site config)", output=output)
+    return TraceError("crashed", f"the program was killed by signal {number} ({name}) {when}: "
+                                 f"{_last_line(run.output)}", output=output)
+
+
+def _classified(error: TraceError, memory_limit_bytes: int) -> TraceError:
+    """A user error that is the host-memory limit (MemoryError, a C++ bad_alloc, torch's CPU allocator) says so."""
+    if error.kind != "user_error" or not memory_limit_bytes or not _out_of_memory(error.message):
+        return error
+    return TraceError("memory_limit", f"the program needed more host memory than the trace may use "
+                                      f"({_gib(memory_limit_bytes)}: estimate.memory_limit_gib in the site config): "
+                                      f"{error.message}", error.user_traceback, error.output)
+
+
+def _out_of_memory(text: str) -> bool:
+    return any(sign in text for sign in ("MemoryError", "std::bad_alloc", "can't allocate memory"))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):g} GiB"
 
 
 def _read_tail(log: Any) -> str:

@@ -1,0 +1,665 @@
+"""The sandbox a traced program runs in: its writes never land in the user's files, and nothing it starts outlives it.
+
+The runner starts `python -I sandbox.py --scratch DIR ... -- TRACER ARGV` (this file runs as a script and imports
+only the standard library). What protects the user, chosen at run time by what the kernel allows:
+
+**namespaces** (Linux user, mount and pid namespaces; unprivileged since Linux 5.11 where the distribution allows
+user namespaces; works here as root and as an ordinary user):
+- a user namespace that maps the caller's own uid and gid to themselves (the program sees its real uid; files of
+  other users show as `nobody`), and a private mount namespace;
+- a fresh tmpfs under the scratch directory holds every upper layer; each writable filesystem the program could write
+  into (the root filesystem's top-level directories and every other mount, except /proc, /sys, /dev and /run) gets
+  an overlayfs of its own, with the real directory as the lower layer. Reads of the user's data see it unchanged,
+  reads of what the program wrote see its private copy, and nothing reaches the real files. A mount that overlayfs
+  refuses is bound back read-only (its writes fail rather than land). The tmpfs lives only as long as the
+  namespace: the copy-on-write view is gone when the estimate ends, also when everything is killed with SIGKILL;
+- the scratch directory (where the tracer writes its result) and the shim cache are bound back writable;
+- a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
+  kills every process the program started (Popen children, setsid double forks, forks of the tracer).
+
+**fallback** (namespaces refused): the helper becomes a child subreaper, so every orphan of the program is
+reparented to it, and kills every descendant (found through /proc) when the tracer ends or the estimate is stopped.
+In the tracer, `install_in_child()` (run before the tracer's module) redirects Python's file APIs (builtins/io.open, os.open, mkdir/makedirs,
+rename/replace, remove/unlink, rmdir, stat, listdir/scandir; pathlib and most of shutil go through them) into a
+copy-on-write directory under the scratch, and Landlock (where the kernel has it) makes every other write outside
+the scratch fail with EACCES instead of landing. Not covered there: a C extension or a subprocess writing with its
+own open() gets EACCES under Landlock and, without Landlock, writes for real; fd-relative calls (`dir_fd=`,
+`shutil.rmtree` of an existing directory) are not redirected.
+
+Both modes: every process of the chain dies with its parent (PR_SET_PDEATHSIG), so a caller killed with SIGKILL
+takes the trace with it; the tracer has a hard CPU-time limit (RLIMIT_CPU) and a host-memory limit (RLIMIT_DATA:
+it counts the heap and private anonymous memory, not the gigabytes of address space the CUDA build of torch maps
+for its libraries, which makes RLIMIT_AS unusable). The helper writes `sandbox.json` into the scratch: the
+protection used and how the tracer ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import stat as stat_module
+import sys
+import time
+from pathlib import Path
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+
+RESULT_FILE = "sandbox.json"
+COW_DIR = "cow"  # under the scratch: the copy-on-write layers
+COW_ENV = "XMEM_SANDBOX_COW"  # set for the tracer in fallback mode: where install_in_child() redirects writes
+MODE_ENV = "XMEM_SANDBOX"  # "fallback" forces the fallback (tests, or a site that wants no namespaces)
+# Kernel and runtime state, not the user's files: left as they are.
+SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/run")
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "devpts", "devtmpfs", "mqueue", "debugfs", "tracefs", "securityfs",
+    "pstore", "bpf", "configfs", "fusectl", "hugetlbfs", "autofs", "binfmt_misc", "efivarfs", "nsfs", "rpc_pipefs",
+})
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SandboxError(OSError):
+    """A sandbox step the kernel refused."""
+
+
+class NamespacesRefused(SandboxError):
+    """The kernel allows no unprivileged namespaces here: the fallback protects the user instead."""
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise SandboxError(code, f"{what}: {os.strerror(code)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encode = (lambda s: s.encode() if s is not None else None)
+    _check(_libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+           f"mount {target}")
+
+
+def _prctl(option: int, value: int) -> None:
+    _check(_libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl {option}")
+
+
+# ---- namespaces -------------------------------------------------------------------------------------------------
+
+def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) -> str:
+    """Move this process into new user, mount and pid namespaces and cover the filesystems with overlays.
+
+    Returns a description of what now protects the user's files. Raises NamespacesRefused if the kernel refuses
+    the namespaces (nothing has changed then), SandboxError if a later step fails (no fallback is possible then).
+    """
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
+        raise NamespacesRefused(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
+    Path("/proc/self/setgroups").write_text("deny")  # needed before an unprivileged gid_map
+    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the host
+    targets = [path for path, writable in overlay_targets(scratch).items() if writable]
+    # Handles on the real directories, taken before any overlay hides them (fds from after the unshare: a mount of
+    # the host's namespace cannot be the source of one in ours).
+    real = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in [*targets, str(scratch), *keep_writable]}
+    cow = scratch / COW_DIR
+    cow.mkdir(mode=0o700)
+    _mount("xmem-cow", str(cow), "tmpfs", MS_NOSUID | MS_NODEV, f"size={cow_bytes},mode=700")
+    real["cow"] = os.open(cow, os.O_PATH | os.O_DIRECTORY)  # the path may soon lead into an overlay
+    covered, read_only = [], []
+    for number, path in enumerate(targets):
+        if _overlay(path, real[path], Path(f"/proc/self/fd/{real['cow']}/{number}")):
+            covered.append(path)
+        else:  # e.g. it has mounts below it, which a user namespace may not hide: its own writes fail instead
+            _bind(real[path], path, read_only=True)
+            read_only.append(path)
+    for path in [str(scratch), *keep_writable]:
+        _bind(real[path], path, read_only=False)
+    for fd in real.values():
+        os.close(fd)
+    os.chdir(os.getcwd())  # the working directory still points into the real tree: enter its overlay
+    text = f"namespaces: writes go to a private copy-on-write overlay of {', '.join(covered) or 'nothing'}"
+    return text + (f"; read-only: {', '.join(read_only)}" if read_only else "")
+
+
+def overlay_targets(scratch: Path) -> dict[str, bool]:
+    """The directories to cover, parents before children, each with whether the program could write there.
+
+    The root filesystem is covered by its top-level directories (an overlay on / itself would leave the running
+    processes on the old root); every other mount by its own overlay, since an overlay hides the mounts below it.
+    """
+    mounts = read_mounts()
+    tops = [str(entry) for entry in Path("/").iterdir() if entry.is_dir() and not entry.is_symlink()]
+    paths = {p for p in [*tops, *mounts] if p != "/" and not _under(p, SYSTEM_DIRS) and not _under(p, (str(scratch),))}
+    ordered = sorted(paths, key=lambda p: (p.count("/"), p))
+    return {path: _writable(mounts[_mount_of(path, mounts)]) for path in ordered}
+
+
+def read_mounts() -> dict[str, tuple[str, bool]]:
+    """mount point -> (filesystem type, mounted read-only), from /proc/self/mountinfo (the last mount wins)."""
+    mounts = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        separator = fields.index("-")
+        point = fields[4].encode().decode("unicode_escape")  # \040 for a space, as the kernel writes it
+        mounts[point] = (fields[separator + 1], "ro" in fields[5].split(","))
+    return mounts
+
+
+def _writable(mount: tuple[str, bool]) -> bool:
+    fstype, read_only = mount
+    return not read_only and fstype not in PSEUDO_FILESYSTEMS
+
+
+def _mount_of(path: str, mounts: dict[str, tuple[str, bool]]) -> str:
+    return max((point for point in mounts if _under(path, (point,))), key=len)
+
+
+def _under(path: str, parents: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
+
+
+def _overlay(path: str, lower_fd: int, layer: Path) -> bool:
+    upper, work = layer / "upper", layer / "work"
+    upper.mkdir(parents=True)
+    work.mkdir()
+    upper.chmod(os.stat(lower_fd).st_mode & 0o7777)  # the merged directory shows the upper's mode
+    base = f"lowerdir=/proc/self/fd/{lower_fd},upperdir={upper},workdir={work}"
+    for options in (base + ",userxattr", base):  # userxattr: what an unprivileged overlay needs on older kernels
+        try:
+            _mount("xmem-overlay", path, "overlay", 0, options)
+            return True
+        except SandboxError:
+            continue
+    return False
+
+
+def _bind(source_fd: int, path: str, read_only: bool) -> None:
+    # recursive: a user namespace may not uncover what the mounts below a directory hide
+    _mount(f"/proc/self/fd/{source_fd}", path, None, MS_BIND | MS_REC)
+    if read_only:
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def run_init(argv: list[str], limits: Limits, scratch: Path) -> None:
+    """Pid 1 of the new pid namespace: mount its /proc, run the tracer, reap orphans, leave when the tracer ends
+    (the kernel then kills whatever the program left running)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)  # pids as the program sees them (psutil, /proc/self)
+    except SandboxError:
+        pass
+    tracer = _start_tracer(argv, limits, env=None)
+    status = _wait_for(tracer)
+    _write_result(scratch, {"status": status})
+    os._exit(0)
+
+
+# ---- fallback -------------------------------------------------------------------------------------------------
+
+def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: list[str]) -> dict:
+    """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    cow = scratch / COW_DIR
+    cow.mkdir(mode=0o700)
+    env = dict(os.environ, **{COW_ENV: str(cow)})
+    landlock = landlock_abi()
+    tracer = _start_tracer(_redirected(argv), limits, env,
+                           writable=[str(scratch), *keep_writable] if landlock else None)
+    _stop_descendants_on_signal()
+    status = _wait_for(tracer)
+    kill_descendants()
+    backstop = f"Landlock (ABI {landlock}) refuses other writes" if landlock else "no Landlock: C-level writes land"
+    return {"status": status, "protection": f"fallback: Python's file APIs redirected to a copy-on-write directory; "
+                                            f"{backstop}; the program's processes killed at the end (subreaper)"}
+
+
+# Runs `python -m MODULE ARGS` with Python's file APIs redirected first (before the module imports anything).
+BOOTSTRAP = ("import runpy, sys; from xmem.trace.sandbox import install_in_child; install_in_child(); "
+             "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def _redirected(argv: list[str]) -> list[str]:
+    """The tracer's command (`python -m xmem.trace ...`) with the redirection installed before it starts."""
+    if argv[1:2] != ["-m"]:
+        raise SandboxError(errno.EINVAL, f"the fallback runs `python -m MODULE`, not {argv[:3]}")
+    return [argv[0], "-c", BOOTSTRAP, *argv[2:]]
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process below this one (orphans are ours as subreaper) and reap them, until none is left."""
+    while True:
+        pids = descendants(os.getpid())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap_all()
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _reap_all() -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
+def _stop_descendants_on_signal() -> None:
+    def stop(signum: int, frame: object) -> None:
+        kill_descendants()
+        os._exit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+# ---- Landlock: the fallback's backstop --------------------------------------------------------------------------
+
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # same on x86/arm64
+LANDLOCK_RULE_PATH_BENEATH = 1
+# Every filesystem right that changes something, by ABI version (landlock.h): the rights a write needs.
+WRITE_RIGHTS = {1: (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10)
+                | (1 << 11) | (1 << 12), 2: 1 << 13, 3: 1 << 14}
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 if it has none (or the architecture's syscall numbers differ)."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        return 0
+    version = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(version, 0)
+
+
+def restrict_writes(writable: list[str], abi: int) -> None:
+    """This process and its children may write only beneath `writable` and /dev (null, tty, shm)."""
+    rights = 0
+    for version in range(1, min(abi, 3) + 1):
+        rights |= WRITE_RIGHTS[version]
+    attr = _RulesetAttr(rights)
+    ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                            ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise SandboxError(ctypes.get_errno(), "landlock_create_ruleset")
+    for path in [*writable, "/dev"]:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        rule = _PathBeneathAttr(rights, fd)
+        _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule),
+                             ctypes.c_uint32(0)), f"landlock_add_rule {path}")
+        os.close(fd)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
+    os.close(ruleset)
+
+
+# ---- the tracer process -----------------------------------------------------------------------------------------
+
+class Limits:
+    """What the tracer may use: host memory (bytes of RLIMIT_DATA) and CPU seconds (RLIMIT_CPU)."""
+
+    def __init__(self, memory_bytes: int, cpu_seconds: int) -> None:
+        self.memory_bytes, self.cpu_seconds = memory_bytes, cpu_seconds
+
+    def apply(self) -> None:
+        if self.memory_bytes > 0:
+            resource.setrlimit(resource.RLIMIT_DATA, (self.memory_bytes, self.memory_bytes))
+        if self.cpu_seconds > 0:
+            resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds + 5))
+
+
+def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: list[str] | None = None) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        limits.apply()
+        if writable is not None:
+            restrict_writes(writable, landlock_abi())
+        os.execve(argv[0], argv, os.environ if env is None else env) if os.path.isabs(argv[0]) else \
+            os.execvpe(argv[0], argv, os.environ if env is None else env)
+    except BaseException as error:  # noqa: BLE001 - the fork must never return into the helper's code
+        sys.stderr.write(f"xmem sandbox: cannot start the tracer: {error}\n")
+    os._exit(127)
+
+
+def _wait_for(pid: int) -> dict:
+    """Wait for `pid`, reaping every other child (orphans) meanwhile; how it ended: {"exit": N} or {"signal": N}."""
+    while True:
+        try:
+            done, status = os.wait()
+        except InterruptedError:
+            continue
+        if done == pid:
+            if os.WIFSIGNALED(status):
+                return {"signal": os.WTERMSIG(status)}
+            return {"exit": os.WEXITSTATUS(status)}
+
+
+def _write_result(scratch: Path, fields: dict) -> None:
+    path = scratch / RESULT_FILE
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**previous, **fields}))
+
+
+def read_result(scratch: Path) -> dict:
+    """What the helper wrote: {"protection": str, "status": {"exit": N} | {"signal": N}}; {} if it wrote nothing."""
+    try:
+        return json.loads((Path(scratch) / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- the helper -------------------------------------------------------------------------------------------------
+
+def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: int,
+                   keep_writable: list[str]) -> list[str]:
+    """The command line that runs `sandbox.py` (isolated from the user's PYTHONPATH) in front of the tracer."""
+    command = [python, "-I", str(Path(__file__).resolve()), "--scratch", str(scratch), "--parent", str(os.getpid()),
+               "--memory-bytes", str(memory_bytes), "--cpu-seconds", str(cpu_seconds)]
+    for path in keep_writable:
+        command += ["--keep-writable", path]
+    return [*command, "--"]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="run a command in xmem's sandbox")
+    parser.add_argument("--scratch", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True, help="pid of the caller: we die with it")
+    parser.add_argument("--memory-bytes", type=int, default=0)
+    parser.add_argument("--cpu-seconds", type=int, default=0)
+    parser.add_argument("--keep-writable", action="append", default=[])
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent:  # the caller died before the line above took effect
+        os._exit(1)
+    limits = Limits(args.memory_bytes, args.cpu_seconds)
+    keep = [path for path in args.keep_writable if os.path.isdir(path)]
+    try:
+        if os.environ.get(MODE_ENV) == "fallback":
+            raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback")
+        protection = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
+    except NamespacesRefused as refused:
+        _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep) | {"refused": str(refused)})
+        os._exit(0)
+    except OSError as error:  # half-way into the namespaces: the user's files cannot be promised safe
+        _write_result(args.scratch, {"failed": f"the sandbox could not be set up: {error}"})
+        os._exit(1)
+    _write_result(args.scratch, {"protection": protection + "; the program's processes end with it (pid namespace)"})
+    init = os.fork()
+    if init == 0:
+        run_init(command, limits, args.scratch)
+    _kill_on_signal(init)
+    _wait_for(init)
+    os._exit(0)
+
+
+def _kill_on_signal(init: int) -> None:
+    """Stopping the helper stops the namespace: its init's death kills everything in it."""
+    def stop(signum: int, frame: object) -> None:
+        os.kill(init, signal.SIGKILL)
+        os._exit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+# ---- the tracer side of the fallback ----------------------------------------------------------------------------
+
+def install_in_child() -> None:
+    """In the tracer, before anything else (the fallback's bootstrap calls it): redirect Python's file APIs into
+    the copy-on-write directory the helper made. A no-op under namespaces, where the kernel does it."""
+    cow = os.environ.pop(COW_ENV, "")
+    if cow:
+        CopyOnWrite(cow).install()
+
+
+class CopyOnWrite:
+    """Python's file APIs over a copy-on-write directory: a write to /a/b goes to COW/a/b (copied from /a/b first
+    when the write keeps the old content), a read of /a/b sees COW/a/b if the program wrote it, a removal of a real
+    file only hides it (in this process). Paths under the scratch, /dev, /proc and /sys are left alone."""
+
+    WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def __init__(self, cow: str) -> None:
+        self.cow = os.path.realpath(cow)
+        self.passthrough = (str(Path(self.cow).parent), *SYSTEM_DIRS)
+        self.hidden: set[str] = set()  # real paths the program removed or renamed away
+        self.real = {name: getattr(os, name) for name in
+                     ("open", "mkdir", "rename", "replace", "remove", "unlink", "rmdir", "stat", "lstat", "listdir",
+                      "scandir", "access")}
+        import builtins
+        import io
+        self.real_open = io.open
+        self.modules = (builtins, io)
+
+    def install(self) -> None:
+        for module in self.modules:
+            module.open = self.open
+        os.open, os.mkdir, os.rmdir = self.os_open, self.mkdir, self.rmdir
+        os.rename = os.replace = self.rename
+        os.remove = os.unlink = self.remove
+        os.stat, os.lstat, os.access = self.stat, self.lstat, self.access
+        os.listdir, os.scandir = self.listdir, self.scandir
+
+    # -- where a path lives (checked with the real os functions: the patched ones would see the copies) --
+    def _key(self, path) -> str | None:
+        """The absolute path if it is redirected, else None (fds, pass-through paths)."""
+        if isinstance(path, int):
+            return None
+        absolute = os.path.abspath(os.fsdecode(path))
+        return None if _under(absolute, self.passthrough) else absolute
+
+    def _copy(self, key: str) -> str:
+        return self.cow + key
+
+    def _mode(self, path: str) -> int | None:
+        try:
+            return self.real["stat"](path).st_mode
+        except OSError:
+            return None
+
+    def _is_dir(self, path: str) -> bool:
+        return stat_module.S_ISDIR(self._mode(path) or 0)
+
+    def _lexists(self, path: str) -> bool:
+        try:
+            self.real["lstat"](path)
+        except OSError:
+            return False
+        return True
+
+    def _exists_real(self, key: str) -> bool:
+        return key not in self.hidden and self._lexists(key)
+
+    def _for_read(self, path):
+        key = self._key(path)
+        if key is None:
+            return path
+        if self._lexists(self._copy(key)):
+            return self._copy(key)
+        if key in self.hidden:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fsdecode(path))
+        return path
+
+    def _for_write(self, path, keep_content: bool):
+        key = self._key(path)
+        if key is None:
+            return path
+        copy = self._copy(key)
+        self._make_parents(key)
+        if keep_content and not self._lexists(copy) and self._exists_real(key) and \
+                stat_module.S_ISREG(self._mode(key) or 0):
+            shutil.copy2(key, copy)
+        self.hidden.discard(key)
+        return copy
+
+    def _make_parents(self, key: str) -> None:
+        parent = self._copy(os.path.dirname(key))
+        if not self._is_dir(parent):
+            os.makedirs(parent, exist_ok=True)  # under the scratch: the real os.mkdir does the work
+
+    # -- the patched APIs --
+    def open(self, file, mode="r", *args, **kwargs):
+        writes = any(flag in mode for flag in "wax+")
+        target = self._for_write(file, keep_content="w" not in mode) if writes else self._for_read(file)
+        return self.real_open(target, mode, *args, **kwargs)
+
+    def os_open(self, path, flags, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None:
+            return self.real["open"](path, flags, mode, dir_fd=dir_fd)
+        if flags & self.WRITE_FLAGS:
+            target = self._for_write(path, keep_content=not flags & os.O_TRUNC)
+        else:
+            target = self._for_read(path)
+        return self.real["open"](target, flags, mode)
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+        key = self._key(path)
+        if key is None or dir_fd is not None:
+            return self.real["mkdir"](path, mode, dir_fd=dir_fd)
+        if self._exists_real(key) or self._lexists(self._copy(key)):
+            raise FileExistsError(errno.EEXIST, "File exists", os.fsdecode(path))
+        parent = os.path.dirname(key)
+        if not (self._is_dir(self._copy(parent)) or (self._exists_real(parent) and self._is_dir(parent))):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fsdecode(path))
+        self._make_parents(key)
+        self.hidden.discard(key)
+        self.real["mkdir"](self._copy(key), mode)
+
+    def rename(self, src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        source, key = self._key(src), self._key(dst)
+        if src_dir_fd is not None or dst_dir_fd is not None or (source is None and key is None):
+            return self.real["replace"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        origin = self._for_read(src)
+        target = self._for_write(dst, keep_content=False) if key else dst
+        if origin == src and source is not None:  # a real file: copy it, and hide the original
+            (shutil.copytree if self._is_dir(source) else shutil.copy2)(source, target)
+            self.hidden.add(source)
+        else:
+            self.real["replace"](origin, target)
+
+    def remove(self, path, *, dir_fd=None):
+        key = self._key(path)
+        if key is None or dir_fd is not None:
+            return self.real["unlink"](path, dir_fd=dir_fd)
+        copy = self._copy(key)
+        if self._lexists(copy):
+            self.real["unlink"](copy)
+            if not self._exists_real(key):
+                return
+        elif not self._exists_real(key):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fsdecode(path))
+        self.hidden.add(key)
+
+    def rmdir(self, path, *, dir_fd=None):
+        key = self._key(path)
+        if key is None or dir_fd is not None:
+            return self.real["rmdir"](path, dir_fd=dir_fd)
+        if self.listdir(path):
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", os.fsdecode(path))
+        if self._is_dir(self._copy(key)):
+            self.real["rmdir"](self._copy(key))
+        self.hidden.add(key)
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        if dir_fd is not None:
+            return self.real["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        return self.real["stat"](self._for_read(path), follow_symlinks=follow_symlinks)
+
+    def lstat(self, path, *, dir_fd=None):
+        return self.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+
+    def access(self, path, mode, **kwargs):
+        try:
+            target = self._for_read(path)
+        except FileNotFoundError:
+            return False
+        return self.real["access"](target, mode, **kwargs)
+
+    def _names(self, path) -> dict[str, str]:
+        """name -> where it lives, for the merged directory `path` (a redirected one)."""
+        key = self._key(path)
+        names = {}
+        if self._exists_real(key) and self._is_dir(key):
+            names = {n: os.path.join(key, n) for n in self.real["listdir"](key) if os.path.join(key, n) not in
+                     self.hidden}
+        if self._is_dir(self._copy(key)):
+            names.update({n: os.path.join(self._copy(key), n) for n in self.real["listdir"](self._copy(key))})
+        elif not names and not (self._exists_real(key) and self._is_dir(key)):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fsdecode(path))
+        return names
+
+    def listdir(self, path="."):
+        if self._key(path) is None:
+            return self.real["listdir"](path)
+        names = sorted(self._names(path))
+        return [os.fsencode(n) for n in names] if isinstance(path, bytes) else names
+
+    def scandir(self, path="."):
+        if self._key(path) is None:
+            return self.real["scandir"](path)
+        wanted = self._names(path)
+        entries = []
+        for folder in {os.path.dirname(where) for where in wanted.values()}:
+            with self.real["scandir"](folder) as found:
+                entries += [e for e in found if wanted.get(e.name) == e.path]
+        return _EntryList(entries)
+
+
+class _EntryList(list):
+    """What os.scandir returns, as a context manager too."""
+
+    def __enter__(self) -> "_EntryList":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
