@@ -67,7 +67,7 @@ def test_table_for_people(tmp_path):
     assert "parameter" in run.stdout and "GiB" in run.stdout
 
 
-def test_program_that_never_uses_cuda(tmp_path):
+def test_program_that_never_uses_cuda_is_an_error_not_a_0_byte_answer(tmp_path):
     script = write(tmp_path, "cpu.py", """
         import torch
         model = torch.nn.Linear(4, 4)
@@ -77,11 +77,8 @@ def test_program_that_never_uses_cuda(tmp_path):
             opt.step()
     """)
     run = xmem("--json", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    data = json_stdout(run)
-    assert data["used_cuda"] is False
-    assert data["gpus"]["T4"]["peak_bytes"] == 0 and data["gpus"]["T4"]["fits"] is True
-    assert "the program never used CUDA" in data["warnings"]
+    assert run.returncode == 9, run.stderr
+    assert json_stdout(run)["error"] == "no_cuda"
 
 
 def test_site_config_catalog_applies(tmp_path):

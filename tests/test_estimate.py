@@ -9,7 +9,7 @@ import pytest
 
 import xmem.estimate as estimate_module
 from xmem.estimate import BadJobSettingError, Estimate, capability_class, estimate
-from xmem.gpus import UnknownGpuError, load_catalog, overhead_bytes
+from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, overhead_bytes
 from xmem.trace.events import MemEvent, Trace
 
 MIB = 1 << 20
@@ -162,7 +162,10 @@ def test_tracer_gets_the_job_settings(traced):
              timeout=30, python="/usr/bin/python3")
     command, capability, kwargs = traced.calls[0]
     assert command == ["python", "train.py", "--lr", "1"] and capability == (7, 5)
-    assert kwargs["iterations"] == 2 and kwargs["env"] == {"A": "1"} and kwargs["cwd"] == "/tmp"
+    assert kwargs["iterations"] == 2 and kwargs["env"]["A"] == "1" and kwargs["cwd"] == "/tmp"
+    # the program sees the GPU type estimated, not a typical one of its capability
+    assert kwargs["env"]["XMEM_FAKE_TOTAL_MEMORY"] == str(find_gpu("t4", load_catalog()).total_bytes)
+    assert "T4" in kwargs["env"]["XMEM_FAKE_GPU_NAME"]
     assert kwargs["timeout"] == 30 and kwargs["python"] == "/usr/bin/python3"
 
 

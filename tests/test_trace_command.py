@@ -36,12 +36,12 @@ def test_versioned_interpreter_path(train, tmp_path):
 def test_torchrun_is_stripped_to_one_rank(train, tmp_path):
     command = ["torchrun", "--nproc_per_node=4", "--nnodes", "1", "--standalone", "train.py", "--epochs", "1"]
     target = parse_command(command, cwd=str(tmp_path))
-    assert target == Target(str(train), None, ("--epochs", "1"), distributed=True, world_size=4)
+    assert target == Target(str(train), None, ("--epochs", "1"), launcher="torchrun", nproc_per_node=4)
 
 
 def test_torch_distributed_run_module_with_module_target(tmp_path):
     command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "pkg.train", "--x"]
-    expected = Target(None, "pkg.train", ("--x",), distributed=True, world_size=8)
+    expected = Target(None, "pkg.train", ("--x",), launcher="torchrun", nproc_per_node=8)
     assert parse_command(command, cwd=str(tmp_path)) == expected
 
 
@@ -87,15 +87,17 @@ def test_shell_script_is_not_python(tmp_path):
 
 def test_torchrun_world_size_is_processes_per_node_times_nodes(train, tmp_path):
     command = ["torchrun", "--nnodes=2", "--nproc-per-node", "4", "train.py"]
-    assert parse_command(command, cwd=str(tmp_path)).world_size == 8
-    assert parse_command(["torchrun", "--nproc_per_node=gpu", "train.py"], cwd=str(tmp_path)).world_size == 1
-    assert parse_command(["python", "train.py"], cwd=str(tmp_path)).world_size == 1
+    assert parse_command(command, cwd=str(tmp_path)).world_size(gpus_per_node=4) == 8
+    every_gpu = parse_command(["torchrun", "--nproc_per_node=gpu", "train.py"], cwd=str(tmp_path))
+    assert every_gpu.world_size(gpus_per_node=2) == 2 and every_gpu.world_size(gpus_per_node=8) == 8
+    assert parse_command(["python", "train.py"], cwd=str(tmp_path)).world_size(gpus_per_node=4) == 1
 
 
 def test_accelerate_and_deepspeed_launchers(train, tmp_path):
     command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", "--mixed_precision", "bf16",
                "train.py", "--lr", "1"]
-    assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--lr", "1"), True, 4)
+    assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--lr", "1"), "accelerate", 4,
+                                                               settings=(("ACCELERATE_MIXED_PRECISION", "bf16"),))
     command = ["deepspeed", "--num_gpus=2", "train.py", "--deepspeed_config", "ds.json"]
     assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--deepspeed_config", "ds.json"),
-                                                               True, 2)
+                                                               "deepspeed", 2)

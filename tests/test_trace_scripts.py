@@ -225,11 +225,6 @@ def test_device_properties_can_name_the_exact_gpu():
     assert 16 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]  # batch 16 on a 141 GB GPU
 
 
-def test_program_without_cuda_gives_an_empty_trace(python=sys.executable):  # this build only: keeps the suite short
-    result = trace(python, "no_cuda.py")
-    assert not result.used_cuda and result.events == []
-
-
 # ---- transformers, activation checkpointing, the program's own SDPA restriction ----------------------------------
 @pytest.mark.parametrize("python", PYTHONS)
 def test_checkpoint_recomputation_takes_the_same_attention_backend(python):

@@ -246,6 +246,8 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
                               getattr(e, "user_traceback", "") or "", command.line_no)
         if kind in NOT_TRAINING_KINDS:
             return CommandEstimate(command, skipped=error.message)
+        if kind == "no_cuda":  # TensorFlow, JAX, an early exit: its GPU memory is unknown (see untrusted_estimate)
+            return CommandEstimate(command, {"used_cuda": False}, skipped=error.message)
         return CommandEstimate(command, error=error)
     data = result.to_json() if hasattr(result, "to_json") else dict(result)
     if not data.get("used_cuda", True):

@@ -137,18 +137,20 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              timeout: float | None = None, python: str | None = None,
              catalog_overrides: Mapping[str, Any] | None = None,
              on_progress: Callable[[str], None] | None = None,
-             catalog: Mapping[str, GpuType] | None = None) -> Estimate:
+             catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
-    fresh load). Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
+    fresh load). `gpus_per_node`: the GPUs the job's node shows the program (default: as `run_trace` finds them).
+    Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
     """
     started = time.perf_counter()
     catalog = catalog if catalog is not None else load_catalog(catalog_overrides)
     targets = resolve_gpus(gpus, catalog)
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
-                                        timeout=timeout, python=python, on_progress=on_progress)
+                                        timeout=timeout, python=python, on_progress=on_progress,
+                                        gpus_per_node=gpus_per_node)
     first = next(iter(traces.values()))
     if not first.used_cuda:
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
@@ -203,27 +205,36 @@ def capability_class(capability: tuple[int, int]) -> str:
 def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType], *, iterations: int,
                                env: Mapping[str, str] | None, cwd: str | os.PathLike | None,
                                timeout: float | None, python: str | None,
-                               on_progress: Callable[[str], None] | None) -> dict[str, Trace]:
+                               on_progress: Callable[[str], None] | None,
+                               gpus_per_node: int | None = None) -> dict[str, Trace]:
     """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
 
-    Each class is traced at its highest capability among `targets`; the newest class goes first.
+    Each class is traced as its GPU of highest capability among `targets` (its name and memory are what the
+    program sees); the newest class goes first.
     """
-    representative: dict[str, tuple[int, int]] = {}
+    representative: dict[str, GpuType] = {}
     for gpu in targets:
         cls = capability_class(gpu.capability)
-        representative[cls] = max(representative.get(cls, gpu.capability), gpu.capability)
-    order = sorted(representative, key=lambda cls: representative[cls], reverse=True)
+        if cls not in representative or gpu.capability > representative[cls].capability:
+            representative[cls] = gpu
+    order = sorted(representative, key=lambda cls: representative[cls].capability, reverse=True)
 
-    def trace(capability: tuple[int, int]) -> Trace:
-        return run_trace(list(command), iterations=iterations, capability=capability,
-                         env=dict(env) if env is not None else None, cwd=cwd, timeout=timeout, python=python,
-                         on_progress=on_progress)
+    def trace(gpu: GpuType) -> Trace:
+        shown = {**(os.environ if env is None else env), "XMEM_FAKE_GPU_NAME": device_name(gpu),
+                 "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
+        return run_trace(list(command), iterations=iterations, capability=gpu.capability, env=shown, cwd=cwd,
+                         timeout=timeout, python=python, on_progress=on_progress, device_count=gpus_per_node)
 
     first = trace(representative[order[0]])
     traces = {order[0]: first}
     for cls in order[1:]:
         traces[cls] = trace(representative[cls]) if first.used_cuda and first.arch_sensitive else first
     return traces
+
+
+def device_name(gpu: GpuType) -> str:
+    """The name CUDA gives the device (torch.cuda.get_device_name): the catalog's with the vendor's prefix."""
+    return gpu.name if gpu.name.startswith(("NVIDIA", "Tesla")) else f"NVIDIA {gpu.name}"
 
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,

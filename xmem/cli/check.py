@@ -2,7 +2,7 @@
 
 Owns the command's I/O: the parsed job, the estimate per eligible GPU type and the request with its reason, as
 tables for people or one JSON object (`--json`), and the exit codes: 0 analysed (whatever the decision), 2 bad
-input or site config, 8 script not understood, 3-7 the estimator's (as `xmem-slurm estimate`), 1 internal.
+input or site config, 8 script not understood, 3-7 and 9 the estimator's (as `xmem-slurm estimate`), 1 internal.
 The work is `xmem.analyze.analyze_job`.
 """
 

@@ -2,7 +2,8 @@
 
 Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, and the exit
 codes (0 ok, 1 internal, 2 bad option or GPU name, 3 command not found, 4 not a Python program, 5 the user's code
-raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU). The work itself is `xmem.estimate.estimate`.
+raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU). The work itself is
+`xmem.estimate.estimate`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def estimate_command(
     gpu: Optional[list[str]] = typer.Option(None, "--gpu", "-g", metavar="TYPE",
                                             help="GPU type (repeatable; catalog name or alias). Default: all."),
     iterations: int = typer.Option(3, "--iterations", "-n", min=1, help="Optimizer steps to trace."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, metavar="N",
+                                                help="GPUs the job's node gives it (torch.cuda.device_count()). "
+                                                     "Default: Slurm's SLURM_GPUS_ON_NODE, else the launcher's "
+                                                     "processes per node, else 1."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
@@ -68,7 +73,8 @@ def estimate_command(
     err = Console(stderr=True)
     try:
         overrides = load_site_config(config).catalog_overrides or None
-        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, catalog_overrides=overrides)
+        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, catalog_overrides=overrides,
+                        gpus_per_node=gpus_per_node)
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with _stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)

@@ -111,7 +111,9 @@ def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[st
         "SLURM_NTASKS": str(request.ntasks) if request.ntasks else None,
         "SLURM_NTASKS_PER_NODE": str(request.ntasks_per_node) if request.ntasks_per_node else None,
         "SLURM_JOB_NUM_NODES": request.nodes if request.nodes and request.nodes.isdigit() else None,
-        "SLURM_GPUS_ON_NODE": str(request.gpu_count) if request.wants_gpu else None,
+        "SLURM_GPUS_ON_NODE": str(request.gpus_on_node) if request.wants_gpu else None,
+        # the job's GPUs as its processes see them (Slurm binds them and numbers them from 0)
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(request.gpus_on_node))) if request.wants_gpu else None,
     }
     for option, name in (("cpus-per-task", "SLURM_CPUS_PER_TASK"),):
         value = next((v for o, v, _ in reversed(request.raw) if o == option), None)

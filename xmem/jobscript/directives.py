@@ -113,6 +113,23 @@ class SbatchRequest:
             return 1
         return gpus
 
+    @property
+    def tasks_per_node(self) -> int:
+        """The most tasks one node may run: --ntasks-per-node, else all of --ntasks on one node unless --nodes
+        spreads them (sbatch may place them all together when it does not)."""
+        if self.ntasks_per_node:
+            return self.ntasks_per_node
+        nodes = int(self.nodes) if self.nodes and self.nodes.isdigit() and int(self.nodes) > 0 else 1
+        return -(-(self.ntasks or 1) // nodes)
+
+    @property
+    def gpus_on_node(self) -> int:
+        """Whole GPUs one node gives the job (what its programs see): a per-task request counts once per task the
+        node runs."""
+        if self.gpus_per_task:
+            return max(1, sum(i.count for i in parse_gpus(self.gpus_per_task))) * self.tasks_per_node
+        return self.gpu_count
+
     def to_json(self) -> dict:
         return {
             "partition": self.partition, "gres": [str(g) for g in self.gres], "gpus": self.gpus,

@@ -178,7 +178,7 @@ def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mappin
 def _fits_one_node(offer: Offer, available: Mapping[str, int], request: SbatchRequest) -> bool:
     """Whole GPUs and MIG slices are counted per node (a per-task count times the tasks a node runs); MPS and
     shards come out of one GPU."""
-    wanted = offer.count * _tasks_per_node(request) if request.gpus_per_task else offer.count
+    wanted = offer.count * request.tasks_per_node if request.gpus_per_task else offer.count
     return offer.kind not in ("gpu", "mig") or wanted <= available.get(offer.gres_type, 0)
 
 
@@ -191,18 +191,7 @@ def gpu_options(request: SbatchRequest) -> tuple[str, ...]:
 
 def gpus_per_node(request: SbatchRequest) -> int:
     """Whole GPUs one node must hold for the job: a per-task request counts once per task the node runs."""
-    if request.gpus_per_task:
-        return max(1, sum(i.count for i in parse_gpus(request.gpus_per_task))) * _tasks_per_node(request)
-    return request.gpu_count
-
-
-def _tasks_per_node(request: SbatchRequest) -> int:
-    """The most tasks one node may run: --ntasks-per-node, else all of --ntasks on one node unless --nodes
-    spreads them (sbatch may place them all together when it does not)."""
-    if request.ntasks_per_node:
-        return request.ntasks_per_node
-    nodes = int(request.nodes) if request.nodes and request.nodes.isdigit() and int(request.nodes) > 0 else 1
-    return math.ceil((request.ntasks or 1) / nodes)
+    return request.gpus_on_node
 
 
 def job_peak(gpu_estimate: Mapping[str, Any]) -> int:

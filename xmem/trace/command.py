@@ -1,8 +1,10 @@
 """Turning what the user would type into what the tracing child runs: a script path or a module, plus its argv.
 
-Owns launcher handling (`python [opts]`, `python -m torch.distributed.run`, `torchrun`, a `.py` file, an executable
-with a python shebang). One rank is estimated: launcher options are dropped. Pure apart from reading the first
-bytes of files to tell Python from other programs.
+Owns launcher handling (`python [opts]`, `python -m torch.distributed.run`, `torchrun`, `accelerate launch`,
+`deepspeed`, a `.py` file, an executable with a python shebang) and the machine the program is shown: how many GPUs
+its node has (`gpus_per_node`) and the environment its launcher gives rank 0 (`launcher_env`). Rank 0 is the one
+estimated, in the world the launcher would make, so that FSDP/ZeRO shard by the real world size. Pure apart from
+reading the first bytes of files to tell Python from other programs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Mapping
 
 from xmem.trace.errors import TraceError
 
@@ -20,18 +23,76 @@ _DISTRIBUTED_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
 _TORCHRUN_FLAGS = {"--standalone", "--module", "-m", "--run-path", "--run_path", "--use-env", "--use_env"}
 
 
+# What torchrun gives every rank besides its numbers (torch/distributed/elastic/agent/server/api.py); a launcher
+# that starts one process per GPU with none of these (accelerate launch with one process) is a plain `python`.
+_ELASTIC_DEFAULTS = {"ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                     "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+_ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mixed-precision":
+                        "ACCELERATE_MIXED_PRECISION"}  # what `accelerate launch` hands the script's Accelerator
+
+
 @dataclass(frozen=True)
 class Target:
-    """What to run: `module` (for -m) or `script` (a path), with the program's own arguments."""
+    """What to run: `module` (for -m) or `script` (a path), with the program's own arguments.
+
+    `launcher` (torchrun, accelerate, deepspeed; None: plain python) starts `nproc_per_node` processes on each of
+    `nnodes` nodes (None: one per GPU, as torchrun's `--nproc-per-node gpu`); `settings` are variables the
+    launcher sets from its own options.
+    """
 
     script: str | None
     module: str | None
     args: tuple[str, ...]
-    distributed: bool = False
-    world_size: int = 1  # processes the launcher would start (nproc per node x nodes)
+    launcher: str | None = None
+    nproc_per_node: int | None = 1
+    nnodes: int = 1
+    settings: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        return self.launcher is not None
 
     def child_argv(self) -> list[str]:
         return (["-m", self.module] if self.module else [self.script or ""]) + list(self.args)
+
+    def local_world_size(self, gpus_per_node: int) -> int:
+        return self.nproc_per_node or gpus_per_node
+
+    def world_size(self, gpus_per_node: int) -> int:
+        return self.local_world_size(gpus_per_node) * self.nnodes
+
+
+def gpus_per_node(target: Target, env: Mapping[str, str], requested: int | None = None) -> int:
+    """The GPUs the program's node shows it: `requested` if given (estimate --gpus-per-node), else what Slurm gives
+    the job (`SLURM_GPUS_ON_NODE`, narrowed by a CUDA_VISIBLE_DEVICES the job sets), else one per process the
+    launcher starts on the node, else 1. A CUDA_VISIBLE_DEVICES outside a Slurm job (a login node's) says nothing
+    about the job's node and is ignored."""
+    if requested:
+        return requested
+    on_node = _leading_int(env.get("SLURM_GPUS_ON_NODE", ""), default=0)
+    if on_node:
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return len(visible) or on_node
+    if target.distributed and target.nproc_per_node:
+        return target.nproc_per_node
+    return 1
+
+
+def launcher_env(target: Target, env: Mapping[str, str], gpus: int) -> dict[str, str]:
+    """The variables the launcher puts in rank 0's environment (torchrun's names; `accelerate launch` and
+    `deepspeed` start their ranks through the same elastic agent), over `env`; CUDA_VISIBLE_DEVICES lists the
+    node's `gpus` as Slurm numbers them for a job."""
+    child = {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)), **dict(target.settings)}
+    local, world = target.local_world_size(gpus), target.world_size(gpus)
+    if not target.distributed or world == 1 and target.launcher == "accelerate":  # its one process: plain python
+        return child
+    child.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", ROLE_RANK="0", WORLD_SIZE=str(world),
+                 ROLE_WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local), GROUP_WORLD_SIZE=str(target.nnodes))
+    for name, value in _ELASTIC_DEFAULTS.items():
+        child.setdefault(name, value)
+    if local > 1:
+        child.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes per node
+    return child
 
 
 def parse_command(command: list[str], cwd: str | None = None) -> Target:
@@ -45,25 +106,34 @@ def parse_command(command: list[str], cwd: str | None = None) -> Target:
     if name == "torchrun":
         return _parse_torchrun_args(rest, cwd)
     if name == "accelerate" and rest[:1] == ["launch"]:
-        return _parse_scanned_launcher(rest[1:], cwd, ("--num_processes", "--num-processes"))
-    if name == "deepspeed":
-        return _parse_scanned_launcher(rest, cwd, ("--num_gpus", "--num-gpus"))
+        # one process unless told; --multi_gpu without a count: one per GPU (accelerate's own defaults)
+        every_gpu = "--multi_gpu" in rest or "--multi-gpu" in rest
+        return _parse_scanned_launcher(rest[1:], cwd, ("--num_processes", "--num-processes"), "accelerate",
+                                       None if every_gpu else 1)
+    if name == "deepspeed":  # one process per GPU of the node unless told
+        return _parse_scanned_launcher(rest, cwd, ("--num_gpus", "--num-gpus"), "deepspeed", None)
     return _script_target(program, rest, cwd)
 
 
-def _parse_scanned_launcher(args: list[str], cwd: str | None, process_options: tuple[str, ...]) -> Target:
+def _parse_scanned_launcher(args: list[str], cwd: str | None, process_options: tuple[str, ...], launcher: str,
+                            processes: int | None) -> Target:
     """accelerate launch / deepspeed: too many flags to know which take values, so the program is the first
-    argument ending in .py (or the one after -m/--module); the process count comes from `process_options`."""
-    world = 1
+    argument ending in .py (or the one after -m/--module); the process count comes from `process_options`
+    (default: `processes`, None for one per GPU)."""
+    settings: dict[str, str] = {}
     for i, arg in enumerate(args):
         name, _, value = arg.partition("=")
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
         if name in process_options:
-            world = _leading_int(value or (args[i + 1] if i + 1 < len(args) else "1"))
+            processes = _leading_int(value)
+        if name in _ACCELERATE_SETTINGS:
+            settings[_ACCELERATE_SETTINGS[name]] = value
+        launched = dict(launcher=launcher, nproc_per_node=processes, settings=tuple(settings.items()))
         if arg in ("-m", "--module") and i + 1 < len(args):
-            return Target(None, args[i + 1], tuple(args[i + 2:]), distributed=True, world_size=world)
+            return Target(None, args[i + 1], tuple(args[i + 2:]), **launched)
         if arg.endswith(".py") and not arg.startswith("-"):
             target = _script_target(arg, args[i + 1:], cwd, require_python=False)
-            return Target(target.script, None, target.args, distributed=True, world_size=world)
+            return Target(target.script, None, target.args, **launched)
     raise TraceError("not_found", "no training script (.py) found in the launcher's arguments")
 
 
@@ -103,17 +173,19 @@ def _parse_torchrun_args(args: list[str], cwd: str | None) -> Target:
             i += 2
     if i >= len(args):
         raise TraceError("not_found", "no training script given to torchrun")
-    world = _leading_int(values.get("--nproc-per-node", "1")) * _leading_int(values.get("--nnodes", "1"))
+    per_node = values.get("--nproc-per-node", "1")
+    launched = dict(launcher="torchrun", nnodes=_leading_int(values.get("--nnodes", "1")),
+                    nproc_per_node=None if per_node in ("gpu", "auto") else _leading_int(per_node))
     if as_module:
-        return Target(None, args[i], tuple(args[i + 1:]), distributed=True, world_size=world)
+        return Target(None, args[i], tuple(args[i + 1:]), **launched)
     target = _script_target(args[i], args[i + 1:], cwd, require_python=False)
-    return Target(target.script, None, target.args, distributed=True, world_size=world)
+    return Target(target.script, None, target.args, **launched)
 
 
-def _leading_int(text: str) -> int:
-    """'4' -> 4, '1:4' (elastic min:max nodes) -> 1; 'gpu'/'auto' (count the node's GPUs) -> 1."""
-    match = re.match(r"\d+", text)
-    return max(1, int(match.group())) if match else 1
+def _leading_int(text: str, default: int = 1) -> int:
+    """'4' -> 4, '1:4' (elastic min:max nodes) -> 1, '4(x2)' (Slurm's repeat counts) -> 4; no number: `default`."""
+    match = re.match(r"\d+", text.strip())
+    return max(1, int(match.group())) if match else default
 
 
 def _script_target(program: str, args: list[str], cwd: str | None, require_python: bool = True) -> Target:
