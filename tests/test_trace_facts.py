@@ -200,3 +200,38 @@ def test_a_fault_while_taking_facts_gives_up_without_raising(collector):
     model(torch.randn(2, 16)).sum().backward()
     collector.on_step_begin(optimizer)
     assert collector.result() is None and "AttributeError" in collector.broken
+
+
+def test_a_model_call_that_raises_keeps_the_call_depth(collector):
+    collector, events = collector
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("caught by the program")
+
+    model, fails = mlp(), Fails()
+    try:
+        fails(torch.randn(2, 16))
+    except ValueError:
+        pass
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    facts = by_what(collector)
+    assert only(facts[FACT_STEPPED]).nbytes == MLP_PARAM_BYTES
+    assert only(facts[FACT_MODEL_STATE]).nbytes == MLP_PARAM_BYTES  # the model was a root call: depth back at 0
+
+
+def test_a_stand_in_value_of_a_tensor_off_the_gpu_is_a_fact_no_trace_holds(collector):
+    from xmem.audit import audit
+    from xmem.trace.events import FACT_HOST_STAND_IN, Trace
+
+    collector, events = collector
+    collector.device_type = "cuda"  # as in a trace: CPU tensors are off the GPU
+    collector.on_stand_in(torch.zeros(3, device="meta"), "tensor.tolist()")
+    collector.on_stand_in(torch.zeros(()), "tensor.item()")  # only the first is kept
+    (fact,) = collector.result()
+    assert (fact.what, fact.categories, fact.source) == (FACT_HOST_STAND_IN, (), "tensor.tolist() of a meta "
+                                                                                "tensor of shape (3,)")
+    (reason,) = audit(Trace(facts=[fact]))
+    assert reason.endswith("the traced program may have built another model or batch than the GPU would run")

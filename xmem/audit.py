@@ -63,6 +63,9 @@ def _apply(event: MemEvent, live: dict[int, MemEvent], totals: dict[tuple[int, s
 
 def shortfall(fact: Fact, held: Held) -> str:
     """The reason `held` (the trace's live storages at the fact's point) falls short of `fact`; "" if it does not."""
+    if not fact.categories:
+        return (f"{fact.what} ({fact.source}): the traced program may have built another model or batch than "
+                "the GPU would run")
     count, nbytes = _in_categories(held, fact.device, fact.categories)
     missing_storages = fact.storages and count < fact.storages
     if not missing_storages and nbytes >= fact.nbytes * (1 - BYTES_TOLERANCE):

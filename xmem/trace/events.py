@@ -47,7 +47,8 @@ CUBLAS_OPS = frozenset({
 class Fact:
     """Something the run's own objects say the trace must hold, taken by `xmem.trace.facts` (not from the alloc
     stream): `storages` distinct non-empty CUDA storages (0: not counted) of at least `nbytes` on `device`, live
-    under one of `categories` once the trace's first `at_event` events have happened. `what` names it for the
+    under one of `categories` once the trace's first `at_event` events have happened (no categories: a fact
+    that contradicts any trace, FACT_HOST_STAND_IN). `what` names it for the
     audit's reason (FACT_* below), `source` says where the figure comes from ("param_groups of
     SGD", "AdamW rule: 2 x stepped parameter bytes")."""
 
@@ -67,6 +68,9 @@ FACT_STEPPED = "the parameters the optimizers step"
 FACT_GRADIENTS = "the gradients of the stepped parameters after the first backward"
 FACT_STATE = "the optimizer state after the first step"
 FACT_STATE_BY_RULE = "the optimizer state its kind requires"
+# A fact no trace can hold (no categories): a value the GPU would not hold was made up, so the traced program may
+# not be the one the GPU would run (a model sized from CPU tensor values).
+FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
 
 
 @dataclass(slots=True)

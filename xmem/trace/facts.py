@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from xmem.trace.events import (FACT_BATCH, FACT_GRADIENTS, FACT_MODEL_STATE, FACT_STATE, FACT_STATE_BY_RULE,
-                               FACT_STEPPED, Fact)
+from xmem.trace.events import (FACT_BATCH, FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
+                               FACT_STATE_BY_RULE, FACT_STEPPED, Fact)
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
 # "temporary", one copied from the host "input").
@@ -151,6 +151,8 @@ class FactCollector:
     """Takes the run's facts in the tracing child, through its own global hooks (`install`).
 
     - At the first outermost module call: the CUDA tensors passed to it (the batch).
+    - Whenever the tracer makes up a value of a tensor the GPU would not hold (`on_stand_in`, called by the tracer):
+      the first such value.
     - At each optimizer's first step, before it: the parameters stepped by the optimizers seen so far and their
       gradients, and the first time also the model state (the parameters and buffers of every module tree called
       so far, on the GPU); after it: their state, as the optimizer objects hold it and by each kind's rule.
@@ -190,6 +192,16 @@ class FactCollector:
         return None if self.broken else list(self.facts)
 
     @_never_raising
+    def on_stand_in(self, tensor: torch.Tensor, what: str) -> None:
+        """The tracer made up `what` (e.g. "tensor.item()") for `tensor`, which has no data under fake CUDA. Only
+        a tensor outside the GPU matters here: the GPU would not hold it, so the program computed with a value a
+        real run computes for real, and may have built another model or batch than the one traced."""
+        if tensor.device.type == self.device_type or any(f.what == FACT_HOST_STAND_IN for f in self.facts):
+            return
+        self.facts.append(Fact(FACT_HOST_STAND_IN, (), -1, 1, 0, self.event_count(),
+                               f"{what} of a {tensor.device.type} tensor of shape {tuple(tensor.shape)}"))
+
+    @_never_raising
     def _before_call(self, module: torch.nn.Module, args: Any) -> None:
         depth = getattr(self._calls, "depth", 0)
         if depth == 0:
@@ -199,7 +211,9 @@ class FactCollector:
         self._calls.depth = depth + 1
 
     @_never_raising
-    def _after_call(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _after_call(self, module: torch.nn.Module, args: Any, *kwargs_and_output: Any) -> None:
+        # (kwargs, output) after a forward; (output,) only when the forward raised (torch's always_call path)
+        kwargs = kwargs_and_output[0] if len(kwargs_and_output) == 2 else {}
         self._calls.depth = depth = getattr(self._calls, "depth", 1) - 1
         if depth == 0 and self._batch_at is not None and not any(f.what == FACT_BATCH for f in self.facts):
             # the call's inputs were alive when it began: the fact holds at that point
