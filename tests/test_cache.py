@@ -1,6 +1,7 @@
 """The analysis cache: what changes the key, atomic store, eviction, and the estimate slots."""
 
 import os
+import pwd
 import threading
 
 import pytest
@@ -116,12 +117,12 @@ def test_slots_cap_concurrent_estimates(tmp_path):
         assert again == 0
 
 
-def test_slots_can_be_locked_through_a_read_only_file(tmp_path):
-    """Slot files belong to whichever user made them first; others can still lock them."""
+def test_slots_live_in_a_private_per_user_subdirectory_of_the_shared_one(tmp_path):
+    """The shared directory is sticky and world-writable like /tmp; each user's slot files are in a 0700
+    subdirectory of their own (tests/test_cache_security.py: other users can neither hold nor squat them)."""
     slots = tmp_path / "slots"
     with estimate_slot(slots, 1, wait_s=0):
         pass
-    (slots / "slot-0.lock").chmod(0o444)
-    with estimate_slot(slots, 1, wait_s=0) as slot:
-        assert slot == 0
     assert (slots.stat().st_mode & 0o7777) == 0o1777
+    mine = slots / pwd.getpwuid(os.geteuid()).pw_name
+    assert (mine.stat().st_mode & 0o777) == 0o700 and (mine / "slot-0.lock").is_file()

@@ -115,7 +115,8 @@ def test_exit_code_from_slurm_variables():
 
 def test_epilog_record_from_comment_and_measure_file(tmp_path):
     (tmp_path / "xmem-measure-42.json").write_text(json.dumps({"peak_bytes": 6 * GIB}))
-    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_USER": "ann", "SLURM_JOB_COMMENT": "x " + STAMP.comment(),
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_USER": "ann", "SLURM_JOB_UID": str(os.getuid()),  # the file's owner
+           "SLURM_JOB_COMMENT": "x " + STAMP.comment(),
            "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_GPUS": "0"}
     record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None, now=lambda: 5.0)
     assert record.to_json() == {"job_id": "42", "user": "ann", "gpu_type": "a100", "gres": "mps:40",

@@ -44,7 +44,8 @@ def test_prolog_never_fails_the_task(tmp_path):
 def test_epilog_appends_the_record(tmp_path):
     store = tmp_path / "records.jsonl"
     (tmp_path / "xmem-measure-77.json").write_text(json.dumps({"peak_bytes": 4 * GIB}))
-    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_USER": "ann", "SLURM_JOB_COMMENT": STAMP.comment(),
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_USER": "ann", "SLURM_JOB_UID": str(os.getuid()),
+           "SLURM_JOB_COMMENT": STAMP.comment(),
            "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_GPUS": "0"}
     done = run("epilog", "--store", str(store), "--measure-dir", str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr

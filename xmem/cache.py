@@ -1,9 +1,10 @@
 """The on-disk cache of job analyses, so that resubmitting an unchanged job costs a file read, not an estimate.
 
 Owns the cache key (what makes two submissions "the same job" for the estimator) and the store: one JSON file
-per key in a directory, written atomically (temporary file + rename), safe for concurrent sbatch processes,
-bounded in entries by evicting the least recently used. Also owns the slot lock that caps how many estimates
-run at once on a login node. It does not know what an analysis contains: values are plain JSON objects.
+per key in a directory of the user's own (xmem.userfiles), written atomically (temporary file + rename), safe for
+concurrent sbatch processes, bounded in entries by evicting the least recently used. Also owns the per-user slot
+lock that caps how many estimates run at once on a login node. It does not know what an analysis contains:
+values are plain JSON objects, checked on read by the caller's `validate`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+
+from xmem.userfiles import open_own, private_dir, user_dir
 
 DEFAULT_MAX_ENTRIES = 500
 KEY_VERSION = "1"  # bump when the meaning of a cached value changes
@@ -123,43 +126,74 @@ def cache_key(
     return hashlib.sha256(blob).hexdigest()
 
 
+HOME_CACHE_DIR = "~/.cache/xmem-slurm"
+MAX_ENTRY_BYTES = 1 << 20  # a cached analysis is a few KiB; anything far larger is not one of ours
+
+
+def user_cache_dir(cache_dir: str | os.PathLike[str]) -> Path:
+    """This user's private part of the site's `cache_dir`: the directory itself when it is theirs alone, its
+    `<user>` subdirectory when it is shared (a site's sticky 1777 directory); when another user owns or squats it,
+    the user's own ~/.cache/xmem-slurm. If none can be had, the configured path stands and writes fail softly."""
+    return user_dir(cache_dir) or user_dir(HOME_CACHE_DIR) or Path(os.path.expanduser(str(cache_dir)))
+
+
 class AnalysisCache:
     """JSON values by key, one file each under `directory`; at most `max_entries` kept (least recently used go).
 
-    Readers never see a half-written file (writes go to a temporary file renamed into place); a corrupt or
-    vanished entry reads as a miss. Two processes writing the same key both write the same value, so the
-    last rename winning is harmless.
+    Readers never see a half-written file (writes go to a temporary file renamed into place); a corrupt, vanished
+    or foreign entry (not the user's own file, writable by others, a symlink, too large, or refused by `validate`)
+    reads as a miss, so it is computed again. A write that fails costs the cache entry, never the caller's value:
+    a one-line notice goes to stderr. Two processes writing the same key both write the same value, so the last
+    rename winning is harmless.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_entries: int = DEFAULT_MAX_ENTRIES,
+                 validate: Callable[[dict], bool] | None = None) -> None:
         self.directory = Path(os.path.expanduser(str(directory)))
         self.max_entries = max_entries
+        self.validate = validate
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
     def get(self, key: str) -> dict | None:
         path = self._path(key)
+        fd = open_own(path)
+        if fd is None:
+            return None
         try:
-            value = json.loads(path.read_text())
+            with os.fdopen(fd, "rb") as f:
+                blob = f.read(MAX_ENTRY_BYTES + 1)
+            value = json.loads(blob) if len(blob) <= MAX_ENTRY_BYTES else None
         except (OSError, ValueError):
+            return None
+        if not isinstance(value, dict) or (self.validate is not None and not self.validate(value)):
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # mark as recently used, for eviction
-        return value if isinstance(value, dict) else None
+        return value
 
-    def put(self, key: str, value: Mapping[str, object]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".json")
+    def put(self, key: str, value: Mapping[str, object]) -> bool:
+        """Store `value`; False (with a notice on stderr) when it could not be written."""
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(value, f)
+            blob = json.dumps(value).encode()
+        except (TypeError, ValueError) as e:
+            return _not_cached(self.directory, f"not JSON: {e}")
+        if not private_dir(self.directory):
+            return _not_cached(self.directory, "not a directory of this user's that only they can write")
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
             os.replace(tmp, self._path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        except OSError as e:
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            return _not_cached(self.directory, e.strerror or str(e))
         self._evict()
+        return True
 
     def _evict(self) -> None:
         entries = []
@@ -172,26 +206,34 @@ class AnalysisCache:
                 path.unlink()
 
 
+def _not_cached(directory: Path, why: str) -> bool:
+    print(f"xmem-slurm: estimate not cached in {directory} ({why}); it is used all the same", file=sys.stderr)
+    return False
+
+
 class NoSlotFree(Exception):
     """All estimate slots stayed busy for the whole wait."""
 
 
+# Each user's slots live in their own subdirectory of this sticky directory (made 1777 by the site install, or by
+# the first user), else in their home cache: another user can neither hold nor squat them.
 SHARED_SLOTS_DIR = os.path.join(tempfile.gettempdir(), "xmem-slurm-slots")
 
 
 @contextlib.contextmanager
 def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s: float) -> Iterator[int]:
-    """Hold one of `max_concurrent` slots (flock'ed files in `directory`) while an estimate runs, so a burst of
-    submissions does not start more estimates than the login node can take. The directory is shared by all
-    users (sticky, world-writable, like /tmp): a lock needs only read access, so whoever created a slot file,
-    everyone can lock it. Waits up to `wait_s` for a slot, then raises NoSlotFree. A slot is released when its
-    holder exits, however it exits."""
-    slots = Path(os.path.expanduser(str(directory)))
-    _shared_dir(slots)
+    """Hold one of this user's `max_concurrent` slots (flock'ed files in their private slot directory under
+    `directory`) while an estimate runs, so that a burst of submissions does not start more estimates than the
+    login node can take. Slots are per user: a lock file anyone can open is one anyone can hold, blocking everyone.
+    Waits up to `wait_s` for a slot, then raises NoSlotFree. A slot is released when its holder exits, however it
+    exits."""
+    slots = slot_dir(directory)
     deadline = time.monotonic() + wait_s
     while True:
         for i in range(max(1, max_concurrent)):
-            fd = os.open(slots / f"slot-{i}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = open_own(slots / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            if fd is None:
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -204,13 +246,16 @@ def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s
                 os.close(fd)
             return
         if time.monotonic() >= deadline:
-            raise NoSlotFree(f"{max_concurrent} estimates already running on this host")
+            raise NoSlotFree(f"{max_concurrent} of your estimates already running on this host")
         time.sleep(0.2)
 
 
-def _shared_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, mode=0o1777)
-        os.chmod(path, 0o1777)  # mkdir's mode is masked by the umask
-    except FileExistsError:
-        pass
+def slot_dir(directory: str | os.PathLike[str]) -> Path:
+    """This user's slot directory: `<directory>/<user>`, else (the shared directory is someone else's, or the
+    name is squatted) their home cache's `slots`, else a fresh private one (no cap then, but never a block)."""
+    shared = Path(os.path.expanduser(str(directory)))
+    if not shared.exists():
+        with contextlib.suppress(OSError):
+            shared.mkdir(parents=True, mode=0o1777)
+            os.chmod(shared, 0o1777)  # mkdir's mode is masked by the umask
+    return user_dir(shared) or user_dir(Path(HOME_CACHE_DIR) / "slots") or Path(tempfile.mkdtemp(prefix="xmem-slots-"))

@@ -1,7 +1,8 @@
 """The native fake-CUDA shim: find torch without importing it, build the right shim with g++, load it.
 
-Owns the C++ sources' build and cache (`$XDG_CACHE_HOME/xmem-slurm/native/`, else `~/.cache/...`), keyed by torch
-version, build kind and source hash. Must never import torch: the shim has to be loaded before torch is.
+Owns the C++ sources' build and cache (`$XDG_CACHE_HOME/xmem-slurm/native/`, else `~/.cache/...`, else a private
+directory under the temporary one), keyed by torch version, build kind and source hash, and the rule that only a
+library this user built is loaded. Must never import torch: the shim has to be loaded before torch is.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from xmem.userfiles import open_own, private_dir
 
 NATIVE_DIR = Path(__file__).with_name("native")
 SOURCES = {"cuda": NATIVE_DIR / "cuda_build_hooks.cpp", "cpu": NATIVE_DIR / "cpu_build_shim.cpp"}
@@ -64,23 +67,49 @@ def shim_path(torch: TorchInstall) -> Path:
 
 
 def build_shim(torch: TorchInstall) -> Path:
-    """Compile the shim unless cached. Concurrent builders each write a private file and rename it in place."""
+    """The shim for `torch`, compiled unless cached. Only a file this user owns, in a directory of theirs that
+    no one else can write, is ever reused: another user could otherwise plant a library that runs as the victim
+    (the shared temporary directory). Concurrent builders each write a private file and rename it in place."""
     target = shim_path(torch)
-    if target.exists():
-        return target
+    _compiler()  # fail early with the actionable message, even when a cached file exists elsewhere
+    for directory in (target.parent, Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}"):
+        if not private_dir(directory):
+            continue
+        path = directory / target.name
+        if _own_file(path):
+            return path
+        if _writable(directory):
+            return _compile(torch, path)
+    # No private place to keep it (a read-only home, another user squatting the temporary name): build afresh.
+    return _compile(torch, Path(tempfile.mkdtemp(prefix="xmem-slurm-native-")) / target.name)
+
+
+def _compiler() -> str:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise ShimError("g++ not found: the fake-CUDA tracer compiles a small C++ shim once "
                         "(install it, e.g. `apt-get install g++`, or set CXX)")
+    return compiler
+
+
+def _own_file(path: Path) -> bool:
+    fd = open_own(path)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def _writable(directory: Path) -> bool:
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=target.parent)
-        probe.close()
-    except OSError:  # read-only home: build per user in the temporary directory instead
-        target = Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}" / target.name
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=directory).close()
+    except OSError:  # a read-only home
+        return False
+    return True
+
+
+def _compile(torch: TorchInstall, target: Path) -> Path:
+    compiler = _compiler()
     libs = ["-lc10", "-ltorch_cpu"] + (["-ltorch_cuda"] if torch.build == "cuda" else [])
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -91,6 +120,7 @@ def build_shim(torch: TorchInstall) -> Path:
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or ["no error text"]
             raise ShimError(f"building the fake-CUDA shim with {compiler} failed: {errors[0].strip()}")
+        os.chmod(tmp, 0o755)  # the linker keeps mkstemp's 0600 or applies the umask: state the mode once
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -99,8 +129,16 @@ def build_shim(torch: TorchInstall) -> Path:
 
 
 def load_shim() -> ctypes.CDLL:
-    """Build if needed and load the shim globally. Call before `import torch`."""
+    """Build if needed and load the shim globally. Call before `import torch`. The file is opened once, checked
+    through its descriptor and loaded through that same descriptor, so it cannot be swapped after the check."""
     import sys
     if "torch" in sys.modules:
         raise ShimError("the fake-CUDA shim must be loaded before torch is imported")
-    return ctypes.CDLL(str(build_shim(find_torch())), mode=ctypes.RTLD_GLOBAL)
+    path = build_shim(find_torch())
+    fd = open_own(path)
+    if fd is None:
+        raise ShimError(f"refusing to load {path}: it is not a file of this user's that only they can write")
+    try:
+        return ctypes.CDLL(f"/proc/self/fd/{fd}", mode=ctypes.RTLD_GLOBAL)
+    finally:
+        os.close(fd)
