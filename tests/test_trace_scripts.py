@@ -138,11 +138,11 @@ def attention_ops(result):
 
 
 @pytest.mark.parametrize("python", PYTHONS)
-def test_sdpa_fp16_on_hopper_uses_flash(python):
-    result = trace(python, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(9, 0))
+def test_sdpa_fp16_on_ampere_uses_flash(python):
+    result = trace(python, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(8, 0))
     assert attention_ops(result) == {"_scaled_dot_product_flash_attention": 2,
                                      "_scaled_dot_product_flash_attention_backward": 2}
-    assert result.arch_sensitive  # a V100 would have chosen differently
+    assert result.arch_sensitive  # a V100 (efficient) or an H100 (cuDNN attention first) would choose differently
 
 
 def test_sdpa_fp32_uses_memory_efficient_everywhere(python=sys.executable):  # this build only: keeps the suite short
@@ -232,7 +232,7 @@ def test_checkpoint_recomputation_takes_the_same_attention_backend(python):
     # else torch.utils.checkpoint raises (a different number of saved tensors)
     result = trace(python, "tiny_llama_checkpointing.py", iterations=2)
     assert result.iterations == 2
-    fused = {name: n for name, n in attention_ops(result).items() if "efficient" in name or "flash" in name}
+    fused = {name: n for name, n in attention_ops(result).items() if "_scaled_dot_product_" in name}
     forward = sum(n for name, n in fused.items() if not name.endswith("backward"))
     backward = sum(n for name, n in fused.items() if name.endswith("backward"))
     assert backward == 2 * 2 and forward == 2 * backward  # 2 layers x 2 iterations; forward + recompute
