@@ -139,3 +139,13 @@ def test_estimate_shows_the_program_the_gpus_per_node_and_the_gpu_type(tmp_path)
     result = estimate([sys.executable, str(script)], gpus=[a100.name], iterations=2, cwd=str(tmp_path),
                       gpus_per_node=4)
     assert result.used_cuda and result.iterations == 2
+
+
+def test_a_batch_script_torchrun_gives_the_estimated_rank_its_world():
+    job = parse_jobscript("#!/bin/bash\n#SBATCH --nodes=2 --gres=gpu:4\n"
+                          "torchrun --nnodes 2 --nproc_per_node gpu train.py\n", env={})
+    [command] = job.commands
+    assert command.argv == ("python", "train.py")
+    assert (command.env["RANK"], command.env["WORLD_SIZE"], command.env["LOCAL_WORLD_SIZE"]) == ("0", "8", "4")
+    accelerate = parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:1\naccelerate launch train.py\n", env={})
+    assert "RANK" not in accelerate.commands[0].env  # one process: a plain python run

@@ -2,7 +2,8 @@
 
 Owns launcher handling (`python [opts]`, `python -m torch.distributed.run`, `torchrun`, `accelerate launch`,
 `deepspeed`, a `.py` file, an executable with a python shebang) and the machine the program is shown: how many GPUs
-its node has (`gpus_per_node`) and the environment its launcher gives rank 0 (`launcher_env`). Rank 0 is the one
+its node has (`gpus_per_node`) and the environment its launcher gives rank 0 (`launcher_variables`, used by the
+batch-script reader too, and `launcher_env`). Rank 0 is the one
 estimated, in the world the launcher would make, so that FSDP/ZeRO shard by the real world size. Pure apart from
 reading the first bytes of files to tell Python from other programs.
 """
@@ -23,10 +24,11 @@ _DISTRIBUTED_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
 _TORCHRUN_FLAGS = {"--standalone", "--module", "-m", "--run-path", "--run_path", "--use-env", "--use_env"}
 
 
-# What torchrun gives every rank besides its numbers (torch/distributed/elastic/agent/server/api.py); a launcher
-# that starts one process per GPU with none of these (accelerate launch with one process) is a plain `python`.
-_ELASTIC_DEFAULTS = {"ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                     "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+# What torchrun's elastic agent gives rank 0 besides the world's sizes (torch/distributed/elastic/agent/server/
+# api.py); `accelerate launch` and `deepspeed` start their ranks through the same agent.
+_RANK_ZERO = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
+              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+_RENDEZVOUS = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # the job's own, where it sets them
 _ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mixed-precision":
                         "ACCELERATE_MIXED_PRECISION"}  # what `accelerate launch` hands the script's Accelerator
 
@@ -78,21 +80,29 @@ def gpus_per_node(target: Target, env: Mapping[str, str], requested: int | None 
     return 1
 
 
-def launcher_env(target: Target, env: Mapping[str, str], gpus: int) -> dict[str, str]:
-    """The variables the launcher puts in rank 0's environment (torchrun's names; `accelerate launch` and
-    `deepspeed` start their ranks through the same elastic agent), over `env`; CUDA_VISIBLE_DEVICES lists the
-    node's `gpus` as Slurm numbers them for a job."""
-    child = {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)), **dict(target.settings)}
+def launcher_variables(target: Target, gpus: int) -> dict[str, str]:
+    """What the launcher sets in rank 0's environment on a node of `gpus`: its settings and, when it starts its
+    processes through the elastic agent, their ranks and the world's sizes (a run of `accelerate launch` with one
+    process is a plain `python`)."""
+    variables = dict(target.settings)
     local, world = target.local_world_size(gpus), target.world_size(gpus)
-    if not target.distributed or world == 1 and target.launcher == "accelerate":  # its one process: plain python
-        return child
-    child.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", ROLE_RANK="0", WORLD_SIZE=str(world),
-                 ROLE_WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local), GROUP_WORLD_SIZE=str(target.nnodes))
-    for name, value in _ELASTIC_DEFAULTS.items():
-        child.setdefault(name, value)
-    if local > 1:
-        child.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes per node
-    return child
+    if not target.distributed or world == 1 and target.launcher == "accelerate":
+        return variables
+    variables.update(_RANK_ZERO, WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local),
+                     GROUP_WORLD_SIZE=str(target.nnodes))
+    return variables
+
+
+def launcher_env(target: Target, env: Mapping[str, str], gpus: int) -> dict[str, str]:
+    """Rank 0's environment: `env` with the launcher's variables; CUDA_VISIBLE_DEVICES lists the node's `gpus` as
+    Slurm numbers them for a job. The job's own rendezvous address and thread count stay."""
+    variables = launcher_variables(target, gpus)
+    if "RANK" in variables:
+        variables = {**_RENDEZVOUS, **variables}
+        if target.local_world_size(gpus) > 1:
+            variables["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes per node
+    kept = {name: env[name] for name in ("OMP_NUM_THREADS", *_RENDEZVOUS) if name in env}
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)), **variables, **kept}
 
 
 def parse_command(command: list[str], cwd: str | None = None) -> Target:
