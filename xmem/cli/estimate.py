@@ -2,8 +2,8 @@
 
 Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, and the exit
 codes (0 ok, 1 internal, 2 bad option or GPU name, 3 command not found, 4 not a Python program, 5 the user's code
-raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU). The work itself is
-`xmem.estimate.estimate`.
+raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU, 10 over the trace's
+host-memory limit). The work itself is `xmem.estimate.estimate`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from xmem.trace import TraceError
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                    "no_cuda": 9, "internal": EXIT_INTERNAL}
+                    "no_cuda": 9, "memory_limit": 10, "internal": EXIT_INTERNAL}
 GIB = 1 << 30
 MIB = 1 << 20
 # How the breakdown names its non-tensor parts for people.
@@ -88,7 +88,8 @@ def estimate_command(
     except (ConfigError, CatalogError, BadJobSettingError) as e:
         _fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except TraceError as e:
-        _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback)
+        _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
+              e.last_lines())
     except Exception as e:  # noqa: BLE001 - anything else is our bug: say so in one line, keep the exit code
         _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
 
@@ -137,13 +138,17 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / MIB:.1f} MiB"
 
 
-def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "") -> NoReturn:
+def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "") -> NoReturn:
     line = " ".join(message.split()) or kind
+    if printed:  # what the program printed last, often the reason: beside its traceback
+        rows = "".join(f"  | {row}\n" for row in printed.splitlines())
+        sys.stderr.write(f"the program's last output lines:\n{rows}")
     if traceback:
         sys.stderr.write(traceback if traceback.endswith("\n") else traceback + "\n")
     sys.stderr.write(f"xmem-slurm estimate: {line}\n")  # not through rich: it would wrap the one line
     if as_json:
-        payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None}
+        payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None,
+                                   "output": printed or None}
         sys.stdout.write(json.dumps(payload) + "\n")
         sys.stdout.flush()
     raise typer.Exit(code)
