@@ -3,9 +3,13 @@ capability, torch release, cuDNN, dtype, mask, grouped-query heads, head dim and
 whether another GPU generation would pick differently (the trace's arch_sensitive). Each expectation is derived by
 hand from upstream's gates, named in the comments."""
 
+import sys
+
 import pytest
 import torch
 
+from torch_builds import PYTHONS, SCRIPTS
+from xmem.trace import run_trace
 from xmem.trace.attention import (CUDNN, EFFICIENT, FLASH, MATH, Call, Mask, Runtime, choose_attention_backend,
                                   minimum_gemm_alignment, select_backend)
 
@@ -179,3 +183,64 @@ def test_unbatched_inputs_get_a_batch_of_one_from_2_14():
     call = Call(q=(8, 128, 64), k=(8, 128, 64), v=(8, 128, 64), dtype=torch.bfloat16, needs_grad=True)
     assert pick(call) == CUDNN
     assert pick(call, runtime=TORCH_2_13) == MATH  # 3-D: every fused kernel wants 4-D
+
+
+# ---- each backend's memory, forward and backward, on fake CUDA (tests/scripts/sdpa_backends.py) -----------------
+# q (B, H, T, D) = (2, 8, 64, 32) bf16: 65,536 bytes; k and v (2, 2, 64, 32): 16,384 bytes each (GQA, 4 q per kv head)
+Q_BYTES, KV_BYTES, LSE_BYTES = 2 * 8 * 64 * 32 * 2, 2 * 2 * 64 * 32 * 2, 2 * 8 * 64 * 4  # lse/stats: fp32 (B, H, T)
+
+
+def trace_backend(python, backend, *args):
+    script = SCRIPTS / "sdpa_backends.py"
+    return run_trace(["python", str(script), "--backend", backend, *args], python=python, iterations=1)
+
+
+def op_allocs(trace, op):
+    return [e.nbytes for e in trace.events if e.action == "alloc" and e.op == op and e.iteration <= 0]
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_cudnn_attention_keeps_output_and_softmax_stats_and_returns_three_gradients(python):
+    result = trace_backend(python, "cudnn")
+    # output, softmax stats (B, H, T, 1) fp32, philox seed and offset (int64 scalars on the GPU)
+    assert op_allocs(result, "_scaled_dot_product_cudnn_attention") == [Q_BYTES, LSE_BYTES, 8, 8]
+    # dq, dk, dv with k/v's own (grouped) head count: no repeated keys or values
+    assert op_allocs(result, "_scaled_dot_product_cudnn_attention_backward") == [Q_BYTES, KV_BYTES, KV_BYTES]
+    assert "_safe_softmax" not in result.op_counts
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_flash_attention_keeps_output_logsumexp_and_rng_state(python):
+    result = trace_backend(python, "flash")
+    # output, logsumexp (B, H, T) fp32, rng state (2 x uint64) and offset, an empty debug mask
+    assert op_allocs(result, "_scaled_dot_product_flash_attention") == [Q_BYTES, LSE_BYTES, 16, 8, 0]
+    assert op_allocs(result, "_scaled_dot_product_flash_attention_backward") == [Q_BYTES, KV_BYTES, KV_BYTES]
+
+
+def test_memory_efficient_logsumexp_is_padded_to_32_queries():
+    result = trace_backend(sys.executable, "efficient", "--shape", "2", "8", "2", "48", "32")
+    q, kv = 2 * 8 * 48 * 32 * 2, 2 * 2 * 48 * 32 * 2
+    # logsumexp (B, H, ceil(48 / 32) * 32) fp32: 64 rows, not 48
+    assert op_allocs(result, "_scaled_dot_product_efficient_attention") == [q, 2 * 8 * 64 * 4, 8, 8]
+    assert op_allocs(result, "_scaled_dot_product_efficient_attention_backward") == [q, kv, kv]
+
+
+def test_efficient_attention_takes_a_boolean_mask_as_an_additive_bias():
+    result = trace_backend(sys.executable, "efficient", "--mask")
+    assert result.op_counts["_scaled_dot_product_efficient_attention"] == 1
+    # the (2, 1, 64, 64) bool mask becomes a bf16 bias of -inf where False (convert_boolean_attn_mask)
+    assert 2 * 64 * 64 * 2 in op_allocs(result, "zeros_like")
+
+
+def test_math_attention_repeats_keys_and_values_and_keeps_the_scores():
+    result = trace_backend(sys.executable, "math")
+    assert not [op for op in result.op_counts if op.startswith("_scaled_dot_product")]
+    # computed in fp32: k and v repeated to 8 heads (2, 8, 64, 32) and the (2, 8, 64, 64) scores and softmax
+    forward = [(e.op, e.nbytes) for e in result.events if e.action == "alloc" and e.iteration < 0]
+    assert forward.count(("clone", 2 * 8 * 64 * 32 * 4)) == 2
+    assert ("bmm", 2 * 8 * 64 * 64 * 4) in forward and ("_safe_softmax", 2 * 8 * 64 * 64 * 4) in forward
+
+
+def test_unrestricted_gqa_call_on_hopper_takes_cudnn_and_is_arch_sensitive():
+    result = trace_backend(sys.executable, "any")
+    assert result.op_counts.get("_scaled_dot_product_cudnn_attention") == 1 and result.arch_sensitive
