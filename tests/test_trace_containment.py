@@ -18,6 +18,7 @@ import pytest
 
 from test_trace_interrupt import processes_running, wait_for
 from torch_builds import SCRIPTS
+from xmem.config import ConfigError, config_from_dict, load_site_config
 from xmem.trace import TraceError, run_trace, sandbox
 from xmem.trace.runner import SCRATCH_PREFIX, remove_stale_scratch
 
@@ -95,11 +96,17 @@ def test_a_program_that_ends_its_own_process_reads_as_what_happened(how, kind, w
     assert f"ending with {how}" in error.last_lines()
 
 
-def test_host_memory_limit_is_its_own_error():
-    with pytest.raises(TraceError) as caught:
-        run_trace(["python", MISBEHAVES, "--how", "hold", "3"], memory_limit_bytes=int(1.5 * (1 << 30)))
-    assert caught.value.kind == "memory_limit"
-    assert "more host memory than the trace may use (1.5 GiB: estimate.memory_limit_gib" in caught.value.message
+def test_host_memory_limit_from_the_site_config_is_its_own_error(tmp_path):
+    site = tmp_path / "xmem.toml"
+    site.write_text("[estimate]\nmemory_limit_gib = 1.5\n")
+    assert load_site_config(site).estimate.memory_limit_bytes == int(1.5 * (1 << 30))
+    assert config_from_dict({}).estimate.memory_limit_bytes == 8 << 30  # the safe default
+    with pytest.raises(ConfigError, match="estimate.memory_limit_gib"):
+        config_from_dict({"estimate": {"memory_limit_gib": -1}})
+    run = subprocess.run([sys.executable, "-m", "xmem.cli", "estimate", "--config", str(site), "--",
+                          "python", MISBEHAVES, "--how", "hold", "3"], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 10, run.stderr
+    assert "more host memory than the trace may use (1.5 GiB: estimate.memory_limit_gib" in run.stderr
 
 
 def test_failed_estimate_shows_what_the_program_printed(tmp_path):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xmem.audit import audit
+from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate
@@ -137,11 +138,13 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              timeout: float | None = None, python: str | None = None,
              catalog_overrides: Mapping[str, Any] | None = None,
              on_progress: Callable[[str], None] | None = None,
-             catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None) -> Estimate:
+             catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None,
+             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
     fresh load). `gpus_per_node`: the GPUs the job's node shows the program (default: as `run_trace` finds them).
+    `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`).
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
     """
@@ -150,7 +153,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     targets = resolve_gpus(gpus, catalog)
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
                                         timeout=timeout, python=python, on_progress=on_progress,
-                                        gpus_per_node=gpus_per_node)
+                                        gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes)
     first = next(iter(traces.values()))
     if not first.used_cuda:
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
@@ -206,7 +209,8 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
                                env: Mapping[str, str] | None, cwd: str | os.PathLike | None,
                                timeout: float | None, python: str | None,
                                on_progress: Callable[[str], None] | None,
-                               gpus_per_node: int | None = None) -> dict[str, Trace]:
+                               gpus_per_node: int | None = None,
+                               memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES) -> dict[str, Trace]:
     """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
 
     Each class is traced as its GPU of highest capability among `targets` (its name and memory are what the
@@ -223,7 +227,8 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
         shown = {**(os.environ if env is None else env), "XMEM_FAKE_GPU_NAME": device_name(gpu),
                  "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
         return run_trace(list(command), iterations=iterations, capability=gpu.capability, env=shown, cwd=cwd,
-                         timeout=timeout, python=python, on_progress=on_progress, device_count=gpus_per_node)
+                         timeout=timeout, python=python, on_progress=on_progress, device_count=gpus_per_node,
+                         memory_limit_bytes=memory_limit_bytes)
 
     first = trace(representative[order[0]])
     traces = {order[0]: first}

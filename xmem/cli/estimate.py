@@ -66,15 +66,16 @@ def estimate_command(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
-                                         help="Site config whose \\[catalog] section applies (default: $XMEM_CONFIG, "
+                                         help="Site config whose \\[catalog] and limits apply (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
     err = Console(stderr=True)
     try:
-        overrides = load_site_config(config).catalog_overrides or None
-        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, catalog_overrides=overrides,
-                        gpus_per_node=gpus_per_node)
+        site = load_site_config(config)
+        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python,
+                        catalog_overrides=site.catalog_overrides or None, gpus_per_node=gpus_per_node,
+                        memory_limit_bytes=site.estimate.memory_limit_bytes)
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with _stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
