@@ -139,6 +139,9 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
             table.add_row(str(line_no), f"--{option}", escape(value) if value is not None else "")
         console.print(table)
     console.print("GPU request: " + (", ".join(str(i) for i in request.gpu_items) or "none"))
+    if job.het_line:
+        console.print(f"[yellow]heterogeneous job[/] (#SBATCH hetjob, line {job.het_line}): sbatch through xmem "
+                      "leaves it unchanged; what follows reads its components as one job")
     for command in job.commands:
         extra = [f"cwd {command.cwd}"] if command.cwd else []
         extra += [f"python {command.python}"] if command.python else []
@@ -183,7 +186,10 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
         total = gres_capacity(gpu_type, site.mig.parent_of(gpu_type), catalog)
         needed = site.margin.needed(peak)
         style = "" if total is None or needed <= total else "[red]"
-        table.add_row(gpu_type, _gib(peak), f"{style}{_gib(needed)}", _gib(total) if total else "?")
+        # job_peak: a replay that ran out of memory needs more than the GPU, whatever it reached before
+        whole = gres_capacity(site.mig.parent_of(gpu_type) or gpu_type, None, catalog)
+        shown = "[red]out of memory[/]" if whole and peak > whole else _gib(peak)
+        table.add_row(gpu_type, shown, f"{style}{_gib(needed)}", _gib(total) if total else "?")
     console.print(table)
 
 

@@ -11,6 +11,12 @@ GPU request can be retyped within the gpu GRES only by clearing it first (`TresP
 count can be changed, but a gpu request cannot become mps (refused even after clearing), so a refused update
 restores the original request and the job keeps it. `afternotok` fires when the estimation job fails, times out
 or is cancelled, which is what starts the watchdog (`rescue`); a successful estimate cancels the watchdog.
+
+What must never happen: a job left held for xmem (every step ends in release or, fail-closed, cancel, also when
+the site config turned invalid meanwhile: the failure mode in force at submission stands in), a job released
+without the GPU request it had (a retype is read back; a request that cannot be restored keeps the job held
+with the fix in its comment), xmem's own jobs shaped by the user's SBATCH_* variables, or a spool left behind
+(each run removes its own; one whose sbatch failed is swept by the next deferral).
 """
 
 from __future__ import annotations
@@ -20,34 +26,64 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from xmem.cache import user_cache_dir
 from xmem.slurm.filter import (FilterReply, FilterRequest, analysis_cache, cached_analysis, command_files,
-                               config_digest, estimate_slots, failure_reply, parse_job, reply_for, user_request)
+                               comment_word, config_digest, estimate_slots, failure_reply, parse_job, reply_for,
+                               user_request)
 from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment, comment_fields, scontrol_show_job
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
+# Variables sbatch reads as options: the user's (SBATCH_GRES=gpu:2) must not shape xmem's own CPU jobs.
+SBATCH_INPUT_PREFIX = "SBATCH_"
+# A spool never queued (sbatch failed after the filter deferred: post-submit never ran) is swept after this.
+UNQUEUED_SPOOL_MAX_AGE_S = 3600
+# `submit`'s exit when it could not queue but has released (or cancelled) the job itself: cli_filter.lua
+# then has nothing left to do.
+EXIT_HANDLED = 2
+# sbatch puts --export's value into its own environment (SLURM_EXPORT_ENV) before post-submit; one variable
+# longer than the kernel's MAX_ARG_STRLEN (32 pages) makes every program post-submit starts fail to exec, so
+# such a job could be held and never released. It is not deferred.
+MAX_ARG_STRLEN = 32 * 4096
+EXPORT_ENV = "SLURM_EXPORT_ENV"
+
+
+class RequestLost(RuntimeError):
+    """Slurm refused the new GPU request and putting the old one back: the job must not run so."""
 
 
 def spool_root(config: Any) -> Path:
     """Per user, under the cache directory (the user's home: visible from the CPU partition's nodes)."""
-    return Path(os.path.expanduser(config.estimate.cache_dir)) / "spool"
+    return user_cache_dir(config.estimate.cache_dir) / "spool"
 
 
 # --- in the filter: snapshot and defer ------------------------------------------------------------------------
+
+def cannot_defer(request: FilterRequest) -> str | None:
+    """Why this submission cannot be deferred (post-submit could not start the estimation job), or None."""
+    size = len(f"{EXPORT_ENV}={request.options.get('export') or ''}".encode()) + 1
+    if size > MAX_ARG_STRLEN:
+        return (f"its --export value is {size // 1024} KiB, more than sbatch can hand on to the estimation job "
+                f"({MAX_ARG_STRLEN // 1024} KiB): pass the variables in the environment instead")
+    return None
+
 
 def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply, str]:
     """Snapshot the submission and answer sbatch: hold the job, mark it pending. Returns the reply and the token
     the Lua side hands to post-submit (`submit`)."""
     token = uuid.uuid4().hex
+    _sweep_unqueued(spool_root(config))
     spool = spool_root(config) / token
     spool.mkdir(parents=True, mode=0o700)
     shutil.copyfile(script, spool / "job.sh")  # the user may edit the file right after sbatch
@@ -63,7 +99,31 @@ def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply
 
 
 def _plain(text: str) -> str:
-    return re.sub(r"[,;\s\"'\\]+", "+", text)
+    return comment_word(text)
+
+
+def _sweep_unqueued(root: Path) -> None:
+    """Remove spools whose job was never queued (no jobs.json, older than UNQUEUED_SPOOL_MAX_AGE_S): sbatch
+    refused the job after the filter had deferred it."""
+    if not root.is_dir():
+        return
+    cutoff = time.time() - UNQUEUED_SPOOL_MAX_AGE_S
+    for spool in root.iterdir():
+        try:
+            if not spool.is_symlink() and spool.is_dir() and not (spool / "jobs.json").exists() \
+                    and spool.stat().st_mtime < cutoff:
+                shutil.rmtree(spool)
+        except OSError:
+            continue  # vanished meanwhile, or not ours to clean
+
+
+def remove_spool(spool: Path) -> None:
+    shutil.rmtree(spool, ignore_errors=True)
+
+
+def own_sbatch_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for xmem's own sbatch calls: the user's sbatch input variables left out."""
+    return {k: v for k, v in environ.items() if not k.startswith(SBATCH_INPUT_PREFIX)} | {NO_FILTER_ENV: "1"}
 
 
 def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = None) -> str:
@@ -76,15 +136,18 @@ def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = N
 def submit(token: str, job_id: str, config: Any, python: str = sys.executable) -> str:
     """Submit the estimation job and its watchdog for held job `job_id`; returns the line for the user."""
     spool = spool_root(config) / token
-    env = {**os.environ, NO_FILTER_ENV: "1"}
+    env = own_sbatch_env(os.environ)
     common = [f"--partition={config.deferred.cpu_partition}", "--parsable", "--export=ALL", "--ntasks=1"]
+
+    def step(name: str) -> str:  # quoted: a space in $HOME or cache_dir is part of a path, not a new word
+        return "--wrap=" + shlex.join([python, "-I", "-m", "xmem.slurm.deferred", "--failure-default",
+                                       config.failure, name, str(spool), job_id])
     estimate = _sbatch([*common, f"--time={config.deferred.time_limit}", f"--mem={config.deferred.mem}",
-                        f"--job-name=xmem-estimate-{job_id}", f"--output={spool}/estimate-%j.out",
-                        f"--wrap={python} -I -m xmem.slurm.deferred run {spool} {job_id}"], env)
+                        f"--job-name=xmem-estimate-{job_id}", f"--output={spool}/estimate-%j.out", step("run")], env)
     try:
         watchdog = _sbatch([*common, "--time=00:05:00", "--mem=500M", f"--dependency=afternotok:{estimate}",
                             f"--job-name=xmem-watchdog-{job_id}", f"--output={spool}/watchdog-%j.out",
-                            f"--wrap={python} -I -m xmem.slurm.deferred rescue {spool} {job_id}"], env)
+                            step("rescue")], env)
     except RuntimeError:
         subprocess.run(["scancel", estimate], capture_output=True, timeout=30)  # no watchdog, no estimate job
         raise
@@ -119,6 +182,7 @@ def run(spool: Path, job_id: str, config: Any) -> str:
     reply = reply_for(analysis, request, config.failure)
     outcome = apply(job_id, reply, request, config)
     _cancel_watchdog(spool)
+    remove_spool(spool)
     return outcome
 
 
@@ -135,7 +199,15 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
     changes = {o: v for o, v in reply.set.items() if o in GPU_OPTIONS}
     state, note = "done", reply.message or ""
     for option, value in changes.items():
-        refused = retype(job_id, GPU_OPTIONS[option], _tres(option, value), _current(job_id, GPU_OPTIONS[option]))
+        field = GPU_OPTIONS[option]
+        old = _current(job_id, field)
+        try:
+            refused = retype(job_id, field, _tres(option, value), old)
+        except RequestLost as e:  # never released without its GPU request: held, with the fix in the comment
+            fix = f"scontrol update JobId={job_id} {field}={old}; scontrol release {job_id}"
+            _scontrol("update", f"JobId={job_id}", "Comment=" + _with_state(
+                user_comment, f"state=stuck;was={_plain(was)};why={_plain(str(e))};fix={_plain(fix)}"))
+            return f"job {job_id} left held: {e}; to run it as submitted: {fix}"
         if refused:
             state, note = "kept", f"Slurm refused {option}={value} on the pending job ({refused}); kept {was}"
             stamp = JobStamp(stamp.peak_bytes, stamp.needed_bytes, stamp.gpu_type, was, "keep")
@@ -168,16 +240,30 @@ def _current(job_id: str, field: str) -> str | None:
 
 def retype(job_id: str, field: str, new: str, old: str | None) -> str | None:
     """Set a pending job's GPU request: clear, then set (22.05 refuses a type change in one step). If Slurm
-    refuses the new value, the old one is put back, so a job never runs without its GPU. Returns Slurm's
-    refusal, or None."""
-    _scontrol("update", f"JobId={job_id}", f"{field}=")
-    done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"{field}={new}"], capture_output=True,
-                          text=True, timeout=30)
-    if done.returncode == 0:
+    refuses the new value, the old one is put back and read back, so a job never runs without its GPU.
+    Returns Slurm's refusal, or None; RequestLost when the job holds neither request at the end."""
+    _update(job_id, field, "")
+    refused = _update(job_id, field, new)
+    if refused is None and _current(job_id, field) == new:
         return None
-    if old:
-        _scontrol("update", f"JobId={job_id}", f"{field}={old}")
-    return done.stderr.strip() or f"exit {done.returncode}"
+    refused = refused or f"read back {_current(job_id, field)}"
+    if old is None:
+        return refused
+    for _ in range(3):  # a busy controller: try again before giving up
+        if _update(job_id, field, old) is None and _current(job_id, field) == old:
+            return refused
+        time.sleep(1)
+    raise RequestLost(f"Slurm refused {field}={new} ({refused}) and putting back {field}={old}")
+
+
+def _update(job_id: str, field: str, value: str) -> str | None:
+    """`scontrol update` of one field; Slurm's refusal, or None."""
+    try:
+        done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"{field}={value}"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
 
 
 def _scontrol(*args: str) -> None:
@@ -203,9 +289,12 @@ def rescue(spool: Path, job_id: str, config: Any) -> str:
     request, original = load_request(spool)
     request = dataclasses.replace(request, script=original)  # named as the user knows it, in the refusal
     if _current(job_id, "JobState") != "PENDING":
+        remove_spool(spool)
         return f"job {job_id} is no longer pending: nothing to do"
     reply = failure_reply("the estimation job failed, timed out or was cancelled", request, config.failure)
-    return apply(job_id, reply, request, config)
+    outcome = apply(job_id, reply, request, config)
+    remove_spool(spool)
+    return outcome
 
 
 # --- status --------------------------------------------------------------------------------------------------
@@ -229,32 +318,48 @@ def job_status(job_id: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xmem.slurm.deferred", description=__doc__.splitlines()[0])
+    parser.add_argument("--failure-default", choices=("open", "closed"), default="open",
+                        help="the failure mode when the site config cannot be read (the one in force at submission)")
     parser.add_argument("step", choices=("submit", "run", "rescue"))
     parser.add_argument("where", help="submit: the filter's token; run/rescue: the spool directory")
     parser.add_argument("job_id")
     args = parser.parse_args(argv)
     from xmem.config import load_site_config
 
-    config = load_site_config()
+    spool, failure = (None if args.step == "submit" else Path(args.where)), args.failure_default
     try:
+        config = load_site_config()
+        failure = config.failure
         if args.step == "submit":
+            spool = spool_root(config) / args.where
             submit(args.where, args.job_id, config)  # silent: the filter already told the user
         elif args.step == "run":
-            print(run(Path(args.where), args.job_id, config))
+            print(run(spool, args.job_id, config))
         else:
-            print(rescue(Path(args.where), args.job_id, config))
+            print(rescue(spool, args.job_id, config))
     except Exception as e:
-        print(f"xmem-slurm deferred {args.step}: {type(e).__name__}: {e}", file=sys.stderr)
-        if args.step == "submit":  # no estimation job: the held job must not stay held
-            try:
-                request, _ = load_request(spool_root(config) / args.where)
-                reply = failure_reply(f"could not queue the estimate: {e}", request, config.failure)
-                apply(args.job_id, reply, request, config)
-            except Exception as again:
-                print(f"xmem-slurm: job {args.job_id} is held: release it with `scontrol release "
-                      f"{args.job_id}` ({again})", file=sys.stderr)
-        return 1
+        why = f"{type(e).__name__}: {e}"
+        print(f"xmem-slurm deferred {args.step}: {why}"[:600], file=sys.stderr)
+        if spool is None:  # submit without a config: cli_filter.lua releases (or cancels) the job itself
+            return 1
+        return EXIT_HANDLED if settle(spool, args.job_id, f"xmem failed ({why})", failure) else 1
     return 0
+
+
+def settle(spool: Path, job_id: str, why: str, failure: str) -> bool:
+    """The last resort after a step failed: the failure mode applied to the held job (released unchanged, or
+    cancelled), its watchdog cancelled and its spool removed. False when even that failed (said on stderr)."""
+    try:
+        request, original = load_request(spool)
+        reply = failure_reply(why, dataclasses.replace(request, script=original), failure)
+        print(apply(job_id, reply, request, None))
+    except Exception as again:
+        print(f"xmem-slurm: job {job_id} may be held: release it with `scontrol release {job_id}` "
+              f"({type(again).__name__}: {again})"[:600], file=sys.stderr)
+        return False
+    _cancel_watchdog(spool)
+    remove_spool(spool)
+    return True
 
 
 if __name__ == "__main__":

@@ -352,7 +352,7 @@ def describe_request(decision: Mapping[str, Any]) -> str:
 
 
 def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply:
-    what = f"cannot estimate this job's GPU memory ({why})"
+    what = f"cannot estimate this job's GPU memory ({plain(why, MESSAGE_MAX_CHARS // 2)})"  # the outcome stays
     if failure == "closed":
         target = request.script or "the script"
         return FilterReply(reject=f"{what}. This site requires an estimate: job refused. "
@@ -411,9 +411,11 @@ def run_filter(request: FilterRequest, config: Any, *,
         files = command_files(job, request, script)
         try:
             key = key_for(script, request, digest, files)
-            if deferring(config) and cache.get(key) is None:
-                from xmem.slurm.deferred import defer
+            if deferring(config) and _cached(cache, key) is None:
+                from xmem.slurm.deferred import cannot_defer, defer
 
+                if why := cannot_defer(request):
+                    return failure_reply(why, request, failure)
                 reply, token = defer(script, request, config)
                 return dataclasses.replace(reply, defer=token)
             analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
