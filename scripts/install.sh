@@ -1,16 +1,54 @@
 #!/usr/bin/env bash
-# Install xmem-slurm into ./.venv (idempotent).
+# Install xmem-slurm (idempotent).
+#
+#   scripts/install.sh                      a developer's install into ./.venv
+#   scripts/install.sh --prefix DIR [--packages-from VENV]
+#                                           a site install every user of a login node can run (see below)
+#
 #   XMEM_TORCH=cuda (default): torch 2.14.1 + torchvision 0.29.1, the CUDA build a login node usually has
 #                              (it runs without a GPU; torchvision is needed by the CNN benchmark jobs).
 #   XMEM_TORCH=cpu:            torch 2.13.0, the small CPU build.
 #   XMEM_WITH_CPU_BUILD=1:     also make ./.venv-cpu (CPU build), so the tests trace on both builds.
 # The fake-CUDA tracer compiles a small native shim at first use: it needs g++ (Debian: build-essential).
+#
+# Site install (--prefix DIR, run as root): sbatch runs the filter as the submitting user, so its Python must be
+# usable by everyone. A venv made from an interpreter under a private home (pyenv's /root/.pyenv, mode 700) is
+# not: its python links there, and every other user's sbatch would get "xmem-slurm filter gave no answer".
+#   DIR/venv          its own interpreter (`venv --copies` of one every user can run: $PYTHON if it is, else the
+#                     system's python3), the packages, xmem-slurm; world-readable, nothing linking elsewhere
+#   DIR/var/cache     a shared estimate.cache_dir: sticky and world-writable like /tmp; each user's entries go to
+#                     a 0700 subdirectory they make themselves (xmem.cache.user_cache_dir)
+#   DIR/var/measure   the jobs' measure files (the TaskProlog's XMEM_MEASURE_FILE): 1777; the Epilog reads only
+#                     the job user's own regular file
+#   DIR/var/lib       the Epilog's record store (root's, 0755): XMEM_STORE=DIR/var/lib/records.jsonl
+#   the estimate slots' directory (xmem.cache.SHARED_SLOTS_DIR, under /tmp): 1777, a 0700 subdirectory per user
+# --packages-from VENV: reuse the packages installed in VENV (torch...) and this working tree's xmem (editable)
+# through a .pth file instead of installing them again (the dev cluster and the tests: a few seconds); VENV's
+# site-packages and the working tree must be readable by every user.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$(pwd)
 PY=${PYTHON:-python3}
+PREFIX=
+PACKAGES_FROM=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --prefix) PREFIX=$2; shift 2 ;;
+    --packages-from) PACKAGES_FROM=$2; shift 2 ;;
+    *) echo "install.sh: unknown argument $1 (use: [--prefix DIR [--packages-from VENV]])" >&2; exit 2 ;;
+  esac
+done
 
 # pip's output without the local-index notices; a failing pip still fails the script (pipefail).
 quiet_pip() { "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
+
+torch_requirements() {
+  case "${XMEM_TORCH:-cuda}" in
+    cuda) echo "test,bench,vision torch==2.14.1 torchvision==0.29.1" ;;
+    cpu)  echo "test,bench torch==2.13.0" ;;
+    *) echo "XMEM_TORCH must be cuda or cpu" >&2; exit 2 ;;
+  esac
+}
 
 make_venv() {  # make_venv DIR EXTRAS TORCH-REQUIREMENTS...
   local dir=$1 extras=$2; shift 2
@@ -21,10 +59,69 @@ make_venv() {  # make_venv DIR EXTRAS TORCH-REQUIREMENTS...
   "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
 }
 
+# world_usable PATH: every directory above PATH lets others in, and PATH lets them read (and run) it.
+world_usable() {
+  local p; p=$(readlink -f "$1") || return 1
+  [ -r "$p" ] && [ "$(( 0$(stat -c %a "$p") & 05 ))" != 0 ] || return 1
+  while [ "$p" != / ]; do
+    p=$(dirname "$p")
+    [ "$(( 0$(stat -c %a "$p") & 01 ))" != 0 ] || return 1
+  done
+}
+
+# An interpreter every user can run: the binary and its standard library (and libpython, if it links one).
+usable_interpreter() {
+  local py=$1 exe stdlib lib
+  exe=$(command -v "$py") || return 1
+  read -r exe stdlib < <("$exe" -c 'import sys, sysconfig; print(sys.executable, sysconfig.get_paths()["stdlib"])')
+  world_usable "$exe" && world_usable "$stdlib" || return 1
+  for lib in $(ldd "$exe" 2>/dev/null | awk '/libpython/ {print $3}'); do world_usable "$lib" || return 1; done
+  echo "$exe"
+}
+
+site_install() {
+  [ "$(id -u)" = 0 ] || { echo "install.sh --prefix: run as root (it makes directories for every user)" >&2; exit 2; }
+  local base
+  base=$(usable_interpreter "$PY" || usable_interpreter /usr/bin/python3) || {
+    echo "install.sh: no Python every user can run ($PY lives under a private directory); give PYTHON=..." >&2
+    exit 2; }
+  mkdir -p "$PREFIX"; PREFIX=$(cd "$PREFIX" && pwd)
+  [ -x "$PREFIX/venv/bin/python" ] || "$base" -m venv --copies ${PACKAGES_FROM:+--without-pip} "$PREFIX/venv"
+  local py=$PREFIX/venv/bin/python
+  if [ -n "$PACKAGES_FROM" ]; then
+    local shared
+    shared=$("$PACKAGES_FROM/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    world_usable "$shared" || { echo "install.sh: $shared is not readable by every user" >&2; exit 2; }
+    # The working tree first (xmem, editable), then VENV's packages; the entry point pip would have written.
+    printf '%s\n' "$REPO" "$shared" > "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/xmem-shared-packages.pth"
+    printf '#!%s\nimport sys\nfrom xmem.cli import main\nsys.exit(main())\n' "$py" > "$PREFIX/venv/bin/xmem-slurm"
+    chmod 755 "$PREFIX/venv/bin/xmem-slurm"
+  else
+    read -r extras reqs <<< "$(torch_requirements)"
+    # shellcheck disable=SC2086
+    quiet_pip "$py" -m pip install -q --disable-pip-version-check $reqs "$REPO[$extras]"
+  fi
+  chmod -R a+rX "$PREFIX/venv"
+  install -d -m 0755 "$PREFIX/var" "$PREFIX/var/lib"
+  install -d -m 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"
+  chmod 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"  # also when they existed with another mode
+  local slots; slots=$("$py" -c 'from xmem.cache import SHARED_SLOTS_DIR; print(SHARED_SLOTS_DIR)')
+  [ -d "$slots" ] && [ ! -L "$slots" ] && [ "$(stat -c %u "$slots")" = 0 ] || { rm -f "$slots"; install -d -m 1777 "$slots"; }
+  chmod 1777 "$slots"
+  # Proof, as nobody: the filter's interpreter starts and imports xmem and torch.
+  setpriv --reuid=65534 --regid=65534 --clear-groups -- "$py" -I -c "import torch, xmem.slurm.filter" \
+    || { echo "install.sh: $py does not run as an ordinary user" >&2; exit 1; }
+  echo "site install in $PREFIX: XMEM_PYTHON=$py, xmem-slurm at $PREFIX/venv/bin/xmem-slurm," \
+       "estimate.cache_dir = \"$PREFIX/var/cache\", XMEM_MEASURE_DIR=$PREFIX/var/measure," \
+       "XMEM_STORE=$PREFIX/var/lib/records.jsonl"
+}
+
 command -v g++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; }
-case "${XMEM_TORCH:-cuda}" in
-  cuda) make_venv .venv test,bench,vision torch==2.14.1 torchvision==0.29.1 ;;
-  cpu)  make_venv .venv test,bench torch==2.13.0 ;;
-  *) echo "XMEM_TORCH must be cuda or cpu" >&2; exit 2 ;;
-esac
+if [ -n "$PREFIX" ]; then
+  site_install
+  exit 0
+fi
+read -r extras reqs <<< "$(torch_requirements)"
+# shellcheck disable=SC2086
+make_venv .venv "$extras" $reqs
 if [ "${XMEM_WITH_CPU_BUILD:-0}" = 1 ]; then make_venv .venv-cpu test,bench torch==2.13.0; fi

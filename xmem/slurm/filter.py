@@ -167,14 +167,17 @@ def _error_text(error: Any) -> str:
 def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
     """Run the real analysis (parse, estimate, policy). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
+    from xmem.trace import privileges
 
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
                                    config=config, env=dict(request.env) or None, user=request.user,
-                                   submit_cwd=request.cwd)
+                                   submit_cwd=request.cwd,
+                                   estimator=privileges.guarded_estimator(request.options, script))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Analysis(decision=None, errors=(_error_text(e),))
-    return analysis_from_job(job_analysis)
+    kept = privileges.kept_decision(job_analysis.errors)  # a user's program is never traced as root
+    return Analysis(decision=kept) if kept else analysis_from_job(job_analysis)
 
 
 def parse_job(script: str, request: FilterRequest) -> Any:
