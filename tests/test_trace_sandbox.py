@@ -52,8 +52,9 @@ def test_writes_never_land_in_the_users_files(tmp_path, monkeypatch, mode):
     trace = run_trace(["python", str(SCRIPTS / "writes_everywhere.py"), *extra], cwd=str(run), iterations=3)
     assert trace.iterations == 3  # the program read back every write (it exits 7 otherwise)
     assert snapshot(tmp_path) == before
-    protection = [w for w in trace.warnings if "protected" in w]
-    assert (mode == "fallback") == bool(protection) and (not protection or "Landlock" in protection[0])
+    assert trace.sandbox.startswith(mode)
+    warned = [w for w in trace.warnings if "protected" in w]
+    assert (mode == "fallback") == bool(warned) and (not warned or "Landlock" in warned[0])
 
 
 def test_fallback_refuses_a_write_it_cannot_redirect(tmp_path, monkeypatch):

@@ -101,6 +101,7 @@ class Estimate:
     used_cuda: bool
     torch_version: str
     suspect_reasons: tuple[str, ...] = ()
+    sandbox: str = ""  # what kept the traced program's writes out of the user's files
 
     @property
     def suspect(self) -> bool:
@@ -120,6 +121,7 @@ class Estimate:
             "torch_version": self.torch_version,
             "suspect": self.suspect,
             "suspect_reasons": list(self.suspect_reasons),
+            "sandbox": self.sandbox,
         }
 
     @classmethod
@@ -130,7 +132,7 @@ class Estimate:
                    breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
                    iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
-                   suspect_reasons=tuple(d.get("suspect_reasons", ())))
+                   suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""))
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
@@ -189,6 +191,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
         used_cuda=True,
         torch_version=first.torch_version,
         suspect_reasons=_audit(traces),
+        sandbox=first.sandbox,
     )
 
 
@@ -368,4 +371,5 @@ def _no_cuda_estimate(command: Sequence[str], targets: Sequence[GpuType], trace:
     return Estimate(command=tuple(command), gpus=gpus, breakdown={},
                     breakdown_gpu=max(targets, key=lambda g: g.total_bytes).name, iterations=trace.iterations,
                     seconds=seconds, warnings=tuple(dict.fromkeys([*trace.warnings, NO_CUDA_WARNING])),
-                    libraries=tuple(trace.libraries), used_cuda=False, torch_version=trace.torch_version)
+                    libraries=tuple(trace.libraries), used_cuda=False, torch_version=trace.torch_version,
+                    sandbox=trace.sandbox)

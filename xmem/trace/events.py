@@ -89,6 +89,7 @@ class Trace:
     alloc_conf: str = ""  # PYTORCH_(CUDA_)ALLOC_CONF seen in the job's environment
     seconds: float = 0.0
     torch_version: str = ""
+    sandbox: str = ""  # what kept the program's writes out of the user's files (xmem.trace.sandbox)
     facts: list[Fact] | None = None  # for the self-audit (xmem.audit); None: not collected
 
     def to_json(self) -> dict:

@@ -78,9 +78,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     trace = Trace.from_json(payload)
     if not trace.used_cuda:  # a 0-byte answer would send a GPU job out with no memory to spare
         raise TraceError("no_cuda", NO_CUDA_MESSAGE.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
-    protection = ended.get("protection", "unknown")
-    if not protection.startswith("namespaces"):
-        trace.warnings.append(f"the program's files were protected by the {protection}")
+    trace.sandbox = ended.get("protection", "unknown")
+    if not trace.sandbox.startswith("namespaces"):  # a weaker protection: say so where people look
+        trace.warnings.append(f"the program's files were protected by the {trace.sandbox}")
     return trace
 
 
