@@ -3,6 +3,7 @@
 Owns what fake kernels cannot show and that depends on the GPU type or on the job's environment:
 - cuBLAS workspaces (one per host thread and stream, sized per architecture),
 - cuDNN convolution workspaces (a documented model, see `ConvWorkspaceModel`),
+- the scratch of fused attention backward kernels (a documented model, see `AttentionWorkspaceModel`),
 and the labels (category, phase, iteration) that travel beside each op so the estimate can say what was live at
 the peak. Per-stream program order is kept: events are only inserted, never moved.
 
@@ -29,6 +30,13 @@ CONV_OPS = frozenset({
     "convolution_overrideable", "convolution_backward_overrideable",
 })
 
+# The backward ops of the fused SDPA kernels (xmem.trace.attention): fake CUDA shows their dq, dk, dv only.
+ATTENTION_BACKWARD_OPS = frozenset({
+    "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+})
+FLASH_BACKWARD = "_scaled_dot_product_flash_attention_backward"
+
 AUTOGRAD_THREAD = "autograd"
 MAIN_THREAD = "main"
 
@@ -53,6 +61,46 @@ class ConvWorkspaceModel:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionWorkspaceModel:
+    """A model, not a measurement: the scratch one fused attention backward takes from the caching allocator
+    besides its dq, dk, dv, held while its kernels run and freed when the op returns.
+
+    Each accumulates dq in fp32 across key blocks: flash-attention 2's `mha_bwd` allocates `dq_accum`
+    (B, Tq rounded to 128, H, D rounded) fp32; the memory-efficient kernel's workspace holds a (B, H, Tq, D) fp32
+    grad-q accumulator for 16-bit outputs (`kernel_backward.h` `workspace_size`; none for fp32, which the trace's
+    events cannot tell apart: fp32 calls are over-counted); cuDNN's SDPA backward plan asks for a workspace whose
+    size depends on the plan, not knowable without the library, taken as the same accumulator. We model it as
+    `dq_fraction` x dq bytes (2: fp32 of a 16-bit dq). Flash with fewer k/v heads than q heads also computes dk and
+    dv per query head (`dk_expanded`, `dv_expanded`, (B, Tk, Hq, D) each) before summing them: two more dq-sized
+    blocks (self-attention: Tk = Tq). Forward passes are given none. `dq_fraction=0` leaves the model out.
+    """
+
+    dq_fraction: float = 2.0
+
+    def sizes(self, op: str, outputs: list[int]) -> list[int]:
+        """The scratch blocks of one `op` call whose outputs (dq, dk, dv) were `outputs` bytes."""
+        if self.dq_fraction <= 0 or not outputs:
+            return []
+        dq = outputs[0]
+        grouped = op == FLASH_BACKWARD and len(outputs) > 1 and outputs[1] < dq
+        return [int(dq * self.dq_fraction)] + ([dq, dq] if grouped else [])
+
+
+def _attention_backward_outputs(events: list[MemEvent], index: int) -> list[int]:
+    """The outputs of the fused attention backward call whose last allocation is `events[index]` ([] if the call
+    allocates more after it): the run of allocations of that op on that device ending there."""
+    last = events[index]
+    following = events[index + 1] if index + 1 < len(events) else None
+    if following is not None and (following.op, following.action, following.device) == (last.op, "alloc", last.device):
+        return []
+    start = index
+    while start > 0 and (events[start - 1].op, events[start - 1].action, events[start - 1].device) == (
+            last.op, "alloc", last.device):
+        start -= 1
+    return [e.nbytes for e in events[start:index + 1]]
+
+
+@dataclass(frozen=True, slots=True)
 class GpuOps:
     """The sequence for one device of one GPU type: `ops[i]` is labelled by `labels[i]`."""
 
@@ -62,6 +110,7 @@ class GpuOps:
     cublas_workspace_bytes: int  # size of one cuBLAS workspace on this GPU type
     cublas_workspaces: int  # how many were added (host threads x streams that ran cuBLAS work)
     conv_workspaces: int  # how many transient cuDNN workspaces were added
+    attention_workspaces: int = 0  # how many fused attention backward calls were given scratch
     iteration_starts: dict[int, int] = field(default_factory=dict)  # iteration -> index of its first op
 
 
@@ -80,7 +129,8 @@ def host_thread(event: MemEvent) -> str:
 
 
 def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None, *, device: int = 0,
-                conv_workspace: ConvWorkspaceModel = ConvWorkspaceModel()) -> GpuOps:
+                conv_workspace: ConvWorkspaceModel = ConvWorkspaceModel(),
+                attention_workspace: AttentionWorkspaceModel = AttentionWorkspaceModel()) -> GpuOps:
     """The op sequence of `device` on `gpu`, with cuBLAS and cuDNN workspaces added, and its labels."""
     workspace_bytes = cublas_workspace_bytes(gpu, env)
     next_block = max((e.block for e in trace.events), default=0) + 1
@@ -88,9 +138,9 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
     ops: list[Op] = []
     labels: list[Label] = []
     iteration_starts: dict[int, int] = {}
-    conv_count = 0
+    conv_count = attention_count = 0
 
-    for e in trace.events:
+    for index, e in enumerate(trace.events):
         if e.device != device or (e.nbytes == 0 and e.action != "empty_cache"):
             continue  # a 0-byte request never reaches the caching allocator's malloc()
         if e.iteration >= 0:
@@ -117,13 +167,21 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
             labels.extend([("workspace", e.phase, e.iteration)] * 2)
             next_block += 1
             conv_count += 1
+        if e.op in ATTENTION_BACKWARD_OPS and (outputs := _attention_backward_outputs(trace.events, index)):
+            blocks = [(next_block + i, size) for i, size in enumerate(attention_workspace.sizes(e.op, outputs))]
+            ops.extend([(ALLOC, block, size, e.stream) for block, size in blocks] +
+                       [(FREE, block, size, e.stream) for block, size in blocks])
+            labels.extend([("workspace", e.phase, e.iteration)] * (2 * len(blocks)))
+            next_block += len(blocks)
+            attention_count += bool(blocks)
 
     return GpuOps(device=device, ops=ops, labels=labels, cublas_workspace_bytes=workspace_bytes,
                   cublas_workspaces=len(has_workspace), conv_workspaces=conv_count,
+                  attention_workspaces=attention_count,
                   iteration_starts=iteration_starts)
 
 
 __all__ = [
-    "CONV_OPS", "CUBLAS_OPS", "ConvWorkspaceModel", "GpuOps", "Label", "Op", "host_thread", "orchestrate",
+    "ATTENTION_BACKWARD_OPS", "AttentionWorkspaceModel", "CONV_OPS", "CUBLAS_OPS", "ConvWorkspaceModel", "GpuOps", "Label", "Op", "host_thread", "orchestrate",
     "trace_devices",
 ]
