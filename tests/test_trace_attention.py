@@ -244,3 +244,26 @@ def test_math_attention_repeats_keys_and_values_and_keeps_the_scores():
 def test_unrestricted_gqa_call_on_hopper_takes_cudnn_and_is_arch_sensitive():
     result = trace_backend(sys.executable, "any")
     assert result.op_counts.get("_scaled_dot_product_cudnn_attention") == 1 and result.arch_sensitive
+
+
+# ---- a Llama-style GQA job (benchmarks/jobs/llama_gqa.py, 2 layers): fused kernels, no B x H x T x T scores ------
+def trace_llama_gqa(python, capability):
+    job = SCRIPTS.parent.parent / "benchmarks" / "jobs" / "llama_gqa.py"
+    command = ["python", str(job), "--layers", "2", "--batch-size", "1", "--seq", "256", "--steps", "2"]
+    return run_trace(command, python=python, iterations=1, capability=capability)
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_llama_gqa_on_hopper_runs_cudnn_attention_with_grouped_gradients(python):
+    result = trace_llama_gqa(python, H100)
+    q, kv = 32 * 256 * 64 * 2, 4 * 256 * 64 * 2  # (1, 32, 256, 64) and (1, 4, 256, 64) bf16
+    assert op_allocs(result, "_scaled_dot_product_cudnn_attention") == [q, 32 * 256 * 4, 8, 8] * 2
+    assert op_allocs(result, "_scaled_dot_product_cudnn_attention_backward") == [q, kv, kv] * 2
+    assert not {"bmm", "_safe_softmax", "_softmax"} & set(result.op_counts)  # no scores anywhere
+    assert result.arch_sensitive
+
+
+def test_llama_gqa_on_ampere_runs_flash_attention():
+    result = trace_llama_gqa(sys.executable, A100)
+    assert result.op_counts.get("_scaled_dot_product_flash_attention") == 2
+    assert "_scaled_dot_product_cudnn_attention" not in result.op_counts
