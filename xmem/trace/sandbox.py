@@ -17,20 +17,26 @@ user namespaces; works here as root and as an ordinary user):
 - a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
   kills every process the program started (Popen children, setsid double forks, forks of the tracer).
 
-**fallback** (namespaces refused): the helper becomes a child subreaper, so every orphan of the program is
-reparented to it, and kills every descendant (found through /proc) when the tracer ends or the estimate is stopped.
-In the tracer, `install_in_child()` (run before the tracer's module) redirects Python's file APIs (builtins/io.open, os.open, mkdir/makedirs,
-rename/replace, remove/unlink, rmdir, stat, listdir/scandir; pathlib and most of shutil go through them) into a
-copy-on-write directory under the scratch, and Landlock (where the kernel has it) makes every other write outside
-the scratch fail with EACCES instead of landing. Not covered there: a C extension or a subprocess writing with its
-own open() gets EACCES under Landlock and, without Landlock, writes for real; fd-relative calls (`dir_fd=`,
-`shutil.rmtree` of an existing directory) are not redirected.
+**fallback** (namespaces refused, or `XMEM_SANDBOX=fallback`): the helper becomes a child subreaper, so every
+orphan of the program is reparented to it, and kills every descendant (found through /proc) when the tracer ends or
+the estimate is stopped. The tracer starts through a bootstrap that calls `install_in_child()` before
+`xmem.trace` runs (the tracer's own code needs no hook): it redirects Python's file APIs (builtins/io.open, os.open,
+mkdir/makedirs, rename/replace, remove/unlink, rmdir, stat/lstat/access, listdir/scandir; pathlib and most of
+shutil go through them) into a copy-on-write directory under the scratch, and Landlock (where the kernel has it)
+makes every other write outside the scratch fail with EACCES instead of landing. Not covered there: a C extension
+or a subprocess writing with its own open() gets EACCES under Landlock and, without Landlock, writes for real;
+fd-relative calls (`dir_fd=`, `shutil.rmtree` of an existing directory) are not redirected; a removal is seen by
+the tracer process only; and when the caller and helper are SIGKILLed, a daemon the program made survives (no pid
+namespace to end it).
 
 Both modes: every process of the chain dies with its parent (PR_SET_PDEATHSIG), so a caller killed with SIGKILL
 takes the trace with it; the tracer has a hard CPU-time limit (RLIMIT_CPU) and a host-memory limit (RLIMIT_DATA:
-it counts the heap and private anonymous memory, not the gigabytes of address space the CUDA build of torch maps
-for its libraries, which makes RLIMIT_AS unusable). The helper writes `sandbox.json` into the scratch: the
-protection used and how the tracer ended.
+it counts the heap and private writable mappings, not the address space the CUDA build of torch maps for its
+libraries, which makes RLIMIT_AS unusable: a GPT-2 trace on the CUDA build measured 4.1 GiB VmSize, 0.95 GiB
+VmData, 0.79 GiB RSS). Per process: a program's worker processes each get the limit; and a file mapped private
+and writable (`torch.load(mmap=True)`) counts at its full size. A cgroup would bound the whole tree, but an
+ordinary user on a login node cannot make one. The helper writes `sandbox.json` into the scratch: the protection
+used and how the tracer ended.
 """
 
 from __future__ import annotations
@@ -204,7 +210,7 @@ def run_init(argv: list[str], limits: Limits, scratch: Path) -> None:
 
 # ---- fallback -------------------------------------------------------------------------------------------------
 
-def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: list[str]) -> dict:
+def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: list[str], refused: str) -> dict:
     """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     cow = scratch / COW_DIR
@@ -217,8 +223,9 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: 
     status = _wait_for(tracer)
     kill_descendants()
     backstop = f"Landlock (ABI {landlock}) refuses other writes" if landlock else "no Landlock: C-level writes land"
-    return {"status": status, "protection": f"fallback: Python's file APIs redirected to a copy-on-write directory; "
-                                            f"{backstop}; the program's processes killed at the end (subreaper)"}
+    return {"status": status, "protection": f"fallback ({refused}): Python's file APIs redirected to a copy-on-write "
+                                            f"directory; {backstop}; the program's processes killed at the end "
+                                            "(subreaper)"}
 
 
 # Runs `python -m MODULE ARGS` with Python's file APIs redirected first (before the module imports anything).
@@ -227,10 +234,9 @@ BOOTSTRAP = ("import runpy, sys; from xmem.trace.sandbox import install_in_child
 
 
 def _redirected(argv: list[str]) -> list[str]:
-    """The tracer's command (`python -m xmem.trace ...`) with the redirection installed before it starts."""
-    if argv[1:2] != ["-m"]:
-        raise SandboxError(errno.EINVAL, f"the fallback runs `python -m MODULE`, not {argv[:3]}")
-    return [argv[0], "-c", BOOTSTRAP, *argv[2:]]
+    """The tracer's command (`python -m xmem.trace ...`) with the redirection installed before it starts (any
+    other command runs as it is, under Landlock only)."""
+    return [argv[0], "-c", BOOTSTRAP, *argv[2:]] if argv[1:2] == ["-m"] else argv
 
 
 def kill_descendants() -> None:
@@ -356,8 +362,7 @@ def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: l
         limits.apply()
         if writable is not None:
             restrict_writes(writable, landlock_abi())
-        os.execve(argv[0], argv, os.environ if env is None else env) if os.path.isabs(argv[0]) else \
-            os.execvpe(argv[0], argv, os.environ if env is None else env)
+        os.execvpe(argv[0], argv, os.environ if env is None else env)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the helper's code
         sys.stderr.write(f"xmem sandbox: cannot start the tracer: {error}\n")
     os._exit(127)
@@ -419,10 +424,10 @@ def main(argv: list[str]) -> None:
     keep = [path for path in args.keep_writable if os.path.isdir(path)]
     try:
         if os.environ.get(MODE_ENV) == "fallback":
-            raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback")
+            raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
         protection = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
     except NamespacesRefused as refused:
-        _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep) | {"refused": str(refused)})
+        _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}"))
         os._exit(0)
     except OSError as error:  # half-way into the namespaces: the user's files cannot be promised safe
         _write_result(args.scratch, {"failed": f"the sandbox could not be set up: {error}"})
