@@ -28,7 +28,7 @@ from xmem.policy import gres_capacity
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
 ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                        "no_cuda": 9, "memory_limit": 10,
+                        "no_cuda": 9, "memory_limit": 10, "not_modelled": 11,
                         "internal": EXIT_INTERNAL, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
                         "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
 GIB = 1 << 30

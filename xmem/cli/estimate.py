@@ -29,7 +29,7 @@ from xmem.trace import TraceError
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                    "no_cuda": 9, "memory_limit": 10, "internal": EXIT_INTERNAL}
+                    "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
 GIB = 1 << 30
 MIB = 1 << 20
 # How the breakdown names its non-tensor parts for people.

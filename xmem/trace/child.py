@@ -10,15 +10,17 @@ captures them); progress lines go to `--progress-fd`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
 import sys
 import sysconfig
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 XMEM_DIR = str(Path(__file__).resolve().parent.parent)  # the xmem package directory
 
@@ -94,11 +96,14 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     state.install()
     modules = ModulePaths()
     recorder = AllocationRecorder(fake, state, modules.innermost)
+    recorder.stand_ins.install_python_protocols()
+    os.environ.setdefault("WANDB_MODE", "disabled")  # a trace logs no run to wandb
     progress("running the program")
     started = time.monotonic()
     outcome: BaseException | None = None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), recorder, modules:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
+            _enter_in_new_threads(fake_mode, recorder)
             _run_user_program(command)
     except StopTracing:
         pass
@@ -115,6 +120,20 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
                                                 "used CUDA; xmem traces training loops that call optimizer.step()")
     return trace
+
+
+def _enter_in_new_threads(*modes: Any) -> None:
+    """Dispatch modes are per thread: every thread the program starts (a ThreadPoolExecutor copying weights to cuda,
+    a data-loading thread) runs under the trace's modes too, so its cuda tensors are fake and recorded."""
+    start_thread = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_under_modes(thread: threading.Thread) -> None:
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            start_thread(thread)
+
+    threading.Thread._bootstrap_inner = bootstrap_under_modes  # type: ignore[attr-defined]
 
 
 class ModulePaths:
@@ -189,9 +208,20 @@ def _failure_from(error: BaseException) -> ChildFailure:
                     *traceback.format_exception_only(type(error), error)])
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     if isinstance(error, fake_limits):
-        return ChildFailure("internal", f"fake CUDA cannot run this: {type(error).__name__}: "
-                                        f"{_first_line(error)}{where}", text)
+        return ChildFailure("not_modelled", f"not modelled: {type(error).__name__}: {_first_line(error)}{where}",
+                            text)
+    if _reached_real_cuda(error):
+        return ChildFailure("not_modelled", f"not modelled: this reached the real CUDA runtime "
+                                            f"({_first_line(error)}){where}", text)
     return ChildFailure("user_error", f"{type(error).__name__}: {_first_line(error)}{where}", text)
+
+
+def _reached_real_cuda(error: BaseException) -> bool:
+    """The messages torch gives when a call goes to the CUDA runtime, which has no device here."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(sign in text for sign in (
+        "Found no NVIDIA driver", "CUDA driver version is insufficient", "no CUDA GPUs are available",
+        "Torch not compiled with CUDA enabled", "CUDA error:"))
 
 
 def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:

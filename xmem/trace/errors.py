@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 # memory_limit: the tracer hit its host-memory limit (or was killed, most likely for memory); crashed: the program
-# died of a signal (an abort, a segfault in an extension); no_cuda: the program ended without using the GPU.
+# died of a signal (an abort, a segfault in an extension); no_cuda: the program ended without using the GPU;
+# not_modelled: the program used something the fake GPU does not model (named in the message).
 KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "memory_limit", "crashed",
-         "no_cuda", "internal")
+         "no_cuda", "not_modelled", "internal")
 SHOWN_LINES = 20  # of the program's output, beside its traceback
 
 

@@ -180,6 +180,8 @@ def install(fake: FakeCuda) -> None:
     _patch_compile(fake)
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
+    _patch_module_registration(fake)
+    _patch_recurrent_layers()
 
 
 def _install_device_guard() -> None:
@@ -189,6 +191,9 @@ def _install_device_guard() -> None:
         torch._C._ensureCUDADeviceGuardSet()
     # There is no device: FakeTensorMode must never try to initialise one, whatever is_available() says.
     FakeTensorMode.avoid_device_init = property(lambda self: True)
+    # torch.tensor(data, device="cuda") builds on the host first in every thread, not only where the fake mode is
+    # entered (the flag is process-global; FakeTensorMode sets it on entry and restores it on exit).
+    torch._C._set_only_lift_cpu_tensors(True)
 
 
 def _patch_optimizer_defaults(fake: FakeCuda) -> None:
@@ -269,7 +274,7 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         reset_max_memory_allocated=lambda device=None: fake.reset_peak(),
         reset_accumulated_memory_stats=lambda device=None: None,
         memory_stats=memory_stats,
-        memory_summary=lambda device=None, abbreviated=False: "(fake CUDA: no allocator summary)",
+        memory_summary=lambda device=None, abbreviated=False: _memory_summary(fake),
         mem_get_info=lambda device=None: (fake.properties.total_memory - fake.live_bytes(),
                                          fake.properties.total_memory),
         empty_cache=empty_cache,
@@ -278,9 +283,21 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         get_rng_state_all=lambda: [torch.get_rng_state() for _ in range(fake.device_count)],
         set_rng_state=lambda new_state, device="cuda": None,
         set_rng_state_all=lambda new_states: None,
+        manual_seed=lambda seed: None,
+        manual_seed_all=lambda seed: None,
+        seed=lambda: None,
+        seed_all=lambda: None,
+        initial_seed=lambda: torch.initial_seed(),
+        # torch.cuda's deferred-initialisation queue: callbacks would reach the real runtime (is_initialized is
+        # True here, so upstream runs them at once); none of them matters without a device
+        _lazy_call=lambda callable, **kwargs: None,
+        CUDAGraph=_eager_graph_class(fake),
+        graph=_eager_graph_context(fake),
+        make_graphed_callables=_graphed_callables_unchanged(fake),
     )
     for name, answer in answers.items():
         setattr(cuda, name, answer)
+    torch.cuda.random.manual_seed = torch.cuda.random.manual_seed_all = answers["manual_seed"]
     # Modules that imported these names before the patch keep the originals; the common ones are re-pointed.
     torch.cuda.memory.empty_cache = empty_cache
     torch.cuda.memory.memory_allocated = answers["memory_allocated"]
@@ -319,16 +336,6 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
     # Streams are ids here; the allocator's deferred free after record_stream is not modelled (a known gap).
     torch.Tensor.record_stream = lambda self, stream: None
 
-    original_numpy = torch.Tensor.numpy
-
-    def numpy_or_stand_in(self: torch.Tensor, *, force: bool = False) -> Any:
-        if not isinstance(self, FakeTensor):
-            return original_numpy(self, force=force)
-        fake.on_warning("tensor.numpy() returned ones (no real data under fake CUDA)")
-        with unset_fake_temporarily():
-            return torch.ones(self.shape, dtype=self.dtype).numpy()
-
-    torch.Tensor.numpy = numpy_or_stand_in
     torch.Generator = HostGenerator
 
     def save_nothing(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -379,34 +386,37 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
     """nn.Module._apply that works on fake tensors and keeps tied weights tied.
 
     Stock `_apply` swaps tensors in place (`swap_tensors`), which FakeTensors refuse (the fake-tensor memo holds a
-    weakref), and cannot `.data`-assign a FakeTensor to a real parameter. So parameters and buffers are *replaced*,
-    memoised by identity so a tensor shared by two modules stays shared.
+    weakref), and cannot `.data`-assign a FakeTensor to a real parameter. So a tensor that is or becomes fake (moved
+    to cuda: the recorder routes that op to the fake mode) is *replaced*, memoised by identity so that a tensor
+    shared by two modules stays shared; a host-to-host conversion (`model.double()` on CPU) keeps the stock rule.
     """
 
     def fake_aware_apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
-        mode = _active_fake_mode()
-        if mode is None and not any(isinstance(t, FakeTensor) for t in itertools.chain(self.parameters(),
-                                                                                         self.buffers())):
-            return original_apply(self, fn, recurse)
         memo: dict[int, torch.Tensor] = {}
+        replaced: dict[int, torch.Tensor] = {}  # old tensor's id -> the new object that stands for it
 
         def convert(tensor: torch.Tensor, kind: str) -> torch.Tensor:
             if id(tensor) in memo:
                 return memo[id(tensor)]
-            source = tensor
-            if mode is not None and not isinstance(tensor, FakeTensor):
-                with unset_fake_temporarily():
-                    source = mode.from_tensor(tensor.detach())  # shape/dtype only, no data copied
             with torch.no_grad():
-                converted = fn(source)
-            if isinstance(tensor, nn.Parameter):
-                converted = nn.Parameter(converted, requires_grad=tensor.requires_grad)
-                if tensor.grad is not None:
-                    converted.grad = convert(tensor.grad, "gradient")
-            if converted is not tensor:
-                fake.on_module_tensor(converted, kind)
-            memo[id(tensor)] = converted
-            return converted
+                converted = fn(tensor)
+            if not isinstance(converted, FakeTensor) and not isinstance(tensor, FakeTensor):
+                if converted is not tensor:  # stock: same object, new data
+                    tensor.data = converted
+                result = tensor
+                if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
+                    tensor.grad = convert(tensor.grad, "gradient")
+            else:
+                result = converted
+                if isinstance(tensor, nn.Parameter):
+                    result = nn.Parameter(converted, requires_grad=tensor.requires_grad)
+                    if tensor.grad is not None:
+                        result.grad = convert(tensor.grad, "gradient")
+                if result is not tensor:
+                    replaced[id(tensor)] = result
+                    fake.on_module_tensor(result, kind)
+            memo[id(tensor)] = result
+            return result
 
         for module in self.modules() if recurse else [self]:
             for name, param in list(module._parameters.items()):
@@ -415,7 +425,8 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = convert(buffer, "buffer")
-        _rebind_optimizers(fake.optimizers, {old: new for old, new in memo.items() if isinstance(new, nn.Parameter)})
+        _rebind_optimizers(fake.optimizers, {old: new for old, new in replaced.items()
+                                             if isinstance(new, nn.Parameter)})
         return self
 
     return fake_aware_apply
@@ -462,3 +473,113 @@ def _is_cuda(device: Any) -> bool:
         return True
     return torch.device(device).type == "cuda"
 
+
+
+# Parameters and buffers a program builds on the host stay real (with real values, so CPU-side code that reads them
+# works) up to this many bytes in all; past it they are born fake, so that a 7B model built on the CPU before
+# `.cuda()` costs no host memory and no real initialisation.
+HOST_MODEL_BYTES = 64 << 20
+
+
+def _patch_module_registration(fake: FakeCuda) -> None:
+    real_bytes = 0
+
+    def fake_past_budget(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal real_bytes
+        if tensor is None or isinstance(tensor, FakeTensor) or tensor.device.type != "cpu" or \
+                type(tensor) not in (torch.Tensor, nn.Parameter, getattr(nn, "Buffer", nn.Parameter)):
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if real_bytes + nbytes <= HOST_MODEL_BYTES:
+            real_bytes += nbytes
+            return tensor
+        mode = _active_fake_mode()
+        if mode is None:
+            return tensor
+        fake.on_warning(f"model tensors built on the host past {HOST_MODEL_BYTES >> 20} MiB are fake (no real "
+                        "values): host-side code that reads their values gets stand-ins")
+        with unset_fake_temporarily():
+            converted = mode.from_tensor(tensor.detach())
+        if isinstance(tensor, nn.Parameter):
+            return nn.Parameter(converted, requires_grad=tensor.requires_grad)
+        return converted
+
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def register_fake_parameter(self: nn.Module, name: str, param: Any) -> None:
+        register_parameter(self, name, fake_past_budget(param))
+
+    def register_fake_buffer(self: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
+        register_buffer(self, name, fake_past_budget(tensor), persistent)
+
+    nn.Module.register_parameter = register_fake_parameter
+    nn.Module.register_buffer = register_fake_buffer
+
+
+def _memory_summary(fake: FakeCuda) -> str:
+    return (f"|  fake CUDA (xmem trace): allocated {fake.live_bytes() / 2**20:.1f} MiB now, "
+            f"{fake.peak_bytes() / 2**20:.1f} MiB at the peak; the estimate replays the caching allocator  |")
+
+
+def _eager_graph_class(fake: FakeCuda) -> type:
+    class EagerCUDAGraph:
+        """torch.cuda.CUDAGraph stand-in: capture runs the captured code eagerly (once), replay does nothing."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+
+        def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
+        def capture_end(self) -> None: ...
+        def replay(self) -> None: ...
+        def reset(self) -> None: ...
+        def pool(self) -> tuple[int, int]:
+            return (0, 0)
+        def enable_debug_mode(self) -> None: ...
+        def debug_dump(self, path: str) -> None: ...
+
+    return EagerCUDAGraph
+
+
+def _eager_graph_context(fake: FakeCuda) -> Callable:
+    @contextlib.contextmanager
+    def graph(cuda_graph: Any = None, pool: Any = None, stream: Any = None, **kwargs: Any):
+        fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+        yield
+    return graph
+
+
+def _graphed_callables_unchanged(fake: FakeCuda) -> Callable:
+    def make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
+        fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+        return callables
+    return make_graphed_callables
+
+
+def _patch_recurrent_layers() -> None:
+    """nn.LSTM/GRU/RNN on cuda: upstream's cuDNN RNN kernel is called from C++ without the dispatcher, so under fake
+    CUDA it would reach the real runtime. The layer runs its native CUDA path instead (cuDNN off for that call):
+    `_thnn_fused_lstm_cell`/`_thnn_fused_gru_cell` per step, which keep per layer and step the gate activations and
+    the new hidden (and cell) state for backward: the same bytes cuDNN's training reserve space holds for them,
+    as many small blocks instead of one (documented approximation). The cuDNN weight flattening, a copy of the
+    parameters into one buffer that then views it, is skipped: the parameter bytes are the same.
+    """
+    from torch.nn.modules import rnn
+
+    def without_cudnn(forward: Callable) -> Callable:
+        def forward_on_native_path(self: nn.Module, input: Any, *args: Any, **kwargs: Any) -> Any:
+            data = input.data if isinstance(input, rnn.PackedSequence) else input
+            if not isinstance(data, FakeTensor):
+                return forward(self, input, *args, **kwargs)
+            with torch.backends.cudnn.flags(enabled=False):
+                return forward(self, input, *args, **kwargs)
+        return forward_on_native_path
+
+    for layer in (rnn.LSTM, rnn.GRU, rnn.RNN):
+        layer.forward = without_cudnn(layer.forward)
+    flatten = rnn.RNNBase.flatten_parameters
+
+    def flatten_unless_fake(self: rnn.RNNBase) -> None:
+        if not any(isinstance(w, FakeTensor) for w in self._flat_weights):
+            flatten(self)
+
+    rnn.RNNBase.flatten_parameters = flatten_unless_fake

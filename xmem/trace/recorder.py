@@ -17,12 +17,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.config import alloc_conf_setting
 from xmem.trace.events import CUBLAS_OPS, MemEvent, Trace
 from xmem.trace.fakecuda import FakeCuda
+from xmem.trace.standins import StandIns, guess_truth
 
 aten = torch.ops.aten
 
@@ -51,41 +53,6 @@ _LIBRARY_OPS = {
 # Ops that bring data onto the GPU (host copies, random batches): outside forward/backward/optimizer, the inputs.
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
 _RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
-
-# Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
-_BOOL_TRUTH = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
-_BOOL_KEEP = {"any", "all", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "clone", "_to_copy", "select",
-              "expand", "alias", "detach", "lift_fresh"}
-_BOOL_FLIP = {"logical_not", "bitwise_not"}
-
-# A loop on tensor data (`while mask.any():`, e.g. the rejection sampling of torch.nn.init.trunc_normal_ in
-# torch 2.14) never ends if every unknown truth is answered True: after this many True answers at one call site in
-# one (iteration, phase), the answer there becomes False.
-_MAX_TRUE_STAND_INS = 100
-_INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
-
-# Outputs whose size depends on data get their upper bound (see AllocationRecorder._stand_in_dynamic_shape).
-_SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
-# (return_inverse, return_counts) argument positions of each unique op; None: the op has no such argument
-_UNIQUE_OPS = {"_unique2": (2, 3), "_unique": (2, None), "unique_dim": (3, 4), "unique_consecutive": (1, 2)}
-
-
-def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-    """(values, inverse, counts) of a unique op with every value distinct; unrequested parts are empty."""
-    inverse_at, counts_at = _UNIQUE_OPS[name]
-
-    def asked(position: int | None, keyword: str) -> bool:
-        if position is None:
-            return False
-        return bool(kwargs.get(keyword, args[position] if len(args) > position else False))
-
-    values = torch.empty(x.numel() if name != "unique_dim" else x.shape, dtype=x.dtype, device=x.device)
-    inverse = torch.empty(x.shape if asked(inverse_at, "return_inverse") else 0, dtype=torch.long, device=x.device)
-    if counts_at is None:
-        return values, inverse
-    counts = torch.empty(x.numel() if asked(counts_at, "return_counts") else 0, dtype=torch.long, device=x.device)
-    return values, inverse, counts
-
 
 class TrainingState:
     """Where the program is in its training loop: phase, iteration, and when to stop.
@@ -197,13 +164,15 @@ class AllocationRecorder(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._block_of_storage: dict[int, int] = {}
+        self._live: dict[int, tuple[int, int, int, int]] = {}  # storage key -> (block, bytes, device, stream)
+        self._emptied: dict[int, int] = {}  # storage key -> device, for watched storages of 0 bytes
         self._block_ids = itertools.count()
         self._cuda_ops: set[str] = set()
         # One lock for everything: the FakeTensorMode keeps per-mode state that two autograd device threads
         # (several fake GPUs) must not change at once; re-entrant because a storage can die, and its finalizer
         # record the free, while this thread holds it.
         self._lock = threading.RLock()
-        self._true_stand_ins: dict[tuple, int] = {}
+        self.stand_ins = StandIns(self.warn, lambda: (state.iteration, state.phase))
         self._connect()
 
     def _connect(self) -> None:
@@ -218,15 +187,25 @@ class AllocationRecorder(TorchDispatchMode):
         fake.reset_peak = self._reset_peak
         state.on_step_begin = self._label_parameters_and_gradients
         torch.load = self._recording_load(torch.load)
+        self._watch_storage_resizes()
         state.on_step_end = self._label_optimizer_state
         state.on_module_forward = self._label_module_tensors
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
+    supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _runs_on_host(args, kwargs):
+            # Only what the GPU would hold is fake: host work runs for real, with real values, below the fake mode.
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         with self._lock:
-            return self._dispatch(func, args, kwargs or {})
+            return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         name = func._opname
         self.op_counts[name] = self.op_counts.get(name, 0) + 1
         if not self.state.stopped:
@@ -236,19 +215,39 @@ class AllocationRecorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is not aten._local_scalar_dense.default:
-                raise
-            return self._stand_in_scalar(args[0])
+            if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
+                return self.stand_ins.scalar(args[0])
+            if func in (aten.equal.default, aten.allclose.default):
+                return self.stand_ins.equal(func._opname)
+            raise
         except DynamicOutputShapeException:
-            out = self._stand_in_dynamic_shape(func, args, kwargs)
+            out = self.stand_ins.dynamic_shape(func, args, kwargs)
+            if out is None:
+                raise
         if self.state.stopped:
             return out
+        self._note_outputs(out, name, args)
+        return out
+
+    def _note_outputs(self, out: Any, name: str, args: tuple) -> None:
         if isinstance(out, torch.Tensor):
             self._note_output(out, name, args)
         elif isinstance(out, (tuple, list)):
             for item in out:
                 if isinstance(item, torch.Tensor):
                     self._note_output(item, name, args)
+
+    def _higher_order(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A higher-order op (flex_attention, checkpoint wrappers, ...): the fake mode's own rule for it runs, which
+        gives the outputs a fused kernel would write (flex_attention: output and logsumexp); we record those."""
+        name = getattr(func, "_name", str(func))
+        self.op_counts[name] = self.op_counts.get(name, 0) + 1
+        out = func(*args, **kwargs)
+        if not self.state.stopped:
+            from torch.utils._pytree import tree_leaves
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._note_output(leaf, name, args)
         return out
 
     def _note_unseen_inputs(self, args: tuple, op: str) -> None:
@@ -280,7 +279,7 @@ class AllocationRecorder(TorchDispatchMode):
                 self._note_unseen(inner, op)
             return
         if tensor.dtype == torch.bool:
-            _guess_truth(tensor, op, args)
+            guess_truth(tensor, op, args)
         if tensor.device.type != "cuda":
             return
         if op not in self._cuda_ops:
@@ -292,39 +291,70 @@ class AllocationRecorder(TorchDispatchMode):
         from_host = op in _COPY_OPS and isinstance(args[0], torch.Tensor) and args[0].device.type != "cuda"
         self._alloc(storage, key, tensor.device.index or 0, op, from_host)
 
-    def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool) -> None:
+    def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool,
+               watch: bool = True) -> None:
         state = self.state
         nbytes = storage.nbytes()
         self.threads.add(threading.get_ident())  # once per new storage, not per output (views, in-place results)
         if self.alloc_conf is None:  # the caching allocator reads its setting once, when it first allocates
             setting = alloc_conf_setting(os.environ)
             self.alloc_conf = setting[1] if setting else ""
+        if watch:
+            finalizer = weakref.finalize(storage, self._free, key)
+            finalizer.atexit = False
+        if nbytes == 0:  # the caching allocator returns no block for 0 bytes; a later resize_ may give it some
+            self._block_of_storage[key] = -1
+            self._emptied[key] = device
+            return
         with self._lock:
             block = next(self._block_ids)
             self._block_of_storage[key] = block
             stream = self.fake.current_stream.stream_id
+            self._live[key] = (block, nbytes, device, stream)
             self.rows.append(["alloc", block, nbytes, device, stream, op, self.module_path(), state.phase,
                               state.iteration])
             self.category[block] = _category_at_birth(state.phase, op, from_host)
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        finalizer = weakref.finalize(storage, self._free, key, block, nbytes, device, stream)
-        finalizer.atexit = False
 
-    def _free(self, key: int, block: int, nbytes: int, device: int, stream: int) -> None:
+    def _free(self, key: int) -> None:
+        """The storage died, or was resized: its current block goes back to the allocator."""
         with self._lock:
             self._block_of_storage.pop(key, None)
-            if self.state.stopped:
+            self._emptied.pop(key, None)
+            live = self._live.pop(key, None)
+            if live is None or self.state.stopped:
                 return
+            block, nbytes, device, stream = live
             self.live_bytes -= nbytes
             self.rows.append(["free", block, nbytes, device, stream, "", self.module_path(), self.state.phase,
                               self.state.iteration])
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """`storage.resize_(n)` (FSDP frees and re-allocates unsharded parameters so) happens outside the dispatcher:
+        on the GPU it is a free of the old block and a new cudaMalloc-backed block of n bytes."""
+        key = storage._cdata
+        if self.state.stopped or (key not in self._live and key not in self._emptied):
+            return
+        device = self._live[key][2] if key in self._live else self._emptied[key]
+        self._free(key)
+        self._alloc(storage, key, device, "resize_", from_host=False, watch=False)
 
     def _first_cuda_use(self, op: str) -> None:
         self._cuda_ops.add(op)
         for library, ops in _LIBRARY_OPS.items():
             if op in ops:
                 self.libraries.add(library)
+
+    def _watch_storage_resizes(self) -> None:
+        resize = torch.UntypedStorage.resize_
+
+        def resize_and_record(storage: torch.UntypedStorage, size: int) -> Any:
+            result = resize(storage, size)
+            self._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_and_record
 
     def _recording_load(self, load: Callable) -> Callable:
         """torch.load(map_location="cuda") makes GPU storages without dispatching an op: note them as it returns."""
@@ -338,50 +368,6 @@ class AllocationRecorder(TorchDispatchMode):
                         self._note_unseen(leaf, "torch.load")
             return loaded
         return load_and_record
-
-    # ---- stand-ins for values fake tensors do not have ------------------------------------------------------
-    def _stand_in_scalar(self, tensor: torch.Tensor) -> Any:
-        self.warn("tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)")
-        if tensor.dtype == torch.bool:
-            truth = getattr(tensor, "_xmem_truth", None)
-            return self._unknown_truth() if truth is None else truth
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-            return 1.0
-        return 1
-
-    def _unknown_truth(self) -> bool:
-        key = (_caller_site(), self.state.iteration, self.state.phase)
-        self._true_stand_ins[key] = count = self._true_stand_ins.get(key, 0) + 1
-        if count <= _MAX_TRUE_STAND_INS:
-            return True
-        self.warn(f"a condition on tensor data was answered True {_MAX_TRUE_STAND_INS} times at one place; "
-                  "answered False from then on, to end the loop")
-        return False
-
-    def _stand_in_dynamic_shape(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Outputs whose size depends on tensor data, at their upper bound: every element selected, every value
-        distinct. Memory estimates should err on the large side."""
-        name = func._opname
-        x = args[0]
-        if name in _UNIQUE_OPS:
-            self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
-            return _unique_upper_bound(name, x, args, kwargs)
-        self.warn(_SELECTION_WARNING)
-        if name == "nonzero":
-            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
-        if name == "masked_select":
-            return torch.empty(torch.broadcast_shapes(x.shape, args[1].shape).numel(), dtype=x.dtype,
-                               device=x.device)
-        if name == "index" and len(args) > 1:
-            indices: list = []
-            for index in args[1]:
-                if index is not None and index.dtype in (torch.bool, torch.uint8):
-                    indices.extend(torch.empty(index.numel(), dtype=torch.long, device=index.device)
-                                   for _ in range(index.dim()))
-                else:
-                    indices.append(index)
-            return func(x, indices)
-        raise
 
     # ---- listeners --------------------------------------------------------------------------------------------
     def warn(self, message: str) -> None:
@@ -408,7 +394,7 @@ class AllocationRecorder(TorchDispatchMode):
                 self.label(inner, category)
         elif tensor.device.type == "cuda":
             block = self._block_of_storage.get(tensor.untyped_storage()._cdata)
-            if block is not None:
+            if block is not None and block >= 0:
                 self.category[block] = category
 
     def _label_module_tensors(self, module: torch.nn.Module) -> None:
@@ -454,21 +440,31 @@ def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
     return "input" if from_host or op in _RANDOM_INPUT_OPS else "temporary"
 
 
-def _caller_site() -> tuple[str, int]:
-    """File and line of the innermost frame outside the tracer and torch's dispatch machinery."""
-    frame = sys._getframe(1)
-    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL_FILES):
-        frame = frame.f_back
-    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("", 0)
+def _runs_on_host(args: tuple, kwargs: dict) -> bool:
+    """Whether an op touches nothing the GPU would hold: no fake (or wrapper-subclass) tensor among its inputs and no
+    cuda device asked for. Real tensors are host tensors: there is no real GPU in a trace. Meta tensors go to the
+    fake mode as before (they hold no data either way, and torch.load under a fake mode rebuilds on meta)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if not _is_plain(value):
+                return False
+        elif isinstance(value, torch.device):
+            if value.type in _FAKE_DEVICES:
+                return False
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor) and not _is_plain(item):
+                    return False
+    return True
 
 
-def _guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
-    """Remember what a boolean result most plausibly holds, for a later `.item()`/`if` on it."""
-    if op in _BOOL_TRUTH:
-        tensor._xmem_truth = _BOOL_TRUTH[op]
-    elif args and isinstance(args[0], torch.Tensor) and hasattr(args[0], "_xmem_truth"):
-        if op in _BOOL_KEEP:
-            tensor._xmem_truth = args[0]._xmem_truth
-        elif op in _BOOL_FLIP:
-            tensor._xmem_truth = not args[0]._xmem_truth
+def _is_plain(tensor: torch.Tensor) -> bool:
+    """A real tensor of torch's own types (or a plain Python subclass without its own dispatch)."""
+    kind = type(tensor)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter and (
+            isinstance(tensor, FakeTensor) or hasattr(kind, "__tensor_flatten__")):
+        return False
+    return not tensor.is_meta
 
+
+_FAKE_DEVICES = ("cuda", "meta")

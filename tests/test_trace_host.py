@@ -1,0 +1,74 @@
+"""Only what the GPU would hold is fake: host tensors and the program's own control flow run for real, in every
+thread, and every way of reading a value out of a cuda tensor gets a stand-in (xmem/trace/standins.py)."""
+
+import sys
+
+import pytest
+
+from torch_builds import PYTHONS, SCRIPTS
+from xmem.trace import TraceError, run_trace
+
+
+def allocs(trace, category):
+    return [e for e in trace.events if e.action == "alloc" and e.category == category]
+
+
+@pytest.fixture(scope="module", params=PYTHONS)
+def host(request):
+    lines = []
+    result = run_trace(["python", str(SCRIPTS / "host_and_values.py")], python=request.param, iterations=3,
+                       on_progress=lines.append)
+    return result
+
+
+def test_host_values_are_real_and_shape_the_model(host):
+    # width 40 comes from a real CPU norm: Linear(16, 40) + Linear(40, 4), fp32; LSTM(16, 32): 4 tensors
+    mlp = [16 * 40 * 4, 40 * 4, 40 * 4 * 4, 4 * 4]
+    lstm = [4 * 32 * 16 * 4, 4 * 32 * 32 * 4, 4 * 32 * 4, 4 * 32 * 4]
+    assert sorted(e.nbytes for e in allocs(host, "parameter")) == sorted(mlp + lstm)
+    assert host.iterations == 3
+
+
+def test_adam_state_and_gradients_match_the_parameters(host):
+    params = sorted(e.nbytes for e in allocs(host, "parameter"))
+    states = [e.nbytes for e in allocs(host, "optimizer_state") if e.nbytes > 512]
+    assert sorted(states) == sorted(n for n in params for _ in range(2) if n > 512)
+
+
+def test_every_way_of_reading_a_cuda_value_warns_once_per_kind(host):
+    warnings = set(host.warnings)
+    assert {"tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)",
+            "tensor.tolist() returned ones (no real data under fake CUDA)",
+            "torch.equal() on fake CUDA tensors answered True (no real data under fake CUDA)",
+            "bincount() assumed as many bins as input elements (no real data under fake CUDA)",
+            "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"} <= warnings
+    assert len(host.warnings) == len(warnings)
+
+
+def test_cpu_only_program_runs_for_real(tmp_path):
+    """A CPU-only loop that stops on a real value ends by itself (a stand-in would never reach the threshold)."""
+    script = tmp_path / "cpu_only.py"
+    script.write_text("import torch\nw = torch.zeros(1, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+                      "for i in range(10000):\n    loss = (w - 3).pow(2).sum()\n    if loss.item() < 1e-6: break\n"
+                      "    loss.backward(); opt.step(); opt.zero_grad()\nassert 20 < i < 200, i\n")
+    with pytest.raises(TraceError) as raised:  # it never used the GPU: no 0-byte answer
+        run_trace([sys.executable, str(script)], iterations=3, timeout=120)
+    assert raised.value.kind == "no_cuda"  # not user_error: the loop ended where real values say, and so did the run
+
+
+def test_regnet_widths_come_from_real_host_values():
+    """torchvision computes RegNet's block widths from CPU tensors: the traced model is the real one."""
+    torchvision = pytest.importorskip("torchvision")
+    expected = sum(p.numel() * p.element_size() for p in torchvision.models.regnet_x_400mf().parameters())
+    result = run_trace([sys.executable, str(SCRIPTS / "regnet_sgd.py")], iterations=2)
+    traced = sum(e.nbytes for e in allocs(result, "parameter"))
+    assert traced == expected
+
+
+def test_a_gpu_program_that_reaches_something_unmodelled_says_so(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text("import torch\nx = torch.zeros(4, device='cuda')\n"
+                      "torch.cuda.default_generators[0].manual_seed(1)\n")
+    with pytest.raises(TraceError) as raised:
+        run_trace([sys.executable, str(script)], timeout=120)
+    assert raised.value.kind in ("not_modelled", "user_error")
