@@ -3,6 +3,21 @@
 Public API: `run_trace(command, ...) -> Trace` and `TraceError`. The work happens in a fresh child process
 (`python -m xmem.trace`), because the fake-CUDA shim must be loaded before torch and patches torch for good.
 Importing this package does not import torch.
+
+How a trace works: **only what the GPU would hold is fake.** The child enters torch's FakeTensorMode and, above it,
+the recorder (a TorchDispatchMode that sees every ATen op). An op whose inputs are all real host tensors and that
+asks for no cuda device runs for real, below the fake mode, at real speed with real values (data loading,
+samplers, metrics, a model whose shape is computed from CPU tensors, a CPU loop that stops on a real loss). An op
+that touches a fake tensor or makes one on cuda goes to the fake mode: its outputs carry shapes and dtypes but no
+data, and each new cuda storage is recorded as an allocation, its death as a free. Both modes are entered in every
+thread the program starts (dispatch modes are per thread). Model tensors built on the host stay real up to 64 MiB
+and are born fake past it, so a 7B model built on the CPU costs no host memory. Values Python takes out of a cuda
+tensor get stand-ins (`standins.py`), each kind warned once.
+
+Modules: `runner` (parent side: the child process, its sandbox and limits), `child` (the child's life),
+`fakecuda` (every patch of torch that makes a GPU appear), `recorder` (routing, allocations, training phases),
+`standins`, `attention` (SDPA backend choice), `distributed` (one rank of a launcher's world), `sandbox`,
+`command` (launchers), `shim` (the native part), `events` (the Trace record), `facts` (the self-audit's facts).
 """
 
 from xmem.trace.errors import TraceError
