@@ -114,7 +114,8 @@ def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) ->
     targets = [path for path, writable in overlay_targets(scratch).items() if writable]
     # Handles on the real directories, taken before any overlay hides them (fds from after the unshare: a mount of
     # the host's namespace cannot be the source of one in ours).
-    real = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in [*targets, str(scratch), *keep_writable]}
+    # A mount point may be a file (a container's /etc/hosts): overlayfs refuses it, so it is made read-only.
+    real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *keep_writable]}
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
     _mount("xmem-cow", str(cow), "tmpfs", MS_NOSUID | MS_NODEV, f"size={cow_bytes},mode=700")
@@ -547,6 +548,8 @@ class CopyOnWrite:
 
     # -- the patched APIs --
     def open(self, file, mode="r", *args, **kwargs):
+        if "x" in mode and self._key(file) and self.access(file, os.F_OK):
+            raise FileExistsError(errno.EEXIST, "File exists", os.fsdecode(file))
         writes = any(flag in mode for flag in "wax+")
         target = self._for_write(file, keep_content="w" not in mode) if writes else self._for_read(file)
         return self.real_open(target, mode, *args, **kwargs)
