@@ -7,7 +7,9 @@
 #                                      also a `cpu` partition, and the config's deferred mode (issue 5)
 #   scripts/slurm-dev-cluster.sh down [--lab DIR]              cancel jobs, stop slurmd and slurmctld by PID
 #
-# DIR defaults to /tmp/xmem-slurm-lab; N (slurmctld's port, slurmd uses N+1) to 6817. Run as root (jobs run as root).
+# DIR defaults to /tmp/xmem-slurm-lab; N (slurmctld's port, slurmd uses N+1) to 6817. Run as root; jobs run as their
+# submitter. For users other than root to submit, DIR and the xmem-slurm install must be theirs to read: a site
+# install (scripts/install.sh --prefix) does it; $LAB/cache and $LAB/measure are 1777.
 # Fake GPUs: gpu:a100:2, gpu:h100:1 and a MIG-style gpu:1g.10gb:1 (symlinks to /dev/null named nvidiaN), and
 # mps:100 on each a100. Why MPS and no shard: with both configured, Slurm 22.05 unsets CUDA_VISIBLE_DEVICES for
 # MPS jobs (slurm-local.md §6.3); MPS alone gives every job a correct environment, and MPS is what the TaskProlog's
@@ -146,7 +148,17 @@ print(int(l('$LAB/etc/xmem.toml').estimate.timeout_s) + 30)" 2>/dev/null || echo
         "$REPO/slurm/$f" > "$LAB/etc/$f"
     chmod 755 "$LAB/etc/$f"
   done
-  mkdir -p "$LAB/measure" "$LAB/cache"; chmod 1777 "$LAB/measure"
+  # Shared by every user, like /tmp: each user's cache entries go to a 0700 subdirectory of their own; the Epilog
+  # trusts a measure file only when it is the job user's own.
+  mkdir -p "$LAB/measure" "$LAB/cache"; chmod 1777 "$LAB/measure" "$LAB/cache"
+}
+
+# sbatch runs the filter (and the TaskProlog runs xmem-slurm) as the submitting user: say so when only root can.
+check_other_users() {
+  setpriv --reuid=65534 --regid=65534 --clear-groups -- "$XMEM_PYTHON" -I -c "import xmem.slurm.filter" \
+    >/dev/null 2>&1 && return 0
+  echo "slurm-dev-cluster: only root can submit here: $XMEM_PYTHON cannot run as another user; make a site" \
+       "install (scripts/install.sh --prefix DIR --packages-from .venv) and set XMEM_SLURM=DIR/venv/bin/xmem-slurm" >&2
 }
 
 start_munge() {
@@ -166,7 +178,7 @@ up() {
   install_packages
   mkdir -p "$LAB"/{etc,state,spool,log,run,dev}
   for i in 0 1 2 3; do ln -sfn /dev/null "$LAB/dev/nvidia$i"; done
-  write_slurm_conf; write_xmem_config; install_xmem_files
+  write_slurm_conf; write_xmem_config; install_xmem_files; check_other_users
   local t0; t0=$(date +%s.%N)
   start_munge
   if ! pid_alive "$LAB/run/slurmctld.pid"; then

@@ -1,7 +1,8 @@
 """The dev cluster (scripts/slurm-dev-cluster.sh) for the integration tests: up once per session, down at the end.
 
 Each runs on its own LAB directory and ports (6837/6838 inline, 6877/6878 deferred), so a developer's cluster on
-the default ones is left alone.
+the default ones is left alone. The cluster runs a site install (scripts/install.sh --prefix, sharing this venv's
+packages), so that `submitter`, a throw-away ordinary user, can submit as well as root.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.throwaway_users import User, throwaway_users
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm-dev-cluster.sh"
@@ -35,6 +39,7 @@ class Submission:
 class DevCluster:
     lab: Path
     env: dict[str, str]
+    site: Path | None = None  # the site install the cluster runs (None: only root can submit)
 
     @property
     def config(self) -> Path:
@@ -49,11 +54,24 @@ class DevCluster:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                               env={**self.env, **(env or {})})
 
-    def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None) -> Submission:
-        """sbatch as a user would run it, from the script's directory; the job's output goes to out-<id>.txt."""
+    def as_user(self, user: User, *argv: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+                timeout: float = 30) -> subprocess.CompletedProcess:
+        """A command run by `user` in a login shell's environment: theirs, plus the cluster's SLURM_CONF/PATH."""
+        assert self.site is not None, "only root can submit to this cluster (no site install)"
+        mine = {k: self.env[k] for k in ("SLURM_CONF", "XMEM_CONFIG", "PATH")}
+        return subprocess.run(user.argv(*argv), capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd or user.home, env=user.env({**mine, **(env or {})}))
+
+    def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None,
+               user: User | None = None) -> Submission:
+        """sbatch as a user would run it (root, or `user`), from the script's directory; the job's output goes to
+        out-<id>.txt."""
         started = time.monotonic()
-        done = self.run("sbatch", "--parsable", "-o", str(script.parent / "out-%j.txt"), *options, str(script),
-                        env=env, cwd=script.parent, timeout=400)
+        argv = ("sbatch", "--parsable", "-o", str(script.parent / "out-%j.txt"), *options, str(script))
+        if user is None:
+            done = self.run(*argv, env=env, cwd=script.parent, timeout=400)
+        else:
+            done = self.as_user(user, *argv, env=env, cwd=script.parent, timeout=400)
         seconds = time.monotonic() - started
         job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else None
         return Submission(job_id, done.returncode, done.stderr, seconds)
@@ -77,9 +95,13 @@ class DevCluster:
     def output(self, workdir: Path, job_id: str) -> str:
         return (workdir / f"out-{job_id}.txt").read_text()
 
-    def analyses(self) -> set[Path]:
-        """The entries of the filter's analysis cache (the site config puts it under the lab)."""
-        return set((self.lab / "cache" / "analyses").glob("*.json"))
+    def user_cache(self, user: str = "root") -> Path:
+        """A user's private part of the cluster's shared cache directory (xmem.cache.user_cache_dir)."""
+        return self.lab / "cache" / user
+
+    def analyses(self, user: str = "root") -> set[Path]:
+        """The entries of a user's analysis cache (the site config puts it under the lab)."""
+        return set((self.user_cache(user) / "analyses").glob("*.json"))
 
 
 @pytest.fixture(scope="session")
@@ -110,14 +132,45 @@ def _slurm_available() -> str | None:
     return "slurmctld is not installed and apt-get could not install it"
 
 
-def _start(tmp_path_factory, name: str, port: int, mode: str = "inline"):
+@pytest.fixture(scope="session")
+def site_install():
+    """A site install every user can run, sharing this venv's packages (12 s once); None if this venv's packages
+    are not readable by other users (then only root submits)."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    base = Path(tempfile.mkdtemp(prefix="xmem-site-"))
+    base.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--prefix", str(base),
+                           "--packages-from", sys.prefix], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        print(f"no site install, only root submits:\n{done.stdout}\n{done.stderr}")
+        shutil.rmtree(base, ignore_errors=True)
+        yield None
+        return
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def submitter(site_install):
+    """A throw-away ordinary user who submits to the dev clusters."""
+    if site_install is None:
+        pytest.skip("no site install: only root can submit to the dev cluster")
+    with throwaway_users("submit") as (user,):
+        yield user
+
+
+def _start(tmp_path_factory, name: str, port: int, mode: str = "inline", site: Path | None = None):
     why_not = _slurm_available()
     if why_not:
         pytest.skip(why_not)
     if os.geteuid() != 0:
         pytest.skip("the dev cluster runs slurmctld/slurmd as root (SlurmUser=root); run the tests as root")
-    lab = tmp_path_factory.mktemp(name)
-    xmem_slurm = Path(sys.executable).parent / "xmem-slurm"
+    lab = Path(tempfile.mkdtemp(prefix=f"xmem-{name}-"))  # not under pytest's root-only 0700 base
+    lab.chmod(0o755)
+    bin_dir = site / "venv" / "bin" if site else Path(sys.executable).parent
+    xmem_slurm = bin_dir / "xmem-slurm"
     env = {**os.environ, "XMEM_SLURM": str(xmem_slurm)}
     env.pop("SLURM_JOB_ID", None)  # the filter skips submissions from inside a job
     up = subprocess.run(["bash", str(SCRIPT), "up", "--lab", str(lab), "--port", str(port), "--mode", mode],
@@ -126,19 +179,20 @@ def _start(tmp_path_factory, name: str, port: int, mode: str = "inline"):
         subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)
         raise RuntimeError(f"slurm-dev-cluster.sh up failed:\n{up.stdout}\n{up.stderr}")
     exports = dict(re.findall(r"(\w+)=(\S+)", up.stdout.strip().splitlines()[-1].removeprefix("export ")))
-    # Jobs and the filter find the project's python (and torch) first on the PATH, as a user's venv would.
-    env.update(exports, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    yield DevCluster(lab, env)
+    # Jobs and the filter find the install's python (and torch) first on the PATH, as a user's venv would.
+    env.update(exports, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
+    yield DevCluster(lab, env, site)
     subprocess.run(["bash", str(SCRIPT), "down", "--lab", str(lab)], capture_output=True, timeout=120, env=env)
+    shutil.rmtree(lab, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> DevCluster:
+def cluster(tmp_path_factory, site_install) -> DevCluster:
     """Inline mode: the filter estimates during sbatch."""
-    yield from _start(tmp_path_factory, "slurm-lab", PORT)
+    yield from _start(tmp_path_factory, "slurm-lab", PORT, site=site_install)
 
 
 @pytest.fixture(scope="session")
-def deferred_cluster(tmp_path_factory) -> DevCluster:
+def deferred_cluster(tmp_path_factory, site_install) -> DevCluster:
     """Deferred mode (issue 5): estimates run as jobs on the `cpu` partition. Ports 6877/6878."""
-    yield from _start(tmp_path_factory, "slurm-lab-deferred", PORT + 40, "partition")
+    yield from _start(tmp_path_factory, "slurm-lab-deferred", PORT + 40, "partition", site=site_install)

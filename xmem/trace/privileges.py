@@ -48,14 +48,24 @@ def owner_if_not_root(path: str) -> str | None:
     return "other users" if info.st_mode & OTHERS_WRITE and not os.path.isdir(path) else None
 
 
+def user_name(uid_option: str) -> str:
+    """`--uid` as sbatch hands it on (a number, once resolved) or as typed (a name), as a name where known."""
+    if not uid_option.isdigit():
+        return uid_option
+    try:
+        return pwd.getpwuid(int(uid_option)).pw_name
+    except KeyError:
+        return f"uid {uid_option}"
+
+
 def foreign_owner(options: Mapping[str, str], script: str | None, command: Sequence[str] = (),
                   cwd: str | None = None) -> str | None:
     """Whose code the job would run, when it is not root's alone; None when tracing it as root is root's own
     business (or when not root at all)."""
     if not as_root():
         return None
-    job_user = options.get("uid")
-    if job_user and job_user not in ("0", "root"):
+    job_user = user_name(options.get("uid") or "")
+    if job_user and job_user != "root":
         return job_user
     candidates = [p for p in (script, cwd) if p]
     candidates += [os.path.join(cwd or "", arg) for arg in command if os.path.isfile(os.path.join(cwd or "", arg))]

@@ -1,0 +1,84 @@
+"""The dev cluster used by an ordinary user, as on a shared login node (issue 14): the site install runs for them,
+their estimate is cached in their own 0700 directory, their job's measured peak is recorded; root submitting for
+them (`sbatch --uid`) never runs their program; another user's planted measure file is refused by the Epilog.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_slurm_glue import JOB_BODY, MEASURED, TRAIN, expected_decision, xmem_lines
+from tests.throwaway_users import throwaway_users
+from xmem.slurm.node import JobStamp
+from xmem.slurm.store import read_records
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def home(submitter):
+    """A job directory of the submitter's own, with the training script."""
+    work = submitter.home / "jobs"
+    submitter.run("mkdir", "-p", str(work))
+    submitter.run("/bin/sh", "-c", 'printf "%s" "$1" > "$2"', "sh", TRAIN, str(work / "train.py"))
+    return work
+
+
+def job_script(user, work: Path, name: str, text: str) -> Path:
+    path = work / name
+    user.run("/bin/sh", "-c", 'printf "%s" "$1" > "$2"', "sh", text, str(path))
+    return path
+
+
+def test_an_ordinary_users_job_is_estimated_cached_privately_and_recorded(cluster, submitter, home):
+    path = job_script(submitter, home, "generic.sh", f"#!/bin/bash\n#SBATCH --gres=gpu:1\n{JOB_BODY}")
+    sub = cluster.sbatch(path, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    (line,) = xmem_lines(sub.stderr)
+    assert "->" in line and "cannot" not in line, line
+    print(f"\nfigure: sbatch as an ordinary user with a fresh estimate took {sub.seconds:.2f} s")
+
+    (entry,) = cluster.analyses(submitter.name)
+    mine = cluster.user_cache(submitter.name)
+    for p in (mine, entry):
+        info = p.lstat()
+        assert info.st_uid == submitter.uid and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+
+    info = cluster.wait(sub.job_id, timeout=300)
+    expected = expected_decision(cluster, path, json.loads(entry.read_text())["peaks"])
+    assert info["JobState"] == "COMPLETED" and info["TresPerNode"] == f"gres:{expected.gres}"
+    assert info["UserId"].startswith(f"{submitter.name}(")
+    record = {r.job_id: r for r in read_records(cluster.store)}[sub.job_id]
+    assert (record.user, record.measured_bytes, record.measured_by) == (submitter.name, MEASURED, "file")
+    assert record.estimate_bytes == JobStamp.from_comment(info["Comment"]).peak_bytes
+
+
+def test_root_submitting_for_the_user_keeps_their_request_and_runs_nothing(cluster, submitter, home):
+    path = job_script(submitter, home, "for-user.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1\n# for root\n"
+                                                      "python train.py\n")
+    sub = cluster.sbatch(path, f"--uid={submitter.name}", "--begin=now+3600")
+    assert sub.returncode == 0, sub.stderr
+    (line,) = xmem_lines(sub.stderr)
+    assert "never runs a user's program as root" in line and submitter.name in line
+    assert sub.seconds < 10  # nothing traced
+    assert cluster.job(sub.job_id)["TresPerNode"] == "gres:gpu:1"
+    cluster.run("scancel", sub.job_id)
+
+
+def test_a_measure_file_planted_by_another_user_is_refused_by_the_epilog(cluster, submitter, home):
+    with throwaway_users("planter") as (planter,):
+        path = job_script(submitter, home, "cpu.sh", "#!/bin/bash\ntrue\n")
+        sub = cluster.sbatch(path, "--hold", user=submitter)
+        assert sub.returncode == 0, sub.stderr
+        planted = cluster.lab / "measure" / f"xmem-measure-{sub.job_id}.json"
+        planter.run("/bin/sh", "-c", f"echo '{{\"peak_bytes\": 12345}}' > {planted}")
+        cluster.run("scontrol", "release", sub.job_id)
+        cluster.wait(sub.job_id, timeout=60)
+        records = {r.job_id: r for r in read_records(cluster.store)}
+        assert sub.job_id not in records  # a CPU job with nothing measured: no record, not the planted one
+        assert not planted.exists()
