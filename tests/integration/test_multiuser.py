@@ -6,7 +6,9 @@ them (`sbatch --uid`) never runs their program; another user's planted measure f
 from __future__ import annotations
 
 import json
+import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,19 @@ def test_a_measure_file_planted_by_another_user_is_refused_by_the_epilog(cluster
         records = {r.job_id: r for r in read_records(cluster.store)}
         assert sub.job_id not in records  # a CPU job with nothing measured: no record, not the planted one
         assert not planted.exists()
+
+
+def test_the_site_install_links_nowhere_private_and_runs_as_nobody(site_install):
+    """Nothing in the install points into a directory other users cannot enter (pyenv's /root, mode 700)."""
+    if site_install is None:
+        pytest.skip("no site install here")
+    venv = site_install / "venv"
+    assert "/root" not in (venv / "pyvenv.cfg").read_text()
+    for link in (p for p in venv.rglob("*") if p.is_symlink()):
+        target = link.resolve()
+        assert all(os.stat(d).st_mode & 0o001 for d in target.parents), f"{link} -> {target}"
+    for name in ("cache", "measure"):
+        assert stat.S_IMODE((site_install / "var" / name).stat().st_mode) == 0o1777
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                           str(venv / "bin" / "xmem-slurm"), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
