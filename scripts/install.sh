@@ -93,7 +93,8 @@ site_install() {
     shared=$("$PACKAGES_FROM/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     world_usable "$shared" || { echo "install.sh: $shared is not readable by every user" >&2; exit 2; }
     # The working tree first (xmem, editable), then VENV's packages; the entry point pip would have written.
-    printf '%s\n' "$REPO" "$shared" > "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/xmem-shared-packages.pth"
+    local purelib; purelib=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    printf '%s\n' "$REPO" "$shared" > "$purelib/xmem-shared-packages.pth"
     printf '#!%s\nimport sys\nfrom xmem.cli import main\nsys.exit(main())\n' "$py" > "$PREFIX/venv/bin/xmem-slurm"
     chmod 755 "$PREFIX/venv/bin/xmem-slurm"
   else
@@ -106,8 +107,9 @@ site_install() {
   install -d -m 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"
   chmod 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"  # also when they existed with another mode
   local slots; slots=$("$py" -c 'from xmem.cache import SHARED_SLOTS_DIR; print(SHARED_SLOTS_DIR)')
-  [ -d "$slots" ] && [ ! -L "$slots" ] && [ "$(stat -c %u "$slots")" = 0 ] || { rm -f "$slots"; install -d -m 1777 "$slots"; }
-  chmod 1777 "$slots"
+  # Root's, or made again: one squatted by a user (or a symlink) would send everyone to their home's slots.
+  if [ -L "$slots" ] || { [ -e "$slots" ] && [ "$(stat -c %u "$slots")" != 0 ]; }; then rm -rf "$slots"; fi
+  install -d -m 1777 "$slots"; chmod 1777 "$slots"
   # Proof, as nobody: the filter's interpreter starts and imports xmem and torch.
   setpriv --reuid=65534 --regid=65534 --clear-groups -- "$py" -I -c "import torch, xmem.slurm.filter" \
     || { echo "install.sh: $py does not run as an ordinary user" >&2; exit 1; }
