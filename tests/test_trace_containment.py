@@ -109,6 +109,13 @@ def test_host_memory_limit_from_the_site_config_is_its_own_error(tmp_path):
     assert "more host memory than the trace may use (1.5 GiB: estimate.memory_limit_gib" in run.stderr
 
 
+def test_the_tracer_runs_under_a_cpu_time_and_a_host_memory_limit():
+    """So that a tracer whose caller vanished still stops, and a program cannot take the login node's memory."""
+    with pytest.raises(TraceError) as caught:
+        run_trace(["python", MISBEHAVES, "--how", "limits"], timeout=200, memory_limit_bytes=3 << 30)
+    assert f"cpu {200 * os.cpu_count() + 60} data {3 << 30}" in caught.value.output
+
+
 def test_failed_estimate_shows_what_the_program_printed(tmp_path):
     """The CLI prints the program's last lines beside its traceback (and --json carries them)."""
     script = tmp_path / "train.py"

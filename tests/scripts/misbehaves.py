@@ -6,9 +6,11 @@
 - `exit3`, `kill9`, `abort`: its process ends in the first iteration by os._exit(3) (as scripts do to skip a slow
   teardown), a SIGKILL (as from the out-of-memory killer) or an abort() (as a failed C++ check).
 - `hold GIB`: first caches GIB of "dataset" in host memory, in 64 MiB pieces.
+- `limits`: prints the CPU-time and data-size limits it runs under, and exits 3.
 """
 import argparse
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import torch
 import torch.nn as nn
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--how", choices=("spawn", "exit3", "kill9", "abort", "hold"), required=True)
+parser.add_argument("--how", choices=("spawn", "exit3", "kill9", "abort", "hold", "limits"), required=True)
 parser.add_argument("value", nargs="?", default="")
 args = parser.parse_args()
 
@@ -45,6 +47,9 @@ def end_itself(how: str) -> None:
     os.abort()
 
 
+if args.how == "limits":
+    print(f"cpu {resource.getrlimit(resource.RLIMIT_CPU)[0]} data {resource.getrlimit(resource.RLIMIT_DATA)[0]}")
+    sys.exit(3)
 if args.how == "spawn":
     spawn_helpers(args.value)
 if args.how == "hold":
