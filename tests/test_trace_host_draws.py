@@ -1,9 +1,10 @@
 """Host-side random draws that decide control flow (LayerDrop): the traced run must take the branch a GPU run
 takes. The `facebook/opt-125m` failure of issue 10 (transformers 4.51.3: "'NoneType' object has no attribute
-'to_legacy_cache'", modeling_opt.py:969) is this: `torch.rand([]) < config.layerdrop` (0.0) is a CPU tensor that
-fake mode leaves without a value; the stand-in answer True skipped every decoder layer, so no layer returned a
-cache. Host tensors keep their real values once only what the GPU holds is fake (the tracer's real-programs change,
-xmem/trace/child.py, recorder.py, fakecuda.py); until then these tests are expected to fail."""
+'to_legacy_cache'", modeling_opt.py:969) was this: `torch.rand([]) < config.layerdrop` (0.0) was a fake CPU tensor
+with no value; the stand-in answer True skipped every decoder layer, so no layer returned a cache (and with
+transformers 5, which guards the draw with `layerdrop > 0.0`, a model with LayerDrop would have been traced with
+no layers). Host ops now run for real below the fake mode (only what the GPU holds is fake), so the draw has its
+real value."""
 
 import os
 from pathlib import Path
@@ -15,10 +16,8 @@ from xmem.trace import run_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_STACK = Path(os.environ.get("XMEM_TEST_REFERENCE_STACK", ROOT / "bench-out" / "reference-stack"))
-HOST_VALUES_FAKE = "host tensors are fake: a host-side draw has no value (fixed by the real-programs change)"
 
 
-@pytest.mark.xfail(strict=True, reason=HOST_VALUES_FAKE)
 @pytest.mark.parametrize("python", PYTHONS)
 def test_layerdrop_with_probability_zero_runs_every_layer(python):
     result = run_trace(["python", str(SCRIPTS / "layerdrop.py")], python=python, iterations=2)
@@ -27,7 +26,6 @@ def test_layerdrop_with_probability_zero_runs_every_layer(python):
     assert sorted(gradients) == sorted([64 * 64 * 4, 64 * 4] * 4)  # every Linear of the 4 layers was used
 
 
-@pytest.mark.xfail(strict=True, reason=HOST_VALUES_FAKE)
 @pytest.mark.skipif(not (REFERENCE_STACK / "transformers").is_dir(),
                     reason=f"no reference stack at {REFERENCE_STACK} (scripts/bench_accuracy.py installs it)")
 def test_opt_trains_with_the_reference_stack():
