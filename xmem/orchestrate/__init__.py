@@ -182,6 +182,6 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
 
 
 __all__ = [
-    "ATTENTION_BACKWARD_OPS", "AttentionWorkspaceModel", "CONV_OPS", "CUBLAS_OPS", "ConvWorkspaceModel", "GpuOps", "Label", "Op", "host_thread", "orchestrate",
-    "trace_devices",
+    "ATTENTION_BACKWARD_OPS", "AttentionWorkspaceModel", "CONV_OPS", "CUBLAS_OPS", "ConvWorkspaceModel", "GpuOps",
+    "Label", "Op", "host_thread", "orchestrate", "trace_devices",
 ]

@@ -11,9 +11,11 @@ and the 2.13 headers); names in the comments are upstream's functions. Import on
 The choice (`select_sdp_backend`): walk the priority order and take the first backend whose `can_use_*` gates pass;
 math only when enabled. The order is `Context.h`'s default (flash, efficient, math, cudnn) unless the program set
 one (`sdpa_kernel(..., set_priority=True)`), and `check_prefer_cudnn_attention` puts cuDNN first on sm9x/sm10x
-with cuDNN > 9.15.0 (CUDA < 13 wheels: sm90, sm93, sm100, sm103 only), unless $TORCH_CUDNN_SDPA_DEPRIORITIZED.
+with cuDNN > 9.15.0 (CUDA < 13 wheels: minor 0 or 3 only), unless $TORCH_CUDNN_SDPA_DEPRIORITIZED.
 Grouped-query attention (`enable_gqa`, `check_grouped_query_attention`) runs on all three fused kernels on CUDA;
-multi-query (k/v with one head, no `enable_gqa`) on them from torch 2.14 (`supports_mqa`).
+multi-query (k/v with one head, no `enable_gqa`) on them from torch 2.14 (`supports_mqa`). cuDNN's layout check
+(`check_cudnn_layout`) is not among its gates in these releases (its warnings are absent from the 2.14.1 binary).
+Autocast casts SDPA's inputs before the choice (a lower_precision_fp op), so the choice sees the cast dtypes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
-BACKENDS = (FLASH, EFFICIENT, MATH, CUDNN)
 DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)  # Context.h sdp_priority_order
 CUDNN_FIRST = (CUDNN, FLASH, EFFICIENT, MATH)  # priority_order() when check_prefer_cudnn_attention()
 _ENUM_NAMES = {0: MATH, 1: FLASH, 2: EFFICIENT, 3: CUDNN}  # at::SDPBackend values; 4 (overrideable) is not CUDA's
@@ -51,7 +52,7 @@ class Runtime:
     torch_version: tuple[int, int] = (2, 14)
     cuda_major: int = WHEEL_CUDA_MAJOR  # CUDA the wheel was built with
     cudnn_version: int = WHEEL_CUDNN_VERSION  # runtime cuDNN, as versionRuntimeCuDNN() (9.24.0 -> 92400)
-    enabled: frozenset[str] = frozenset(BACKENDS)  # torch.backends.cuda.enable_*_sdp / sdpa_kernel
+    enabled: frozenset[str] = frozenset(DEFAULT_ORDER)  # torch.backends.cuda.enable_*_sdp / sdpa_kernel
     order: tuple[str, ...] = DEFAULT_ORDER  # the order the program left in the global context
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) without warn_only
     cudnn_deprioritized: bool = False  # $TORCH_CUDNN_SDPA_DEPRIORITIZED
