@@ -156,3 +156,11 @@ def test_gres_and_gpus_options_override_the_script(workdir):
 def test_script_and_wrap_together_is_a_usage_error(workdir):
     done = check("job.sh", "--wrap", "true", cwd=workdir)
     assert done.returncode == 2 and "one of them" in done.stderr
+
+
+def test_a_hetjob_is_named_as_one_sbatch_leaves_unchanged(workdir):
+    (workdir / "het.sh").write_text("#!/bin/bash\n#SBATCH --ntasks=1\n#SBATCH hetjob\n#SBATCH --gres=gpu:1\n"
+                                    "srun --het-group=1 python train.py 64\n")
+    done = check(str(workdir / "het.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
+    assert done.returncode == 0, done.stderr
+    assert "heterogeneous job (#SBATCH hetjob, line 3): sbatch through xmem leaves it unchanged" in done.stdout
