@@ -1,0 +1,178 @@
+"""Weights on disk are never read (xmem.trace.weights): checkpoints bound for the GPU load as fake tensors made from
+their metadata, CPU-bound ones stay real and memory-mapped, and nothing of their data is read.
+
+Each case runs in a fresh process set up as the tracing child is (shim, fake CUDA, the patches) and reports what it
+loaded; what it cost is the part of the weight files in the page cache afterwards (evicted before: fsync, then
+posix_fadvise DONTNEED), which counts reads and memory-mapped pages alike."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torch_builds import PYTHONS
+
+MIB = 1 << 20
+READ_ALLOWANCE = 16 * MIB  # headers, pickles, the kernel's readahead around them: far below two 64 MiB weights
+
+SETUP = """
+    import json, os, sys
+    os.environ.setdefault("XMEM_FAKE_DEVICE_COUNT", "1")
+    from xmem.trace import shim
+    shim.load_shim()
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from xmem.trace import fakecuda, weights
+    fakecuda.install(fakecuda.FakeCuda((9, 0), 1))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    weights.install(lambda: mode)
+
+    def describe(t):
+        return {"fake": isinstance(t, FakeTensor), "device": str(t.device), "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch.")}
+"""
+REPORT = """
+    print("RESULT " + json.dumps(result))
+"""
+
+
+def weight_files(folder):
+    return [path for path in folder.iterdir() if path.suffix in (".safetensors", ".pt", ".bin")]
+
+
+def evict(paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_bytes(paths):
+    """Bytes of `paths` in the page cache (util-linux fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(word) for word in out.split())
+
+
+def run_case(python, tmp_path, body, folder):
+    weights = weight_files(folder)
+    evict(weights)
+    assert cached_bytes(weights) < MIB, "the page cache kept the weight files: the measure would mean nothing"
+    script = tmp_path / "case.py"
+    script.write_text(textwrap.dedent(SETUP) + textwrap.dedent(body) + textwrap.dedent(REPORT))
+    run = subprocess.run([python, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    assert cached_bytes(weights) < READ_ALLOWANCE
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 64 MiB weight (bf16) and a small one with known values, as safetensors and as a torch checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("checkpoints")
+    tensors = {"big": torch.zeros(4096, 8192, dtype=torch.bfloat16), "small": torch.arange(6.0).reshape(2, 3)}
+    save_file(tensors, str(folder / "weights.safetensors"))
+    torch.save(tensors, folder / "weights.pt")
+    return folder
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_safetensors_bound_for_cuda_are_fake_from_the_header(python, tmp_path, checkpoints):
+    result = run_case(python, tmp_path, f"""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cuda") as f:
+            result = {{"keys": list(f.keys()), "big": describe(f.get_tensor("big")),
+                      "rows": describe(f.get_slice("big")[:1024]), "dtype": f.get_slice("big").get_dtype()}}
+        result["load_file"] = describe(load_file({str(checkpoints / "weights.safetensors")!r}, device=0)["big"])
+    """, checkpoints)
+    assert result["keys"] == ["big", "small"] and result["dtype"] == "BF16"
+    big = {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["big"] == big and result["load_file"] == big
+    assert result["rows"] == {**big, "shape": [1024, 8192]}
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_torch_load_to_cuda_reads_no_weight(python, tmp_path, checkpoints):
+    result = run_case(python, tmp_path, f"""
+        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cuda")
+        result = {{name: describe(t) for name, t in loaded.items()}}
+    """, checkpoints)
+    assert result["big"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["small"]["fake"] and result["small"]["device"] == "cuda:0"
+
+
+def test_cpu_loads_stay_real_and_mapped(tmp_path, checkpoints):
+    result = run_case(sys.executable, tmp_path, f"""
+        from safetensors import safe_open
+        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cpu")
+        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cpu") as f:
+            small = f.get_tensor("small")
+        result = {{"big": describe(loaded["big"]), "values": loaded["small"].tolist(), "st_values": small.tolist()}}
+    """, checkpoints)
+    assert result["big"] == {"fake": False, "device": "cpu", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["values"] == result["st_values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # read where used
+
+
+def test_load_state_dict_into_a_cpu_module_then_to_cuda_reads_nothing(tmp_path, checkpoints):
+    result = run_case(sys.executable, tmp_path, f"""
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.big = torch.nn.Parameter(torch.empty(4096, 8192, dtype=torch.bfloat16))
+                self.register_buffer("small", torch.empty(2, 3))
+        net = Net()
+        param = net.big
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # built before the load, as when resuming
+        net.load_state_dict(torch.load({str(checkpoints / "weights.pt")!r}))
+        result = {{"same_parameter": net.big is param and optimizer.param_groups[0]["params"][0] is param,
+                  "values": net.small.tolist()}}
+        with mode:
+            net.to("cuda")
+        result["moved"] = describe(net.big)
+    """, checkpoints)
+    assert result["same_parameter"] and result["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert result["moved"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A small Llama saved as Hugging Face does, in safetensors and in the older pytorch_model.bin."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    folders = {"safetensors": tmp_path_factory.mktemp("llama-st"), "bin": tmp_path_factory.mktemp("llama-bin")}
+    model.save_pretrained(folders["safetensors"])
+    config.save_pretrained(folders["bin"])
+    torch.save(model.state_dict(), folders["bin"] / "pytorch_model.bin")
+    return folders, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout, device_map", [("safetensors", None), ("safetensors", "cuda"), ("bin", "cuda")])
+def test_from_pretrained_weights_are_fake(layout, device_map, tmp_path, pretrained):
+    folders, parameters = pretrained
+    result = run_case(sys.executable, tmp_path, f"""
+        from transformers import AutoModelForCausalLM
+        with mode:  # as the program runs in the tracing child
+            model = AutoModelForCausalLM.from_pretrained({str(folders[layout])!r}, dtype=torch.bfloat16,
+                                                         device_map={device_map!r})
+            model.to("cuda")
+        params = list(model.parameters())
+        result = {{"fake": all(isinstance(p, FakeTensor) for p in params), "numel": sum(p.numel() for p in params),
+                  "devices": sorted({{str(p.device) for p in params}})}}
+    """, folders[layout])
+    assert result["fake"] and result["devices"] == ["cuda:0"]
+    assert result["numel"] == parameters

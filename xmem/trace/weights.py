@@ -1,0 +1,269 @@
+"""Weights on disk are never read: checkpoints load as fake tensors made from their metadata.
+
+Owns the patches of the checkpoint entry points: safetensors' `safe_open` (and `safetensors.torch.load_file`,
+which opens through it), `torch.load` and `nn.Module.load_state_dict`. The rule:
+
+* A load bound for the GPU gives fake tensors, made from the file's metadata only: safetensors' JSON header, or the
+  pickle of a torch checkpoint (torch's FakeTensorMode-aware loading makes each storage a meta storage that knows
+  its offset in the file). Bound for the GPU: a safetensors `device` on cuda; a `torch.load` whose `map_location`
+  (or, without one, the checkpoint's saved location) puts tensors on cuda; every load made while a
+  `from_pretrained` runs (transformers, peft, diffusers...: pretrained weights are loaded to be trained on the GPU,
+  whatever device they pass through on the way).
+* A load bound for the CPU stays real and memory-mapped (safetensors' own mmap backend; `torch.load(mmap=True)` for
+  a checkpoint file in torch's zip format): its pages are read only where the program computes on them on the CPU.
+  A `torch.load` whose tensors go partly to cuda takes those from the fake load and the rest from the mapped one.
+* `load_state_dict` of memory-mapped checkpoint tensors into a CPU module of the same shapes and dtypes points the
+  module's tensors at the mapped data instead of copying it (the Parameter objects stay, so an optimizer built
+  before keeps them), so that moving the module to the GPU afterwards reads nothing either.
+
+`install(fake_context)` applies the patches once per process (the tracing child); `fake_context()` must return a
+context in which new tensors are fake and recorded (the child's FakeTensorMode, with the recorder above it).
+Import only in the tracing child, after `xmem.trace.fakecuda`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections import OrderedDict
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+FakeContext = Callable[[], AbstractContextManager]
+
+# safetensors' dtype names (the format's spec) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
+
+_fake_context: FakeContext | None = None
+MAPPED = "_xmem_mapped"  # the attribute marking a tensor of a memory-mapped torch checkpoint (real, unread)
+
+
+def install(fake_context: FakeContext) -> None:
+    """Patch the checkpoint entry points (once per process)."""
+    global _fake_context
+    if _fake_context is not None:
+        _fake_context = fake_context
+        return
+    _fake_context = fake_context
+    torch.load = _make_load(torch.load)
+    torch.nn.Module.load_state_dict = _make_load_state_dict(torch.nn.Module.load_state_dict)
+    _patch_safetensors()
+    # transformers materialises checkpoint tensors on a thread pool to overlap file reads; nothing is read here,
+    # and the fake tensors' one mode must not be entered by several threads at once (its kernel-invocation state)
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
+
+
+# ---- where a load is bound ----------------------------------------------------------------------------------------
+def _is_cuda(device: Any) -> bool:
+    """A device as the loaders take it: an int (safetensors: a CUDA index), a name or a torch.device."""
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _inside_from_pretrained() -> bool:
+    """Whether a `from_pretrained` is on the stack (asked once per file opened: cheap)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "from_pretrained":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _make_fake(shape: Any, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    assert _fake_context is not None, "weights.install() was not called"
+    with _fake_context():
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+# ---- safetensors ----------------------------------------------------------------------------------------------------
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}. Reads
+    8 + header bytes, nothing of the data."""
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) != 8:
+            raise OSError(f"{path}: not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise OSError(f"{path}: not a safetensors file (header of {length} bytes)")
+        return json.loads(file.read(length))
+
+
+class FakeSafeOpen:
+    """`safetensors.safe_open` whose tensors are fake, made from the header on `device` (its API for torch)."""
+
+    def __init__(self, filename: str | os.PathLike, framework: str = "pt", device: Any = "cpu", **_: Any) -> None:
+        self._header = read_safetensors_header(filename)
+        self._metadata = self._header.pop("__metadata__", None)
+        self._device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+    def __enter__(self) -> "FakeSafeOpen":
+        return self
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+    def keys(self) -> list[str]:
+        return sorted(self._header)
+
+    def offset_keys(self) -> list[str]:
+        return sorted(self._header, key=lambda name: self._header[name]["data_offsets"][0])
+
+    def metadata(self) -> dict[str, str] | None:
+        return self._metadata
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self._header[name]
+        return _make_fake(entry["shape"], SAFETENSORS_DTYPES[entry["dtype"]], self._device)
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: self.get_tensor(name) for name in self.offset_keys()}
+
+    def get_slice(self, name: str) -> "FakeSlice":
+        return FakeSlice(self._header[name], self._device)
+
+
+class FakeSlice:
+    """safetensors' PySafeSlice: shape and dtype from the header; indexing makes the selected part, compact."""
+
+    def __init__(self, entry: dict[str, Any], device: torch.device) -> None:
+        self._entry, self._device = entry, device
+
+    def get_shape(self) -> list[int]:
+        return list(self._entry["shape"])
+
+    def get_dtype(self) -> str:
+        return self._entry["dtype"]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        shape = torch.empty(self._entry["shape"], device="meta")[index].shape
+        return _make_fake(shape, SAFETENSORS_DTYPES[self._entry["dtype"]], self._device)
+
+
+def _patch_safetensors() -> None:
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:  # the program cannot use it either
+        return
+    original = safetensors.safe_open
+
+    def safe_open(filename: Any, framework: str, device: Any = "cpu", **kwargs: Any) -> Any:
+        if framework in ("pt", "torch") and (_is_cuda(device) or _inside_from_pretrained()):
+            return FakeSafeOpen(filename, framework, device if _is_cuda(device) else "cpu")
+        return original(filename, framework, device=device, **kwargs)
+
+    safetensors.safe_open = safe_open
+    safetensors.torch.safe_open = safe_open  # load_file opens through the name it imported
+
+
+# ---- torch.load -----------------------------------------------------------------------------------------------------
+def _make_load(original: Callable) -> Callable:
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if map_location == "meta" or not _is_checkpoint_file(f):
+            return original(f, map_location, *args, **kwargs)
+        try:
+            assert _fake_context is not None
+            with _fake_context():  # torch's fake-aware loading: meta storages with their file offsets
+                fake = original(f, map_location, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - what torch would say (a bad file, weights_only) comes from the real load
+            return original(f, map_location, *args, **kwargs)
+        if _inside_from_pretrained() or _all_bound_for_cuda(fake):
+            return fake
+        if kwargs.get("mmap") is None:
+            kwargs["mmap"] = True
+        real = original(f, "cpu" if _any_bound_for_cuda(fake) else map_location, *args, **kwargs)
+        for leaf in pytree.tree_leaves(real):
+            if isinstance(leaf, torch.Tensor) and kwargs["mmap"]:
+                setattr(leaf, MAPPED, True)
+        return _merge(fake, real)
+    return load
+
+
+def _is_checkpoint_file(f: Any) -> bool:
+    """A path to a file in torch's zip format (the one torch.save writes; mmap needs a path)."""
+    if not isinstance(f, (str, os.PathLike)):
+        return False
+    try:
+        with open(f, "rb") as file:
+            return file.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+def _bound_for_cuda(leaf: Any) -> bool:
+    if isinstance(leaf, torch.Tensor):
+        return leaf.device.type == "cuda"
+    if isinstance(leaf, torch.nn.Module):
+        return any(t.device.type == "cuda" for t in [*leaf.parameters(), *leaf.buffers()])
+    return False
+
+
+def _tensor_leaves(tree: Any) -> list[Any]:
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, (torch.Tensor, torch.nn.Module))]
+
+
+def _all_bound_for_cuda(tree: Any) -> bool:
+    leaves = _tensor_leaves(tree)
+    return bool(leaves) and all(_bound_for_cuda(leaf) for leaf in leaves)
+
+
+def _any_bound_for_cuda(tree: Any) -> bool:
+    return any(_bound_for_cuda(leaf) for leaf in _tensor_leaves(tree))
+
+
+def _merge(fake: Any, real: Any) -> Any:
+    """The loaded object with cuda-bound leaves from the fake load and the others from the real (mapped) one."""
+    fake_leaves, fake_spec = pytree.tree_flatten(fake)
+    real_leaves, real_spec = pytree.tree_flatten(real)
+    if fake_spec != real_spec:  # objects pytree does not open hold the tensors: the fake load as a whole
+        return fake
+    return pytree.tree_unflatten([f if _bound_for_cuda(f) else r for f, r in zip(fake_leaves, real_leaves)],
+                                 real_spec)
+
+
+# ---- load_state_dict --------------------------------------------------------------------------------------------
+def _make_load_state_dict(original: Callable) -> Callable:
+    def load_state_dict(self: torch.nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if not assign and any(getattr(value, MAPPED, False) for value in state_dict.values()):
+            state_dict = _bind_mapped(self, state_dict)
+        return original(self, state_dict, strict=strict, assign=assign)
+    return load_state_dict
+
+
+def _bind_mapped(module: torch.nn.Module, state_dict: Any) -> Any:
+    """Point the module's real CPU tensors at the mapped checkpoint tensors of the same shape and dtype; the state
+    dict handed on names the module's own tensor there, whose copy onto itself torch skips."""
+    own = module.state_dict(keep_vars=True)
+    bound = OrderedDict(state_dict)
+    for name, value in state_dict.items():
+        target = own.get(name)
+        if (getattr(value, MAPPED, False) and isinstance(target, torch.Tensor) and not isinstance(target, FakeTensor)
+                and target.device.type == "cpu" and target.dtype == value.dtype and target.shape == value.shape):
+            with torch.no_grad():
+                target.data = value
+            bound[name] = target
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        bound._metadata = metadata  # type: ignore[attr-defined]
+    return bound
