@@ -66,6 +66,16 @@ class AverageMeter:
 model = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4)).cuda()
 rnn = nn.LSTM(16, 32, batch_first=True).cuda()
 optimizer = torch.optim.AdamW(list(model.parameters()) + list(rnn.parameters()), lr=1e-3)
+try:
+    import pynvml
+except ImportError:
+    pass
+else:  # a monitoring line, as launch scripts print
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    assert info.total > info.used > 0, (info.total, info.used)
+    print("HOST-OK nvml", pynvml.nvmlDeviceGetName(handle), info.used, pynvml.nvmlDeviceGetCount())
 meter = AverageMeter()
 graph = torch.cuda.CUDAGraph()
 for it in range(5):

@@ -182,6 +182,7 @@ def install(fake: FakeCuda) -> None:
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
     _patch_module_registration(fake)
     _patch_recurrent_layers()
+    _patch_nvml(fake)
 
 
 def _install_device_guard() -> None:
@@ -583,3 +584,52 @@ def _patch_recurrent_layers() -> None:
             flatten(self)
 
     rnn.RNNBase.flatten_parameters = flatten_unless_fake
+
+
+def _patch_nvml(fake: FakeCuda) -> None:
+    """pynvml (nvidia-ml-py) needs the driver's libnvidia-ml: where it is installed, the queries scripts make
+    answer for the fake GPU (memory from the recorder), so a monitoring line cannot end the trace."""
+    try:
+        import pynvml  # torch.cuda has already imported it where it is installed
+    except ImportError:
+        pass
+    else:
+        _answer_nvml(pynvml, fake)
+    for name in ("utilization", "temperature", "power_draw", "clock_rate"):
+        setattr(torch.cuda, name, lambda device=None: 0)
+    torch.cuda.memory_usage = lambda device=None: 0
+    torch.cuda.device_memory_used = lambda device=None: fake.live_bytes()
+
+
+def _answer_nvml(nvml: Any, fake: FakeCuda) -> None:
+    class Memory:
+        @property
+        def total(self) -> int:
+            return fake.properties.total_memory
+
+        @property
+        def used(self) -> int:
+            return fake.live_bytes()
+
+        @property
+        def free(self) -> int:
+            return self.total - self.used
+
+    class Rates:
+        gpu = memory = 0
+
+    answers = dict(
+        nvmlInit=lambda *a: None, nvmlInitWithFlags=lambda *a: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: fake.device_count,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetName=lambda handle: fake.properties.name,
+        nvmlDeviceGetMemoryInfo=lambda handle, *a: Memory(),
+        nvmlDeviceGetUtilizationRates=lambda handle: Rates(),
+        nvmlDeviceGetTemperature=lambda handle, sensor=0: 40,
+        nvmlDeviceGetPowerUsage=lambda handle: 100_000,
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [],
+        nvmlSystemGetDriverVersion=lambda: "0.0 (xmem fake CUDA)",
+        nvmlDeviceGetCudaComputeCapability=lambda handle: fake.capability,
+    )
+    for name, answer in answers.items():
+        setattr(nvml, name, answer)
