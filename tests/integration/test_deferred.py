@@ -5,7 +5,9 @@ a job on the `cpu` partition, then the GPU job is retyped and released, released
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -165,3 +167,150 @@ def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_clu
     assert {i: (xmem_state(v), v["TresPerNode"]) for i, v in infos.items()} == {
         i: ("done", f"gres:{expected}") for i in ids}
     cluster.run("scancel", *ids)
+
+
+# --- robustness (issue 14: W7, W8, H1, H2, H3, L4), as an ordinary user ----------------------------------------
+
+@pytest.fixture(scope="module")
+def mine(submitter) -> Path:
+    """A job directory of the submitter's own, with the training script."""
+    work = submitter.home / "deferred-jobs"
+    work.mkdir()
+    (work / "train.py").write_text(TRAIN)
+    give(submitter, work)
+    return work
+
+
+def give(user, path: Path) -> None:
+    os.chown(path, user.uid, user.gid)
+    for p in path.rglob("*") if path.is_dir() else ():
+        os.chown(p, user.uid, user.gid)
+
+
+def users_script(user, work: Path, name: str, body: str = "python train.py\n",
+                 directives: str = "#SBATCH --gres=gpu:1") -> Path:
+    path = script(work, name, body, directives)
+    give(user, path)
+    return path
+
+
+def spools(cluster, user) -> set[str]:
+    root = cluster.user_cache(user.name) / "spool"
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def site_config(cluster, user, where: Path, name: str, **replace: str) -> Path:
+    """A copy of the cluster's site config, the user's to read, with `key = value` lines replaced."""
+    text = cluster.config.read_text()
+    for key, value in replace.items():
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
+    path = where / name
+    path.write_text(text)
+    give(user, path)
+    return path
+
+
+def test_users_sbatch_variables_do_not_reach_xmems_own_jobs(deferred_cluster, submitter, mine):
+    """SBATCH_GRES=gpu:abc is the user's (their job's own --gres wins over it); the estimation job and the
+    watchdog, submitted from the user's sbatch, asked for it too and could not be queued."""
+    cluster = deferred_cluster
+    sub = cluster.sbatch(users_script(submitter, mine, "sbatch-env.sh", "# sbatch env\npython train.py\n"),
+                         "--gres=gpu:1", env={"SBATCH_GRES": "gpu:abc", "SBATCH_PARTITION": "debug"}, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    info = wait_settled(cluster, sub.job_id)
+    assert xmem_state(info) == "done", info["Comment"]
+    cluster.run("scancel", sub.job_id)
+
+
+def test_a_space_in_the_cache_dir_is_a_path_not_a_command(deferred_cluster, submitter, mine):
+    cluster = deferred_cluster
+    injected = mine / "INJECTED"
+    cache = mine / f"my cache;touch {injected}"
+    config = site_config(cluster, submitter, mine, "space.toml", cache_dir=f'"{cache}"')
+    sub = cluster.sbatch(users_script(submitter, mine, "space.sh", "# space\npython train.py\n"), "--begin=now+3600",
+                         env={"XMEM_CONFIG": str(config)}, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    info = wait_settled(cluster, sub.job_id)
+    assert xmem_state(info) == "done", info["Comment"]
+    assert not injected.exists()
+    cluster.run("scancel", sub.job_id)
+
+
+def test_an_export_too_long_to_hand_on_is_not_held(deferred_cluster, submitter, mine):
+    """sbatch puts --export into SLURM_EXPORT_ENV before post-submit: above 128 KiB nothing can be exec'd
+    there, so a deferred job was held with no estimation job, for good."""
+    cluster = deferred_cluster
+    before = spools(cluster, submitter)
+    export = "ALL," + ",".join(f"V{i}={'x' * 40}" for i in range(3500))
+    sub = cluster.sbatch(users_script(submitter, mine, "long-export.sh", "python train.py\n",
+                                      f"#SBATCH --gres=gpu:1\n#SBATCH --export={export}"), "--begin=now+3600",
+                         user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    assert "--export value is 159 KiB" in sub.stderr and "submitted unchanged" in sub.stderr
+    info = cluster.job(sub.job_id)
+    assert info["Reason"] != "JobHeldUser" and info["TresPerNode"] == "gres:gpu:1"
+    assert spools(cluster, submitter) == before
+    cluster.run("scancel", sub.job_id)
+
+
+def test_spools_are_removed_and_unqueued_ones_swept(deferred_cluster, submitter, mine):
+    cluster = deferred_cluster
+    first = cluster.sbatch(users_script(submitter, mine, "spool-0.sh", "# spool 0\npython train.py\n"),
+                           "--begin=now+3600", user=submitter)  # makes the user's spool directory
+    wait_settled(cluster, first.job_id)
+    root = cluster.user_cache(submitter.name) / "spool"
+    stale = root / ("0" * 32)  # the filter deferred, then sbatch refused the job: post-submit never ran
+    stale.mkdir()
+    (stale / "job.sh").write_text("#!/bin/bash\n")
+    give(submitter, stale)
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    sub = cluster.sbatch(users_script(submitter, mine, "spool.sh", "# spool\npython train.py\n"), "--begin=now+3600",
+                         user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    info = wait_settled(cluster, sub.job_id)
+    assert xmem_state(info) == "done"
+    deadline = time.monotonic() + 10  # the estimation job removes its spool just after updating the job
+    while spools(cluster, submitter) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert spools(cluster, submitter) == set()  # each run removed its own spool, the stale one was swept
+    cluster.run("scancel", first.job_id, sub.job_id)
+
+
+def test_a_site_config_broken_while_the_job_waits_still_releases_it(deferred_cluster, submitter, mine):
+    cluster = deferred_cluster
+    config = site_config(cluster, submitter, mine, "later-broken.toml")
+    sub = cluster.sbatch(users_script(submitter, mine, "broken-config.sh", "# config\npython train.py\n"),
+                         "--begin=now+3600", env={"XMEM_CONFIG": str(config)}, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    (estimate,) = cluster.run("squeue", "-h", "-n", f"xmem-estimate-{sub.job_id}", "-o", "%i").stdout.split()
+    cluster.run("scontrol", "hold", estimate)  # so that the config breaks before the estimate reads it
+    config.write_text("[policy]\nfailure = 'sometimes'\n")
+    cluster.run("scontrol", "release", estimate)
+    info = wait_settled(cluster, sub.job_id)
+    assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
+    assert "xmem+failed" in info["Comment"]
+    cluster.run("scancel", sub.job_id)
+
+
+def test_a_request_slurm_will_not_take_back_keeps_the_job_held_not_gpuless(deferred_cluster, submitter, mine):
+    """Fault injection around the real scontrol: every non-empty TresPerNode update is refused, so after the
+    clear neither the new request nor the old one can be set. The job must not be released without its GPU."""
+    cluster = deferred_cluster
+    wrappers = mine / "bin"
+    wrappers.mkdir()
+    real = shutil.which("scontrol")
+    (wrappers / "scontrol").write_text(
+        "#!/bin/bash\nfor a in \"$@\"; do case $a in TresPerNode=?*) echo 'refused (test)' >&2; exit 1;; esac; done\n"
+        f"exec {real} \"$@\"\n")
+    (wrappers / "scontrol").chmod(0o755)
+    give(submitter, wrappers)
+    sub = cluster.sbatch(users_script(submitter, mine, "lost.sh", "# lost\npython train.py\n"), "--begin=now+3600",
+                         env={"PATH": f"{wrappers}:{cluster.env['PATH']}"}, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    deadline = time.monotonic() + 180
+    while xmem_state(info := cluster.job(sub.job_id)) == "pending" and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert xmem_state(info) == "stuck" and info["Reason"] == "JobHeldUser", info
+    assert f"fix=scontrol+update+JobId={sub.job_id}+TresPerNode=gres:gpu:1" in info["Comment"]
+    cluster.run("scancel", sub.job_id)
