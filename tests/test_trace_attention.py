@@ -94,6 +94,14 @@ def test_multi_query_without_enable_gqa_is_fused_from_torch_2_14():
     assert pick(mqa, A100) == FLASH and pick(mqa, H100) == CUDNN
     assert pick(mqa, A100, TORCH_2_13) == MATH  # 2.13's check had no supports_mqa
     assert pick(llama(), H100, TORCH_2_13) == CUDNN  # GQA with enable_gqa is fused on 2.13 too
+    assert pick(llama(), A100, TORCH_2_13) == FLASH
+
+
+def test_memory_efficient_takes_grouped_heads_only_from_torch_2_14():
+    fp16 = llama(dtype=torch.float16)
+    assert pick(fp16, V100) == EFFICIENT
+    assert pick(fp16, V100, TORCH_2_13) == MATH
+    assert pick(llama(dtype=torch.float32), H100, TORCH_2_13) == MATH
 
 
 # ---- dtypes and hardware --------------------------------------------------------------------------------------------
@@ -217,9 +225,12 @@ def test_flash_attention_keeps_output_logsumexp_and_rng_state(python):
     assert op_allocs(result, "_scaled_dot_product_flash_attention_backward") == [Q_BYTES, KV_BYTES, KV_BYTES]
 
 
-def test_memory_efficient_logsumexp_is_padded_to_32_queries():
-    result = trace_backend(sys.executable, "efficient", "--shape", "2", "8", "2", "48", "32")
-    q, kv = 2 * 8 * 48 * 32 * 2, 2 * 2 * 48 * 32 * 2
+@pytest.mark.parametrize("python", PYTHONS)
+def test_memory_efficient_logsumexp_is_padded_to_32_queries(python):
+    # grouped k/v heads on 2.14 (this build); 2.13 (the CPU build) has the efficient kernel take equal heads only
+    heads = ["2", "8", "2"] if python == sys.executable else ["2", "8", "8"]
+    result = trace_backend(python, "efficient", "--shape", *heads, "48", "32")
+    q, kv = 2 * 8 * 48 * 32 * 2, 2 * int(heads[2]) * 48 * 32 * 2
     # logsumexp (B, H, ceil(48 / 32) * 32) fp32: 64 rows, not 48
     assert op_allocs(result, "_scaled_dot_product_efficient_attention") == [q, 2 * 8 * 64 * 4, 8, 8]
     assert op_allocs(result, "_scaled_dot_product_efficient_attention_backward") == [q, kv, kv]

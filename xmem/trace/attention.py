@@ -13,7 +13,8 @@ math only when enabled. The order is `Context.h`'s default (flash, efficient, ma
 one (`sdpa_kernel(..., set_priority=True)`), and `check_prefer_cudnn_attention` puts cuDNN first on sm9x/sm10x
 with cuDNN > 9.15.0 (CUDA < 13 wheels: minor 0 or 3 only), unless $TORCH_CUDNN_SDPA_DEPRIORITIZED.
 Grouped-query attention (`enable_gqa`, `check_grouped_query_attention`) runs on all three fused kernels on CUDA;
-multi-query (k/v with one head, no `enable_gqa`) on them from torch 2.14 (`supports_mqa`). cuDNN's layout check
+multi-query (k/v with one head, no `enable_gqa`) on them from torch 2.14 (`supports_mqa`); the efficient kernel
+takes either only from 2.14 (2.13's meta backward returns dk/dv with q's head count). cuDNN's layout check
 (`check_cudnn_layout`) is not among its gates in these releases (its warnings are absent from the 2.14.1 binary).
 Autocast casts SDPA's inputs before the choice (a lower_precision_fp op), so the choice sees the cast dtypes.
 """
@@ -156,18 +157,18 @@ def _dense_ok(call: Call, ignore_singleton_dim: bool) -> bool:
     return strides_ok and (call.mask is None or call.mask.last_stride == 1)
 
 
-def _heads_ok(call: Call, runtime: Runtime, same_kv_heads_required: bool) -> bool:
-    """check_batch_size_and_num_heads_dense<supports_gqa=true, requires_same_num_heads, supports_mqa> (CUDA)."""
+def _heads_ok(call: Call, runtime: Runtime, same_kv_heads_required: bool, supports_gqa: bool = True) -> bool:
+    """check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads, supports_mqa> (CUDA)."""
     (bq, hq), (bk, hk), (bv, hv) = call.q[:2], call.k[:2], call.v[:2]
     if not bq == bk == bv:
         return False
-    if call.enable_gqa:  # check_grouped_query_attention
+    if call.enable_gqa and supports_gqa:  # check_grouped_query_attention
         if same_kv_heads_required and hk != hv:
             return False
         return hq % hk == 0 and (same_kv_heads_required or hq % hv == 0)
     if hq == hk == hv:
         return True
-    return runtime.supports_mqa and hq > 0 and hk == hv == 1
+    return supports_gqa and runtime.supports_mqa and hq > 0 and hk == hv == 1
 
 
 def can_use_flash(call: Call, capability: tuple[int, int], runtime: Runtime) -> bool:
@@ -208,7 +209,9 @@ def can_use_efficient(call: Call, capability: tuple[int, int], runtime: Runtime)
         return False  # check_head_dim_size_mem_efficient
     if capability[0] >= 8 and any(offset % align for offset in call.storage_offsets):
         return False  # check_data_ptr_alignment_mem_efficient (the allocator's bases are 512-byte aligned)
-    if not (_dense_ok(call, ignore_singleton_dim=False) and _heads_ok(call, runtime, same_kv_heads_required=True)):
+    # before 2.14 the efficient kernel took no grouped heads (2.13's fake backward gives dk/dv q's head count)
+    heads_ok = _heads_ok(call, runtime, same_kv_heads_required=True, supports_gqa=runtime.torch_version >= (2, 14))
+    if not (_dense_ok(call, ignore_singleton_dim=False) and heads_ok):
         return False
     dtypes = (torch.float16, torch.float32, torch.bfloat16) if capability[0] >= 8 else (torch.float16, torch.float32)
     return call.same_dtypes and call.dtype in dtypes
