@@ -41,18 +41,20 @@ def make_run_directory(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("mode", ["namespaces", "fallback"])
+@pytest.mark.parametrize("mode", ["namespaces", "read-only", "fallback"])
 def test_writes_never_land_in_the_users_files(tmp_path, monkeypatch, mode):
+    """read-only: namespaces where overlayfs is refused (kernels before 5.11)."""
     run = make_run_directory(tmp_path / "run")
     before = snapshot(tmp_path)
-    if mode == "fallback":
-        monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
-    # the fallback redirects Python's writes only: the checkpoint goes through open(), not torch's C++ writer
-    extra = ["--save-to-file-object"] if mode == "fallback" else []
+    if mode != "namespaces":
+        monkeypatch.setenv(sandbox.MODE_ENV, mode)
+    # Python's writes are redirected there: the checkpoint goes through open(), not torch's C++ writer
+    extra = ["--save-to-file-object"] if mode != "namespaces" else []
     trace = run_trace(["python", str(SCRIPTS / "writes_everywhere.py"), *extra], cwd=str(run), iterations=3)
     assert trace.iterations == 3  # the program read back every write (it exits 7 otherwise)
     assert snapshot(tmp_path) == before
-    assert trace.sandbox.startswith(mode)
+    assert trace.sandbox.startswith("fallback" if mode == "fallback" else "namespaces")
+    assert (mode == "read-only") == ("overlay of nothing; read-only, Python's writes there redirected" in trace.sandbox)
     warned = [w for w in trace.warnings if "protected" in w]
     assert (mode == "fallback") == bool(warned) and (not warned or "Landlock" in warned[0])
 
@@ -71,6 +73,16 @@ def test_fallback_refuses_a_write_it_cannot_redirect(tmp_path, monkeypatch):
     assert caught.value.kind == "user_error" and "CalledProcessError" in caught.value.message
     assert "Permission denied" in caught.value.output
     assert snapshot(tmp_path) == before
+
+
+def test_the_shim_is_built_and_kept_from_inside_the_sandbox(tmp_path, monkeypatch):
+    """Under the strictest mode (the fallback: Landlock), a first trace still compiles the shim (g++ writes its
+    temporaries past Python) and keeps it in the user's cache for the next one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
+    trace = run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
+    assert trace.iterations == 1
+    assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so"))
 
 
 HELPER_PROGRAM = """

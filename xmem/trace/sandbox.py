@@ -16,6 +16,9 @@ user namespaces; works here as root and as an ordinary user):
 - the scratch directory (where the tracer writes its result) and the shim cache are bound back writable;
 - a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
   kills every process the program started (Popen children, setsid double forks, forks of the tracer).
+- where overlayfs is refused in a user namespace (Linux before 5.11, or the directory has mounts below it, which a
+  user namespace may not hide), the directory is bound read-only instead, and Python's writes under it are
+  redirected as in the fallback below (a C-level write there fails with EROFS).
 
 **fallback** (namespaces refused, or `XMEM_SANDBOX=fallback`): the helper becomes a child subreaper, so every
 orphan of the program is reparented to it, and kills every descendant (found through /proc) when the tracer ends or
@@ -60,8 +63,11 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 
 RESULT_FILE = "sandbox.json"
 COW_DIR = "cow"  # under the scratch: the copy-on-write layers
-COW_ENV = "XMEM_SANDBOX_COW"  # set for the tracer in fallback mode: where install_in_child() redirects writes
-MODE_ENV = "XMEM_SANDBOX"  # "fallback" forces the fallback (tests, or a site that wants no namespaces)
+# Set for the tracer when Python's writes are redirected (see _redirecting_env), read by install_in_child().
+COW_ENV = "XMEM_SANDBOX_COW"
+# "fallback" forces the fallback (tests, or a site that wants no namespaces); "read-only" namespaces without
+# overlays, as on kernels before 5.11 (tests).
+MODE_ENV = "XMEM_SANDBOX"
 # Kernel and runtime state, not the user's files: left as they are.
 SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/run")
 PSEUDO_FILESYSTEMS = frozenset({
@@ -98,10 +104,12 @@ def _prctl(option: int, value: int) -> None:
 
 # ---- namespaces -------------------------------------------------------------------------------------------------
 
-def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) -> str:
+def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) -> tuple[str, list[str]]:
     """Move this process into new user, mount and pid namespaces and cover the filesystems with overlays.
 
-    Returns a description of what now protects the user's files. Raises NamespacesRefused if the kernel refuses
+    Returns a description of what now protects the user's files, and the directories made read-only instead of
+    overlaid (all of them where overlayfs is not allowed in a user namespace, before Linux 5.11: Python's writes
+    there are then redirected, as in the fallback). Raises NamespacesRefused if the kernel refuses
     the namespaces (nothing has changed then), SandboxError if a later step fails (no fallback is possible then).
     """
     uid, gid = os.getuid(), os.getgid()
@@ -133,7 +141,9 @@ def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) ->
         os.close(fd)
     os.chdir(os.getcwd())  # the working directory still points into the real tree: enter its overlay
     text = f"namespaces: writes go to a private copy-on-write overlay of {', '.join(covered) or 'nothing'}"
-    return text + (f"; read-only: {', '.join(read_only)}" if read_only else "")
+    if read_only:
+        text += f"; read-only, Python's writes there redirected: {', '.join(read_only)}"
+    return text, read_only
 
 
 def overlay_targets(scratch: Path) -> dict[str, bool]:
@@ -174,6 +184,8 @@ def _under(path: str, parents: tuple[str, ...]) -> bool:
 
 
 def _overlay(path: str, lower_fd: int, layer: Path) -> bool:
+    if os.environ.get(MODE_ENV) == "read-only":
+        return False
     upper, work = layer / "upper", layer / "work"
     upper.mkdir(parents=True)
     work.mkdir()
@@ -195,7 +207,7 @@ def _bind(source_fd: int, path: str, read_only: bool) -> None:
         _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
-def run_init(argv: list[str], limits: Limits, scratch: Path) -> None:
+def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict | None) -> None:
     """Pid 1 of the new pid namespace: mount its /proc, run the tracer, reap orphans, leave when the tracer ends
     (the kernel then kills whatever the program left running)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -203,7 +215,7 @@ def run_init(argv: list[str], limits: Limits, scratch: Path) -> None:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)  # pids as the program sees them (psutil, /proc/self)
     except SandboxError:
         pass
-    tracer = _start_tracer(argv, limits, env=None)
+    tracer = _start_tracer(argv, limits, env)
     status = _wait_for(tracer)
     _write_result(scratch, {"status": status})
     os._exit(0)
@@ -216,7 +228,7 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
-    env = dict(os.environ, **{COW_ENV: str(cow)})
+    env = _redirecting_env(cow, scratch, keep_writable, only_under=None)
     landlock = landlock_abi()
     tracer = _start_tracer(_redirected(argv), limits, env,
                            writable=[str(scratch), *keep_writable] if landlock else None)
@@ -232,6 +244,16 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: 
 # Runs `python -m MODULE ARGS` with Python's file APIs redirected first (before the module imports anything).
 BOOTSTRAP = ("import runpy, sys; from xmem.trace.sandbox import install_in_child; install_in_child(); "
              "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def _redirecting_env(cow: Path, scratch: Path, keep_writable: list[str], only_under: list[str] | None) -> dict:
+    """The tracer's environment that makes install_in_child() redirect: writes under `only_under` (None: anywhere)
+    but not in the scratch or `keep_writable` go to `cow`. TMPDIR points into the scratch, so that what writes
+    temporary files past Python (g++ building the shim, a subprocess) can."""
+    spec = {"cow": str(cow), "passthrough": [str(scratch), *keep_writable], "only_under": only_under}
+    temporary = scratch / "tmp"
+    temporary.mkdir(mode=0o700)
+    return dict(os.environ, **{COW_ENV: json.dumps(spec), "TMPDIR": str(temporary)})
 
 
 def _redirected(argv: list[str]) -> list[str]:
@@ -426,7 +448,7 @@ def main(argv: list[str]) -> None:
     try:
         if os.environ.get(MODE_ENV) == "fallback":
             raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
-        protection = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
+        protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
     except NamespacesRefused as refused:
         _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}"))
         os._exit(0)
@@ -434,9 +456,15 @@ def main(argv: list[str]) -> None:
         _write_result(args.scratch, {"failed": f"the sandbox could not be set up: {error}"})
         os._exit(1)
     _write_result(args.scratch, {"protection": protection + "; the program's processes end with it (pid namespace)"})
+    env = None
+    if read_only:
+        cow = args.scratch / COW_DIR / "python"
+        cow.mkdir()
+        env = _redirecting_env(cow, args.scratch, keep, only_under=read_only)
+        command = _redirected(command)
     init = os.fork()
     if init == 0:
-        run_init(command, limits, args.scratch)
+        run_init(command, limits, args.scratch, env)
     _kill_on_signal(init)
     _wait_for(init)
     os._exit(0)
@@ -456,21 +484,24 @@ def _kill_on_signal(init: int) -> None:
 def install_in_child() -> None:
     """In the tracer, before anything else (the fallback's bootstrap calls it): redirect Python's file APIs into
     the copy-on-write directory the helper made. A no-op under namespaces, where the kernel does it."""
-    cow = os.environ.pop(COW_ENV, "")
-    if cow:
-        CopyOnWrite(cow).install()
+    spec = os.environ.pop(COW_ENV, "")
+    if spec:
+        settings = json.loads(spec)
+        CopyOnWrite(settings["cow"], settings["passthrough"], settings["only_under"]).install()
 
 
 class CopyOnWrite:
     """Python's file APIs over a copy-on-write directory: a write to /a/b goes to COW/a/b (copied from /a/b first
     when the write keeps the old content), a read of /a/b sees COW/a/b if the program wrote it, a removal of a real
-    file only hides it (in this process). Paths under the scratch, /dev, /proc and /sys are left alone."""
+    file only hides it (in this process). Paths under `passthrough` (the scratch, the shim cache), /dev, /proc and
+    /sys are left alone, and so is everything outside `only_under` when it is given."""
 
     WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
-    def __init__(self, cow: str) -> None:
+    def __init__(self, cow: str, passthrough: list[str], only_under: list[str] | None = None) -> None:
         self.cow = os.path.realpath(cow)
-        self.passthrough = (str(Path(self.cow).parent), *SYSTEM_DIRS)
+        self.passthrough = (*map(os.path.realpath, passthrough), *SYSTEM_DIRS)
+        self.only_under = tuple(only_under) if only_under is not None else None
         self.hidden: set[str] = set()  # real paths the program removed or renamed away
         self.real = {name: getattr(os, name) for name in
                      ("open", "mkdir", "rename", "replace", "remove", "unlink", "rmdir", "stat", "lstat", "listdir",
@@ -495,7 +526,8 @@ class CopyOnWrite:
         if isinstance(path, int):
             return None
         absolute = os.path.abspath(os.fsdecode(path))
-        return None if _under(absolute, self.passthrough) else absolute
+        elsewhere = self.only_under is not None and not _under(absolute, self.only_under)
+        return None if elsewhere or _under(absolute, self.passthrough) else absolute
 
     def _copy(self, key: str) -> str:
         return self.cow + key
