@@ -138,7 +138,8 @@ def load_shim() -> ctypes.CDLL:
     fd = open_own(path)
     if fd is None:
         raise ShimError(f"refusing to load {path}: it is not a file of this user's that only they can write")
+    through = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)  # no /proc: by name
     try:
-        return ctypes.CDLL(f"/proc/self/fd/{fd}", mode=ctypes.RTLD_GLOBAL)
+        return ctypes.CDLL(through, mode=ctypes.RTLD_GLOBAL)
     finally:
         os.close(fd)
