@@ -74,6 +74,14 @@ def test_the_batch_is_the_first_model_call_s_arguments(collector):
     assert (batch.storages, batch.nbytes) == (1, BATCH * 16 * 4)  # x only: the target goes to mse_loss, not a module
 
 
+def test_only_the_first_model_call_gives_the_batch_even_without_a_tensor(collector):
+    collector, events = collector
+    nn.Identity()(3)  # a first call with no tensor: no batch fact, and no later call's arguments in its place
+    model = mlp()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), events)
+    assert FACT_BATCH not in by_what(collector)
+
+
 def test_the_model_state_counts_buffers_and_tied_weights_once(collector):
     collector, events = collector
     embedding = nn.Embedding(10, 8)

@@ -170,7 +170,7 @@ class FactCollector:
         self._rules: dict[int, tuple[dict[int, int], str]] = {}  # id(optimizer) -> state_by_rule before its step
         self._roots: weakref.WeakSet = weakref.WeakSet()
         self._calls = threading.local()  # per thread: module calls under way (DataParallel calls in threads)
-        self._batch_at: int | None = None
+        self._batch_taken = False
         self._step_depth = 0
         self._first_step: torch.optim.Optimizer | None = None
         self._module_hooks: list = []
@@ -206,8 +206,7 @@ class FactCollector:
         depth = getattr(self._calls, "depth", 0)
         if depth == 0:
             self._roots.add(module)
-            if self._batch_at is None:
-                self._batch_at = self.event_count()
+            self._calls.began = self.event_count()
         self._calls.depth = depth + 1
 
     @_never_raising
@@ -215,10 +214,11 @@ class FactCollector:
         # (kwargs, output) after a forward; (output,) only when the forward raised (torch's always_call path)
         kwargs = kwargs_and_output[0] if len(kwargs_and_output) == 2 else {}
         self._calls.depth = depth = getattr(self._calls, "depth", 1) - 1
-        if depth == 0 and self._batch_at is not None and not any(f.what == FACT_BATCH for f in self.facts):
+        if depth == 0 and not self._batch_taken:
+            self._batch_taken = True  # the first call only, even if it had no CUDA argument
             # the call's inputs were alive when it began: the fact holds at that point
             found = storages(tree_leaves((args, kwargs)), self.device_type)
-            self.facts += facts_of(FACT_BATCH, BATCH_CATEGORIES, found, self._batch_at,
+            self.facts += facts_of(FACT_BATCH, BATCH_CATEGORIES, found, getattr(self._calls, "began", 0),
                                    "the first model call's arguments")
 
     def _stop_watching_modules(self) -> None:
