@@ -88,7 +88,8 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     from torch._subclasses.fake_tensor import FakeTensorMode  # the first import of torch: after the shim
 
     from xmem.trace import fakecuda
-    from xmem.trace.recorder import AllocationRecorder, StopTracing, TrainingState
+    from xmem.trace.recorder import MAX_FORWARDS_WITHOUT_TRAINING, AllocationRecorder, NoTrainingLoop, StopTracing, \
+        TrainingState
 
     fake = fakecuda.FakeCuda(capability, device_count)
     fakecuda.install(fake)
@@ -107,6 +108,10 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
             _run_user_program(command)
     except StopTracing:
         pass
+    except NoTrainingLoop:
+        raise ChildFailure("no_optimizer_step", f"the program ran {MAX_FORWARDS_WITHOUT_TRAINING} forward passes "
+                                                "without a backward pass or optimizer step: xmem traces training, "
+                                                "not inference") from None
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             outcome = exit_

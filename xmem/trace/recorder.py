@@ -54,6 +54,13 @@ _LIBRARY_OPS = {
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
 _RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
 
+class NoTrainingLoop(BaseException):
+    """Raised when the program shows no training loop (see TrainingState)."""
+
+
+MAX_FORWARDS_WITHOUT_TRAINING = 256
+
+
 class TrainingState:
     """Where the program is in its training loop: phase, iteration, and when to stop.
 
@@ -62,7 +69,10 @@ class TrainingState:
     accumulation (k backwards per step) one per step. An optimizer that steps again before the others did shows
     that those others are not part of the loop: the iteration completes there and they are no longer awaited.
     Steps nested in another optimizer's step (wrappers such as ZeroRedundancyOptimizer) are part of that step.
-    Events before the first forward or backward are setup: iteration -1.
+    A program with no optimizer at all (parameters updated by hand) completes an iteration with each backward pass
+    (`loss.backward()` / `torch.autograd.grad`). Events before the first forward or backward are setup: iteration -1.
+    A program that runs `MAX_FORWARDS_WITHOUT_TRAINING` top-level module forwards before any backward or step is not
+    training (inference, evaluation): it ends at once with NoTrainingLoop instead of running to the timeout.
     """
 
     def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet) -> None:
@@ -71,6 +81,9 @@ class TrainingState:
         self.phase = "other"
         self.completed = 0
         self.started = False
+        self.trained = False  # a backward pass or an optimizer step happened
+        self._forward_depth = 0
+        self._top_forwards = 0
         self.stopped = False
         self._optimizers = optimizers  # every optimizer the program created (kept by FakeCuda)
         self._not_awaited: set[int] = set()
@@ -90,28 +103,41 @@ class TrainingState:
         optimizer_module.register_optimizer_step_pre_hook(self._before_step)
         optimizer_module.register_optimizer_step_post_hook(self._after_step)
         torch.nn.modules.module.register_module_forward_pre_hook(self._before_module_forward)
+        torch.nn.modules.module.register_module_forward_hook(self._after_module_forward, always_call=True)
         torch.autograd.backward = self._in_backward(torch.autograd.backward)
         torch.autograd.grad = self._in_backward(torch.autograd.grad)
 
     def _before_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         self.on_module_forward(module)
+        if self._forward_depth == 0 and not self.trained:
+            self._top_forwards += 1
+            if self._top_forwards > MAX_FORWARDS_WITHOUT_TRAINING:
+                raise NoTrainingLoop
+        self._forward_depth += 1
         if self.phase == "other":
             self.phase = "forward"
             if not self.started:
                 self.started = True
                 self.on_progress("training started")
 
+    def _after_module_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
     def _in_backward(self, run: Callable) -> Callable:
         def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:
-            outer, self.phase, self.started = self.phase, "backward", True
+            outer, self.phase, self.started, self.trained = self.phase, "backward", True, True
             try:
-                return run(*args, **kwargs)
+                result = run(*args, **kwargs)
             finally:
                 self.phase = "other" if outer == "forward" else outer
+            if outer != "backward" and not self._step_depth and not len(self._optimizers):
+                self._complete_iteration()  # no optimizer: the backward pass is the iteration
+            return result
         return run_in_backward_phase
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._step_depth += 1
+        self.trained = True
         if self._step_depth == 1:
             self.phase = "optimizer"
             self.on_step_begin(optimizer)
