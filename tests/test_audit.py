@@ -189,3 +189,25 @@ def test_the_estimate_table_says_why_it_is_suspect(monkeypatch):
     text = console.export_text()
     assert "suspect: the parameters the optimizers step on GPU 0: 21.0 MiB in 215 storage(s)" in text
     assert "these figures may be far too low" in text
+
+
+def test_check_shows_why_and_keeps_the_user_s_request(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    import xmem.estimate as estimate_module
+    from xmem.analyze import analyze_job
+    from xmem.cli.check import show_analysis
+    from xmem.config import config_from_dict
+
+    monkeypatch.setattr(estimate_module, "run_trace", lambda command, **options: regnet_like_trace())
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH -p debug\n#SBATCH --gres=gpu:a100:1\npython train.py\n")
+    site = config_from_dict({"partitions": {"default": "debug", "from_cluster": False,
+                                            "gpu_types": {"debug": ["a100"]}}})
+    analysis = analyze_job(script, config=site, env={"PATH": "/usr/bin", "HOME": str(tmp_path), "USER": "u"})
+    assert analysis.estimates[0].estimate["suspect"] is True
+    console = Console(record=True, width=300)
+    show_analysis(console, analysis, site)
+    text = console.export_text()
+    assert "suspect: the parameters the optimizers step on GPU 0: 21.0 MiB in 215 storage(s)" in text
+    assert analysis.decision.action == "keep"
