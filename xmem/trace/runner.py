@@ -1,8 +1,10 @@
 """The parent side of a trace: `run_trace` starts the tracing child, relays its progress, returns its Trace.
 
 Owns the subprocess: interpreter choice, PYTHONPATH so the child finds xmem from any venv, the environment of one
-rank for distributed launchers, the timeout, capture of the program's output, and turning the child's error JSON
-into a TraceError. Does not import torch.
+rank for distributed launchers, the timeout, capture of the program's output, the sandbox it runs in
+(`xmem.trace.sandbox`: the limits, the shim cache kept writable, stale scratch directories removed), and turning
+the child's error JSON, or how it ended without one (os._exit, a signal, the memory limit), into a TraceError.
+Does not import torch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
@@ -126,7 +128,7 @@ def _shim_dirs() -> list[str]:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         pass
-    return [str(cache), str(Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}")]
+    return [str(cache), str(shim.temporary_cache_dir())]
 
 
 def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict[str, str]:

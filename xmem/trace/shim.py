@@ -55,6 +55,11 @@ def cache_dir() -> Path:
     return Path(base) / "xmem-slurm" / "native"
 
 
+def temporary_cache_dir() -> Path:
+    """Where the shim is kept when the user's cache directory cannot be written."""
+    return Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}"
+
+
 # torch wheels since 2.x use the C++11 string ABI; their headers need C++20.
 CXXFLAGS = ("-O1", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1")
 
@@ -72,7 +77,7 @@ def build_shim(torch: TorchInstall) -> Path:
     (the shared temporary directory). Concurrent builders each write a private file and rename it in place."""
     target = shim_path(torch)
     _compiler()  # fail early with the actionable message, even when a cached file exists elsewhere
-    for directory in (target.parent, Path(tempfile.gettempdir()) / f"xmem-slurm-native-{os.getuid()}"):
+    for directory in (target.parent, temporary_cache_dir()):
         if not private_dir(directory):
             continue
         path = directory / target.name
