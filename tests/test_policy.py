@@ -224,6 +224,7 @@ def test_out_of_memory_on_every_type_keeps_the_users_request():
                  "h100": job_peak(gpu_estimate(GIB, H100_BYTES, fits=False))}
     d = decide(job_peaks, request("#SBATCH --gres=gpu:1"), site(), catalog=CATALOG)
     assert d.action == "no_fit" and d.gres is None
+    assert d.reason == "runs out of memory on every GPU type offered, the largest a whole h100 (79.65 GiB)"
 
 
 @pytest.mark.parametrize("why", ["no command of the job used CUDA under the trace",

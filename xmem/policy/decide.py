@@ -281,8 +281,12 @@ def _cheapest(offers: list[Offer], config: SiteConfig, request: SbatchRequest,
         if fitting:
             best = min(fitting, key=lambda o: (o.granted_bytes, o.gres_type))
             return _rewrite(best, config, request, option, offers)
-    best_peak = min(o.peak_bytes for o in offers)
     largest = max(offers, key=lambda o: o.granted_bytes)
+    whole = {o.estimate_type: o.granted_bytes for o in offers if o.kind == "gpu"}
+    measured = [o.peak_bytes for o in offers if o.peak_bytes != whole.get(o.estimate_type, -1) + 1]  # job_peak's mark
+    if not measured:
+        return Decision("no_fit", f"runs out of memory on every GPU type offered, the largest {_describe(largest)}")
+    best_peak = min(measured)
     return Decision("no_fit", f"needs {_gib(config.margin.needed(best_peak))} {_margin_text(config)}: more than "
                               f"the largest offer, {_describe(largest)}", peak_bytes=best_peak,
                     needed_bytes=config.margin.needed(best_peak))
