@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""A 7B local checkpoint fine-tuned under the estimator: seconds, peak RSS and the bytes of weight files read.
+
+Writes a real Hugging Face checkpoint of a Llama-7B shape (bf16, zeros written in 64 MiB chunks, 5 GB safetensors
+shards with their index, ~13.5 GB in all; the model is built on the meta device only for its names and shapes),
+then runs `xmem-slurm estimate --json` on a fine-tuning script that loads it with `from_pretrained` (with
+`device_map="cuda"`, or moving the model with `.cuda()` afterwards) and trains 3 steps with AdamW. Before each run
+the shards are dropped from the page cache (fsync, posix_fadvise DONTNEED), so that what is cached afterwards is
+what the run read, through read() and memory maps alike (util-linux `fincore`); the block-device reads of the
+process tree (/proc/PID/io read_bytes, sampled) are shown beside it. The checkpoint is deleted at the end.
+Targets: <= 30 s, <= 2 GiB peak RSS of the process tree, no weight data read.
+
+    .venv/bin/python scripts/bench_checkpoint.py [--dir /tmp] [--keep] [--case device_map|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_estimate import tree_rss, xmem_slurm_command  # noqa: E402  (one sampler for both benchmarks)
+
+GIB, MIB = 1 << 30, 1 << 20
+SHARD_BYTES = 5 * 10**9  # what save_pretrained's max_shard_size="5GB" makes
+CHUNK = 64 * MIB
+TARGET_S, TARGET_RSS = 30.0, 2 * GIB
+
+FINETUNE = """
+    import sys
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, placement = sys.argv[1], sys.argv[2]
+    if placement == "device_map":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    model.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for step in range(3):
+        ids = torch.randint(0, 32000, (1, 1024), device="cuda")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"step {step} loss {loss.item():.3f}")
+"""
+
+
+def write_checkpoint(folder: Path) -> list[Path]:
+    """A Llama-7B checkpoint in Hugging Face's layout; returns its shards."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                         intermediate_size=11008, vocab_size=32000, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {name: list(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    config.save_pretrained(folder)
+    shards: list[dict[str, list[int]]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * _numel(shape)
+        if size + nbytes > SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += nbytes
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        path = folder / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_zero_shard(path, shard)
+        paths.append(path)
+        weight_map.update({name: path.name for name in shard})
+    total = sum(2 * _numel(shape) for shape in shapes.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return paths
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _write_zero_shard(path: Path, shapes: dict[str, list[int]]) -> None:
+    """The safetensors layout: 8-byte header length, JSON header (padded to 8 bytes), then the data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        nbytes = 2 * _numel(shape)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    zeros = bytes(CHUNK)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(text)) + text)
+        for start in range(0, offset, CHUNK):
+            file.write(zeros[: min(CHUNK, offset - start)])
+        os.fsync(file.fileno())
+
+
+def evict(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_bytes(paths: list[Path]) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(word) for word in out.split())
+
+
+def read_bytes_by_pid() -> dict[int, int]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                io = Path(f"/proc/{entry}/io").read_text()
+            except OSError:
+                continue
+            found[int(entry)] = int(next(line.split()[1] for line in io.splitlines() if line.startswith("read_bytes")))
+    return found
+
+
+def run_estimate(script: Path, checkpoint: Path, placement: str) -> dict:
+    command = [*xmem_slurm_command(), "estimate", "--json", "--gpu", "h200", "--", sys.executable, str(script),
+               str(checkpoint), placement]
+    before = read_bytes_by_pid()
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak_tree, reads, done = 0, {}, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak_tree
+        while not done.is_set():
+            peak_tree = max(peak_tree, tree_rss(process.pid))
+            for pid, count in read_bytes_by_pid().items():
+                reads[pid] = max(reads.get(pid, 0), count - before.get(pid, 0))
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = process.communicate()
+    seconds = time.perf_counter() - started
+    done.set()
+    sampler.join()
+    try:
+        result = json.loads(stdout)
+    except json.JSONDecodeError:
+        result = {"error": "no JSON", "message": stderr.decode()[-2000:]}
+    return {"seconds": seconds, "peak_tree_rss": peak_tree, "sampled_read_bytes": sum(reads.values()),
+            "returncode": process.returncode, "result": result}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the ~13.5 GB checkpoint is written")
+    parser.add_argument("--case", choices=["device_map", "cuda"], action="append")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse one left there)")
+    args = parser.parse_args()
+    folder = Path(args.dir) / "xmem-bench-llama7b"
+    try:
+        shards = sorted(folder.glob("*.safetensors")) if args.keep and folder.is_dir() else []
+        if not shards:
+            folder.mkdir(parents=True, exist_ok=True)
+            started = time.perf_counter()
+            shards = write_checkpoint(folder)
+            print(f"wrote {sum(p.stat().st_size for p in shards) / GIB:.1f} GiB in {len(shards)} shards "
+                  f"({time.perf_counter() - started:.0f} s)")
+        script = folder / "finetune.py"
+        script.write_text(textwrap.dedent(FINETUNE))
+        for placement in args.case or ["device_map", "cuda"]:
+            evict(shards)
+            run = run_estimate(script, folder, placement)
+            weight_read = cached_bytes(shards)
+            ok = (run["returncode"] == 0 and run["seconds"] <= TARGET_S and run["peak_tree_rss"] <= TARGET_RSS)
+            print(f"{placement:<10} {run['seconds']:6.1f} s  peak tree RSS {run['peak_tree_rss'] / MIB:6.0f} MiB  "
+                  f"weight files read {weight_read / MIB:8.1f} MiB (page cache)  block reads of the tree "
+                  f"{run['sampled_read_bytes'] / MIB:8.1f} MiB  {'meets' if ok else 'MISSES'} target")
+            result = run["result"]
+            if run["returncode"] != 0:
+                print(f"  exit {run['returncode']}: {result.get('error')}: {result.get('message')}")
+            else:
+                parts = {k: round(v / GIB, 2) for k, v in result.get("breakdown", {}).items() if v >= GIB // 100}
+                print(f"  H200 peak {result['gpus']['H200-141GB']['peak_bytes'] / GIB:.2f} GiB; GiB at the peak: "
+                      f"{parts}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
