@@ -371,9 +371,17 @@ class Limits:
 
     def apply(self) -> None:
         if self.memory_bytes > 0:
-            resource.setrlimit(resource.RLIMIT_DATA, (self.memory_bytes, self.memory_bytes))
-        if self.cpu_seconds > 0:
-            resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds + 5))
+            _lower_limit(resource.RLIMIT_DATA, self.memory_bytes, self.memory_bytes)
+        if self.cpu_seconds > 0:  # SIGXCPU at the soft limit, SIGKILL at the hard one
+            _lower_limit(resource.RLIMIT_CPU, self.cpu_seconds, self.cpu_seconds + 5)
+
+
+def _lower_limit(which: int, soft: int, hard: int) -> None:
+    """Set a limit, never above one the site or the user already set (an unprivileged process cannot raise it)."""
+    _, current = resource.getrlimit(which)
+    if current != resource.RLIM_INFINITY:
+        soft, hard = min(soft, current), min(hard, current)
+    resource.setrlimit(which, (soft, hard))
 
 
 def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: list[str] | None = None) -> int:
