@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_estimate import tree_rss, xmem_slurm_command  # noqa: E402  (one sampler for both benchmarks)
 
+from xmem.bench.page_cache import cached_bytes, evict  # noqa: E402
+
 GIB, MIB = 1 << 30, 1 << 20
 SHARD_BYTES = 5 * 10**9  # what save_pretrained's max_shard_size="5GB" makes
 CHUNK = 64 * MIB
@@ -111,22 +113,6 @@ def _write_zero_shard(path: Path, shapes: dict[str, list[int]]) -> None:
         for start in range(0, offset, CHUNK):
             file.write(zeros[: min(CHUNK, offset - start)])
         os.fsync(file.fileno())
-
-
-def evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cached_bytes(paths: list[Path]) -> int:
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(int(word) for word in out.split())
 
 
 def read_bytes_by_pid() -> dict[int, int]:

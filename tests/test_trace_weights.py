@@ -6,7 +6,6 @@ loaded; what it cost is the part of the weight files in the page cache afterward
 posix_fadvise DONTNEED), which counts reads and memory-mapped pages alike."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import textwrap
 import pytest
 
 from torch_builds import PYTHONS
+from xmem.bench.page_cache import cached_bytes, evict
 
 MIB = 1 << 20
 READ_ALLOWANCE = 16 * MIB  # headers, pickles, the kernel's readahead around them: far below two 64 MiB weights
@@ -41,23 +41,6 @@ REPORT = """
 
 def weight_files(folder):
     return [path for path in folder.iterdir() if path.suffix in (".safetensors", ".pt", ".bin")]
-
-
-def evict(paths):
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cached_bytes(paths):
-    """Bytes of `paths` in the page cache (util-linux fincore)."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(int(word) for word in out.split())
 
 
 def run_case(python, tmp_path, body, folder):
