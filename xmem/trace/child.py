@@ -93,10 +93,14 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
 
     fake = fakecuda.FakeCuda(capability, device_count)
     fakecuda.install(fake)
+    from xmem.trace.facts import FactCollector
     state = TrainingState(iterations, progress, fake.optimizers)
-    state.install()
     modules = ModulePaths()
     recorder = AllocationRecorder(fake, state, modules.innermost)
+    facts = FactCollector(lambda: len(recorder.rows))  # each fact points at the number of events so far
+    facts.install()  # before the state's hooks: its post-step hook raises StopTracing at the last step
+    state.install()
+    recorder.stand_ins.on_stand_in = facts.on_stand_in
     recorder.stand_ins.install_python_protocols()
     os.environ.setdefault("WANDB_MODE", "disabled")  # a trace logs no run to wandb
     progress("running the program")
@@ -121,6 +125,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     if outcome is not None and not state.stopped:
         raise _failure_from(outcome)
     trace = recorder.to_trace(capability, seconds)
+    trace.facts = facts.result()
     if trace.used_cuda and trace.iterations == 0:
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
                                                 "used CUDA; xmem traces training loops that call optimizer.step()")

@@ -48,10 +48,13 @@ class StandIns:
     def __init__(self, warn: Callable[[str], None], where: Callable[[], tuple]) -> None:
         self.warn = warn
         self.where = where
+        # told of each stand-in for a tensor's value (the self-audit flags one for a host tensor: xmem.trace.facts)
+        self.on_stand_in: Callable[[torch.Tensor, str], None] = lambda tensor, what: None
         self._true_answers: dict[tuple, int] = {}
 
     # ---- scalars ------------------------------------------------------------------------------------------------
     def scalar(self, tensor: torch.Tensor) -> Any:
+        self.on_stand_in(tensor, "tensor.item()")
         self.warn(SCALAR_WARNING)
         if tensor.dtype == torch.bool:
             truth = getattr(tensor, "_xmem_truth", None)
@@ -80,6 +83,7 @@ class StandIns:
         """Outputs whose size depends on tensor data, at the sizes the module docstring states."""
         name = func._opname
         x = args[0]
+        self.on_stand_in(x, f"the size of {name}()")
         if name in _UNIQUE_OPS:
             self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
             return _unique_upper_bound(name, x, args, kwargs)
@@ -122,12 +126,14 @@ class StandIns:
         def numpy(tensor: torch.Tensor, *, force: bool = False) -> Any:
             if not isinstance(tensor, FakeTensor):
                 return original_numpy(tensor, force=force)
+            stand_ins.on_stand_in(tensor, "tensor.numpy()")
             stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
             return _ones_like_on_host(tensor).numpy()
 
         def tolist(tensor: torch.Tensor) -> Any:
             if not isinstance(tensor, FakeTensor):
                 return original_tolist(tensor)
+            stand_ins.on_stand_in(tensor, "tensor.tolist()")
             stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
             return original_tolist(_ones_like_on_host(tensor))
 
