@@ -149,3 +149,9 @@ def test_a_batch_script_torchrun_gives_the_estimated_rank_its_world():
     assert (command.env["RANK"], command.env["WORLD_SIZE"], command.env["LOCAL_WORLD_SIZE"]) == ("0", "8", "4")
     accelerate = parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:1\naccelerate launch train.py\n", env={})
     assert "RANK" not in accelerate.commands[0].env  # one process: a plain python run
+
+
+def test_tasks_per_node_on_fixed_nodes_make_the_jobs_task_count():
+    job = parse_jobscript("#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=4 --gres=gpu:4\nsrun python t.py\n", env={})
+    env = slurm_runtime_env(job.directives, "/home/u")
+    assert (env["SLURM_NTASKS"], env["SLURM_NTASKS_PER_NODE"], env["SLURM_GPUS_ON_NODE"]) == ("8", "4", "4")

@@ -108,7 +108,7 @@ def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[st
     optional = {
         "SLURM_JOB_NAME": request.job_name, "SLURM_JOB_PARTITION": request.partition,
         "SLURM_JOB_ACCOUNT": request.account,
-        "SLURM_NTASKS": str(request.ntasks) if request.ntasks else None,
+        "SLURM_NTASKS": str(_task_count(request)) if _task_count(request) else None,
         "SLURM_NTASKS_PER_NODE": str(request.ntasks_per_node) if request.ntasks_per_node else None,
         "SLURM_JOB_NUM_NODES": request.nodes if request.nodes and request.nodes.isdigit() else None,
         "SLURM_GPUS_ON_NODE": str(request.gpus_on_node) if request.wants_gpu else None,
@@ -124,6 +124,15 @@ def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[st
         optional["SLURM_NNODES"] = optional["SLURM_JOB_NUM_NODES"]
     env.update({k: v for k, v in optional.items() if v})
     return env
+
+
+def _task_count(request: SbatchRequest) -> int | None:
+    """The job's tasks as Slurm counts them: --ntasks, else --ntasks-per-node on each of a fixed --nodes."""
+    if request.ntasks:
+        return request.ntasks
+    if request.ntasks_per_node and request.nodes and request.nodes.isdigit():
+        return request.ntasks_per_node * int(request.nodes)
+    return None
 
 
 def _sbatch_refusals(text: str, lines: list[str]) -> list[Problem]:
