@@ -1,7 +1,8 @@
 """A training loop that writes into its run directory the way example scripts do: a sample image saved with PIL, a
 log file, a checkpoint every step with rotation (the oldest deleted, `latest.txt` replaced), an appended metrics
-file, `os.makedirs` of an output tree and an `os.replace` into place. After each write it reads the file back and
-exits 7 if it does not see what it wrote; it also checks that the user's input data reads as it was.
+file (also touched and chmod-ed), `os.makedirs` of an output tree and an `os.replace` into place. After each write
+it reads the file back and exits 7 if it does not see what it wrote; it also checks that the user's input data
+reads as it was.
 
 Run it in a directory prepared by tests/test_trace_sandbox.py (real_samples.png, checkpoints/old_checkpoint.pt,
 latest.txt, metrics.csv, logs/train.log, data/train.txt).
@@ -12,6 +13,7 @@ import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -77,6 +79,9 @@ for step in range(args.steps):
             metrics.write(f"{step},0.5\n")
         expect(open("metrics.csv").read() == "step,loss\n" + "".join(f"{s},0.5\n" for s in range(step + 1)),
                "metrics.csv was appended to")
+        os.chmod("metrics.csv", 0o600)  # metadata too: a touch and a chmod
+        Path("metrics.csv").touch()
+        expect(os.stat("metrics.csv").st_mode & 0o777 == 0o600, "the chmod")
         os.makedirs(f"outputs/exp1/step{step}", exist_ok=True)
         expect(os.path.isdir(f"outputs/exp1/step{step}"), "os.makedirs")
         save_checkpoint(step)

@@ -24,8 +24,8 @@ user namespaces; works here as root and as an ordinary user):
 orphan of the program is reparented to it, and kills every descendant (found through /proc) when the tracer ends or
 the estimate is stopped. The tracer starts through a bootstrap that calls `install_in_child()` before
 `xmem.trace` runs (the tracer's own code needs no hook): it redirects Python's file APIs (builtins/io.open, os.open,
-mkdir/makedirs, rename/replace, remove/unlink, rmdir, stat/lstat/access, listdir/scandir; pathlib and most of
-shutil go through them) into a copy-on-write directory under the scratch, and Landlock (where the kernel has it)
+mkdir/makedirs, rename/replace, remove/unlink, rmdir, stat/lstat/access, listdir/scandir, chmod/utime/truncate,
+symlink; pathlib and most of shutil go through them) into a copy-on-write directory under the scratch, and Landlock (where the kernel has it)
 makes every other write outside the scratch fail with EACCES instead of landing. Not covered there: a C extension
 or a subprocess writing with its own open() gets EACCES under Landlock and, without Landlock, writes for real;
 fd-relative calls (`dir_fd=`, `shutil.rmtree` of an existing directory) are not redirected; a removal is seen by
@@ -513,7 +513,7 @@ class CopyOnWrite:
         self.hidden: set[str] = set()  # real paths the program removed or renamed away
         self.real = {name: getattr(os, name) for name in
                      ("open", "mkdir", "rename", "replace", "remove", "unlink", "rmdir", "stat", "lstat", "listdir",
-                      "scandir", "access")}
+                      "scandir", "access", "chmod", "utime", "truncate", "symlink")}
         import builtins
         import io
         self.real_open = io.open
@@ -527,6 +527,9 @@ class CopyOnWrite:
         os.remove = os.unlink = self.remove
         os.stat, os.lstat, os.access = self.stat, self.lstat, self.access
         os.listdir, os.scandir = self.listdir, self.scandir
+        # metadata changes: Landlock does not refuse these, so they must reach the copy
+        os.chmod, os.utime, os.truncate = self.chmod, self.utime, self.truncate
+        os.symlink = self.symlink
 
     # -- where a path lives (checked with the real os functions: the patched ones would see the copies) --
     def _key(self, path) -> str | None:
@@ -658,6 +661,23 @@ class CopyOnWrite:
 
     def lstat(self, path, *, dir_fd=None):
         return self.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+
+    def chmod(self, path, mode, *, dir_fd=None, follow_symlinks=True):
+        if dir_fd is not None:
+            return self.real["chmod"](path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        return self.real["chmod"](self._for_write(path, keep_content=True), mode, follow_symlinks=follow_symlinks)
+
+    def utime(self, path, times=None, *, ns=None, dir_fd=None, follow_symlinks=True):
+        target = path if dir_fd is not None else self._for_write(path, keep_content=True)
+        extra = {"ns": ns} if ns is not None else {}
+        return self.real["utime"](target, times, dir_fd=dir_fd, follow_symlinks=follow_symlinks, **extra)
+
+    def truncate(self, path, length):
+        return self.real["truncate"](self._for_write(path, keep_content=True), length)
+
+    def symlink(self, src, dst, target_is_directory=False, *, dir_fd=None):
+        target = dst if dir_fd is not None else self._for_write(dst, keep_content=False)
+        return self.real["symlink"](src, target, target_is_directory, dir_fd=dir_fd)
 
     def access(self, path, mode, **kwargs):
         try:
