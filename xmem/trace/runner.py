@@ -32,7 +32,8 @@ from xmem.trace.events import Trace
 
 XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
-NO_CUDA_MESSAGE = "the program ended without using the GPU (it was shown {gpus}); its last output lines say why"
+NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
+                   "output lines say why")
 SCRATCH_PREFIX = "xmem-trace-"  # then the estimating process's pid: stale ones are found by it
 MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no timeout
 LOADING_PROGRESS = "loading fake CUDA"  # the tracer's progress line before the program runs
