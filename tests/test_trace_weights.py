@@ -95,6 +95,39 @@ def test_torch_load_to_cuda_reads_no_weight(python, tmp_path, checkpoints):
     assert result["small"]["fake"] and result["small"]["device"] == "cuda:0"
 
 
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory, monkeypatch_module):
+    """A training checkpoint saved on a GPU: the model's weight at cuda:0, the step count and the CPU RNG state on
+    the CPU. (No GPU here: the weight's saved location is written as cuda:0 by torch.save's location tag.)"""
+    import torch
+    import torch.serialization as serialization
+
+    folder = tmp_path_factory.mktemp("resumable")
+    weight = torch.zeros(4096, 8192, dtype=torch.bfloat16)
+    tag = serialization.location_tag
+    monkeypatch_module.setattr(serialization, "location_tag",
+                               lambda storage: "cuda:0" if storage.data_ptr() == weight.data_ptr() else tag(storage))
+    torch.save({"model": {"weight": weight}, "rng": torch.get_rng_state(), "step": 7}, folder / "last.pt")
+    monkeypatch_module.undo()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_a_checkpoint_saved_on_the_gpu_resumes_with_fake_weights_and_real_cpu_state(tmp_path, resumable):
+    result = run_case(sys.executable, tmp_path, f"""
+        state = torch.load({str(resumable / "last.pt")!r})  # no map_location: each tensor where it was saved
+        torch.set_rng_state(state["rng"])  # needs the real bytes
+        result = {{"weight": describe(state["model"]["weight"]), "rng": describe(state["rng"]), "step": state["step"]}}
+    """, resumable)
+    assert result["weight"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["rng"]["fake"] is False and result["rng"]["device"] == "cpu" and result["step"] == 7
+
+
 def test_cpu_loads_stay_real_and_mapped(tmp_path, checkpoints):
     result = run_case(sys.executable, tmp_path, f"""
         from safetensors import safe_open
