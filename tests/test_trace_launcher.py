@@ -155,3 +155,15 @@ def test_tasks_per_node_on_fixed_nodes_make_the_jobs_task_count():
     job = parse_jobscript("#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=4 --gres=gpu:4\nsrun python t.py\n", env={})
     env = slurm_runtime_env(job.directives, "/home/u")
     assert (env["SLURM_NTASKS"], env["SLURM_NTASKS_PER_NODE"], env["SLURM_GPUS_ON_NODE"]) == ("8", "4", "4")
+
+
+def test_multi_node_counts_of_accelerate_and_deepspeed(tmp_path):
+    accelerate = target("accelerate", "launch", "--num_machines", "2", "--num_processes", "16", "train.py",
+                        tmp_path=tmp_path)  # accelerate counts the processes of all machines
+    assert (accelerate.world_size(gpus_per_node=8), accelerate.local_world_size(gpus_per_node=8)) == (16, 8)
+    deepspeed = target("deepspeed", "--num_nodes=2", "--num_gpus=4", "train.py", tmp_path=tmp_path)  # per node
+    assert (deepspeed.world_size(gpus_per_node=4), deepspeed.local_world_size(gpus_per_node=4)) == (8, 4)
+    job = parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:8\n"
+                          "accelerate launch --num_machines 2 --num_processes 16 train.py\n", env={})
+    env = job.commands[0].env
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("16", "8")

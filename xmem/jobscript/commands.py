@@ -411,7 +411,7 @@ class Finder:
             self.problem(line_no, "torchrun without a training script")
             return
         module = "module" in options or "m" in options
-        env = {**prefix_env, **self._rank_zero_env("torchrun", ranks, options)}
+        env = {**prefix_env, **self._rank_zero_env("torchrun", ranks, _rank_count(options.get("nnodes")))}
         self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, launcher, ranks)
 
     def _accelerate(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None) -> None:
@@ -427,13 +427,14 @@ class Finder:
         if precision is not None:
             env["ACCELERATE_MIXED_PRECISION"] = precision  # what `accelerate launch` hands the script's Accelerator
         ranks = _rank_count(options.get("num_processes"))
-        env.update(self._rank_zero_env("accelerate", ranks or 1, options))
+        machines = _rank_count(options.get("num_machines")) or 1  # accelerate counts the processes of all of them
+        env.update(self._rank_zero_env("accelerate", max(1, (ranks or 1) // machines), machines))
         module = "module" in options or "m" in options
         self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, "accelerate", ranks)
 
-    def _rank_zero_env(self, launcher: str, ranks: int | None, options: Mapping[str, str | None]) -> dict[str, str]:
-        """What the launcher gives the rank estimated (rank 0); None ranks: one per GPU of the job's node."""
-        target = Target(None, None, (), launcher, ranks, _rank_count(options.get("nnodes")) or 1)
+    def _rank_zero_env(self, launcher: str, per_node: int | None, nodes: int | None) -> dict[str, str]:
+        """What the launcher gives the rank estimated (rank 0); None per node: one per GPU of the job's node."""
+        target = Target(None, None, (), launcher, per_node, nodes or 1)
         return launcher_variables(target, gpus_per_node(target, self.state.base_env))
 
     def _srun(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, sources: list[str]) -> None:

@@ -118,27 +118,36 @@ def parse_command(command: list[str], cwd: str | None = None) -> Target:
     if name == "accelerate" and rest[:1] == ["launch"]:
         # one process unless told; --multi_gpu without a count: one per GPU (accelerate's own defaults)
         every_gpu = "--multi_gpu" in rest or "--multi-gpu" in rest
-        return _parse_scanned_launcher(rest[1:], cwd, ("--num_processes", "--num-processes"), "accelerate",
-                                       None if every_gpu else 1)
+        return _parse_scanned_launcher(rest[1:], cwd, "accelerate", None if every_gpu else 1)
     if name == "deepspeed":  # one process per GPU of the node unless told
-        return _parse_scanned_launcher(rest, cwd, ("--num_gpus", "--num-gpus"), "deepspeed", None)
+        return _parse_scanned_launcher(rest, cwd, "deepspeed", None)
     return _script_target(program, rest, cwd)
 
 
-def _parse_scanned_launcher(args: list[str], cwd: str | None, process_options: tuple[str, ...], launcher: str,
-                            processes: int | None) -> Target:
+# The process and node counts of the launchers parsed by scanning: (process options, node options, whether the
+# process count is over all nodes). accelerate's --num_processes is the job's total; deepspeed's --num_gpus per node.
+_SCANNED_COUNTS = {"accelerate": (("--num_processes", "--num-processes"), ("--num_machines", "--num-machines"), True),
+                   "deepspeed": (("--num_gpus", "--num-gpus"), ("--num_nodes", "--num-nodes"), False)}
+
+
+def _parse_scanned_launcher(args: list[str], cwd: str | None, launcher: str, processes: int | None) -> Target:
     """accelerate launch / deepspeed: too many flags to know which take values, so the program is the first
-    argument ending in .py (or the one after -m/--module); the process count comes from `process_options`
-    (default: `processes`, None for one per GPU)."""
+    argument ending in .py (or the one after -m/--module); the counts come from `_SCANNED_COUNTS` (processes
+    default: `processes`, None for one per GPU)."""
+    process_options, node_options, total = _SCANNED_COUNTS[launcher]
     settings: dict[str, str] = {}
+    nodes = 1
     for i, arg in enumerate(args):
         name, _, value = arg.partition("=")
         value = value or (args[i + 1] if i + 1 < len(args) else "")
         if name in process_options:
             processes = _leading_int(value)
+        if name in node_options:
+            nodes = _leading_int(value)
         if name in _ACCELERATE_SETTINGS:
             settings[_ACCELERATE_SETTINGS[name]] = value
-        launched = dict(launcher=launcher, nproc_per_node=processes, settings=tuple(settings.items()))
+        per_node = max(1, processes // nodes) if total and processes else processes
+        launched = dict(launcher=launcher, nproc_per_node=per_node, nnodes=nodes, settings=tuple(settings.items()))
         if arg in ("-m", "--module") and i + 1 < len(args):
             return Target(None, args[i + 1], tuple(args[i + 2:]), **launched)
         if arg.endswith(".py") and not arg.startswith("-"):
