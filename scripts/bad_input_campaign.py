@@ -1,0 +1,466 @@
+#!/usr/bin/env python3
+"""The project's own campaign of bad and hostile inputs (issue 14) against the dev cluster, as throw-away
+non-root users; prints what must all be 0, and sbatch's latency.
+
+    sudo python3 scripts/bad_input_campaign.py [--keep] [--only KIND] [--workers N]
+
+It starts two dev clusters of its own (scripts/slurm-dev-cluster.sh: inline mode on port 6917, partition mode on
+6957; LABs under /tmp/xmem-campaign), makes the users xmemcamp-a and xmemcamp-b (useradd -m) and an environment
+they can run (a venv of the system python3 reading this working tree and .venv's packages: the project's venv
+links into /root, mode 700). Each case is submitted twice by the same user: with cli_filter.lua switched off
+(XMEM_NO_FILTER=1, the reference: what Slurm alone does) and through xmem-slurm. Jobs carry --begin=now+1hour, so
+nothing trains; they are cancelled at the end.
+
+Figures (each over the cases where it applies):
+  lost             the reference was accepted, the filtered submission got no job id and no refusal from xmem
+  blocked wrongly  the reference was accepted, xmem refused it (every site config here is fail-open)
+  left held        deferred mode: still held for xmem 180 s after sbatch (the user's own --hold excepted)
+  wrong request    the filtered job asks for less GPU memory than an estimate that ran out of memory, or kept no
+                   GPU at all where the reference had one
+  leftover procs   processes of the campaign users still alive at the end (no job runs: all are xmem's or the
+                   traced programs')
+  files changed    files under the users' homes and job directories that differ after the campaign, outside
+                   xmem's own cache (~/.cache/xmem-*) and the estimator's scratch
+  cross-user       cases where one user's planted files changed another user's outcome from its baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOT = Path("/tmp/xmem-campaign")
+USERS = ("xmemcamp-a", "xmemcamp-b")
+PORTS = {"inline": 6917, "partition": 6957}
+DEFERRED_SETTLE_S = 180
+PLANTED = ("/tmp/xmem-slurm-native-", "/tmp/xmem-slurm-slots")  # where cross-user cases plant (removed at the end)
+
+TRAIN = """\
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = model(torch.randn(32, 256, device="cuda")).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+# Hostile or odd training programs: name -> source (each also trains unless it cannot).
+PROGRAMS = {
+    "train": TRAIN,
+    "huge_message": "raise RuntimeError('bad: ' + 'x' * 1_000_000)\n",
+    "os_exit": "import os\nos._exit(0)\n",
+    "kill_self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "abort": "import os\nos.abort()\n",
+    "exit_3": "import sys\nsys.exit(3)\n",
+    "no_cuda": "print('tensorflow would use the GPU here')\n",
+    "cuda_in_subprocess": "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'print(1)'])\n",
+    "popen_child": "import subprocess\nsubprocess.Popen(['sleep', '600'])\n" + TRAIN,
+    "double_fork": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                   "        time.sleep(600)\n    os._exit(0)\n" + TRAIN,
+    "writes_files": "open('written-by-trace.txt', 'w').write('x')\n"
+                    "import os\nopen(os.path.expanduser('~/planted.txt'), 'w').write('x')\n" + TRAIN,
+    "deletes_own_script": "import os\nos.remove(__file__)\n" + TRAIN,
+    "bad_alloc_conf": "import os\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'nonsense:yes'\n" + TRAIN,
+    "oom_everywhere": "import torch\nw = torch.empty(200_000, 200_000, device='cuda')\n" + TRAIN,
+    "stdin_reader": "import sys\nsys.stdin.read()\n" + TRAIN,
+    "loud_output": "print('y' * 10_000_000)\n" + TRAIN,
+    "sleeps_forever": "import time\ntime.sleep(3600)\n",
+    "host_memory_hog": "chunks = []\nwhile True:\n    chunks.append(bytearray(256 << 20))\n",
+    "writes_xmem_cache": "import os, glob\nfor p in glob.glob(os.path.expanduser('~/.cache/xmem-*/**/*.json'), "
+                         "recursive=True):\n    open(p, 'w').write('{\"decision\": {\"action\": \"rewrite\", "
+                         "\"gres\": \"gpu:h100:1\"}}')\n" + TRAIN,
+    "syntax_error": "def (:\n",
+    "imports_missing": "import no_such_module_xyz\n",
+    "unicode": "print('héllo wörld ✓')\n" + TRAIN,
+    "reads_argv": "import sys\nassert sys.argv[1:] == ['--lr', '1e-3'], sys.argv\n" + TRAIN,
+}
+
+
+@dataclass
+class Case:
+    kind: str
+    name: str
+    script: str  # the batch script's text
+    options: tuple[str, ...] = ()  # sbatch options before the script
+    args: tuple[str, ...] = ()  # after it
+    env: dict[str, str] = field(default_factory=dict)
+    mode: str = "inline"
+    user: str = USERS[0]
+    plant: str | None = None  # cross-user: what the other user plants first (see plant())
+
+
+@dataclass
+class Outcome:
+    case: Case
+    ref_ok: bool
+    ok: bool
+    job_id: str | None
+    stderr: str
+    seconds: float
+    request: str | None = None
+    ref_request: str | None = None
+    held: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def batch(body: str, directives: str = "#SBATCH --gres=gpu:1") -> str:
+    return f"#!/bin/bash\n{directives}\n{body}"
+
+
+def cases() -> list[Case]:
+    out: list[Case] = []
+    add = out.append
+    # 1. hostile programs, inline and deferred
+    for name in PROGRAMS:
+        args = ("--lr", "1e-3") if name == "reads_argv" else ()
+        line = f"python {name}.py" + (" \"$@\"" if args else "")
+        add(Case("program", name, batch(line + "\n"), args=args))
+        add(Case("program", name + "@partition", batch(f"# deferred\n{line}\n"), args=args, mode="partition"))
+    # 2. directives and options as users write them, good and bad
+    directive_cases = {
+        "long_export_line": "#SBATCH --gres=gpu:1\n#SBATCH --export=ALL," +
+                            ",".join(f"V{i}={'x' * 40}" for i in range(3500)),
+        "long_comment_line": "#SBATCH --gres=gpu:1\n#SBATCH --comment=" + "c" * 20000,
+        "quotes_in_export": '#SBATCH --gres=gpu:1\n#SBATCH --export=ALL,MSG="hello world",WINPATH=C:\\dir\\x',
+        "quotes_in_comment": '#SBATCH --gres=gpu:1\n#SBATCH --comment="say \\"hi\\" C:\\x xmem: mine"',
+        "unicode_comment": "#SBATCH --gres=gpu:1\n#SBATCH --comment=étude✓",
+        "hetjob": "#SBATCH --ntasks=1\n#SBATCH hetjob\n#SBATCH --gres=gpu:1",
+        "packjob": "#SBATCH --gres=gpu:1\n#SBATCH packjob\n#SBATCH --ntasks=1",
+        "two_gpu_options": "#SBATCH --gres=gpu:1 --gpus=1",
+        "per_task_2": "#SBATCH --ntasks=2 --gpus-per-task=1",
+        "per_task_3": "#SBATCH --ntasks=3 --gpus-per-task=1",
+        "per_node_2": "#SBATCH --gpus-per-node=2",
+        "gres_2": "#SBATCH --gres=gpu:2",
+        "gres_4": "#SBATCH --gres=gpu:4",
+        "typed_a100": "#SBATCH --gres=gpu:a100:1",
+        "typed_mig": "#SBATCH --gres=gpu:1g.10gb:1",
+        "mps_share": "#SBATCH --gres=mps:50",
+        "unknown_type": "#SBATCH --gres=gpu:abc:1",
+        "gres_zero": "#SBATCH --gres=gpu:0",
+        "gres_with_other": "#SBATCH --gres=gpu:1,tmpfs:1G",
+        "gpus_typed": "#SBATCH --gpus=h100:1",
+        "no_partition": "#SBATCH --gres=gpu:1 --partition=nosuch",
+        "cpu_job": "#SBATCH --ntasks=1",
+        "many_directives": "\n".join(["#SBATCH --gres=gpu:1"] + ["#SBATCH --comment=x"] * 5000),
+        "directive_after_command": "#SBATCH --ntasks=1\necho hi\n#SBATCH --gres=gpu:1",
+        "unbalanced_quote": '#SBATCH --gres=gpu:1\n#SBATCH --comment="open',
+        "user_hold": "#SBATCH --gres=gpu:1 --hold",
+        "export_none": "#SBATCH --gres=gpu:1 --export=NONE",
+        "chdir_elsewhere": "#SBATCH --gres=gpu:1 --chdir=/tmp",
+        "time_limit": "#SBATCH --gres=gpu:1 --time=00:10:00",
+    }
+    for name, directives in directive_cases.items():
+        add(Case("directive", name, batch("python train.py\n", directives)))
+        add(Case("directive", name + "@partition", batch("# deferred\npython train.py\n", directives),
+                 mode="partition"))
+    # 3. script shapes
+    shapes = {
+        "no_shebang": "#SBATCH --gres=gpu:1\npython train.py\n",
+        "dos_lines": "#!/bin/bash\r\n#SBATCH --gres=gpu:1\r\npython train.py\r\n",
+        "empty_body": "#!/bin/bash\n#SBATCH --gres=gpu:1\n",
+        "binary": "#!/bin/bash\n#SBATCH --gres=gpu:1\n\x00\x01\x02\xff\n",
+        "big_file": "#!/bin/bash\n#SBATCH --gres=gpu:1\n" + "# padding\n" * 300_000 + "python train.py\n",
+        "python_shebang": "#!/usr/bin/env python3\n#SBATCH --gres=gpu:1\n" + TRAIN,
+        "shell_tricks": "#!/bin/bash\n#SBATCH --gres=gpu:1\nset -e\nA=$(echo train)\n"
+                        "for i in 1; do python $A.py; done\n",
+        "srun_python": "#!/bin/bash\n#SBATCH --gres=gpu:1\nsrun python train.py\n",
+        "torchrun": "#!/bin/bash\n#SBATCH --gres=gpu:2\ntorchrun --nproc-per-node=2 train.py\n",
+        "two_commands": "#!/bin/bash\n#SBATCH --gres=gpu:1\npython no_cuda.py\npython train.py\n",
+        "missing_program": "#!/bin/bash\n#SBATCH --gres=gpu:1\npython not_here.py\n",
+        "eval_line": "#!/bin/bash\n#SBATCH --gres=gpu:1\neval \"python train.py\"\n",
+    }
+    for name, text in shapes.items():
+        add(Case("shape", name, text))
+    add(Case("shape", "wrap", "", options=("--gres=gpu:1", "--wrap=python train.py")))
+    add(Case("shape", "hetjob_command_line", batch("python train.py\n", "#SBATCH --ntasks=1"),
+             options=("--ntasks=1", ":", "--gres=gpu:1")))
+    # 4. the submitting environment
+    envs = {
+        "sbatch_gres_abc": {"SBATCH_GRES": "gpu:abc"}, "sbatch_gres_2": {"SBATCH_GRES": "gpu:2"},
+        "sbatch_partition": {"SBATCH_PARTITION": "debug"}, "sbatch_export_none": {"SBATCH_EXPORT": "NONE"},
+        "alloc_conf_garbage": {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:abc"},
+        "pythonpath_shadow": {"PYTHONPATH": "__JOBDIR__/shadow"}, "ld_preload": {"LD_PRELOAD": "/nonexistent.so"},
+        "missing_config": {"XMEM_CONFIG": "/nonexistent/xmem.toml"},
+        "invalid_config": {"XMEM_CONFIG": "__JOBDIR__/invalid.toml"},
+        "tmpdir_unwritable": {"TMPDIR": "/proc"}, "home_with_space": {"HOME": "__HOME__/with space"},
+        "cuda_visible_empty": {"CUDA_VISIBLE_DEVICES": ""}, "lang_c": {"LANG": "C", "LC_ALL": "C"},
+        "huge_env_var": {"BIG": "z" * 100_000},
+    }
+    for name, env in envs.items():
+        add(Case("environment", name, batch(f"# env {name}\npython train.py\n"), env=env))
+        add(Case("environment", name + "@partition", batch(f"# env {name} deferred\npython train.py\n"),
+                 env=env, mode="partition"))
+    # 5. one user plants files where another's xmem looks (the other submits a plain job)
+    for plant_kind in ("native_dir", "native_so", "slot_dir", "slot_symlink"):
+        add(Case("cross-user", plant_kind, batch(f"# cross {plant_kind}\npython train.py\n"), user=USERS[1],
+                 plant=plant_kind))
+    return out
+
+
+# --- the machinery ---------------------------------------------------------------------------------------------
+
+def sh(*argv: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def setup_users_and_env() -> Path:
+    for user in USERS:
+        if sh("id", user).returncode != 0:
+            sh("useradd", "-m", user, check=True)
+    venv = ROOT / "venv"
+    if not (venv / "bin" / "python").exists():
+        sh("/usr/bin/python3", "-m", "venv", "--without-pip", str(venv), check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    project_site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
+    (site / "xmem-campaign.pth").write_text(f"{REPO}\n{project_site}\n")
+    (venv / "bin" / "xmem-slurm").write_text(f"#!{venv}/bin/python\nimport sys\nfrom xmem.cli import main\n"
+                                             "sys.exit(main())\n")
+    (venv / "bin" / "xmem-slurm").chmod(0o755)
+    sh("chmod", "-R", "a+rX", str(ROOT))
+    return venv
+
+
+def start_cluster(mode: str, venv: Path) -> dict[str, str]:
+    lab = ROOT / f"lab-{mode}"
+    env = {**os.environ, "XMEM_SLURM": str(venv / "bin" / "xmem-slurm"), "XMEM_PYTHON": str(venv / "bin" / "python")}
+    env.pop("SLURM_JOB_ID", None)
+    up = sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "up", "--lab", str(lab), "--port",
+            str(PORTS[mode]), "--mode", mode, timeout=300, env=env)
+    if up.returncode != 0:
+        raise SystemExit(f"dev cluster ({mode}) did not start:\n{up.stdout}\n{up.stderr}")
+    config = lab / "etc" / "xmem.toml"
+    text = config.read_text()
+    text = re.sub(r'(?m)^cache_dir = .*$', 'cache_dir = "~/.cache/xmem-campaign"', text, count=1)
+    text = re.sub(r'(?m)^timeout_s = .*$', "timeout_s = 60", text, count=1)
+    if re.search(r"(?m)^memory_limit_gib = ", text):  # a shared host: 2 GiB per trace
+        text = re.sub(r"(?m)^memory_limit_gib = .*$", "memory_limit_gib = 2", text, count=1)
+    else:
+        text = re.sub(r"(?m)^\[estimate\]$", "[estimate]\nmemory_limit_gib = 2", text, count=1)
+    config.write_text(text)
+    sh("chmod", "-R", "a+rX", str(lab / "etc"))
+    return {"SLURM_CONF": str(lab / "etc" / "slurm.conf"), "XMEM_CONFIG": str(config)}
+
+
+def user_env(user: str, cluster: dict[str, str], venv: Path, extra: dict[str, str], job_dir: Path) -> list[str]:
+    home = Path(f"/home/{user}")
+    env = {"HOME": str(home), "USER": user, "LOGNAME": user, "PATH": f"{venv}/bin:/usr/bin:/bin", **cluster}
+    for k, v in extra.items():
+        env[k] = v.replace("__JOBDIR__", str(job_dir)).replace("__HOME__", str(home))
+    return ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
+
+
+def job_dir_for(case: Case, index: int) -> Path:
+    d = Path(f"/home/{case.user}/campaign/{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', case.name)}")
+    d.mkdir(parents=True, exist_ok=True)
+    for name, source in PROGRAMS.items():
+        (d / f"{name}.py").write_text(source)
+    (d / "shadow").mkdir(exist_ok=True)
+    (d / "shadow" / "torch.py").write_text("raise ImportError('a shadowing torch.py')\n")
+    (d / "invalid.toml").write_text("[policy]\nfailure = 'sometimes'\n")
+    (d / "job.sh").write_text(case.script, errors="surrogateescape")
+    (Path(f"/home/{case.user}") / "with space").mkdir(exist_ok=True)
+    sh("chown", "-R", f"{case.user}:{case.user}", f"/home/{case.user}")
+    return d
+
+
+def submit(case: Case, prefix: list[str], job_dir: Path, filtered: bool) -> tuple[subprocess.CompletedProcess, float]:
+    env_off = [] if filtered else ["XMEM_NO_FILTER=1"]
+    script = [] if case.name == "wrap" else [str(job_dir / "job.sh"), *case.args]
+    argv = [*prefix, *env_off, "sbatch", "--parsable", "--begin=now+3600", "-o", "/dev/null",
+            *case.options, *script]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=job_dir, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(argv, 124, "", "campaign: sbatch timed out after 400 s")
+    return done, time.monotonic() - started
+
+
+def job_fields(job_id: str, cluster: dict[str, str]) -> dict[str, str]:
+    out = sh("scontrol", "show", "job", "-o", job_id, env={**os.environ, **cluster}).stdout.strip().splitlines()
+    line = out[0] if out else ""
+    return dict(p.split("=", 1) for p in re.split(r" (?=[A-Z][A-Za-z:/]*=)", line) if "=" in p)
+
+
+def gpu_request(fields: dict[str, str]) -> str | None:
+    return next((f"{k}={fields[k]}" for k in ("TresPerNode", "TresPerJob", "TresPerTask")
+                 if fields.get(k) not in (None, "", "(null)")), None)
+
+
+def settle(job_id: str, cluster: dict[str, str], user_hold: bool) -> bool:
+    """Deferred mode: True when the job is still held for xmem after DEFERRED_SETTLE_S."""
+    deadline = time.monotonic() + DEFERRED_SETTLE_S
+    while time.monotonic() < deadline:
+        f = job_fields(job_id, cluster)
+        state = re.search(r"xmem:\S*\bstate=(\w+)", f.get("Comment", ""))
+        if f.get("JobState") != "PENDING" or user_hold or f.get("Reason") != "JobHeldUser" \
+                or (state and state.group(1) == "stuck"):
+            return f.get("Reason") == "JobHeldUser" and not user_hold
+        time.sleep(1)
+    return True
+
+
+def plant(kind: str, victim: str) -> None:
+    """What the other user (USERS[0]) leaves where `victim`'s xmem looks."""
+    attacker, uid = USERS[0], sh("id", "-u", victim).stdout.strip()
+    run_as = ["runuser", "-u", attacker, "--", "sh", "-c"]
+    commands = {  # S1 and S3 of issue 14: a shim the victim would load, slot locks the victim would wait on
+        "native_dir": f"mkdir -p {PLANTED[0]}{uid} && chmod 777 {PLANTED[0]}{uid}",
+        "native_so": f"mkdir -p {PLANTED[0]}{uid} && for f in a b c; do : > {PLANTED[0]}{uid}/$f.so; done",
+        "slot_dir": f"mkdir -p {PLANTED[1]}/{victim} && chmod 700 {PLANTED[1]}/{victim}",
+        "slot_symlink": f"for i in 0 1 2 3; do ln -sf /home/{attacker}/owned-$i {PLANTED[1]}/{victim}-$i.lock; done",
+    }
+    sh(*run_as, commands[kind] + " 2>/dev/null; true")
+
+
+def snapshot(paths: list[Path]) -> dict[str, str]:
+    """Files under `paths` -> a digest, outside xmem's own cache."""
+    seen: dict[str, str] = {}
+    for root in paths:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith("xmem-")]  # ~/.cache/xmem-campaign, native
+            for name in filenames:
+                p = Path(dirpath) / name
+                try:
+                    seen[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.stat().st_size < 1 << 24 \
+                        else str(p.stat().st_mtime_ns)
+                except OSError:
+                    continue
+    return seen
+
+
+def run_case(index: int, case: Case, clusters: dict[str, dict[str, str]], venv: Path,
+             baseline: dict[str, str | None]) -> Outcome:
+    cluster = clusters[case.mode]
+    job_dir = job_dir_for(case, index)
+    prefix = user_env(case.user, cluster, venv, case.env, job_dir)
+    ref, _ = submit(case, prefix, job_dir, filtered=False)
+    ref_id = ref.stdout.strip().split(";")[0] if ref.returncode == 0 else None
+    ref_request = gpu_request(job_fields(ref_id, cluster)) if ref_id else None
+    if case.plant:
+        plant(case.plant, case.user)
+    done, seconds = submit(case, prefix, job_dir, filtered=True)
+    job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else None
+    out = Outcome(case, ref.returncode == 0, done.returncode == 0, job_id, done.stderr, seconds,
+                  ref_request=ref_request)
+    if job_id and case.mode == "partition" and "held until" in done.stderr:
+        out.held = settle(job_id, cluster, user_hold="--hold" in case.script)
+    if job_id:
+        out.request = gpu_request(job_fields(job_id, cluster))
+    if out.ref_ok and not out.ok:  # every site config here is fail-open: xmem may refuse nothing
+        out.problems.append("blocked wrongly" if "xmem-slurm" in done.stderr else "lost")
+    if out.held:
+        out.problems.append("left held")
+    if ref_request and job_id and out.request is None:
+        out.problems.append("wrong request")
+    if case.name.startswith("oom_everywhere") and out.request and ("1g.10gb" in out.request or "mps" in out.request):
+        out.problems.append("wrong request")
+    if case.plant and baseline.get(case.name) is not None and out.request != baseline[case.name]:
+        out.problems.append("cross-user")
+    for i in (ref_id, job_id):
+        if i:
+            sh("scancel", i, env={**os.environ, **cluster})
+    return out
+
+
+def leftover_processes() -> list[str]:
+    found = []
+    for user in USERS:
+        ps = sh("ps", "-u", user, "-o", "pid=,args=").stdout.strip().splitlines()
+        found += [f"{user}: {line.strip()}" for line in ps if line.strip()]
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run only the cases of this kind (program, directive, shape, environment, "
+                                       "cross-user)")
+    parser.add_argument("--keep", action="store_true", help="leave the clusters up at the end")
+    parser.add_argument("--workers", type=int, default=3, help="cases submitted side by side (default 3)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: it makes users and starts Slurm daemons")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    venv = setup_users_and_env()
+    clusters = {mode: start_cluster(mode, venv) for mode in PORTS}
+    todo = [c for c in cases() if not args.only or c.kind == args.only]
+    homes = [Path(f"/home/{u}") for u in USERS]
+    for home in homes:
+        shutil.rmtree(home / "campaign", ignore_errors=True)
+        (home / "planted.txt").unlink(missing_ok=True)
+    before = snapshot(homes)
+    baseline: dict[str, str | None] = {}
+    for c in todo:  # the victim's request without anything planted, for the cross-user cases
+        if c.plant:
+            o = run_case(999, Case(c.kind, c.name, c.script, user=c.user), clusters, venv, {})
+            baseline[c.name] = o.request
+    started = time.monotonic()
+    outcomes = []
+
+    def one(index: int, case: Case) -> Outcome:
+        outcome = run_case(index, case, clusters, venv, baseline)
+        mark = ", ".join(outcome.problems) or "ok"
+        line = outcome.stderr.strip().splitlines()[-1][:150] if outcome.stderr.strip() else ""
+        print(f"{index:3d} {case.kind:11s} {case.name:32s} {outcome.seconds:6.2f} s  {mark:14s} {line}", flush=True)
+        return outcome
+    # Independent cases side by side (a deferred one mostly waits for its estimation job); the planting ones
+    # last and alone, since what they plant stays until the end.
+    with ThreadPoolExecutor(max_workers=args.workers) as pool:
+        outcomes += pool.map(lambda ic: one(*ic), [(i, c) for i, c in enumerate(todo) if not c.plant])
+    outcomes += [one(i, c) for i, c in enumerate(todo) if c.plant]
+    time.sleep(5)  # estimation jobs finishing
+    after = snapshot(homes)
+    campaign_dirs = {str(h / "campaign") for h in homes}
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p)
+                     and not any(p.startswith(d + "/") and p.endswith("/job.sh") for d in campaign_dirs)
+                     and not any(p.startswith(d + "/") and (p.endswith(".py") or p.endswith(".toml"))
+                                 for d in campaign_dirs))
+    procs = leftover_processes()
+    count = lambda what: sum(what in o.problems for o in outcomes)
+    latencies = [o.seconds for o in outcomes if o.ok]
+    kinds = ", ".join(f"{k} {sum(o.case.kind == k for o in outcomes)}" for k in dict.fromkeys(o.case.kind
+                                                                                           for o in outcomes))
+    p90 = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+    print(f"\ncases: {len(outcomes)} ({kinds}), {time.monotonic() - started:.0f} s")
+    for label, value in (("submissions lost", count("lost")), ("blocked wrongly", count("blocked wrongly")),
+                         ("left held", count("left held")), ("wrong request", count("wrong request")),
+                         ("leftover processes", len(procs)),
+                         ("files changed outside the estimator's scratch", len(changed)),
+                         ("cross-user effects", count("cross-user"))):
+        print(f"{label + ':':48s} {value}")
+    print(f"{'sbatch latency (accepted submissions):':48s} median {statistics.median(latencies):.2f} s, "
+          f"p90 {p90:.2f} s, max {max(latencies):.2f} s")
+    for p in procs[:10]:
+        print("  leftover:", p)
+    for p in changed[:10]:
+        print("  changed:", p)
+    for o in outcomes:
+        if o.problems:
+            print(f"  {o.case.kind}/{o.case.name}: {', '.join(o.problems)}: {o.stderr.strip()[:300]}")
+    for user in USERS:  # what the cross-user cases planted (only the attacker's own entries)
+        uid = sh("id", "-u", user).stdout.strip()
+        shutil.rmtree(f"{PLANTED[0]}{uid}", ignore_errors=True)
+    attacker_uid = int(sh("id", "-u", USERS[0]).stdout.strip())
+    for entry in Path(PLANTED[1]).glob("*"):
+        if entry.lstat().st_uid == attacker_uid:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    if not args.keep:
+        for mode in PORTS:
+            sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "down", "--lab", str(ROOT / f"lab-{mode}"),
+               timeout=120)
+    return 0 if not any(o.problems for o in outcomes) and not procs and not changed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
