@@ -54,3 +54,37 @@ def test_requests_in_scontrol_form():
     assert user_request({"gres": "gres:gpu:1"}) == "gpu:1"
     assert user_request({"gpus-per-node": "a100:1"}) == "gpus-per-node=a100:1"
     assert user_request({}) is None
+
+
+def test_xmems_own_sbatch_calls_leave_the_users_sbatch_variables_out():
+    from xmem.slurm.deferred import own_sbatch_env
+
+    env = own_sbatch_env({"SBATCH_GRES": "gpu:abc", "SBATCH_PARTITION": "x", "SLURM_CONF": "/etc/s.conf",
+                          "HOME": "/home/ann"})
+    assert env == {"SLURM_CONF": "/etc/s.conf", "HOME": "/home/ann", "XMEM_NO_FILTER": "1"}
+
+
+def test_an_export_post_submit_could_not_hand_on_is_not_deferred():
+    from xmem.slurm.deferred import cannot_defer
+
+    assert cannot_defer(FilterRequest(script="/j.sh", options={"export": "ALL,A=1"})) is None
+    why = cannot_defer(FilterRequest(script="/j.sh", options={"export": "ALL,A=" + "x" * 140_000}))
+    assert "136 KiB" in why and "128 KiB" in why
+
+
+def test_unqueued_spools_are_swept_and_queued_or_fresh_ones_kept(tmp_path):
+    import os
+    import time
+
+    from xmem.slurm.deferred import _sweep_unqueued
+
+    old = time.time() - 2 * 3600
+    for name, queued, age in (("stale", False, old), ("queued", True, old), ("fresh", False, None)):
+        d = tmp_path / name
+        d.mkdir()
+        if queued:
+            (d / "jobs.json").write_text("{}")
+        if age:
+            os.utime(d, (age, age))
+    _sweep_unqueued(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "queued"]
