@@ -88,7 +88,15 @@ def test_site_config_catalog_applies(tmp_path):
         capability = [8, 9]
         aliases = ["sitegpu"]
     """)
-    script = write(tmp_path, "cpu.py", "print('no GPU here')\n")
+    script = write(tmp_path, "site.py", """
+        import torch
+        assert torch.cuda.get_device_properties(0).total_memory == 25_000_000_000  # the program sees the site's GPU
+        model = torch.nn.Linear(4, 4).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(2, 4, device="cuda")).sum().backward()
+            opt.step()
+    """)
     run = xmem("--json", "--config", str(config), "--gpu", "sitegpu", "--", PYTHON, str(script), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert json_stdout(run)["gpus"]["Site-GPU-24GB"]["total_bytes"] == 25_000_000_000
