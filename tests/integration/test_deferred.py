@@ -313,4 +313,7 @@ def test_a_request_slurm_will_not_take_back_keeps_the_job_held_not_gpuless(defer
         time.sleep(0.3)
     assert xmem_state(info) == "stuck" and info["Reason"] == "JobHeldUser", info
     assert f"fix=scontrol+update+JobId={sub.job_id}+TresPerNode=gres:gpu:1" in info["Comment"]
+    status = json.loads(cluster.run("xmem-slurm", "status", sub.job_id, "--json").stdout)
+    assert (status["estimate"], status["fix"]) == (
+        "stuck", f"scontrol update JobId={sub.job_id} TresPerNode=gres:gpu:1 && scontrol release {sub.job_id}")
     cluster.run("scancel", sub.job_id)

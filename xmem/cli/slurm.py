@@ -149,6 +149,8 @@ def status_command(
     typer.echo(f"estimate: {status['estimate']}" + (f" ({status['why']})" if status["why"] else ""))
     typer.echo(f"request before: {status['request_before'] or '-'}")
     typer.echo(f"request now:    {status['request_now'] or '-'}")
+    if status.get("fix"):
+        typer.echo(f"to run it as submitted: {status['fix']}")
     stamp = status["stamp"]
     if stamp and stamp.get("peak_bytes"):
         typer.echo(f"peak {stamp['peak_bytes'] / (1 << 30):.2f} GiB on {stamp['gpu_type']}, request sized for "

@@ -204,7 +204,7 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
         try:
             refused = retype(job_id, field, _tres(option, value), old)
         except RequestLost as e:  # never released without its GPU request: held, with the fix in the comment
-            fix = f"scontrol update JobId={job_id} {field}={old}; scontrol release {job_id}"
+            fix = f"scontrol update JobId={job_id} {field}={old} && scontrol release {job_id}"
             _scontrol("update", f"JobId={job_id}", "Comment=" + _with_state(
                 user_comment, f"state=stuck;was={_plain(was)};why={_plain(str(e))};fix={_plain(fix)}"))
             return f"job {job_id} left held: {e}; to run it as submitted: {fix}"
@@ -311,6 +311,7 @@ def job_status(job_id: str) -> dict[str, Any]:
     return {"job_id": job_id, "job_state": fields.get("JobState"), "reason": fields.get("Reason"),
             "estimate": estimate, "request_before": pairs.get("was", "").replace("+", " ") or None,
             "request_now": request, "why": pairs.get("why", "").replace("+", " ") or None,
+            "fix": pairs.get("fix", "").replace("+", " ") or None,
             "stamp": asdict(stamp) if not stamp.is_empty() else None}
 
 
