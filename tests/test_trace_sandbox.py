@@ -52,7 +52,9 @@ def test_writes_never_land_in_the_users_files(tmp_path, monkeypatch, mode):
     extra = ["--save-to-file-object"] if mode != "namespaces" else []
     trace = run_trace(["python", str(SCRIPTS / "writes_everywhere.py"), *extra], cwd=str(run), iterations=3)
     assert trace.iterations == 3  # the program read back every write (it exits 7 otherwise)
-    assert snapshot(tmp_path) == before
+    after = snapshot(tmp_path)
+    assert after == before, {name: (before.get(name), after.get(name)) for name in {*before, *after}
+                             if before.get(name) != after.get(name)}
     assert trace.sandbox.startswith("fallback" if mode == "fallback" else "namespaces")
     assert (mode == "read-only") == ("overlay of nothing; read-only, Python's writes there redirected" in trace.sandbox)
     warned = [w for w in trace.warnings if "protected" in w]
