@@ -281,3 +281,12 @@ def test_a_suspect_estimate_is_untrusted_whatever_its_peak():
     assert untrusted_estimate([CommandEstimate(command, sound)]) is None
     why = untrusted_estimate([CommandEstimate(command, sound), CommandEstimate(command, suspect)])
     assert why == "the estimate is suspect (the optimizer steps 21.9 MB of parameters, the trace saw 12 KB)"
+
+
+def test_a_kept_request_carries_no_figure_from_a_replay_that_ran_out_of_memory():
+    from xmem.policy import job_peak
+
+    job_peaks = {"a100": job_peak(gpu_estimate(GIB, A100_BYTES, fits=False)), "h100": 50 * GIB}
+    d = decide(job_peaks, request("#SBATCH --gres=gpu:a100:1"), site(), catalog=CATALOG)
+    assert (d.action, d.peak_bytes, d.needed_bytes) == ("keep", None, None)
+    assert d.reason.endswith("runs out of memory on a whole a100: it may not be enough")

@@ -220,9 +220,15 @@ def _share(kind: str, gres_type: str, estimate_type: str, capacity: int, units: 
            needed: int) -> Offer:
     """The fewest units of `units` per GPU whose memory (capacity * count / units) holds `needed`."""
     count = min(units, max(1, math.ceil(needed * units / capacity)))
-    while count < units and capacity * count // units < needed:  # integer rounding of the share
+    while count < units and share_bytes(capacity, count, units) < needed:  # integer rounding of the share
         count += 1
-    return Offer(kind, gres_type, estimate_type, count, capacity * count // units, capacity // units, peak, units)
+    return Offer(kind, gres_type, estimate_type, count, share_bytes(capacity, count, units), capacity // units, peak,
+                 units)
+
+
+def share_bytes(capacity: int, count: int, units: int) -> int:
+    """The memory `count` of `units` shares (MPS, shards) of a GPU of `capacity` bytes give."""
+    return capacity * count // units
 
 
 def gres_capacity(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
@@ -333,6 +339,11 @@ def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int],
     peak = peak_for(parent or gpu_type, peaks, catalog) if gpu_type else None
     if peak is None and offers:
         peak = min(o.peak_bytes for o in offers)
+    estimated = parent or gpu_type or next((o.estimate_type for o in offers if o.peak_bytes == peak), None)
+    if peak is not None and estimated and peak == (gres_capacity(estimated, None, catalog) or -1) + 1:
+        # job_peak's mark, not a peak: no figure for the job's stamp (nor an MPS limit sized from it)
+        return Decision("keep", f"{why}; runs out of memory on a whole {estimated}: it may not be enough",
+                        gpu_type=gpu_type)
     needed = config.margin.needed(peak) if peak is not None else None
     reason = why  # the caller names the request it keeps (`asked` is in the comment)
     if needed is not None:
