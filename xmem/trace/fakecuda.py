@@ -178,6 +178,7 @@ def install(fake: FakeCuda) -> None:
     _patch_cuda_data_functions()
     attention.install(fake)
     _patch_compile(fake)
+    _patch_on_import("transformers.utils.import_utils", _fake_tensors_are_not_a_graph)
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
     _patch_module_registration(fake)
@@ -377,6 +378,36 @@ def _patch_compile(fake: FakeCuda) -> None:
         return model if model is not None else (lambda function: function)
 
     torch.compile = eager
+
+
+def _fake_tensors_are_not_a_graph(import_utils: Any) -> None:
+    # transformers' is_tracing(tensor) takes a FakeTensor for a graph being compiled or exported and then skips the
+    # value checks a GPU run makes: find_packed_sequence_indices keeps a packed-sequence mask and
+    # _ignore_causal_mask_sdpa never drops the causal mask, so every decoder's SDPA call got a materialised mask (no
+    # GQA in the kernel but repeat_kv copies of k/v, no flash, a converted bias) where the GPU runs is_causal. In a
+    # trace every FakeTensor stands for GPU data (torch.compile runs eagerly): its checks get stand-in values like
+    # any other. Found by the model-zoo oracle (scripts/zoo_check.py, hf:llama).
+    import_utils.is_fake_tensor = lambda tensor: False
+
+
+def _patch_on_import(module_name: str, patch: Callable[[Any], None]) -> None:
+    """Run `patch(module)` right after `module_name` is first imported (a library the program may import later)."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class PatchAfterLoading(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != module_name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is not None and spec.loader is not None:
+                load = spec.loader.exec_module
+                spec.loader.exec_module = lambda module: (load(module), patch(module))  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, PatchAfterLoading())
 
 
 def _active_fake_mode() -> FakeTensorMode | None:
