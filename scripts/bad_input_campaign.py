@@ -17,6 +17,7 @@ Figures (each over the cases where it applies):
   left held        deferred mode: still held for xmem 180 s after sbatch (the user's own --hold excepted)
   wrong request    the filtered job asks for less GPU memory than an estimate that ran out of memory, or kept no
                    GPU at all where the reference had one
+  user's text      the filtered job's comment does not start with the reference's (what the user wrote, unchanged)
   leftover procs   processes of the campaign users still alive at the end (no job runs: all are xmem's or the
                    traced programs')
   files changed    files under the users' homes and job directories that differ after the campaign, outside
@@ -347,7 +348,8 @@ def run_case(index: int, case: Case, clusters: dict[str, dict[str, str]], venv: 
     prefix = user_env(case.user, cluster, venv, case.env, job_dir)
     ref, _ = submit(case, prefix, job_dir, filtered=False)
     ref_id = ref.stdout.strip().split(";")[0] if ref.returncode == 0 else None
-    ref_request = gpu_request(job_fields(ref_id, cluster)) if ref_id else None
+    ref_fields = job_fields(ref_id, cluster) if ref_id else {}
+    ref_request = gpu_request(ref_fields)
     if case.plant:
         plant(case.plant, case.user)
     done, seconds = submit(case, prefix, job_dir, filtered=True)
@@ -357,7 +359,11 @@ def run_case(index: int, case: Case, clusters: dict[str, dict[str, str]], venv: 
     if job_id and case.mode == "partition" and "held until" in done.stderr:
         out.held = settle(job_id, cluster, user_hold="--hold" in case.script)
     if job_id:
-        out.request = gpu_request(job_fields(job_id, cluster))
+        fields = job_fields(job_id, cluster)
+        out.request = gpu_request(fields)
+        written = ref_fields.get("Comment", "(null)")
+        if written != "(null)" and not fields.get("Comment", "").startswith(written):
+            out.problems.append("user's text")
     if out.ref_ok and not out.ok:  # every site config here is fail-open: xmem may refuse nothing
         out.problems.append("blocked wrongly" if "xmem-slurm" in done.stderr else "lost")
     if out.held:
@@ -396,8 +402,9 @@ def main() -> int:
     clusters = {mode: start_cluster(mode, venv) for mode in PORTS}
     todo = [c for c in cases() if not args.only or c.kind == args.only]
     homes = [Path(f"/home/{u}") for u in USERS]
-    for home in homes:
+    for home in homes:  # a fresh start: no job directory, no cached analysis from an earlier campaign
         shutil.rmtree(home / "campaign", ignore_errors=True)
+        shutil.rmtree(home / ".cache" / "xmem-campaign", ignore_errors=True)
         (home / "planted.txt").unlink(missing_ok=True)
     before = snapshot(homes)
     baseline: dict[str, str | None] = {}
@@ -435,6 +442,7 @@ def main() -> int:
     print(f"\ncases: {len(outcomes)} ({kinds}), {time.monotonic() - started:.0f} s")
     for label, value in (("submissions lost", count("lost")), ("blocked wrongly", count("blocked wrongly")),
                          ("left held", count("left held")), ("wrong request", count("wrong request")),
+                         ("user's text changed", count("user's text")),
                          ("leftover processes", len(procs)),
                          ("files changed outside the estimator's scratch", len(changed)),
                          ("cross-user effects", count("cross-user"))):
