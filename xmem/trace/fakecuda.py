@@ -450,7 +450,10 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
             memo[id(tensor)] = result
             return result
 
-        for module in self.modules() if recurse else [self]:
+        for module, has_own_apply in _modules_to_apply(self) if recurse else [(self, False)]:
+            if has_own_apply:  # stock _apply calls each child's _apply: an override must run (see below)
+                module._apply(fn)
+                continue
             for name, param in list(module._parameters.items()):
                 if param is not None:
                     module._parameters[name] = convert(param, "parameter")
@@ -459,9 +462,36 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                     module._buffers[name] = convert(buffer, "buffer")
         _rebind_optimizers(fake.optimizers, {old: new for old, new in replaced.items()
                                              if isinstance(new, nn.Parameter)})
+        # convert() calls itself, so its closure is a reference cycle that keeps memo alive until the next garbage
+        # collection: a second move (`.cuda()` then `.to(memory_format=channels_last)`) would keep every replaced
+        # GPU tensor of the first, where stock _apply frees it at once (timm's channels_last doubled the weights)
+        memo.clear()
+        replaced.clear()
         return self
 
     return fake_aware_apply
+
+
+def _modules_to_apply(root: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """`root` and its descendants in `modules()` order, each with whether its class defines its own `_apply`: that
+    one must run it, as under stock `_apply`, and its subtree is its own (torchmetrics' Metric moves its states and
+    defaults there: skipped, `model.to("cuda")` left a LightningModule's metrics on the CPU; RNNs re-point their
+    flat weights there). A tensor shared across that boundary would be converted twice."""
+    order: list[tuple[nn.Module, bool]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        has_own_apply = module is not root and type(module)._apply is not nn.Module._apply
+        order.append((module, has_own_apply))
+        if not has_own_apply:
+            for child in module.children():
+                visit(child)
+
+    visit(root)
+    return order
 
 
 def _rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], replaced: dict[int, torch.Tensor]) -> None:

@@ -92,6 +92,7 @@ class TrainingState:
         self.on_step_begin: Callable[[torch.optim.Optimizer], None] = lambda opt: None
         self.on_step_end: Callable[[torch.optim.Optimizer], None] = lambda opt: None
         self.on_module_forward: Callable[[torch.nn.Module], None] = lambda module: None
+        self.on_backward_end: Callable[[], None] = lambda: None  # a backward pass that is the iteration (no optimizer)
 
     @property
     def iteration(self) -> int:
@@ -131,6 +132,7 @@ class TrainingState:
             finally:
                 self.phase = "other" if outer == "forward" else outer
             if outer != "backward" and not self._step_depth and not len(self._optimizers):
+                self.on_backward_end()  # before the last iteration's StopTracing
                 self._complete_iteration()  # no optimizer: the backward pass is the iteration
             return result
         return run_in_backward_phase
@@ -190,6 +192,8 @@ class AllocationRecorder(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._block_of_storage: dict[int, int] = {}
+        # modules that ran forward, by id (a module may define __eq__ and so be unhashable), for gradient labels
+        self._forward_modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, tuple[int, int, int, int]] = {}  # storage key -> (block, bytes, device, stream)
         self._emptied: dict[int, int] = {}  # storage key -> device, for watched storages of 0 bytes
         self._block_ids = itertools.count()
@@ -216,6 +220,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._watch_storage_resizes()
         state.on_step_end = self._label_optimizer_state
         state.on_module_forward = self._label_module_tensors
+        state.on_backward_end = self._label_module_gradients
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)
@@ -424,11 +429,20 @@ class AllocationRecorder(TorchDispatchMode):
                 self.category[block] = category
 
     def _label_module_tensors(self, module: torch.nn.Module) -> None:
+        self._forward_modules[id(module)] = module
         # frozen weights (no optimizer) made directly on the GPU are known as parameters only by their module
         for param in module._parameters.values():
             self.label(param, "parameter")
         for buffer in module._buffers.values():
             self.label(buffer, "buffer")
+
+    def _label_module_gradients(self) -> None:
+        # no optimizer names the parameters (updated by hand: p.data.add_(p.grad, alpha=-lr)), so the gradients
+        # are those of the parameters of the modules that ran forward; unlabelled they were "temporary"
+        for module in list(self._forward_modules.values()):
+            for param in module._parameters.values():
+                if param is not None:
+                    self.label(param.grad, "gradient")
 
     def _label_parameters_and_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
