@@ -109,6 +109,8 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
             _enter_in_new_threads(fake_mode, recorder)
+            from xmem.trace import weights
+            weights.install(lambda: fake_mode)  # checkpoint tensors bound for the GPU: fake, from metadata only
             _run_user_program(command)
     except StopTracing:
         pass
