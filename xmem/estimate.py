@@ -141,12 +141,14 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              catalog_overrides: Mapping[str, Any] | None = None,
              on_progress: Callable[[str], None] | None = None,
              catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None,
-             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES) -> Estimate:
+             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES,
+             keep_traces: dict[str, Trace] | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
     fresh load). `gpus_per_node`: the GPUs the job's node shows the program (default: as `run_trace` finds them).
     `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`).
+    `keep_traces`, if given, receives the traces by capability class (for pictures of the run: `xmem.pictures`).
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
     """
@@ -156,6 +158,8 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
                                         timeout=timeout, python=python, on_progress=on_progress,
                                         gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes)
+    if keep_traces is not None:
+        keep_traces.update(traces)
     first = next(iter(traces.values()))
     if not first.used_cuda:
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)

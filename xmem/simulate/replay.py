@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from xmem.simulate.allocator import Block, DeviceCachingAllocator
 from xmem.simulate.config import AllocatorConfig
+from xmem.simulate.history import HistoryAllocator, TraceEntry
 from xmem.simulate.result import OomInfo, SimResult, downsample_timeline, oom_message
 
 ALLOC = 0
@@ -25,6 +26,7 @@ def simulate(
     capacity: int | None = None,
     timeline_points: int = 2000,
     device_total: int | None = None,
+    history: list[TraceEntry] | None = None,
 ) -> SimResult:
     """Replay `(action, block, nbytes, stream)` ops on one device; stop at the first out-of-memory.
 
@@ -35,10 +37,13 @@ def simulate(
     memory fraction is taken (as `set_per_process_memory_fraction` does); `capacity` stands in when it is not
     given. `record_stream` is not modelled:
     a FREE returns the block to its pool at once.
+    `history`, if given, receives the allocator's every action (`xmem.simulate.history`), for a memory snapshot.
     """
     if timeline_points < 3:
         raise ValueError(f"timeline_points must be at least 3 (both peaks and the last op), got {timeline_points}")
-    allocator = DeviceCachingAllocator(config, capacity, device_total)
+    allocator = (DeviceCachingAllocator(config, capacity, device_total) if history is None
+                 else HistoryAllocator(config, capacity, device_total, history))
+    recording = history is not None
     live: dict[int, Block | None] = {}
     stream_index: dict[int, int] = {}
     allocated_at = array("q")
@@ -49,6 +54,8 @@ def simulate(
     malloc, free = allocator.malloc, allocator.free
     record_allocated, record_reserved = allocated_at.append, reserved_at.append
     for index, (action, block_id, nbytes, stream) in enumerate(ops):
+        if recording:
+            allocator.op_index = index
         if action == ALLOC:
             if block_id in live:
                 raise ValueError(f"op {index}: ALLOC of block {block_id}, which is already allocated")

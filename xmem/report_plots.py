@@ -1,0 +1,126 @@
+"""PNG figures for people who would rather look than read: an estimate's memory over its traced iterations, and a
+site's estimates against what its jobs really used.
+
+Owns the drawing (matplotlib, Agg backend: no display needed): colours, labels, the peak's annotation. The data
+come from `xmem.pictures.GpuRun` and `xmem.slurm.store` records.
+Must not: compute estimates or read the store itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from xmem.pictures import GpuRun, category_curves, describe_op
+
+GIB = 1 << 30
+# Bottom to top; categories the trace has but this list lacks go on top, in name order.
+ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
+CATEGORY_ORDER = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "workspace", "other")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: a login node has no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, slice_name: str = "",
+             title: str = "") -> None:
+    """Memory over the run on `run.gpu`, as the GPU would show it (the context and libraries at the bottom): the
+    live tensors stacked by category, allocated and reserved as lines, the GPU's memory and the chosen slice as
+    levels, and the peak marked with the op that reached it."""
+    plt = _pyplot()
+    sim = run.sim
+    at = [index for index, _allocated, _reserved in sim.timeline]
+    x = np.asarray(at)
+    allocated = np.asarray([a for _i, a, _r in sim.timeline]) + run.overhead
+    reserved = np.asarray([r for _i, _a, r in sim.timeline]) + run.overhead
+    curves = category_curves(run, at)
+    order = [c for c in CATEGORY_ORDER if c in curves] + sorted(set(curves) - set(CATEGORY_ORDER))
+    fig, ax = plt.subplots(figsize=(15, 6.5), dpi=110)
+    stacks = [np.full(len(x), run.overhead)] + [curves[c] for c in order]
+    names = ["CUDA context + libraries"] + [c.replace("_", " ") for c in order]
+    colours = ["#bdbdbd"] + [plt.get_cmap("tab10")(i) for i in range(len(order))]
+    ax.stackplot(x, [s / GIB for s in stacks], labels=names, colors=colours, alpha=0.75, step="post")
+    ax.step(x, allocated / GIB, where="post", color="black", lw=1.2, label="allocated (memory_allocated)")
+    ax.step(x, reserved / GIB, where="post", color="#d62728", lw=1.6, label="reserved + overhead (what NVML shows)")
+    peak = sim.peak_reserved + run.overhead
+    # a small job on a large GPU: zoom on the job (the curves would be a flat line at the bottom), say so
+    top = max(run.gpu.total_bytes, slice_bytes or 0) if run.gpu.total_bytes < ZOOM_BELOW * peak else \
+        max(peak * 1.25, min(slice_bytes or 0, ZOOM_BELOW * peak))
+    above = " (above the chart)" if run.gpu.total_bytes > top else ""
+    ax.axhline(run.gpu.total_bytes / GIB, color="#1f77b4", ls="--", lw=1.4,
+               label=f"{run.gpu.name}: {run.gpu.total_bytes / GIB:.1f} GiB{above}")
+    if slice_bytes:
+        ax.axhline(slice_bytes / GIB, color="#2ca02c", ls="-.", lw=1.6,
+                   label=f"chosen: {slice_name} {slice_bytes / GIB:.1f} GiB".replace("  ", " ")
+                   + (" (above the chart)" if slice_bytes > top else ""))
+    _mark_iterations(ax, run)
+    _mark_peak(ax, run)
+    ax.set_xlim(0, max(len(run.ops.ops) - 1, 1))
+    ax.set_ylim(0, top / GIB * 1.08)
+    ax.set_xlabel("allocator events (alloc/free, in program order)")
+    ax.set_ylabel("GPU memory (GiB)")
+    ax.set_title(title or f"Predicted GPU memory on {run.gpu.name}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # off the curves
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _mark_iterations(ax, run: GpuRun) -> None:
+    for iteration, start in sorted(run.ops.iteration_starts.items()):
+        ax.axvline(start, color="grey", ls=":", lw=0.8)
+        ax.annotate(f"iteration {iteration}", (start, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
+
+
+def _mark_peak(ax, run: GpuRun) -> None:
+    index = run.sim.peak_reserved_index
+    peak = (run.sim.peak_reserved + run.overhead) / GIB
+    ax.plot([index], [peak], marker="v", color="#d62728", ms=9)
+    right = index > 0.6 * len(run.ops.ops)
+    ax.annotate(f"peak {peak:.2f} GiB: {describe_op(run, index)}", (index, peak), xytext=(-10 if right else 10, 14),
+                textcoords="offset points", ha="right" if right else "left", fontsize=9,
+                bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728"})
+
+
+def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, title: str = "") -> None:
+    """Estimate (x) against measured (y) peak per GPU type, one panel each, with the line where they are equal:
+    a point above it is a job that used more than estimated."""
+    plt = _pyplot()
+    types = sorted(points)
+    columns = min(len(types), 3) or 1
+    rows = -(-len(types) // columns) or 1
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 4.4 * rows), dpi=110, squeeze=False)
+    for ax, gpu_type in zip(axes.flat, types):
+        estimated = np.asarray([e for e, _m in points[gpu_type]]) / GIB
+        measured = np.asarray([m for _e, m in points[gpu_type]]) / GIB
+        under = measured > estimated
+        top = max(estimated.max(), measured.max()) * 1.1
+        ax.plot([0, top], [0, top], color="grey", ls="--", lw=1, label="measured = estimate")
+        ax.scatter(estimated[~under], measured[~under], color="#1f77b4", s=22, label="within the estimate")
+        ax.scatter(estimated[under], measured[under], color="#d62728", s=22, label="used more than estimated")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_title(f"{gpu_type}: {len(estimated)} job(s), {int(under.sum())} above")
+        ax.set_xlabel("estimated peak (GiB)")
+        ax.set_ylabel("measured peak (GiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in list(axes.flat)[len(types):]:
+        ax.set_visible(False)
+    fig.suptitle(title or "Estimate against measured peak GPU memory, per GPU type")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+__all__ = ["plot_run", "plot_store"]
