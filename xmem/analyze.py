@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
-from xmem.policy import (Decision, considered_offers, decide, describe_offer, eligible_types, estimate_types,
-                         gpus_per_node, job_partitions, job_peak, screen)
+from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_partitions, job_peak,
+                         screen)
+from xmem.policy.options import OptionTable, option_table
 
 if TYPE_CHECKING:
     from xmem.gpus import GpuType
@@ -67,6 +68,7 @@ class JobAnalysis:
     partitions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # what was left out and why (e.g. a cluster GPU type the catalog lacks)
     offers: tuple[Mapping[str, Any], ...] = ()  # what the policy weighed, in its order: kind, request, fits...
+    options: OptionTable | None = None  # the same offers side by side: usable, need, slack, the pick, the near miss
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +81,7 @@ class JobAnalysis:
             "errors": [_error_json(e) for e in self.errors],
             "notes": list(self.notes),
             "offers": [dict(o) for o in self.offers],
+            "options": self.options.to_json() if self.options else None,
         }
 
 
@@ -137,9 +140,9 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     if errors:
         return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
                            notes=scope.notes)
-    decision, offers = _decide(job, peaks, scope, user, ask_cluster, untrusted)
+    decision, offers, options = _decide(job, peaks, scope, user, ask_cluster, untrusted)
     return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
-                       notes=scope.notes, offers=offers)
+                       notes=scope.notes, offers=offers, options=options)
 
 
 @dataclass(frozen=True)
@@ -189,18 +192,18 @@ def untrusted_estimate(results: Sequence[CommandEstimate]) -> str | None:
 
 def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str | None,
             ask_cluster: ClusterSource,
-            untrusted: str | None = None) -> tuple[Decision, tuple[Mapping[str, Any], ...]]:
-    """The policy's decision, and the offers it weighed (for people: `check` shows them)."""
+            untrusted: str | None = None) -> tuple[Decision, tuple[Mapping[str, Any], ...], OptionTable]:
+    """The policy's decision, and the offers it weighed (for people: `check` shows them), also side by side."""
     request, partition = job.directives, ",".join(scope.partitions)
     available = _gpus_per_node(ask_cluster(), scope.partitions) if gpus_per_node(request) > 1 else None
     decision = decide(peaks, request, scope.config, user=user, partition=partition, catalog=scope.catalog,
                       available=available, untrusted=untrusted)
-    offers = tuple({"kind": offer.kind, "request": value, "gpu_type": offer.gres_type,
-                    "granted_bytes": offer.granted_bytes, "needed_bytes": scope.config.margin.needed(offer.peak_bytes),
-                    "fits": fits, "description": describe_offer(offer)}
-                   for offer, value, fits in considered_offers(peaks, request, scope.config, partition=partition,
-                                                               catalog=scope.catalog, available=available))
-    return decision, offers
+    options = option_table(peaks, request, scope.config, decision, partition=partition, catalog=scope.catalog,
+                           available=available)
+    offers = tuple({"kind": row.kind, "request": row.request, "gpu_type": row.gres_type,
+                    "granted_bytes": row.usable_bytes, "needed_bytes": row.needed_bytes, "fits": row.fits,
+                    "description": row.description} for row in options.rows)
+    return decision, offers, options
 
 
 def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],

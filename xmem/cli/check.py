@@ -25,6 +25,7 @@ from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.gpus import load_catalog
 from xmem.policy import gres_capacity
+from xmem.policy.options import OptionTable
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
 ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
@@ -194,18 +195,28 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
 
 
 def _show_offers(console: Console, analysis: JobAnalysis) -> None:
-    if not analysis.offers:
-        return
-    chosen = analysis.decision.gres or analysis.decision.gpus if analysis.decision else None
-    table = Table(title="Requests weighed (site preference order, smallest first)")
-    for column in ("request", "gives", "needs", "fits"):
-        table.add_column(column, justify="right" if column in ("gives", "needs") else "left")
-    for offer in analysis.offers:
-        mark = "[green]yes[/]" if offer["fits"] else "[red]no[/]"
-        if offer["request"] == chosen:
-            mark += " <- chosen"
-        table.add_row(offer["request"], _gib(offer["granted_bytes"]), _gib(offer["needed_bytes"]), mark)
+    if analysis.options is not None and analysis.options.rows:
+        show_options(console, analysis.options)
+
+
+def show_options(console: Console, options: OptionTable) -> None:
+    """Every offer of the site side by side (`xmem.policy.options`), the pick and the nearest cheaper miss."""
+    table = Table(title="Every way the site offers the job's GPU types (site preference order, smallest first)")
+    for column in ("GPU", "request", "usable", "peak", "with margin", "fits"):
+        table.add_column(column, justify="right" if column in ("usable", "peak", "with margin") else "left")
+    for row in options.rows:
+        slack = _size(abs(row.slack_bytes))
+        mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"
+        table.add_row(escape(row.gpu_type), escape(row.request), _gib(row.usable_bytes),
+                      _gib(row.peak_bytes), _gib(row.needed_bytes), mark + (" [bold]<- picked[/]" if row.chosen else ""))
     console.print(table)
+    chosen, miss = options.chosen, options.closest_miss
+    if chosen is not None:
+        console.print(f"picked: {escape(chosen.description)}: {escape(options.reason)}")
+    if miss is not None:
+        what = "next cheaper offer" if chosen is not None else "closest offer"
+        console.print(f"{what}, does not fit: {escape(miss.description)}, {_size(-miss.slack_bytes)} short "
+                      f"(needs {_gib(miss.needed_bytes)}, gives {_gib(miss.usable_bytes)})")
 
 
 def _gib(nbytes: int) -> str:

@@ -22,9 +22,11 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from xmem.cli import app
-from xmem.config import ConfigError, load_site_config
+from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
 from xmem.gpus import CatalogError, UnknownGpuError
+from xmem.policy import job_peak
+from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import TraceError
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
@@ -79,20 +81,38 @@ def estimate_command(
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with _stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
+        options = _site_options(result, site) if config else None  # a site named: its offers side by side
         if as_json:
-            out.write(json.dumps(result.to_json()) + "\n")
+            out.write(json.dumps({**result.to_json(), **({"options": options.to_json()} if options else {})}) + "\n")
             out.flush()
         else:
             show_estimate(Console(), result)
-    except UnknownGpuError as e:
+            if options is not None and options.rows:
+                from xmem.cli.check import show_options
+
+                show_options(Console(), options)
+    except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
+        fail_on_error(as_json, e)
+
+
+def fail_on_error(as_json: bool, e: Exception) -> NoReturn:
+    """Exit with the code and one-line message of an error of the estimate (shared with `fit`)."""
+    if isinstance(e, UnknownGpuError):
         _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e))
-    except (ConfigError, CatalogError, BadJobSettingError) as e:
+    if isinstance(e, (ConfigError, CatalogError, BadJobSettingError)):
         _fail(as_json, EXIT_USAGE, "bad_option", str(e))
-    except TraceError as e:
+    if isinstance(e, TraceError):
         _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
               e.last_lines())
-    except Exception as e:  # noqa: BLE001 - anything else is our bug: say so in one line, keep the exit code
-        _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
+    _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")  # anything else: our bug
+
+
+def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
+    """The site's offers for a one-GPU job in its default partition, from the peak per GPU type."""
+    if not result.used_cuda:
+        return None
+    peaks = {name: job_peak(g.to_json()) for name, g in result.gpus.items()}
+    return site_option_table(peaks, site)
 
 
 def _estimate_with_progress(err: Console, command: list[str], settings: dict[str, Any]) -> Estimate:
