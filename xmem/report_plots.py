@@ -16,6 +16,7 @@ import numpy as np
 from xmem.pictures import GpuRun, category_curves, describe_op
 
 GIB = 1 << 30
+MIB = 1 << 20
 # Bottom to top; categories the trace has but this list lacks go on top, in name order.
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
 CATEGORY_ORDER = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "workspace", "other")
@@ -110,7 +111,9 @@ def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, t
         ax.scatter(estimated[under], measured[under], color="#d62728", s=22, label="used more than estimated")
         ax.set_xlim(0, top)
         ax.set_ylim(0, top)
-        ax.set_title(f"{gpu_type}: {len(estimated)} job(s), {int(under.sum())} above")
+        median = float(np.median(measured - estimated)) * GIB / MIB
+        ax.set_title(f"{gpu_type}: {len(estimated)} job(s), {int(under.sum())} above\n"
+                     f"median measured - estimate: {median:+.0f} MiB", fontsize=10)
         ax.set_xlabel("estimated peak (GiB)")
         ax.set_ylabel("measured peak (GiB)")
         ax.grid(alpha=0.3)

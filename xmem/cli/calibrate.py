@@ -4,6 +4,7 @@ Owns the command's I/O: reading the measurements and the benchmark's estimates, 
 and writing `xmem/gpus/calibration.toml` (or `--out`). The model and the fit are `xmem.bench.overhead_fit`.
 
     xmem-slurm calibrate --data benchmarks/data/xmem-dev.jsonl --estimates benchmarks/results/dev/estimates.jsonl
+    xmem-slurm calibrate --from-store [--store S] [--config SITE]   # the site's own jobs (xmem.slurm.store_fit)
 
 Exit codes: 0 written (or printed with --dry-run), 2 unusable input.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -23,6 +26,7 @@ from xmem.bench.records import BadRecord, Reference, load_references
 from xmem.cli import app
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 from xmem.gpus.catalog import CALIBRATION_PATH
+from xmem.slurm.store import DEFAULT_STORE
 
 MIB = 1 << 20
 
@@ -82,9 +86,16 @@ def show_fits(console: Console, fits) -> None:
 
 @app.command("calibrate")
 def calibrate_command(
-    data: Path = typer.Option(..., "--data", help="Real runs (JSONL: the shared data's or measure_gpu.py's schema)."),
-    estimates: Path = typer.Option(..., "--estimates",
-                                   help="scripts/bench_accuracy.py's estimates.jsonl for the same records."),
+    data: Optional[Path] = typer.Option(None, "--data",
+                                        help="Real runs (JSONL: the shared data's or measure_gpu.py's schema)."),
+    estimates: Optional[Path] = typer.Option(None, "--estimates",
+                                             help="scripts/bench_accuracy.py's estimates.jsonl for the same records."),
+    from_store: bool = typer.Option(False, "--from-store",
+                                    help="Fit on the Epilog's records of the site's jobs instead (--store)."),
+    store: str = typer.Option(os.environ.get("XMEM_STORE", DEFAULT_STORE), "--store",
+                              help="With --from-store: the record store (default: $XMEM_STORE)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
+                                         help="With --from-store: the site config (MIG slices, catalog)."),
     out: Path = typer.Option(CALIBRATION_PATH, "--out", help="Where to write the calibration TOML."),
     quantile: float = typer.Option(0.5, "--quantile", min=0.0, max=1.0,
                                    help="Quantile of the residuals taken as the fitted overhead (0.5: median)."),
@@ -92,6 +103,12 @@ def calibrate_command(
 ) -> None:
     """Fit CUDA context + per-library overhead per GPU type from real runs, and write the calibration file."""
     err = Console(stderr=True)
+    if from_store:
+        _calibrate_from_store(err, store, config, out, quantile, dry_run)
+        return
+    if data is None or estimates is None:
+        err.print("[red]error:[/] give --data and --estimates (a benchmark's runs), or --from-store")
+        raise typer.Exit(2)
     try:
         samples = samples_from(load_references(data), read_estimates(estimates))
     except (OSError, BadRecord, CalibrationInputError, UnknownGpuError) as e:
@@ -107,6 +124,42 @@ def calibrate_command(
                   f"--estimates {estimates} --quantile {quantile}` on {today}")
     text = calibration_toml(fits, provenance)
     show_fits(Console(stderr=True, width=120), fits)
+    if dry_run:
+        typer.echo(text)
+        return
+    out.write_text(text)
+    err.print(f"wrote {out}")
+
+
+def _calibrate_from_store(err: Console, store: str, config: Optional[str], out: Path, quantile: float,
+                          dry_run: bool) -> None:
+    """The fit on the site's own jobs; GPU types the store has no usable record of keep their calibration."""
+    from xmem.config import ConfigError, load_site_config
+    from xmem.slurm.store import read_records
+    from xmem.slurm.store_fit import kept_tables, store_samples
+
+    if not os.path.exists(store):
+        err.print(f"[red]error:[/] no record store at {store} (set --store or $XMEM_STORE)")
+        raise typer.Exit(2)
+    try:
+        site = load_site_config(config)
+    except ConfigError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    found = store_samples(read_records(store), load_catalog(site.catalog_overrides or None), site.mig.parent_of)
+    left_out = ", ".join(f"{n} {why}" for why, n in sorted(found.skipped.items()))
+    if not found.samples:
+        err.print(f"[red]error:[/] no usable record in {store} (a record needs an estimate and a measured peak of "
+                  f"a job that ended well){': ' + left_out if left_out else ''}")
+        raise typer.Exit(2)
+    fits = fit_overheads(found.samples, quantile)
+    provenance = (f"fitted on the job records of {store} by `xmem-slurm calibrate --from-store --store {store} "
+                  f"--quantile {quantile}` on {datetime.date.today().isoformat()}")
+    kept = kept_tables(out.read_text(), fits) if out.exists() else ""
+    text = calibration_toml(fits, provenance) + (f"\n{kept}" if kept else "")
+    show_fits(Console(stderr=True, width=120), fits)
+    if left_out:
+        err.print(f"records left out: {left_out}")
     if dry_run:
         typer.echo(text)
         return

@@ -98,6 +98,10 @@ def epilog_command(
 def report_command(
     store: str = StoreOption,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
+                                       help="Also draw estimate against measured peak per GPU type (PNG)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
+                                         help="With --plot: the site config (MIG slices, catalog)."),
 ) -> None:
     """Estimate against measured peak, per GPU type, from the epilog's records."""
     import dataclasses
@@ -109,6 +113,8 @@ def report_command(
         raise typer.Exit(2)
     records = read_records(store)
     summaries = summarize(records)
+    if plot:
+        _plot_store(records, plot, config, store)
     if as_json:
         typer.echo(json.dumps({"store": store, "records": len(records),
                                "gpu_types": [dataclasses.asdict(s) for s in summaries]}, indent=2))
@@ -127,6 +133,30 @@ def report_command(
         table.add_row(s.gpu_type, str(s.jobs), str(s.measured), pct(s.median_abs_rel_error),
                       pct(s.p90_abs_rel_error), pct(s.mean_rel_error), str(s.underestimates), str(s.over_request))
     Console().print(table)
+
+
+def _plot_store(records: list, path: str, config: Optional[str], store: str) -> None:
+    """The figure of `report --plot`: the records that count for calibration, per catalog GPU type."""
+    from xmem.config import ConfigError, load_site_config
+    from xmem.gpus import load_catalog
+    from xmem.report_plots import plot_store
+    from xmem.slurm.store_fit import store_samples
+
+    try:
+        site = load_site_config(config)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    points = store_samples(records, load_catalog(site.catalog_overrides or None), site.mig.parent_of).points
+    if not points:
+        typer.echo(f"error: no record in {store} has both an estimate and a measured peak: nothing to draw", err=True)
+        raise typer.Exit(2)
+    try:
+        plot_store(points, path, title=f"Estimate against measured peak GPU memory ({store})")
+    except OSError as e:
+        typer.echo(f"error: cannot write {path}: {e.strerror}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}", err=True)
 
 
 @app.command("status")

@@ -1,0 +1,124 @@
+"""`xmem-slurm calibrate --from-store` and `xmem-slurm report --plot` on a hand-made record store."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from xmem.bench.overhead_fit import ALWAYS_LOADED
+from xmem.gpus import find_gpu, load_catalog, overhead_bytes
+from xmem.slurm.store import JobRecord, append_record
+from xmem.slurm.store_fit import kept_tables, store_samples
+
+MIB = 1 << 20
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
+SITE = """\
+[partitions.gpu_types]
+debug = ["a100", "h100", "1g.10gb"]
+[mig]
+h100 = ["1g.10gb"]
+"""
+
+
+def xmem(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xmem.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def record(job_id: int, gpu_type: str | None, estimate: int | None, measured: int | None,
+           exit_code: int | None = 0) -> JobRecord:
+    return JobRecord(job_id=str(job_id), gpu_type=gpu_type, estimate_bytes=estimate, measured_bytes=measured,
+                     measured_by="file" if measured else None, exit_code=exit_code)
+
+
+def overhead_now(name: str) -> int:
+    return overhead_bytes(find_gpu(name, load_catalog()), {ALWAYS_LOADED})
+
+
+def make_store(path: Path) -> dict[str, list[int]]:
+    """A100 jobs measured above their estimate by 100, 300 and 200 MiB; H100 (two as its 1g.10gb slice) below by
+    50 and 150 MiB; and records that must not count. Returns the measured-minus-estimate errors per type."""
+    errors = {"a100": [100 * MIB, 300 * MIB, 200 * MIB], "h100": [-50 * MIB, -150 * MIB]}
+    job = 0
+    for gres_type, deltas in (("a100", errors["a100"]), ("1g.10gb", errors["h100"])):
+        for i, delta in enumerate(deltas):
+            job += 1
+            estimate = (2 + i) * GIB
+            append_record(path, record(job, gres_type, estimate, estimate + delta))
+    append_record(path, record(90, "a100", 3 * GIB, 9 * GIB, exit_code=1))  # crashed (out of memory): no peak
+    append_record(path, record(91, "a100", 3 * GIB, None))  # nothing measured
+    append_record(path, record(92, "tpu-v9", 3 * GIB, 4 * GIB))  # a type the catalog does not know
+    append_record(path, record(93, None, None, 4 * GIB))  # measured, never estimated
+    return errors
+
+
+def test_a_records_residual_is_what_the_gpu_held_beyond_the_estimates_allocator_part(tmp_path):
+    store = tmp_path / "records.jsonl"
+    make_store(store)
+    from xmem.slurm.store import read_records
+
+    catalog = load_catalog()
+    found = store_samples(read_records(store), catalog, {"1g.10gb": "h100"}.get)
+    a100 = find_gpu("a100", catalog).name
+    residuals = sorted(s.residual_bytes for s in found.samples if s.gpu == a100)
+    assert residuals == sorted(overhead_now("a100") + d for d in (100 * MIB, 200 * MIB, 300 * MIB))
+    assert {s.gpu for s in found.samples} == {a100, find_gpu("h100", catalog).name}
+    assert found.skipped == {"the job failed": 1, "nothing measured": 1, "GPU type tpu-v9 not in the catalog": 1,
+                             "no estimate": 1}
+    assert sorted(found.points[a100]) == [(2 * GIB, 2 * GIB + 100 * MIB), (3 * GIB, 3 * GIB + 300 * MIB),
+                                          (4 * GIB, 4 * GIB + 200 * MIB)]
+
+
+def test_calibrate_from_store_fits_the_median_error_into_each_types_overhead(tmp_path):
+    store = tmp_path / "records.jsonl"
+    errors = make_store(store)
+    (tmp_path / "site.toml").write_text(SITE)
+    out = tmp_path / "calibration.toml"
+    out.write_text('# an older fit\n\n[overhead."A100-SXM4-40GB"]\ncontext_bytes = 1\nprovenance = "old"\n\n'
+                   '[overhead."T4"]\ncontext_bytes = 333\nlibrary_bytes = { cublas = 7 }\nprovenance = "t4 runs"\n')
+    run = xmem("calibrate", "--from-store", "--store", str(store), "--config", str(tmp_path / "site.toml"),
+               "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    fitted = tomllib.loads(out.read_text())["overhead"]
+    a100, h100 = fitted["A100-SXM4-40GB"], fitted["H100-SXM5-80GB"]
+    assert a100["context_bytes"] == overhead_now("a100") + 200 * MIB  # the median of +100, +300, +200 MiB
+    assert h100["context_bytes"] == overhead_now("h100") + round((errors["h100"][0] + errors["h100"][1]) / 2)
+    assert a100["library_bytes"] == {ALWAYS_LOADED: 0}  # cuBLAS cannot be told from the context: in it
+    assert "--from-store" in a100["provenance"] and "3 runs" in a100["provenance"]
+    assert fitted["T4"] == {"context_bytes": 333, "library_bytes": {"cublas": 7}, "provenance": "t4 runs"}
+    assert "records left out: 1 GPU type tpu-v9 not in the catalog, 1 no estimate" in " ".join(run.stderr.split())
+
+
+def test_calibrate_from_store_without_usable_records_says_why(tmp_path):
+    store = tmp_path / "records.jsonl"
+    append_record(store, record(1, "a100", 3 * GIB, None))
+    run = xmem("calibrate", "--from-store", "--store", str(store), "--dry-run", cwd=tmp_path)
+    said = " ".join(run.stderr.split())  # rich wraps long lines
+    assert run.returncode == 2
+    assert "no usable record" in said and ": 1 nothing measured" in said
+    missing = xmem("calibrate", "--from-store", "--store", str(tmp_path / "none.jsonl"), "--dry-run", cwd=tmp_path)
+    assert missing.returncode == 2 and "no record store at" in missing.stderr
+    neither = xmem("calibrate", cwd=tmp_path)
+    assert neither.returncode == 2 and "--from-store" in neither.stderr
+
+
+def test_kept_tables_drop_only_the_refitted_types():
+    text = '# header\n\n[overhead."A"]\nx = 1\n\n[overhead."B"]\nx = 2\nprovenance = "b"\n'
+    assert kept_tables(text, {"A"}) == '[overhead."B"]\nx = 2\nprovenance = "b"\n'
+    assert kept_tables(text, {"A", "B"}) == ""
+
+
+def test_report_plot_draws_estimate_against_measured(tmp_path):
+    store = tmp_path / "records.jsonl"
+    make_store(store)
+    (tmp_path / "site.toml").write_text(SITE)
+    run = xmem("report", "--store", str(store), "--plot", "report.png", "--config", str(tmp_path / "site.toml"),
+               cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert "wrote report.png" in run.stderr
+    empty = tmp_path / "empty.jsonl"
+    append_record(empty, record(1, "a100", 3 * GIB, None))
+    nothing = xmem("report", "--store", str(empty), "--plot", "x.png", cwd=tmp_path)
+    assert nothing.returncode == 2 and "nothing to draw" in nothing.stderr
