@@ -56,8 +56,9 @@ KERNEL_FAMILIES: dict[str, tuple[frozenset[str], str]] = {
                              "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                              "_efficient_attention_forward"}),
                   "fused attention: the CPU flash kernel saves out and a [B,H,T] fp32 logsumexp; on sm90 the GPU runs "
-                  "cuDNN or memory-efficient attention (logsumexp padded to 32 queries, philox seed/offset) or flash "
-                  "(rng state)"),
+                  "cuDNN or memory-efficient attention (logsumexp padded to 32 queries, philox seed/offset, a bool "
+                  "mask converted to a float bias) or flash (rng state); the CPU kernel's output is (B,H,T,D)-major, "
+                  "so a model's out.transpose(1, 2).contiguous() copies it, a no-op on the CUDA kernels' layout"),
     "convolution": (frozenset({"convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution",
                                "_slow_conv2d_forward", "thnn_conv2d", "slow_conv_dilated2d", "_nnpack_spatial_convolution",
                                "cudnn_convolution_transpose", "slow_conv_transpose2d"}),
@@ -263,10 +264,10 @@ def traced_steps(specs: list[str]) -> None:
 
 
 # ---- the CPU oracle ---------------------------------------------------------------------------------------------
-def cpu_figures(spec: str) -> Figures:
-    """The real CPU run's figures (see the module docstring)."""
+def cpu_figures(spec: str, max_params: int = 0) -> tuple[Figures, int]:
+    """The real CPU run's figures (see the module docstring) and the parameter count; TooLarge past `max_params`."""
     import torch
-    oracle = CpuOracle()
+    oracle = CpuOracle(max_params)
     model, optimizer, batch, loss = train_step(spec, "cpu", oracle.instrumented)
     leaves = _storages(model.parameters()) | _storages(model.buffers()) | _storages(batch.values())
     oracle.saved[loss.untyped_storage()._cdata] = loss.untyped_storage().nbytes()
@@ -280,7 +281,7 @@ def cpu_figures(spec: str) -> Figures:
                    buffer=sum(_storages(model.buffers()).values()),
                    gradient=sum(_storages(p.grad for p in model.parameters() if p.grad is not None).values()),
                    optimizer_state=sum(_storages(state).values()), activation=sum(by_op.values()),
-                   activation_by_op=dict(by_op))
+                   activation_by_op=dict(by_op)), oracle.params
 
 
 class CpuOracle:
@@ -291,7 +292,9 @@ class CpuOracle:
     or a factory call named a device (`torch.arange(n, device=x.device)`); a factory without one makes host tensors.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_params: int = 0) -> None:
+        self.max_params = max_params  # 0: any size
+        self.params = 0
         self.producers: dict[int, tuple[str, Any]] = {}  # storage key -> (op that first wrote it, a tensor keeping it)
         self.saved: dict[int, int] = {}  # storage key -> bytes
         self.on_gpu: set[int] = set()
@@ -299,6 +302,9 @@ class CpuOracle:
 
     def instrumented(self, model: Any, batch: dict) -> contextlib.ExitStack:
         import torch
+        self.params = sum(p.numel() for p in model.parameters())
+        if self.max_params and self.params > self.max_params:
+            raise TooLarge(self.params)  # before the step's gradients and AdamW moments take 3 more copies
         self.on_gpu |= set(_storages(model.parameters()) | _storages(model.buffers()) | _storages(batch.values()))
         stack = contextlib.ExitStack()
         scope = attention_scope()
@@ -366,13 +372,21 @@ class CpuOracle:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
-                moved = getattr(func, "__name__", "") in ("to", "cuda") and len(args) + len(kwargs) > 1
-                if kwargs.get("device") is not None or moved:  # `t.to(x.device)` of a host tensor: on the GPU
+                if kwargs.get("device") is not None or _moves_to_a_device(func, args):
                     for leaf in tree_leaves(out):
                         if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
                             on_gpu.add(leaf.untyped_storage()._cdata)
                 return out
         return Placement()
+
+
+def _moves_to_a_device(func: Any, args: tuple) -> bool:
+    """`t.cuda()`, `t.to(x.device)`, `t.to("cuda")`, `t.to(other)`: a host tensor moved where the model is (not
+    `t.to(dtype=...)`, which stays where it is)."""
+    import torch
+    name = getattr(func, "__name__", "")
+    return name == "cuda" or name == "to" and any(isinstance(arg, (torch.device, str, int, torch.Tensor))
+                                                  and not isinstance(arg, bool) for arg in args[1:])
 
 
 def _storages(tensors: Any) -> dict[int, int]:
@@ -384,9 +398,12 @@ def _storages(tensors: Any) -> dict[int, int]:
     return found
 
 
-def parameter_count(spec: str) -> int:
-    model = build(spec)[0]
-    return sum(p.numel() for p in model.parameters())
+class TooLarge(Exception):
+    """The model has more parameters than the oracle may hold in host memory."""
+
+    def __init__(self, params: int) -> None:
+        super().__init__(f"{params} parameters")
+        self.params = params
 
 
 # ---- the trace side -------------------------------------------------------------------------------------------
@@ -568,11 +585,10 @@ def _cpu_row(spec: str, max_params: int) -> Row:
     row = Row(spec)
     began = time.monotonic()
     try:
-        row.params = parameter_count(spec)
-        if max_params and row.params > max_params:
-            row.status = f"not checked: {row.params / 1e6:.0f}M parameters > --max-params {max_params / 1e6:.0f}M"
-            return row
-        row.cpu = cpu_figures(spec)
+        row.cpu, row.params = cpu_figures(spec, max_params)
+    except TooLarge as error:
+        row.params = error.params
+        row.status = f"not checked: {row.params / 1e6:.0f}M parameters > --max-params {max_params / 1e6:.0f}M"
     except Exception as error:  # noqa: BLE001 - a model that does not run on the CPU is listed with why
         row.status = f"not checked: CPU run failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
     finally:
@@ -621,9 +637,14 @@ def summary(rows: list[Row], left: list[str], total: int) -> list[str]:
     lines = [f"models in the zoo: {total}; checked: {len(checked)}; match: {len(matched)}; "
              f"not checked: {len(rows) - len(checked)}; not run (time budget): {len(left)}"]
     if checked:
-        worst = max(checked, key=lambda r: abs(r.trace.activation - r.cpu.activation))
-        lines.append(f"largest activation deviation: {worst.spec}: {worst.trace.activation - worst.cpu.activation:+d} "
-                     f"bytes by kernel family {worst.verdict['activation_delta_by_family']}")
+        worst = max(checked, key=lambda r: abs(r.trace.activation - r.cpu.activation) / max(1, r.cpu.activation))
+        delta = worst.trace.activation - worst.cpu.activation
+        lines.append(f"largest activation deviation: {worst.spec}: {delta:+d} bytes "
+                     f"({100 * delta / max(1, worst.cpu.activation):+.2f} %), by kernel family (trace - CPU): "
+                     f"{worst.verdict['activation_delta_by_family']}")
+    deviating = [row for row in checked if row.verdict["activation"] == "deviates" or row.verdict["exact_mismatches"]]
+    lines += [f"deviates: {row.spec}: {row.verdict['exact_mismatches'] or ''} "
+              f"{row.verdict['activation_delta_by_family']}" for row in deviating]
     families = {f: reason for f, (_, reason) in KERNEL_FAMILIES.items() if reason}
     lines += [f"reason {family}: {reason}" for family, reason in families.items()]
     if left:
@@ -650,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no trace group after this")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per traced process")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--update", action="store_true",
+                        help="keep the rows of OUT/zoo.jsonl for models not run now (fill in a partial table)")
     args = parser.parse_args(argv)
     if args.step:
         traced_steps(args.step)
@@ -657,14 +680,34 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.models or zoo_specs(args.family)
     print(HEADER, flush=True)
 
+    earlier = read_rows(args.out / "zoo.jsonl") if args.update else []
+    total = len({row.spec for row in earlier} | set(specs))
+
+    def merged(rows: list[Row]) -> list[Row]:
+        now = {row.spec for row in rows}
+        return [row for row in earlier if row.spec not in now] + rows
+
     def report(row: Row, rows: list[Row]) -> None:
         print(table_line(row), flush=True)
-        write_results(rows, specs[len(rows):], len(specs), args.out)  # so far: a stopped run leaves a partial table
+        # so far: a stopped run leaves a partial table
+        write_results(merged(rows), specs[len(rows):], total, args.out)
 
     rows, left = check(specs, args.max_params, args.per_trace, args.budget_s, args.timeout, report)
-    write_results(rows, left, len(specs), args.out)
-    print("\n".join(summary(rows, left, len(specs))))
+    write_results(merged(rows), left, total, args.out)
+    print("\n".join(summary(merged(rows), left, total)))
     return 0
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        data = json.loads(line)
+        for side in ("cpu", "trace"):
+            data[side] = Figures(**data[side]) if data[side] else None
+        rows.append(Row(**data))
+    return rows
 
 
 if __name__ == "__main__":
