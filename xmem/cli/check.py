@@ -22,6 +22,7 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
+from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.gpus import load_catalog
 from xmem.policy import gres_capacity
@@ -53,6 +54,12 @@ def check_command(
     gpus: Optional[str] = typer.Option(None, "--gpus", "-G", help="As sbatch --gpus: overrides the script's."),
     wrap: Optional[str] = typer.Option(None, "--wrap", metavar="COMMAND",
                                        help="As sbatch --wrap: check this command instead of a script."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
+                                       help="Draw memory over the traced iterations on one GPU type (PNG)."),
+    plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
+                                           help="GPU type of --plot and --snapshot (default: the one picked)."),
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
+                                           help="Write the simulated run as a torch.cuda.memory snapshot."),
 ) -> None:
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
     err = Console(stderr=True)
@@ -64,11 +71,14 @@ def check_command(
         _fail(as_json, EXIT_USAGE, "bad_config", str(e))
     given = {"partition": partition, "gres": gres, "gpus": gpus}
     cli_options = {name: value for name, value in given.items() if value} or None
+    estimator = _picture_estimator(as_json, plot, snapshot, plot_gpu, site)
     try:
         with _script_file(script, wrap) as path:
-            analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu)
+            analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu, estimator)
     except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
         _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
+    if estimator is not None and estimator.runs:
+        _write_pictures(as_json, estimator, analysis, plot, snapshot, plot_gpu)
     code = exit_code(analysis)
     if as_json:
         sys.stdout.write(json.dumps({**analysis.to_json(), "exit_code": code}) + "\n")
@@ -105,11 +115,35 @@ def exit_code(analysis: JobAnalysis) -> int:
     return ESTIMATOR_EXIT_CODES.get(analysis.errors[0].kind, EXIT_INTERNAL)
 
 
+def _picture_estimator(as_json: bool, plot: Optional[str], snapshot: Optional[str], plot_gpu: Optional[str],
+                       site: SiteConfig) -> Optional[KeepingEstimator]:
+    """With --plot or --snapshot: the estimator that keeps the traces (the options checked first), else None."""
+    if not (plot or snapshot):
+        return None
+    try:
+        check_outputs(plot, snapshot)
+        check_plot_gpu(plot_gpu, None, load_catalog(site.catalog_overrides or None))
+    except PictureError as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+    return KeepingEstimator()
+
+
+def _write_pictures(as_json: bool, estimator: KeepingEstimator, analysis: JobAnalysis, plot: Optional[str],
+                    snapshot: Optional[str], plot_gpu: Optional[str]) -> None:
+    chosen = analysis.options.chosen if analysis.options is not None else None
+    try:
+        lines = write_pictures(estimator.runs[0], plot=plot, snapshot=snapshot, gpu_name=plot_gpu, chosen=chosen)
+    except PictureError as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+    for line in lines:
+        sys.stderr.write(line + "\n")
+
+
 def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_options: Any, site: SiteConfig,
-             gpus: Optional[list[str]]) -> JobAnalysis:
+             gpus: Optional[list[str]], estimator: Optional[KeepingEstimator] = None) -> JobAnalysis:
     def run(on_progress: Any = None) -> JobAnalysis:
         return analyze_job(script, script_args=args, cli_options=cli_options, config=site, gpus=gpus or None,
-                           on_progress=on_progress)
+                           on_progress=on_progress, estimator=estimator)
 
     if as_json:
         from xmem.cli.estimate import _stdout_to_stderr  # the traced program may print: keep stdout for the JSON

@@ -24,7 +24,8 @@ from typer.core import TyperCommand
 from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
-from xmem.gpus import CatalogError, UnknownGpuError
+from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
+from xmem.gpus import CatalogError, UnknownGpuError, load_catalog
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import TraceError
@@ -70,6 +71,13 @@ def estimate_command(
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config whose \\[catalog] and limits apply (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
+                                       help="Draw memory over the traced iterations on one GPU type (PNG)."),
+    plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
+                                           help="GPU type of --plot and --snapshot (default: the first estimated)."),
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
+                                           help="Write the simulated run as a torch.cuda.memory snapshot "
+                                                "(for torch.cuda._memory_viz / pytorch.org/memory_viz)."),
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
     err = Console(stderr=True)
@@ -78,6 +86,7 @@ def estimate_command(
         settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python,
                         catalog_overrides=site.catalog_overrides or None, gpus_per_node=gpus_per_node,
                         memory_limit_bytes=site.estimate.memory_limit_bytes)
+        traces = _prepare_pictures(plot, snapshot, plot_gpu, gpu, site, settings)
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with _stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
@@ -91,6 +100,10 @@ def estimate_command(
                 from xmem.cli.check import show_options
 
                 show_options(Console(), options)
+        if traces is not None:
+            _write_pictures(result, traces, plot, snapshot, plot_gpu, site, options)
+    except PictureError as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e)
 
@@ -113,6 +126,26 @@ def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
         return None
     peaks = {name: job_peak(g.to_json()) for name, g in result.gpus.items()}
     return site_option_table(peaks, site)
+
+
+def _prepare_pictures(plot: Optional[str], snapshot: Optional[str], plot_gpu: Optional[str],
+                      gpus: Optional[list[str]], site: SiteConfig, settings: dict[str, Any]) -> Optional[dict]:
+    """Check the picture options before tracing; the dict that will keep the traces, or None without pictures."""
+    if not (plot or snapshot):
+        return None
+    check_outputs(plot, snapshot)
+    check_plot_gpu(plot_gpu, gpus, load_catalog(site.catalog_overrides or None))
+    settings["keep_traces"] = traces = {}
+    return traces
+
+
+def _write_pictures(result: Estimate, traces: dict, plot: Optional[str], snapshot: Optional[str],
+                    plot_gpu: Optional[str], site: SiteConfig, options: Optional[OptionTable]) -> None:
+    run = KeptRun(result.command, result, traces, dict(os.environ), None)
+    chosen = options.chosen if options is not None else None
+    for line in write_pictures(run, plot=plot, snapshot=snapshot, gpu_name=plot_gpu, chosen=chosen,
+                               catalog_overrides=site.catalog_overrides or None):
+        sys.stderr.write(line + "\n")
 
 
 def _estimate_with_progress(err: Console, command: list[str], settings: dict[str, Any]) -> Estimate:

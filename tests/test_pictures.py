@@ -1,0 +1,262 @@
+"""Pictures of an estimate: the allocator's history, `--plot FILE.png` and `--snapshot FILE.pickle` of `estimate` and
+`check`, the snapshot read by torch's own memory viewer tools."""
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
+from xmem.simulate.config import MiB
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+TRAIN = """\
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+model = torch.nn.Sequential(Block(512), Block(512)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(4):
+    x = torch.randn(384, 512, device="cuda")
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def replay_totals(trace: list[dict]) -> tuple[int, int]:
+    """Peak allocated and peak reserved as a reader of the snapshot's device trace counts them."""
+    allocated = reserved = peak_allocated = peak_reserved = 0
+    for e in trace:
+        sign = {"alloc": 1, "free_completed": -1, "segment_alloc": 1, "segment_map": 1, "segment_free": -1,
+                "segment_unmap": -1}.get(e["action"], 0)
+        if e["action"] in ("alloc", "free_completed"):
+            allocated += sign * e["size"]
+        elif sign:
+            reserved += sign * e["size"]
+        peak_allocated, peak_reserved = max(peak_allocated, allocated), max(peak_reserved, reserved)
+    return peak_allocated, peak_reserved
+
+
+def check_consistent(snapshot: dict) -> None:
+    """What torch's segment viewer relies on: every block lies in a live segment; the segments at the end are those
+    the trace leaves, their blocks tile them, and the active blocks are the allocations left live."""
+    live_segments: dict[int, int] = {}
+    live_blocks: dict[int, int] = {}
+    trace = next(t for t in snapshot["device_traces"] if t)
+    for e in trace:
+        if e["action"] in ("segment_alloc", "segment_map"):
+            live_segments[e["addr"]] = e["size"]
+        elif e["action"] in ("segment_free", "segment_unmap"):
+            assert not any(e["addr"] <= a < e["addr"] + e["size"] for a in live_blocks), "segment freed in use"
+            live_segments.pop(e["addr"], None)
+        elif e["action"] == "alloc":
+            assert any(s <= e["addr"] and e["addr"] + e["size"] <= s + n for s, n in live_segments.items()
+                       ) or snapshot["segments"][0]["is_expandable"], f"alloc outside every segment: {e}"
+            live_blocks[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            assert live_blocks.pop(e["addr"]) == e["size"]
+    for seg in snapshot["segments"]:
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+        offsets = [b["address"] for b in seg["blocks"]]
+        assert offsets == sorted(offsets) and offsets[0] == seg["address"]
+    active = {b["address"]: b["size"] for seg in snapshot["segments"] for b in seg["blocks"]
+              if b["state"] == "active_allocated"}
+    assert active == live_blocks
+
+
+# --- the replay's history -----------------------------------------------------------------------------------------
+
+def random_ops(seed: int, n: int = 3000) -> list[tuple]:
+    rng = random.Random(seed)
+    ops, live, next_id = [], [], 0
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.55 or not live:
+            size = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 64 * MiB)])
+            ops.append((ALLOC, next_id, size, rng.choice([0, 0, 0, 7])))
+            live.append(next_id)
+            next_id += 1
+        elif roll < 0.98:
+            ops.append((FREE, live.pop(rng.randrange(len(live))), 0, 0))
+        else:
+            ops.append((EMPTY_CACHE, 0, 0, 0))
+    return ops
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
+                                  "garbage_collection_threshold:0.5,per_process_memory_fraction:0.9"])
+def test_history_changes_no_decision_and_adds_up_to_the_peaks(conf):
+    ops = random_ops(len(conf))
+    config = AllocatorConfig.parse(conf)
+    capacity = 1 << 30
+    plain = simulate(ops, config, capacity=capacity)
+    history: list = []
+    recorded = simulate(ops, config, capacity=capacity, history=history)
+    assert recorded == plain
+    entries = [{"action": h.action, "addr": h.addr, "size": h.size} for h in history]
+    assert replay_totals(entries) == (plain.peak_allocated, plain.peak_reserved)
+    assert {h.action for h in history} >= {"alloc", "free_requested", "free_completed"}
+    if "expandable" in conf:
+        assert {"segment_map", "segment_unmap"} <= {h.action for h in history}
+    else:
+        assert {"segment_alloc", "segment_free"} <= {h.action for h in history}
+
+
+def test_history_records_the_out_of_memory_and_stops_there():
+    history: list = []
+    result = simulate([(ALLOC, 1, 600 * MiB, 0), (ALLOC, 2, 600 * MiB, 0), (ALLOC, 3, MiB, 0)],
+                      capacity=1 << 30, history=history)
+    assert result.oom is not None and result.oom.index == 1
+    assert [h.action for h in history] == ["segment_alloc", "alloc", "oom"]
+    assert history[-1].op_index == 1 and history[-1].requested == 600 * MiB
+
+
+# --- estimate --plot --snapshot, end to end -----------------------------------------------------------------------
+
+def xmem(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "xmem.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def estimated(tmp_path_factory):
+    """One `estimate --json --plot --snapshot` of the training program on two GPU types, drawn on the second."""
+    folder = tmp_path_factory.mktemp("pictures")
+    (folder / "train.py").write_text(TRAIN)
+    run = xmem("estimate", "--json", "--gpu", "a100", "--gpu", "t4", "--plot-gpu", "t4", "--plot", "run.png",
+               "--snapshot", "run.pickle", "--", PYTHON, "train.py", cwd=folder)
+    assert run.returncode == 0, run.stderr
+    return folder, json.loads(run.stdout), run.stderr
+
+
+def test_estimate_writes_a_png_and_says_so(estimated):
+    folder, _data, stderr = estimated
+    png = (folder / "run.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 20_000  # a drawn figure, not an empty canvas
+    assert "wrote run.png (memory over the run on T4)" in stderr
+
+
+def test_snapshot_totals_are_the_estimates(estimated):
+    folder, data, _stderr = estimated
+    snapshot = pickle.loads((folder / "run.pickle").read_bytes())
+    t4 = data["gpus"]["T4"]
+    trace = snapshot["device_traces"][0]
+    assert replay_totals(trace) == (t4["peak_allocated_bytes"], t4["peak_reserved_bytes"])
+    check_consistent(snapshot)
+
+
+def test_snapshot_names_the_ops_and_modules_behind_each_allocation(estimated):
+    folder, _data, _stderr = estimated
+    snapshot = pickle.loads((folder / "run.pickle").read_bytes())
+    frames = [e["frames"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    modules = {f[0]["filename"] for f in frames}
+    ops = {f[0]["name"] for f in frames}
+    assert {"Sequential.0.up", "Sequential.0.down", "Sequential.1.up", "Sequential.1.down"} <= modules, modules
+    assert "addmm" in ops or "mm" in ops, ops
+    assert any(f[-1]["name"].startswith("activation (forward, iteration") for f in frames)
+    assert any(f[-1]["name"].startswith("optimizer_state (optimizer") for f in frames)
+
+
+@pytest.mark.parametrize("kind", ["trace_plot", "segment_plot", "stats"])
+def test_torchs_memory_viz_reads_the_snapshot(estimated, kind, tmp_path):
+    folder, _data, _stderr = estimated
+    out = tmp_path / "out"
+    args = [kind, str(folder / "run.pickle")] + (["-o", str(out)] if kind != "stats" else [])
+    run = subprocess.run([PYTHON, "-m", "torch.cuda._memory_viz", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    if kind in ("trace_plot", "segment_plot"):
+        html = out.read_text()
+        assert "add_local_files" in html and '"base64"' in html and len(html) > 10_000
+    else:
+        assert "segments:" in run.stdout and "Segment size mismatch" not in run.stdout
+
+
+def test_torchs_flame_graph_lines_add_up_to_the_reserved_memory(estimated):
+    """`_memory_viz segments` draws one flame-graph line per block (its SVG tool is downloaded: not run here)."""
+    from torch.cuda import _memory_viz
+
+    folder, data, _stderr = estimated
+    snapshot = pickle.loads((folder / "run.pickle").read_bytes())
+    lines = _memory_viz.segments(snapshot, format_flamegraph=lambda text: text).splitlines()
+    total = sum(int(line.rsplit(" ", 1)[1]) for line in lines)
+    assert total == sum(seg["total_size"] for seg in snapshot["segments"]) > 0
+    assert any(";active_allocated;" in line and "Sequential.0.up" in line for line in lines)
+
+
+def test_category_curves_at_the_peak_are_the_breakdown(estimated):
+    """The stacked categories of the plot are the estimate's breakdown at its peak."""
+    from xmem.estimate import estimate
+    from xmem.gpus import find_gpu, load_catalog
+    from xmem.pictures import category_curves, describe_op, gpu_run
+
+    folder, _data, _stderr = estimated
+    traces: dict = {}
+    result = estimate([PYTHON, str(folder / "train.py")], gpus=["a100"], keep_traces=traces, cwd=folder)
+    gpu = find_gpu("a100", load_catalog())
+    run = gpu_run(traces, gpu, dict(os.environ))
+    assert (run.sim.peak_reserved, run.sim.peak_allocated) == (result.gpus[gpu.name].peak_reserved_bytes,
+                                                                result.gpus[gpu.name].peak_allocated_bytes)
+    at_peak = {name: int(values[0]) for name, values in category_curves(run, [run.sim.fullest_peak_index]).items()}
+    expected = {k: v for k, v in result.breakdown.items() if k not in ("allocator_slack", "overhead")}
+    assert {k: v for k, v in at_peak.items() if v} == {k: v for k, v in expected.items() if v}
+    assert "iteration" in describe_op(run, run.sim.peak_reserved_index)
+
+
+def test_a_plot_gpu_that_was_not_estimated_fails_before_tracing(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    run = xmem("estimate", "--gpu", "a100", "--plot-gpu", "t4", "--plot", "x.png", "--", PYTHON, "train.py",
+               cwd=tmp_path, timeout=60)
+    assert run.returncode == 2
+    assert "--plot-gpu t4: T4 is not among the GPU types estimated (a100)" in run.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_unwritable_picture_path_fails_before_tracing(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    run = xmem("estimate", "--json", "--snapshot", "missing/run.pickle", "--", PYTHON, "train.py", cwd=tmp_path,
+               timeout=60)
+    assert run.returncode == 2
+    assert json.loads(run.stdout)["error"] == "bad_option"
+    assert "does not exist" in run.stderr
+
+
+def test_check_draws_the_slice_the_site_picks(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    (tmp_path / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    run = xmem("check", "--json", "--config", str(REPO / "etc" / "xmem.toml"), "--plot", "job.png",
+               "--snapshot", "job.pickle", "job.sh", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    picked = data["decision"]["gpu_type"]
+    assert "wrote job.png" in run.stderr and (tmp_path / "job.png").read_bytes().startswith(PNG_MAGIC)
+    snapshot = pickle.loads((tmp_path / "job.pickle").read_bytes())
+    check_consistent(snapshot)
+    drawn = run.stderr.split("wrote job.png (memory over the run on ")[1].split(")")[0]
+    estimate = data["estimates"][0]["estimate"]["gpus"][drawn]
+    assert replay_totals(snapshot["device_traces"][0]) == (estimate["peak_allocated_bytes"],
+                                                          estimate["peak_reserved_bytes"])
+    from xmem.gpus import find_gpu, load_catalog
+
+    parent = {"1g.10gb": "h100"}.get(picked, picked)  # the example site's MIG slice runs as its parent
+    assert drawn == find_gpu(parent, load_catalog()).name
