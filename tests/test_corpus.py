@@ -15,8 +15,6 @@ from programs import CORPUS_DIR, ITERATIONS, PROGRAMS  # noqa: E402
 
 from xmem.trace import TraceError, run_trace  # noqa: E402
 
-pytestmark = pytest.mark.slow  # each program imports a training stack and runs it: 20-50 s per trace
-
 STEP_BYTES = 4  # a fused or capturable Adam keeps each parameter's `step` as an fp32 scalar on the GPU
 
 
@@ -128,10 +126,13 @@ def succeeded(program, trace) -> None:
     assert trace.used_cuda and trace.iterations == ITERATIONS, program.name
 
 
+# slow: each program imports a training stack and runs it, 15-40 s per trace here
+@pytest.mark.slow
 def test_the_estimate_succeeds(traced):
     succeeded(*traced)
 
 
+@pytest.mark.slow
 def test_parameter_gradient_and_state_bytes_are_what_the_program_holds(traced):
     program, trace = traced
     succeeded(program, trace)
