@@ -70,7 +70,8 @@ class TrainingState:
     that those others are not part of the loop: the iteration completes there and they are no longer awaited.
     Steps nested in another optimizer's step (wrappers such as ZeroRedundancyOptimizer) are part of that step.
     A program with no optimizer at all (parameters updated by hand) completes an iteration with each backward pass
-    (`loss.backward()` / `torch.autograd.grad`). Events before the first forward or backward are setup: iteration -1.
+    from a GPU tensor (`loss.backward()` / `torch.autograd.grad`). Events before the first forward or backward are
+    setup: iteration -1.
     A program that runs `MAX_FORWARDS_WITHOUT_TRAINING` top-level module forwards before any backward or step is not
     training (inference, evaluation): it ends at once with NoTrainingLoop instead of running to the timeout.
     """
@@ -131,7 +132,8 @@ class TrainingState:
                 result = run(*args, **kwargs)
             finally:
                 self.phase = "other" if outer == "forward" else outer
-            if outer != "backward" and not self._step_depth and not len(self._optimizers):
+            if outer != "backward" and not self._step_depth and not len(self._optimizers) and \
+                    _on_gpu(args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))):
                 self.on_backward_end()  # before the last iteration's StopTracing
                 self._complete_iteration()  # no optimizer: the backward pass is the iteration
             return result
@@ -478,6 +480,12 @@ def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
     if phase in ("backward", "optimizer"):
         return "temporary"
     return "input" if from_host or op in _RANDOM_INPUT_OPS else "temporary"
+
+
+def _on_gpu(tensors: Any) -> bool:
+    """Whether a backward starts from a GPU tensor (a CPU-only warm-up loop's backward is no training iteration)."""
+    from torch.utils._pytree import tree_leaves
+    return any(isinstance(t, FakeTensor) for t in tree_leaves(tensors))
 
 
 def _runs_on_host(args: tuple, kwargs: dict) -> bool:
