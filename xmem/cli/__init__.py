@@ -5,6 +5,7 @@
 - `filter`, `prolog`, `epilog`, `report`, `status`
                         xmem/cli/slurm.py      (Slurm glue)
 - `calibrate`           xmem/cli/calibrate.py  (per-GPU overhead fit)
+- `fit`                 xmem/cli/fit.py        (the largest value of one knob that fits each offer)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ COMMAND_MODULES: dict[str, str] = {
     "check": "check",
     "filter": "slurm", "prolog": "slurm", "epilog": "slurm", "report": "slurm", "status": "slurm",
     "calibrate": "calibrate",
+    "fit": "fit",
 }
 
 

@@ -54,6 +54,9 @@ def check_command(
     gpus: Optional[str] = typer.Option(None, "--gpus", "-G", help="As sbatch --gpus: overrides the script's."),
     wrap: Optional[str] = typer.Option(None, "--wrap", metavar="COMMAND",
                                        help="As sbatch --wrap: check this command instead of a script."),
+    vary: Optional[str] = typer.Option(None, "--vary", metavar="NAME=LOW..HIGH",
+                                       help="The largest value of the command's --NAME that fits each GPU type and "
+                                            "offer (as `xmem-slurm fit`), instead of one estimate."),
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
                                        help="Draw memory over the traced iterations on one GPU type (PNG)."),
     plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
@@ -71,6 +74,12 @@ def check_command(
         _fail(as_json, EXIT_USAGE, "bad_config", str(e))
     given = {"partition": partition, "gres": gres, "gpus": gpus}
     cli_options = {name: value for name, value in given.items() if value} or None
+    if vary:  # what-if on the job's own knob (xmem.cli.fit) instead of one estimate
+        from xmem.cli.fit import fit_job
+
+        with _script_file(script, wrap) as path:
+            fit_job(path, list(args or ()), cli_options, site, gpu, vary, as_json)
+        raise typer.Exit(EXIT_OK)
     estimator = _picture_estimator(as_json, plot, snapshot, plot_gpu, site)
     try:
         with _script_file(script, wrap) as path:

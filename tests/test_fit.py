@@ -1,0 +1,207 @@
+"""`xmem-slurm fit` (issue 11 item 2): the largest batch size / sequence length that fits each offer, from few
+traces. The limits of the real programs below are derived by hand from the tensors they hold at their peak.
+
+The site: a hand-built GPU type `tiny` of 1 GiB with one MIG profile of 1/4 GiB, no context or library overhead
+(so that the peak is the program's tensors plus the allocator's slack), and a 25 % margin."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from xmem.fit import FitError, Point, Vary, command_at, find_limits, fit_growth, parse_vary
+from xmem.policy.options import FixedOption
+
+MIB, GIB = 2**20, 2**30
+PYTHON = os.environ.get("XMEM_TEST_CPU_PYTHON", sys.executable)
+MARGIN = 0.25
+SITE = """\
+[catalog.gpus.tiny]
+total_bytes = 1073741824
+capability = [8, 0]
+mig = {"1g.256mb" = 0.25}
+[catalog.overhead.tiny]
+context_bytes = 0
+library_bytes = { cublas = 0, cudnn = 0, nccl = 0 }
+[partitions]
+default = "p"
+from_cluster = false
+[partitions.gpu_types]
+p = ["tiny", "1g.256mb"]
+[mig]
+tiny = ["1g.256mb"]
+[margin]
+relative = 0.25
+"""
+
+# One float32 weight of 256 Ki elements (1 MiB) scales a batch of 1 MiB samples. At the peak (the weight's
+# gradient, `(grad * x).sum(0)`) the batch x, the ReLU's gradient and their product are live: 3 MiB per sample,
+# beside the weight and its gradient (2 MiB).
+MLP = """\
+import argparse
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, required=True)
+args = parser.parse_args()
+weight = torch.nn.Parameter(torch.ones(256 * 1024, device="cuda"))
+opt = torch.optim.SGD([weight], lr=0.1)
+for step in range(2):
+    x = torch.randn(args.batch_size, 256 * 1024, device="cuda")
+    (x * weight).relu().sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+# A single attention layer with 16 heads of width 8: the scores are 16 x S x S float32 (64 S^2 bytes). At the
+# peak (softmax's backward) the probabilities (saved), their gradient and the scores' gradient are live: 3 of them.
+ATTENTION = """\
+import sys
+import torch
+
+seq = int(sys.argv[sys.argv.index("--seq-len") + 1])
+heads, width = 16, 8
+proj = torch.nn.Linear(heads * width, 3 * heads * width).cuda()
+opt = torch.optim.SGD(proj.parameters(), lr=0.1)
+for step in range(2):
+    x = torch.randn(seq, heads * width, device="cuda")
+    q, k, v = proj(x).view(seq, 3, heads, width).permute(1, 2, 0, 3)
+    probs = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+    (probs @ v).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def fit(tmp_path, program: str, vary: str, *command: str) -> dict:
+    (tmp_path / "site.toml").write_text(SITE)
+    (tmp_path / "train.py").write_text(program)
+    argv = [sys.executable, "-m", "xmem.cli", "fit", "--json", "--config", str(tmp_path / "site.toml"),
+            "--iterations", "2", "--vary", vary, "--", PYTHON, "train.py", *command]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def confirmed(result: dict, limit: int, high: int) -> bool:
+    """The answer rests on traces: the limit itself and the next value (unless the limit is the range's end)."""
+    traced = set(result["traced_values"])
+    return limit in traced and (limit == high or limit + 1 in traced)
+
+
+@pytest.mark.slow
+def test_batch_size_limit_per_offer_matches_the_hand_derivation(tmp_path):
+    result = fit(tmp_path, MLP, "batch-size=1..2000", "--batch-size", "{}")
+    assert result["vary"] == "batch-size" and set(result["limits"]) == {"tiny"}
+    limits = result["limits"]["tiny"]
+    assert set(limits) == {"whole", "1g.256mb"}
+    for option, capacity in (("whole", GIB), ("1g.256mb", GIB // 4)):
+        usable = capacity / (1 + MARGIN)  # what the peak may reach with the site margin
+        most = math.floor((usable - 2 * MIB) / (3 * MIB))  # no allocator slack at all
+        least = math.floor((usable - 2 * MIB - 20 * MIB) / (3 * MIB))  # a whole 20 MiB segment of slack
+        assert least <= limits[option] <= most, (option, limits[option], least, most)
+        assert confirmed(result, limits[option], 2000)
+    assert result["growth"]["input"] == 1 and result["growth"]["temporary"] == 1  # linear in the batch
+    # few traces: the three first values and at most two guesses (of two traces) per offer; a bisection of
+    # 1..2000 on estimates would take 11 per offer
+    assert result["traces"] <= 3 + 4 * len(limits), result["traced_values"]
+    assert result["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_sequence_length_limit_follows_the_quadratic_attention_scores(tmp_path):
+    result = fit(tmp_path, ATTENTION, "seq-len=64..8192", "--seq-len", "100")  # a plain --NAME value
+    limits = result["limits"]["tiny"]
+    for option, capacity in (("whole", GIB), ("1g.256mb", GIB // 4)):
+        most = math.floor(math.sqrt(capacity / (1 + MARGIN) / (3 * 64)))  # three 64 S^2 tensors, nothing else
+        assert 0.95 * most <= limits[option] <= most, (option, limits[option], most)
+        assert confirmed(result, limits[option], 8192)
+    assert 2 in result["growth"].values()  # some category grows with the square of the sequence length
+    assert result["traces"] <= 3 + 4 * len(limits), result["traced_values"]
+
+
+@pytest.mark.slow
+def test_not_even_low_fits_is_null(tmp_path):
+    result = fit(tmp_path, MLP, "batch-size=100..200", "--batch-size", "{}")
+    assert result["limits"]["tiny"]["1g.256mb"] is None  # 100 samples need 375 MiB with the margin: > 256 MiB
+    assert result["limits"]["tiny"]["whole"] is not None
+
+
+def test_a_command_without_the_knob_is_a_usage_error(tmp_path):
+    (tmp_path / "site.toml").write_text(SITE)
+    argv = [sys.executable, "-m", "xmem.cli", "fit", "--json", "--config", str(tmp_path / "site.toml"),
+            "--vary", "batch-size=1..8", "--", PYTHON, "train.py", "--lr", "0.1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["error"] == "bad_option" and "{}" in json.loads(done.stdout)["message"]
+
+
+@pytest.mark.parametrize("text", ["batch=0..4", "batch=8..4", "batch", "batch=1-4", "=1..4", "batch=a..b"])
+def test_bad_vary_is_refused(text):
+    with pytest.raises(FitError):
+        parse_vary(text)
+
+
+def test_vary_grammar_and_first_values():
+    assert parse_vary("seq_len=64..4096") == Vary("seq_len", 64, 4096)
+    assert Vary("b", 1, 1000).first_values() == [1, 2, 4]
+    assert Vary("b", 3, 7).first_values() == [3, 6]
+    assert Vary("b", 5, 5).first_values() == [5]
+
+
+def test_the_value_goes_in_the_placeholder_or_after_the_option():
+    vary = Vary("batch-size", 1, 8)
+    assert command_at(["python", "t.py", "--bs={}", "{}"], vary, 4) == ["python", "t.py", "--bs=4", "4"]
+    assert command_at(["python", "t.py", "--batch-size", "32", "--lr", "1"], vary, 4)[3] == "4"
+    assert command_at(["python", "t.py", "--batch_size=32"], vary, 4)[2] == "--batch_size=4"
+    with pytest.raises(FitError, match="no {} and no --batch-size"):
+        command_at(["python", "t.py", "--lr", "1"], vary, 4)
+
+
+def point(value: int, breakdown: dict[str, int], gpu: str = "g") -> Point:
+    return Point(value, {gpu: sum(breakdown.values())}, frozenset(), breakdown, gpu)
+
+
+def test_growth_is_linear_or_quadratic_per_category():
+    points = [point(s, {"parameter": 10 * MIB, "activation": s * MIB, "temporary": s * s * 1024}) for s in (64, 128,
+                                                                                                          256)]
+    growth = fit_growth(points)
+    assert growth.degrees() == {"activation": 1, "parameter": 1, "temporary": 2}
+    assert growth.predict("g", 1000) == pytest.approx(10 * MIB + 1000 * MIB + 1000 * 1000 * 1024, rel=1e-6)
+
+
+def test_search_confirms_on_traces_even_where_the_model_misses():
+    """A job whose memory jumps at 600 (a new buffer): the line from small values misses it; the answer is still
+    the one the traces show, with the limit and the next value traced."""
+    traced = []
+
+    def trace(value: int) -> Point:
+        traced.append(value)
+        return point(value, {"activation": value * MIB, "temporary": (300 * MIB if value >= 600 else 0)})
+
+    options = [FixedOption("g", "whole", 800 * MIB), FixedOption("g", "half", 400 * MIB)]
+    result = find_limits(Vary("b", 1, 5000), options, trace, lambda peak: peak)
+    assert result.limits == {"g": {"whole": 599, "half": 400}}
+    assert {599, 600, 400, 401} <= set(traced) and len(traced) == len(set(traced))
+    assert len(traced) < 2 * math.ceil(math.log2(5000))  # fewer than a bisection per option
+
+
+@pytest.mark.slow
+def test_check_varies_the_batch_scripts_own_command(tmp_path):
+    """`check job.sh --vary`: the script's training command, in its directory, over its partition's types. The
+    range 1..4 is traced whole at 1, 2 and 4 (the first values): 4 samples (12 MiB) fit both offers."""
+    (tmp_path / "site.toml").write_text(SITE)
+    (tmp_path / "train.py").write_text(MLP)
+    (tmp_path / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\ncd {tmp_path}\n"
+                                     f"{PYTHON} train.py --batch-size 64\n")
+    argv = [sys.executable, "-m", "xmem.cli", "check", str(tmp_path / "job.sh"), "--json", "--config",
+            str(tmp_path / "site.toml"), "--vary", "batch-size=1..4"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd="/")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["limits"] == {"tiny": {"whole": 4, "1g.256mb": 4}}
+    assert result["traced_values"] == [1, 2, 4] and result["traces"] == 3

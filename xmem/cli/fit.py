@@ -1,0 +1,147 @@
+"""`xmem-slurm fit --vary NAME=LOW..HIGH -- COMMAND`: the largest value of one knob that fits each GPU type and
+each way the site offers it; `check JOB.sh --vary ...` does the same for a batch script's training command.
+
+Owns the verb's I/O (the table for people, `--json`), which GPU types and offers are searched (`--gpu`, else the
+site's types, else the catalog's) and the estimate run at each value. The search itself is `xmem.fit`.
+Exit codes as `xmem-slurm estimate` (2 for a bad --vary or a command with nowhere to put the value).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from xmem.cli import app
+from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, _fail, _stdout_to_stderr, fail_on_error
+from xmem.config import SiteConfig, load_site_config
+from xmem.estimate import estimate as run_estimate
+from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary
+from xmem.gpus import find_gpu, load_catalog
+from xmem.policy import estimate_types
+from xmem.policy.options import FixedOption, fixed_options
+
+GIB = 1 << 30
+
+
+@app.command("fit", cls=_EstimateCommand)
+def fit_command(
+    command: list[str] = typer.Argument(..., metavar="-- COMMAND [ARGS]...",
+                                        help="The training command, `{}` where the value goes (or a plain "
+                                             "`--NAME value`), e.g. `-- python train.py --batch-size {}`."),
+    vary: str = typer.Option(..., "--vary", metavar="NAME=LOW..HIGH", help="The knob and the range to search."),
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu", "-g", metavar="TYPE",
+                                            help="GPU type (repeatable). Default: the site's types, else all."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", min=1,
+                                             help="Optimizer steps per trace (default: the site's)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up one trace after S seconds."),
+    python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
+    config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
+                                         help="Site config: its offers, margin and catalog (default: $XMEM_CONFIG, "
+                                              "/etc/xmem/xmem.toml)."),
+) -> None:
+    """The largest value of one knob (batch size, sequence length...) that fits each GPU type and offer."""
+    try:
+        site = load_site_config(config)
+        settings = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python,
+                    "memory_limit_bytes": site.estimate.memory_limit_bytes}
+        run_fit(command, parse_vary(vary), site, gpu, settings, as_json)
+    except FitError as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+    except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
+        fail_on_error(as_json, e)
+
+
+def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
+            settings: Mapping[str, Any], as_json: bool, site_types: Sequence[str] = ()) -> None:
+    """Search, then print the answer (`settings`: what `xmem.estimate.estimate` takes besides the command, GPUs
+    and catalog). `site_types`: the types to search when `gpus` names none (default: every type of the site)."""
+    with _stdout_to_stderr() as out:
+        result, options = search(command, vary, site, gpus, settings, site_types, progress=not as_json)
+    if as_json:
+        out.write(json.dumps(result.to_json()) + "\n")
+        out.flush()
+    else:
+        show_fit(Console(), result, {(o.gpu_type, o.name): o.usable_bytes for o in options})
+
+
+def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
+           settings: Mapping[str, Any], site_types: Sequence[str] = (),
+           progress: bool = False) -> tuple[FitResult, list[FixedOption]]:
+    """The limits and the offers searched (see `run_fit`), an estimate at each value `xmem.fit` asks for."""
+    command_at(command, vary, vary.low)  # nowhere to put the value: say so before any trace
+    catalog = load_catalog(site.catalog_overrides or None)
+    types = list(gpus or site_types or _site_types(site) or catalog)
+    names = {find_gpu(t, catalog).name: t for t in types}  # catalog name -> the name the user knows
+    options = [o for t in types for o in fixed_options(site, t, catalog)]
+    err = Console(stderr=True)
+
+    def trace(value: int) -> Point:
+        if progress and err.is_terminal:
+            err.print(f"tracing {vary.name}={value}", highlight=False)
+        result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog, **settings)
+        return Point.from_estimate(value, result.to_json(), names)
+
+    return find_limits(vary, options, trace, site.margin.needed), options
+
+
+def _site_types(site: SiteConfig) -> list[str]:
+    """Every whole GPU type the site's partitions offer (a MIG slice as its parent)."""
+    types: list[str] = []
+    for partition in site.partitions.gpu_types:
+        types += [t for t in estimate_types(site, (partition,)) if t not in types]
+    return types
+
+
+def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str], int]) -> None:
+    vary = result.vary
+    table = Table(title=f"Largest {vary.name} in {vary.low}..{vary.high} that fits, with the site margin")
+    for column in ("GPU type", "offer", "usable", f"largest {vary.name}"):
+        table.add_column(column, justify="right" if column != "GPU type" and column != "offer" else "left")
+    for gpu, limits in result.limits.items():
+        for name, value in limits.items():
+            shown = "[red]none[/] (not even " + str(vary.low) + ")" if value is None else str(value)
+            table.add_row(gpu, name, f"{usable[gpu, name] / GIB:.2f} GiB", shown)
+    console.print(table)
+    growth = ", ".join(f"{name.replace('_', ' ')} {'quadratic' if d == 2 else 'linear' if d == 1 else 'constant'}"
+                       for name, d in sorted(result.degrees.items()))
+    values = ", ".join(str(p.value) for p in result.points)
+    console.print(f"{result.traces} traces ({vary.name} = {values}) in {result.seconds:.1f} s; growth: {growth}",
+                  highlight=False)
+
+
+def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | None, site: SiteConfig,
+            gpus: Sequence[str] | None, vary_text: str, as_json: bool) -> None:
+    """`check JOB.sh --vary ...`: the search on the script's (first) training command, in its environment and
+    directory, over the GPU types of its partitions."""
+    from xmem.jobscript import parse_jobscript, slurm_runtime_env
+    from xmem.policy import job_partitions
+
+    try:
+        vary = parse_vary(vary_text)
+        with open(script, errors="replace") as f:
+            text = f.read()
+    except (FitError, OSError) as e:
+        _fail(as_json, EXIT_USAGE, "bad_input", str(e))
+    job = parse_jobscript(text, path=os.path.abspath(script), script_args=list(args), submit_cwd=os.getcwd(),
+                          cli_options=cli_options, env=dict(os.environ))
+    if not job.commands:
+        _fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found")
+    command = job.commands[0]
+    env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
+    settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
+                "python": command.python or site.estimate.python or None, "env": env,
+                "cwd": command.cwd or os.getcwd(), "memory_limit_bytes": site.estimate.memory_limit_bytes}
+    try:
+        run_fit(command.argv, vary, site, gpus, settings, as_json,
+                site_types=estimate_types(site, job_partitions(job.directives, site)))
+    except FitError as e:
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+    except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
+        fail_on_error(as_json, e)
