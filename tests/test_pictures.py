@@ -260,3 +260,23 @@ def test_check_draws_the_slice_the_site_picks(tmp_path):
 
     parent = {"1g.10gb": "h100"}.get(picked, picked)  # the example site's MIG slice runs as its parent
     assert drawn == find_gpu(parent, load_catalog()).name
+
+
+def test_a_snapshot_with_expandable_segments_maps_pages_and_adds_up(tmp_path):
+    from xmem.estimate import estimate
+    from xmem.gpus import find_gpu, load_catalog
+    from xmem.memory_snapshot import memory_snapshot
+    from xmem.pictures import gpu_run
+
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    traces: dict = {}
+    result = estimate([PYTHON, "train.py"], gpus=["a100"], keep_traces=traces, env=env, cwd=tmp_path)
+    gpu = find_gpu("a100", load_catalog())
+    snapshot = memory_snapshot(gpu_run(traces, gpu, env))
+    trace = snapshot["device_traces"][0]
+    assert "segment_map" in {e["action"] for e in trace} and "segment_alloc" not in {e["action"] for e in trace}
+    assert all(seg["is_expandable"] for seg in snapshot["segments"])
+    estimated = result.gpus[gpu.name]
+    assert replay_totals(trace) == (estimated.peak_allocated_bytes, estimated.peak_reserved_bytes)
+    check_consistent(snapshot)

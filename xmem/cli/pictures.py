@@ -93,13 +93,17 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
 
         plot_run(replay, plot, slice_bytes=chosen.usable_bytes if on_drawn else None,
                  slice_name=chosen.request if on_drawn else "",
-                 title=f"Predicted GPU memory on {gpu.name}: {' '.join(run.command)}"[:150])
+                 title=f"Predicted GPU memory on {gpu.name}\n{_shortened(' '.join(run.command))}")
         written.append(f"wrote {plot} (memory over the run on {gpu.name})")
     if snapshot:
         write_snapshot(replay, snapshot)
         written.append(f"wrote {snapshot} (memory snapshot on {gpu.name}: python -m torch.cuda._memory_viz "
                        f"trace_plot {snapshot} -o trace.html, or open it at https://pytorch.org/memory_viz)")
     return written
+
+
+def _shortened(text: str, limit: int = 110) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _gpu_to_draw(run: KeptRun, name: str | None, catalog: Mapping[str, GpuType]) -> GpuType:
