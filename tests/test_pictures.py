@@ -129,6 +129,7 @@ def test_history_records_the_out_of_memory_and_stops_there():
     assert result.oom is not None and result.oom.index == 1
     assert [h.action for h in history] == ["segment_alloc", "alloc", "oom"]
     assert history[-1].op_index == 1 and history[-1].requested == 600 * MiB
+    assert history[-1].device_free == (1 << 30) - 600 * MiB  # what cudaMalloc had left
 
 
 # --- estimate --plot --snapshot, end to end -----------------------------------------------------------------------
@@ -280,3 +281,19 @@ def test_a_snapshot_with_expandable_segments_maps_pages_and_adds_up(tmp_path):
     estimated = result.gpus[gpu.name]
     assert replay_totals(trace) == (estimated.peak_allocated_bytes, estimated.peak_reserved_bytes)
     check_consistent(snapshot)
+
+
+def test_a_run_out_of_memory_is_drawn_and_its_snapshot_ends_in_the_oom(tmp_path):
+    """6.1 GiB of activations for a batch of 200,000 do not fit a T4 beside its 3 GiB input: the replay stops."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("Block(512), Block(512)", "Block(4096)")
+                                       .replace("randn(384, 512", "randn(200000, 4096"))
+    run = xmem("estimate", "--json", "--gpu", "t4", "--plot", "oom.png", "--snapshot", "oom.pickle", "--",
+               PYTHON, "train.py", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    t4 = json.loads(run.stdout)["gpus"]["T4"]
+    assert t4["oom"] is not None and (tmp_path / "oom.png").read_bytes().startswith(PNG_MAGIC)
+    trace = pickle.loads((tmp_path / "oom.pickle").read_bytes())["device_traces"][0]
+    last = trace[-1]
+    assert last["action"] == "oom" and last["size"] >= t4["oom"]["requested"]
+    assert last["device_free"] == t4["capacity_bytes"] - t4["oom"]["reserved"]
+    assert replay_totals(trace)[1] == t4["peak_reserved_bytes"]

@@ -35,7 +35,7 @@ def memory_snapshot(run: GpuRun) -> dict[str, Any]:
     frames = _frames(run)
     device = run.ops.device
     traces: list[list[dict]] = [[] for _ in range(device + 1)]
-    traces[device] = [_trace_entry(entry, frames(entry.op_index), run.capacity) for entry in run.history]
+    traces[device] = [_trace_entry(entry, frames(entry.op_index)) for entry in run.history]
     return {"segments": _segments(run.history, frames, device), "device_traces": traces,
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": run.trace.alloc_conf}}
 
@@ -60,12 +60,12 @@ def _frames(run: GpuRun):
     return frames
 
 
-def _trace_entry(entry: TraceEntry, frames: list[dict], capacity: int) -> dict[str, Any]:
+def _trace_entry(entry: TraceEntry, frames: list[dict]) -> dict[str, Any]:
     out = {"action": entry.action, "addr": entry.addr, "size": entry.size, "stream": entry.stream,
            "time_us": entry.op_index, "frames": frames}
     if entry.action == "oom":
         del out["addr"]
-        out["device_free"] = max(capacity, 0)  # what the fake driver had left is not tracked: the allocator's cap
+        out["device_free"] = entry.device_free
     elif entry.action in ("alloc", "free_requested", "free_completed"):
         out["requested_size"] = entry.requested
     return out

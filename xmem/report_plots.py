@@ -62,9 +62,12 @@ def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, s
         ax.axhline(slice_bytes / GIB, color="#2ca02c", ls="-.", lw=1.6,
                    label=f"chosen: {slice_name} {slice_bytes / GIB:.1f} GiB".replace("  ", " ")
                    + (" (above the chart)" if slice_bytes > top else ""))
-    _mark_iterations(ax, run)
-    _mark_peak(ax, run)
-    ax.set_xlim(0, max(len(run.ops.ops) - 1, 1))
+    last = sim.oom.index if sim.oom is not None else len(run.ops.ops) - 1  # the replay stops at an OOM
+    _mark_iterations(ax, run, last)
+    _mark_peak(ax, run, last)
+    if sim.oom is not None:
+        _mark_oom(ax, run)
+    ax.set_xlim(0, max(last, 1))
     ax.set_ylim(0, top / GIB * 1.08)
     ax.set_xlabel("allocator events (alloc/free, in program order)")
     ax.set_ylabel("GPU memory (GiB)")
@@ -76,21 +79,31 @@ def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, s
     plt.close(fig)
 
 
-def _mark_iterations(ax, run: GpuRun) -> None:
+def _mark_iterations(ax, run: GpuRun, last: int) -> None:
     for iteration, start in sorted(run.ops.iteration_starts.items()):
+        if start > last:
+            break
         ax.axvline(start, color="grey", ls=":", lw=0.8)
         ax.annotate(f"iteration {iteration}", (start, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
 
 
-def _mark_peak(ax, run: GpuRun) -> None:
+def _mark_peak(ax, run: GpuRun, last: int) -> None:
     index = run.sim.peak_reserved_index
     peak = (run.sim.peak_reserved + run.overhead) / GIB
     ax.plot([index], [peak], marker="v", color="#d62728", ms=9)
-    right = index > 0.6 * len(run.ops.ops)
+    right = index > 0.6 * last  # the label goes where there is room
     ax.annotate(f"peak {peak:.2f} GiB: {describe_op(run, index)}", (index, peak), xytext=(-10 if right else 10, 14),
                 textcoords="offset points", ha="right" if right else "left", fontsize=9,
                 bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728"})
+
+
+def _mark_oom(ax, run: GpuRun) -> None:
+    oom = run.sim.oom
+    ax.axvline(oom.index, color="#d62728", lw=2)
+    ax.annotate(f"out of memory: {describe_op(run, oom.index)} asked for {oom.requested / GIB:.2f} GiB",
+                (oom.index, 0.5), xycoords=("data", "axes fraction"), xytext=(-8, 0), textcoords="offset points",
+                ha="right", fontsize=9, annotation_clip=False, color="#d62728", bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728"})
 
 
 def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, title: str = "") -> None:

@@ -141,7 +141,8 @@ def _write_pictures(as_json: bool, estimator: KeepingEstimator, analysis: JobAna
                     snapshot: Optional[str], plot_gpu: Optional[str]) -> None:
     chosen = analysis.options.chosen if analysis.options is not None else None
     try:
-        lines = write_pictures(estimator.runs[0], plot=plot, snapshot=snapshot, gpu_name=plot_gpu, chosen=chosen)
+        drawn = next((run for run in estimator.runs if run.estimate.used_cuda), estimator.runs[0])  # a GPU command
+        lines = write_pictures(drawn, plot=plot, snapshot=snapshot, gpu_name=plot_gpu, chosen=chosen)
     except PictureError as e:
         _fail(as_json, EXIT_USAGE, "bad_option", str(e))
     for line in lines:

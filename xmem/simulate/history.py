@@ -25,6 +25,7 @@ class TraceEntry:
     stream: int
     op_index: int  # the replay op during which it happened
     requested: int = 0  # for alloc/free: the bytes the caller asked for (before rounding)
+    device_free: int = 0  # for oom: what the device had left (capacity - reserved; 0 when unlimited)
 
 
 class HistoryAllocator(DeviceCachingAllocator):
@@ -37,13 +38,15 @@ class HistoryAllocator(DeviceCachingAllocator):
         self.op_index = 0
         self._requested: dict[int, int] = {}  # block ptr -> the size asked for, for its free entries
 
-    def _record(self, action: str, addr: int, size: int, stream: int, requested: int = 0) -> None:
-        self.history.append(TraceEntry(action, addr, size, stream, self.op_index, requested))
+    def _record(self, action: str, addr: int, size: int, stream: int, requested: int = 0, free: int = 0) -> None:
+        self.history.append(TraceEntry(action, addr, size, stream, self.op_index, requested, free))
 
     def malloc(self, orig_size: int, stream: int) -> Block | None:
         block = super().malloc(orig_size, stream)
         if block is None:
-            self._record("oom", 0, self.last_oom_alloc_size, stream, orig_size)
+            limit = self.capacity if self.capacity is not None else self.device_total
+            free = max(limit - self.total_allocated_memory, 0) if limit is not None else 0
+            self._record("oom", 0, self.last_oom_alloc_size, stream, orig_size, free)
             return None
         self._requested[block.ptr] = orig_size
         self._record("alloc", block.ptr, block.size, block.stream, orig_size)
