@@ -18,6 +18,7 @@ from xmem.pictures import GpuRun, category_curves, describe_op
 GIB = 1 << 30
 MIB = 1 << 20
 # Bottom to top; categories the trace has but this list lacks go on top, in name order.
+ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": "#d62728"}  # the peak's and the OOM's labels
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
 CATEGORY_ORDER = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "workspace", "other")
 
@@ -95,7 +96,7 @@ def _mark_peak(ax, run: GpuRun, last: int) -> None:
     right = index > 0.6 * last  # the label goes where there is room
     ax.annotate(f"peak {peak:.2f} GiB: {describe_op(run, index)}", (index, peak), xytext=(-10 if right else 10, 14),
                 textcoords="offset points", ha="right" if right else "left", fontsize=9,
-                bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728"})
+                bbox=ALERT_BOX)
 
 
 def _mark_oom(ax, run: GpuRun) -> None:
@@ -103,7 +104,8 @@ def _mark_oom(ax, run: GpuRun) -> None:
     ax.axvline(oom.index, color="#d62728", lw=2)
     ax.annotate(f"out of memory: {describe_op(run, oom.index)} asked for {oom.requested / GIB:.2f} GiB",
                 (oom.index, 0.5), xycoords=("data", "axes fraction"), xytext=(-8, 0), textcoords="offset points",
-                ha="right", fontsize=9, annotation_clip=False, color="#d62728", bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728"})
+                ha="right", fontsize=9, annotation_clip=False, color="#d62728",
+                bbox=ALERT_BOX)
 
 
 def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, title: str = "") -> None:
