@@ -176,6 +176,8 @@ def test_snapshot_names_the_ops_and_modules_behind_each_allocation(estimated):
     assert "addmm" in ops or "mm" in ops, ops
     assert any(f[-1]["name"].startswith("activation (forward, iteration") for f in frames)
     assert any(f[-1]["name"].startswith("optimizer_state (optimizer") for f in frames)
+    categories = {e["category"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"}
+    assert {"parameter", "gradient", "optimizer_state", "activation"} <= categories  # the viewer's colours
 
 
 @pytest.mark.parametrize("kind", ["trace_plot", "segment_plot", "stats"])

@@ -5,7 +5,8 @@ open it.
 Owns the mapping from a `GpuRun` (xmem.pictures) to the snapshot's dict: `segments` (the allocator's state at the
 end of the run: each segment with its blocks, active or inactive) and `device_traces` (one list per device of the
 allocator's actions: alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap,
-oom). Each action carries the frame of the traced op behind it: file = the module, function = the ATen op, plus
+oom). Allocations carry their category (parameter, activation...), which the viewer colours by; each action carries
+the frame of the traced op behind it: file = the module, function = the ATen op, plus
 one frame naming the category, phase and iteration (there is no Python stack in a trace). `time_us` is the op's
 index in the replay.
 
@@ -35,7 +36,9 @@ def memory_snapshot(run: GpuRun) -> dict[str, Any]:
     frames = _frames(run)
     device = run.ops.device
     traces: list[list[dict]] = [[] for _ in range(device + 1)]
-    traces[device] = [_trace_entry(entry, frames(entry.op_index)) for entry in run.history]
+    labels = run.ops.labels
+    traces[device] = [_trace_entry(entry, frames(entry.op_index), labels[entry.op_index][0])
+                      for entry in run.history]
     return {"segments": _segments(run.history, frames, device), "device_traces": traces,
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": run.trace.alloc_conf}}
 
@@ -60,7 +63,7 @@ def _frames(run: GpuRun):
     return frames
 
 
-def _trace_entry(entry: TraceEntry, frames: list[dict]) -> dict[str, Any]:
+def _trace_entry(entry: TraceEntry, frames: list[dict], category: str) -> dict[str, Any]:
     out = {"action": entry.action, "addr": entry.addr, "size": entry.size, "stream": entry.stream,
            "time_us": entry.op_index, "frames": frames}
     if entry.action == "oom":
@@ -68,6 +71,7 @@ def _trace_entry(entry: TraceEntry, frames: list[dict]) -> dict[str, Any]:
         out["device_free"] = entry.device_free
     elif entry.action in ("alloc", "free_requested", "free_completed"):
         out["requested_size"] = entry.requested
+        out["category"] = category  # the viewer colours the active memory timeline by it
     return out
 
 
