@@ -108,16 +108,16 @@ def estimate_command(
         fail_on_error(as_json, e)
 
 
-def fail_on_error(as_json: bool, e: Exception) -> NoReturn:
+def fail_on_error(as_json: bool, e: Exception, verb: str = "estimate") -> NoReturn:
     """Exit with the code and one-line message of an error of the estimate (shared with `fit`)."""
     if isinstance(e, UnknownGpuError):
-        _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e))
+        _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e), verb=verb)
     if isinstance(e, (ConfigError, CatalogError, BadJobSettingError)):
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     if isinstance(e, TraceError):
         _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
-              e.last_lines())
-    _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")  # anything else: our bug
+              e.last_lines(), verb=verb)
+    _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb=verb)  # our bug
 
 
 def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
@@ -192,14 +192,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / MIB:.1f} MiB"
 
 
-def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "") -> NoReturn:
+def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
+          verb: str = "estimate") -> NoReturn:
     line = " ".join(message.split()) or kind
     if printed:  # what the program printed last, often the reason: beside its traceback
         rows = "".join(f"  | {row}\n" for row in printed.splitlines())
         sys.stderr.write(f"the program's last output lines:\n{rows}")
     if traceback:
         sys.stderr.write(traceback if traceback.endswith("\n") else traceback + "\n")
-    sys.stderr.write(f"xmem-slurm estimate: {line}\n")  # not through rich: it would wrap the one line
+    sys.stderr.write(f"xmem-slurm {verb}: {line}\n")  # not through rich: it would wrap the one line
     if as_json:
         payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None,
                                    "output": printed or None}

@@ -47,15 +47,16 @@ def fit_command(
                                               "/etc/xmem/xmem.toml)."),
 ) -> None:
     """The largest value of one knob (batch size, sequence length...) that fits each GPU type and offer."""
+    verb = "fit"
     try:
         site = load_site_config(config)
         settings = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python,
                     "memory_limit_bytes": site.estimate.memory_limit_bytes}
         run_fit(command, parse_vary(vary), site, gpu, settings, as_json)
     except FitError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
-        fail_on_error(as_json, e)
+        fail_on_error(as_json, e, verb)
 
 
 def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
@@ -123,16 +124,18 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
     from xmem.jobscript import parse_jobscript, slurm_runtime_env
     from xmem.policy import job_partitions
 
+    verb = "check"
     try:
         vary = parse_vary(vary_text)
         with open(script, errors="replace") as f:
             text = f.read()
     except (FitError, OSError) as e:
-        _fail(as_json, EXIT_USAGE, "bad_input", str(e))
+        _fail(as_json, EXIT_USAGE, "bad_input", str(e), verb=verb)
     job = parse_jobscript(text, path=os.path.abspath(script), script_args=list(args), submit_cwd=os.getcwd(),
                           cli_options=cli_options, env=dict(os.environ))
     if not job.commands:
-        _fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found")
+        _fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found",
+              verb=verb)
     command = job.commands[0]
     env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
     settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
@@ -142,6 +145,6 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
         run_fit(command.argv, vary, site, gpus, settings, as_json,
                 site_types=estimate_types(site, job_partitions(job.directives, site)))
     except FitError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
-        fail_on_error(as_json, e)
+        fail_on_error(as_json, e, verb)
