@@ -49,12 +49,16 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--brute", action="append", help="offers to brute-force (default: all)")
     parser.add_argument("--width", type=int, default=1)
+    parser.add_argument("--no-brute", action="store_true", help="only fit (the brute force known already)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     site, vary = load_site_config(args.config), parse_vary(args.vary)
     settings = {"iterations": args.iterations, "memory_limit_bytes": site.estimate.memory_limit_bytes}
     result, options = search(command, vary, site, [args.gpu], settings)
+    if args.no_brute:
+        print(json.dumps({"command": command, "gpu": args.gpu, "fit": result.to_json()}))
+        return
     catalog = load_catalog(site.catalog_overrides or None)
     gpu_name, cache = find_gpu(args.gpu, catalog).name, {}
     brute = {}

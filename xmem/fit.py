@@ -25,7 +25,10 @@ import numpy as np
 from xmem.policy.options import FixedOption
 
 PLACEHOLDER = "{}"
-MODEL_ROUNDS = 2  # guesses from the growth model per option before closing in on traces alone
+MODEL_ROUNDS = 3  # guesses from the growth model per option before closing in on traces alone
+# The model of each guess is fitted on the traces nearest the option's frontier: where the peak changes regime (at
+# small batches the optimizer step, at large ones the activations) the traces far from it mislead.
+LOCAL_POINTS = 3
 # A category is quadratic when a straight line misses a traced point by more than this share of its largest value
 # and this many bytes (the allocator's 2 MiB rounding alone must not make a curve).
 CURVE_SHARE, CURVE_BYTES = 0.02, 4 << 20
@@ -255,9 +258,10 @@ class _Search:
 
     def _predicted(self, option: FixedOption, high: int) -> int:
         """The largest value the growth model says fits (LOW-1 if none): a bisection on the model, no trace. The
-        model is fitted on the traces up to `high`, the option's first failing value: what happens beyond it (a
-        new buffer, a replay out of memory) says nothing about the values below."""
-        growth = fit_growth([p for v, p in self.points.items() if v <= high])
+        model is fitted on the traces nearest `high`, the option's first failing value, and none beyond it (a new
+        buffer, a replay out of memory there says nothing about the values below)."""
+        below = sorted((v for v in self.points if v <= high), key=lambda v: high - v)[:LOCAL_POINTS]
+        growth = fit_growth([self.points[v] for v in below])
 
         def fits(value: int) -> bool:
             return self.needed(max(0, int(growth.predict(option.gpu_type, value)))) <= option.usable_bytes
