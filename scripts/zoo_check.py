@@ -60,8 +60,9 @@ KERNEL_FAMILIES: dict[str, tuple[frozenset[str], str]] = {
                   "mask converted to a float bias) or flash (rng state); the CPU kernel's output is (B,H,T,D)-major, "
                   "so a model's out.transpose(1, 2).contiguous() copies it, a no-op on the CUDA kernels' layout"),
     "convolution": (frozenset({"convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution",
-                               "_slow_conv2d_forward", "thnn_conv2d", "slow_conv_dilated2d", "_nnpack_spatial_convolution",
-                               "cudnn_convolution_transpose", "slow_conv_transpose2d"}),
+                               "_slow_conv2d_forward", "thnn_conv2d", "slow_conv_dilated2d",
+                               "_nnpack_spatial_convolution", "cudnn_convolution_transpose",
+                               "slow_conv_transpose2d"}),
                     ""),  # the same output either way: only the op's name differs
     # a constant made from Python data: lifted on the CPU, copied to the GPU from the host in a trace
     "host_data": (frozenset({"lift_fresh", "lift_fresh_copy", "_to_copy", "copy_"}), ""),
@@ -504,7 +505,9 @@ def compare(cpu: Figures, traced: Figures) -> dict:
 # ---- the zoo ----------------------------------------------------------------------------------------------------
 def torchvision_specs() -> list[str]:
     import torchvision
-    sizes = {"inception_v3": 96, "vit_h_14": 56, "maxvit_t": 224}  # Inception's stem needs 75 px; 14 px patches
+    # Inception v3's auxiliary head pools a 5x5 window of a 1/32-size map; ViT-H has 14 px patches; MaxViT's
+    # window partitions need 224
+    sizes = {"inception_v3": 160, "vit_h_14": 56, "maxvit_t": 224}
     return [f"tv:{name}@{sizes.get(name, 64)}" for name in torchvision.models.list_models(module=torchvision.models)]
 
 
@@ -647,8 +650,13 @@ def summary(rows: list[Row], left: list[str], total: int) -> list[str]:
               f"{row.verdict['activation_delta_by_family']}" for row in deviating]
     families = {f: reason for f, (_, reason) in KERNEL_FAMILIES.items() if reason}
     lines += [f"reason {family}: {reason}" for family, reason in families.items()]
+    too_large = [row.spec for row in rows if "> --max-params" in row.status]
+    if too_large:
+        lines.append("larger than --max-params (run with --max-params 0 on a host with 16 bytes per parameter free): "
+                     "--update --models " + " ".join(too_large))
     if left:
-        lines.append("PARTIAL: the rest runs with: .venv/bin/python scripts/zoo_check.py --models " + " ".join(left))
+        lines.append(f"PARTIAL ({len(left)} not run): the rest runs with: .venv/bin/python scripts/zoo_check.py "
+                     "--update --models " + " ".join(left))
     return lines
 
 
@@ -673,10 +681,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--update", action="store_true",
                         help="keep the rows of OUT/zoo.jsonl for models not run now (fill in a partial table)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSONL",
+                        help="run nothing: write OUT's table from these rows (a later file's row of a model wins)")
     args = parser.parse_args(argv)
     if args.step:
         traced_steps(args.step)
         return 0
+    if args.merge:
+        return merge(args.merge, zoo_specs(args.family), args.out)
     specs = args.models or zoo_specs(args.family)
     print(HEADER, flush=True)
 
@@ -695,6 +707,17 @@ def main(argv: list[str] | None = None) -> int:
     rows, left = check(specs, args.max_params, args.per_trace, args.budget_s, args.timeout, report)
     write_results(merged(rows), left, total, args.out)
     print("\n".join(summary(merged(rows), left, total)))
+    return 0
+
+
+def merge(paths: list[Path], zoo: list[str], out: Path) -> int:
+    """One table from the rows of several runs (parallel or partial ones); zoo models with no row are not run."""
+    by_spec = {row.spec: row for path in paths for row in read_rows(path)}
+    order = {spec: index for index, spec in enumerate(zoo)}
+    rows = sorted(by_spec.values(), key=lambda row: order.get(row.spec, len(order)))
+    left = [spec for spec in zoo if spec not in by_spec]
+    write_results(rows, left, len(set(zoo) | set(by_spec)), out)
+    print("\n".join(summary(rows, left, len(set(zoo) | set(by_spec)))))
     return 0
 
 
