@@ -71,7 +71,7 @@ def test_human_output_shows_job_estimate_and_decision(workdir):
     done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
     assert done.returncode == 0, done.stderr
     for text in ("--gres", "python train.py 512", "Predicted peak GPU memory", "at the peak on", "optimizer state",
-                 "Requests weighed", "<- chosen", "Decision:"):
+                 "Every way the site offers", "picked:", "Decision:"):
         assert text in done.stdout
 
 
