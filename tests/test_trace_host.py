@@ -72,3 +72,10 @@ def test_a_gpu_program_that_reaches_something_unmodelled_says_so(tmp_path):
     with pytest.raises(TraceError) as raised:
         run_trace([sys.executable, str(script)], timeout=120)
     assert raised.value.kind in ("not_modelled", "user_error")
+
+
+def test_tensorboard_tqdm_and_logging_take_cuda_values(tmp_path):
+    result = run_trace([sys.executable, str(SCRIPTS / "logging_habits.py")], iterations=3, cwd=str(tmp_path))
+    assert result.iterations == 3
+    assert "tensor.numpy() returned ones (no real data under fake CUDA)" in result.warnings  # SummaryWriter's
+    assert list(tmp_path.iterdir()) == []  # its runs/ directory went to the sandbox, not the user's directory
