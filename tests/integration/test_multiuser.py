@@ -40,8 +40,10 @@ def test_an_ordinary_users_job_is_estimated_cached_privately_and_recorded(cluste
     path = job_script(submitter, home, "generic.sh", f"#!/bin/bash\n#SBATCH --gres=gpu:1\n{JOB_BODY}")
     sub = cluster.sbatch(path, user=submitter)
     assert sub.returncode == 0, sub.stderr
-    (line,) = xmem_lines(sub.stderr)
-    assert "->" in line and "cannot" not in line, line
+    lines = xmem_lines(sub.stderr)
+    # the decision line; a notice may come before it (in a full run another test's state can add one)
+    line = next((text for text in lines if "->" in text), "")
+    assert line and "cannot" not in line, lines
     print(f"\nfigure: sbatch as an ordinary user with a fresh estimate took {sub.seconds:.2f} s")
 
     (entry,) = cluster.analyses(submitter.name)
