@@ -193,7 +193,6 @@ class AllocationRecorder(TorchDispatchMode):
         self.alloc_conf: str | None = None  # the allocator setting, read at the first allocation as torch does
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._block_of_storage: dict[int, int] = {}
         # modules that ran forward, by id (a module may define __eq__ and so be unhashable), for gradient labels
         self._forward_modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, tuple[int, int, int, int]] = {}  # storage key -> (block, bytes, device, stream)
@@ -301,7 +300,7 @@ class AllocationRecorder(TorchDispatchMode):
         elif tensor.device.type == "cuda":
             storage = tensor.untyped_storage()
             key = storage._cdata
-            if key not in self._block_of_storage:
+            if not self._known(key):
                 self._alloc(storage, key, tensor.device.index or 0, op, from_host=True)
 
     def _note_output(self, tensor: torch.Tensor, op: str, args: tuple) -> None:
@@ -319,7 +318,7 @@ class AllocationRecorder(TorchDispatchMode):
             self._first_cuda_use(op)
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self._block_of_storage:
+        if self._known(key):
             return  # a view, an in-place result, or a storage already known
         from_host = op in _COPY_OPS and isinstance(args[0], torch.Tensor) and args[0].device.type != "cuda"
         self._alloc(storage, key, tensor.device.index or 0, op, from_host)
@@ -336,12 +335,10 @@ class AllocationRecorder(TorchDispatchMode):
             finalizer = weakref.finalize(storage, self._free, key)
             finalizer.atexit = False
         if nbytes == 0:  # the caching allocator returns no block for 0 bytes; a later resize_ may give it some
-            self._block_of_storage[key] = -1
             self._emptied[key] = device
             return
         with self._lock:
             block = next(self._block_ids)
-            self._block_of_storage[key] = block
             stream = self.fake.current_stream.stream_id
             self._live[key] = (block, nbytes, device, stream)
             self.rows.append(["alloc", block, nbytes, device, stream, op, self.module_path(), state.phase,
@@ -353,7 +350,6 @@ class AllocationRecorder(TorchDispatchMode):
     def _free(self, key: int) -> None:
         """The storage died, or was resized: its current block goes back to the allocator."""
         with self._lock:
-            self._block_of_storage.pop(key, None)
             self._emptied.pop(key, None)
             live = self._live.pop(key, None)
             if live is None or self.state.stopped:
@@ -362,6 +358,10 @@ class AllocationRecorder(TorchDispatchMode):
             self.live_bytes -= nbytes
             self.rows.append(["free", block, nbytes, device, stream, "", self.module_path(), self.state.phase,
                               self.state.iteration])
+
+    def _known(self, key: int) -> bool:
+        """Whether the storage is already recorded (alive, possibly with 0 bytes)."""
+        return key in self._live or key in self._emptied
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         """`storage.resize_(n)` (FSDP frees and re-allocates unsharded parameters so) happens outside the dispatcher:
@@ -426,9 +426,9 @@ class AllocationRecorder(TorchDispatchMode):
             for inner in _inner_tensors(tensor):
                 self.label(inner, category)
         elif tensor.device.type == "cuda":
-            block = self._block_of_storage.get(tensor.untyped_storage()._cdata)
-            if block is not None and block >= 0:
-                self.category[block] = category
+            live = self._live.get(tensor.untyped_storage()._cdata)
+            if live is not None:
+                self.category[live[0]] = category
 
     def _label_module_tensors(self, module: torch.nn.Module) -> None:
         self._forward_modules[id(module)] = module
