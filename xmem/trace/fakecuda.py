@@ -583,12 +583,15 @@ def _memory_summary(fake: FakeCuda) -> str:
             f"{fake.peak_bytes() / 2**20:.1f} MiB at the peak; the estimate replays the caching allocator  |")
 
 
+GRAPH_WARNING = "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"
+
+
 def _eager_graph_class(fake: FakeCuda) -> type:
     class EagerCUDAGraph:
         """torch.cuda.CUDAGraph stand-in: capture runs the captured code eagerly (once), replay does nothing."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+            fake.on_warning(GRAPH_WARNING)
 
         def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
         def capture_end(self) -> None: ...
@@ -605,14 +608,14 @@ def _eager_graph_class(fake: FakeCuda) -> type:
 def _eager_graph_context(fake: FakeCuda) -> Callable:
     @contextlib.contextmanager
     def graph(cuda_graph: Any = None, pool: Any = None, stream: Any = None, **kwargs: Any):
-        fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+        fake.on_warning(GRAPH_WARNING)
         yield
     return graph
 
 
 def _graphed_callables_unchanged(fake: FakeCuda) -> Callable:
     def make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
-        fake.on_warning("CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
+        fake.on_warning(GRAPH_WARNING)
         return callables
     return make_graphed_callables
 
