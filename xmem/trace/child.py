@@ -79,13 +79,8 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
-    from xmem.trace import shim
-    try:
-        shim.load_shim()
-    except shim.ShimError as error:
-        raise ChildFailure("internal", str(error)) from None
-
-    from torch._subclasses.fake_tensor import FakeTensorMode  # the first import of torch: after the shim
+    preload()
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from xmem.trace import fakecuda
     from xmem.trace.recorder import MAX_FORWARDS_WITHOUT_TRAINING, AllocationRecorder, NoTrainingLoop, StopTracing, \
@@ -132,6 +127,27 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
                                                 "used CUDA; xmem traces training loops that call optimizer.step()")
     return trace
+
+
+_preloaded = False  # the shim and torch are loaded in this process (the warm tracer forks after loading them)
+
+
+def preload() -> None:
+    """Load the shim, then torch and the tracer's modules, once per process. Nothing here may depend on the job:
+    the warm tracer (xmem.trace.warm) calls it before forking one child per job (the shim reads $XMEM_FAKE_SM and
+    $XMEM_FAKE_DEVICE_COUNT at its first use, not at load)."""
+    global _preloaded
+    if _preloaded:
+        return
+    from xmem.trace import shim
+    try:
+        shim.load_shim()
+    except shim.ShimError as error:
+        raise ChildFailure("internal", str(error)) from None
+    import torch._subclasses.fake_tensor  # noqa: F401 - the first import of torch: after the shim
+
+    from xmem.trace import facts, fakecuda, recorder, weights  # noqa: F401
+    _preloaded = True
 
 
 def _enter_in_new_threads(*modes: Any) -> None:
@@ -230,10 +246,9 @@ def _failure_from(error: BaseException) -> ChildFailure:
 
 def _reached_real_cuda(error: BaseException) -> bool:
     """The messages torch gives when a call goes to the CUDA runtime, which has no device here."""
+    from xmem.trace.errors import REAL_CUDA_SIGNS
     text = str(error)
-    return isinstance(error, RuntimeError) and any(sign in text for sign in (
-        "Found no NVIDIA driver", "CUDA driver version is insufficient", "no CUDA GPUs are available",
-        "Torch not compiled with CUDA enabled", "CUDA error:"))
+    return isinstance(error, RuntimeError) and any(sign in text for sign in REAL_CUDA_SIGNS)
 
 
 def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.trace import sandbox, shim
 from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
-from xmem.trace.errors import TraceError
+from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import Trace
 
 XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
@@ -236,6 +236,11 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
         if run.last_progress in ("", LOADING_PROGRESS):  # the program never started: our failure
             return TraceError("internal", f"the tracer ended (status {code}) before running the program: "
                                           f"{_last_line(run.output)}", output=output)
+        real_cuda = [line for line in run.output.splitlines() if any(sign in line for sign in REAL_CUDA_SIGNS)]
+        if real_cuda:  # a native extension called the CUDA runtime itself (no device here) and ended the process
+            return TraceError("not_modelled", f"not modelled: a native library reached the real CUDA runtime and "
+                                              f"ended the program {when}: {real_cuda[-1].strip()[:200]}",
+                              output=output)
         return TraceError("user_error", f"the program called os._exit({code}) {when}; xmem records a program that "
                                         "returns or calls sys.exit()", output=output)
     number = status["signal"]
