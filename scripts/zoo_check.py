@@ -505,9 +505,9 @@ def compare(cpu: Figures, traced: Figures) -> dict:
 # ---- the zoo ----------------------------------------------------------------------------------------------------
 def torchvision_specs() -> list[str]:
     import torchvision
-    # Inception v3's auxiliary head pools a 5x5 window of a 1/32-size map; ViT-H has 14 px patches; MaxViT's
-    # window partitions need 224
-    sizes = {"inception_v3": 160, "vit_h_14": 56, "maxvit_t": 224}
+    # Inception v3's auxiliary head (built in training) pools 5x5 windows of its 17x17 map at 299 px, the least
+    # input its 5x5 conv fits; ViT-H has 14 px patches; MaxViT's window partitions need 224
+    sizes = {"inception_v3": 299, "vit_h_14": 56, "maxvit_t": 224}
     return [f"tv:{name}@{sizes.get(name, 64)}" for name in torchvision.models.list_models(module=torchvision.models)]
 
 
