@@ -22,10 +22,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
-from xmem.trace import sandbox, shim
+from xmem.trace import sandbox, shim, warm
 from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import Trace
@@ -67,7 +67,10 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                                         _cpu_seconds(timeout), _shim_dirs())
         child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
-        run = _run_child(child, target, _child_env(env, target, gpus), cwd, timeout, on_progress)
+        child_env = _child_env(env, target, gpus)
+        argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
+        run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch)) or \
+            _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
         ended = sandbox.read_result(Path(scratch))
         payload = json.loads(out.read_text()) if out.exists() else None
     if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
@@ -148,9 +151,55 @@ class ChildRun:
     last_progress: str = ""  # the tracer's last progress line ("iteration 2/3")
 
 
-def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str | None, timeout: float | None,
-               on_progress: Callable[[str], None] | None) -> ChildRun:
-    """Run the child; return its output and status. Progress lines arrive on a pipe."""
+class Started(Protocol):
+    """A started sandbox helper: a Popen (cold), or a warm.WarmJob whose wait says None when its server vanished."""
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+# Starts the child with its output going to the file and its progress lines to the descriptor; None: not started.
+Start = Callable[[Any, int], "Started | None"]
+
+
+def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
+    def start(log: Any, progress_fd: int) -> subprocess.Popen:
+        command = warm.with_option(argv, "--progress-fd", str(progress_fd))
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=cwd, pass_fds=(progress_fd,), start_new_session=True)
+    return start
+
+
+def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str | None, timeout: float | None,
+              on_progress: Callable[[str], None] | None, scratch: Path) -> ChildRun | None:
+    """The child run by the warm tracer (`xmem.trace.warm`), when it is on and can serve this job; None: go cold
+    (and, where no server answers, one is started in the background for the next estimates)."""
+    if not warm.enabled():
+        return None
+    path = warm.socket_path(interpreter, env)
+    if path is None:
+        return None
+    connection = warm.connect(path)
+    if connection is None:
+        warm.start_server(interpreter, path, warm.server_env(env, XMEM_PARENT_DIR))
+        return None
+
+    def start(log: Any, progress_fd: int) -> warm.WarmJob | None:
+        return warm.WarmJob.submit(connection, warm.job_request(argv, env, cwd), [log.fileno(), progress_fd])
+
+    run = _run_child(start, timeout, on_progress)
+    if run is None:  # declined, or the server died mid-way: the cold child starts from a clean scratch
+        connection.close()
+        for entry in scratch.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    return run
+
+
+def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str], None] | None) -> ChildRun | None:
+    """Run the child; return its output and status (None when the warm tracer did not run it to its end).
+    Progress lines arrive on a pipe."""
     read_fd, write_fd = os.pipe()
     seen: list[str] = []
 
@@ -160,10 +209,13 @@ def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str |
             on_progress(line)
 
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen([*child, "--progress-fd", str(write_fd), "--", *target.child_argv()],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                   pass_fds=(write_fd,), start_new_session=True)
-        os.close(write_fd)
+        try:
+            process = start(log, write_fd)
+        finally:
+            os.close(write_fd)
+        if process is None:
+            os.close(read_fd)
+            return None
         relay = threading.Thread(target=_relay_progress, args=(read_fd, progress), daemon=True)
         relay.start()
         started = time.monotonic()
@@ -182,6 +234,8 @@ def _run_child(child: list[str], target: Target, env: dict[str, str], cwd: str |
             _stop(process)
             raise
         relay.join(timeout=1)  # the sandbox has ended every process that could hold the pipe open
+        if returncode is None:
+            return None
         log.seek(0)
         return ChildRun(log.read().decode(errors="replace"), returncode, seen[0] if seen else "")
 
@@ -212,8 +266,11 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: Started) -> None:
     """Ask the sandbox helper to end everything it runs (SIGTERM), then kill its process group outright."""
+    if isinstance(process, warm.WarmJob):
+        process.stop()
+        return
     try:
         process.terminate()
         process.wait(timeout=STOP_GRACE_S)

@@ -384,6 +384,12 @@ def _lower_limit(which: int, soft: int, hard: int) -> None:
     resource.setrlimit(which, (soft, hard))
 
 
+def become_tracer(argv: list[str], env: dict) -> None:
+    """How the tracer process turns into the tracer: exec its command. The warm tracer (xmem.trace.warm), which has
+    torch loaded already, replaces this with a run of the tracing child in the same process."""
+    os.execvpe(argv[0], argv, env)
+
+
 def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: list[str] | None = None) -> int:
     pid = os.fork()
     if pid:
@@ -393,7 +399,7 @@ def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: l
         limits.apply()
         if writable is not None:
             restrict_writes(writable, landlock_abi())
-        os.execvpe(argv[0], argv, os.environ if env is None else env)
+        become_tracer(argv, os.environ if env is None else env)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the helper's code
         sys.stderr.write(f"xmem sandbox: cannot start the tracer: {error}\n")
     os._exit(127)

@@ -1,0 +1,483 @@
+"""The warm tracer: a process per user, interpreter and import environment that has the native shim, torch,
+torch._dynamo, the tracer's own modules and the common training libraries loaded, and forks one tracing child per
+estimate, so that an estimate skips Python's start and those imports and no state passes between jobs.
+
+Owns the server's life (started in the background by the first estimate that finds none, which itself runs cold;
+reached through a unix socket in a 0700 directory of the user's; ended after an idle time, or as soon as its code or
+torch changed on disk or its socket was taken away), its trust rule (a socket or directory someone else owns is
+never used, `xmem.userfiles`; a peer whose uid or gid is not the server's is refused, SO_PEERCRED), the request one
+estimate sends (the cold command line, the program's environment, cwd, umask and resource limits, its output and
+progress descriptors), and the fork: each job is a fresh child of the server that takes the request's process state
+and runs `xmem.trace.sandbox` in-process, which runs `xmem.trace.child` in-process instead of exec'ing it. A job the
+server cannot serve exactly as the cold child would run (a preloaded module the job's path would import from
+elsewhere, a user site-packages, limits it cannot take) is declined; the runner then starts cold. Off unless
+XMEM_WARM_TRACER=1. Imports only the standard library and xmem.trace modules that do not import torch (the server
+runs in the job's interpreter, the client in the estimator's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib.machinery
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from xmem.trace import sandbox
+from xmem.userfiles import private_dir
+
+ENABLE_ENV = "XMEM_WARM_TRACER"  # "1": estimates go through the warm tracer
+DIR_ENV = "XMEM_WARM_DIR"  # where the sockets live (default: a 0700 directory of the user's in the temporary one)
+IDLE_ENV = "XMEM_WARM_IDLE_S"
+DEFAULT_IDLE_S = 900.0
+SERVER_NICE = 10  # the server's imports must not slow the cold estimate that started it
+CONNECT_TIMEOUT_S = 2.0  # a server that does not answer this fast is treated as absent
+STOP_GRACE_S = 5  # as the runner gives the cold helper
+MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
+# Environment that shapes what importing the preloaded modules does (an interpreter's start-up settings, the dynamic
+# loader, torch's and the libraries' import-time configuration): one server per distinct set. PYTHONPATH is not
+# here: a job's own path is checked against where each preloaded module came from (`_shadowed`).
+IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
+                       "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
+                       "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_")
+IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
+# Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
+# server's path). A library a job would import from another place is not used warm (`_shadowed`).
+TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "safetensors", "accelerate", "timm", "lightning",
+                      "pytorch_lightning", "tqdm")
+LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_STACK", "RLIMIT_NPROC", "RLIMIT_CORE",
+          "RLIMIT_FSIZE", "RLIMIT_MEMLOCK")
+# The server's command (not `-m xmem.trace.warm`: the package imports this module first, through the runner).
+SERVER_MAIN = "import sys; from xmem.trace.warm import main; main(sys.argv[1:])"
+HEADER = struct.Struct("!Q")  # the request's length, sent with its descriptors
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "") == "1"
+
+
+# ---- where the server lives ----------------------------------------------------------------------------------
+
+def socket_dir() -> Path | None:
+    """This user's 0700 directory of sockets; None when it cannot be had (someone else owns the name)."""
+    path = Path(os.environ.get(DIR_ENV) or os.path.join(tempfile.gettempdir(), f"xmem-warm-{os.geteuid()}"))
+    if not private_dir(path):
+        return None
+    try:
+        os.chmod(path, 0o700)  # only this user may even reach the socket
+    except OSError:
+        return None
+    return path
+
+
+def socket_path(interpreter: str, env: dict[str, str]) -> Path | None:
+    """The socket of the server for this interpreter and import environment, for this user and groups."""
+    directory = socket_dir()
+    if directory is None:
+        return None
+    imports = sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and
+                     (k.startswith(IMPORT_ENV_PREFIXES) or k in IMPORT_ENV_NAMES))
+    key = json.dumps([os.path.abspath(interpreter), os.geteuid(), os.getegid(), sorted(os.getgroups()), imports])
+    path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.sock"
+    return path if len(str(path)) <= MAX_SOCKET_PATH else None
+
+
+def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
+    """The server's environment: the job's, with xmem alone on PYTHONPATH (a job's own path is its own)."""
+    return {**env, "PYTHONPATH": xmem_parent}
+
+
+def start_server(interpreter: str, path: Path, env: dict[str, str]) -> None:
+    """Start the server in the background (it locks, loads, then listens); the caller goes on cold meanwhile."""
+    idle = os.environ.get(IDLE_ENV, str(DEFAULT_IDLE_S))
+    try:
+        subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle], env=env,
+                         cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        pass  # no warm tracer this time: estimates go on cold
+
+
+# ---- the client side ---------------------------------------------------------------------------------------------
+
+def connect(path: Path) -> socket.socket | None:
+    """A connection to the server at `path` if it is this user's own and answers; None otherwise (go cold)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
+        return None
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        connection.connect(str(path))
+        if peer_ids(connection)[0] != os.geteuid():
+            raise OSError("the socket's server is another user's")
+    except OSError:
+        connection.close()
+        return None
+    return connection
+
+
+def peer_ids(connection: socket.socket) -> tuple[int, int]:
+    """(uid, gid) of the process at the other end, as the kernel says."""
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, gid = struct.unpack("3i", creds)
+    return uid, gid
+
+
+def job_request(argv: list[str], env: dict[str, str], cwd: str | None) -> dict[str, Any]:
+    """What the cold child would inherit from this process, beside its command line and environment."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return {"argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()), "umask": umask,
+            "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
+
+
+class WarmJob:
+    """One estimate on the server: `wait` as Popen.wait (None when the server vanished), `stop` to end it."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        self.connection = connection
+        self.pending = b""
+
+    @classmethod
+    def submit(cls, connection: socket.socket, request: dict[str, Any], fds: list[int]) -> "WarmJob | None":
+        """Send the request with the program's output and progress descriptors; None unless the server started it."""
+        body = json.dumps(request).encode()
+        job = cls(connection)
+        try:
+            socket.send_fds(connection, [HEADER.pack(len(body))], fds)
+            connection.sendall(body)
+            started = job._reply(CONNECT_TIMEOUT_S * 5)
+        except OSError:
+            started = None
+        if not started or "started" not in started:
+            connection.close()
+            return None
+        return job
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            reply = self._reply(timeout)
+        except socket.timeout:
+            raise subprocess.TimeoutExpired("warm tracer", timeout or 0) from None
+        except OSError:
+            reply = None
+        self.connection.close()
+        return reply.get("status") if reply else None
+
+    def stop(self) -> None:
+        """Ask the server to end the job (as the cold helper is sent SIGTERM), and wait until it has."""
+        try:
+            self.connection.sendall(b"stop\n")
+            self._reply(STOP_GRACE_S + 5)
+        except OSError:
+            pass  # the server is gone, and with it the job (it dies with its parent)
+        self.connection.close()
+
+    def _reply(self, timeout: float | None) -> dict | None:
+        """The server's next line, None at the end of the connection."""
+        self.connection.settimeout(timeout)
+        while b"\n" not in self.pending:
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+
+def serve(path: Path, idle_s: float) -> None:
+    os.nice(SERVER_NICE)
+    lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another server of the same key runs or is starting
+    preloaded = preload()
+    signature = code_signature(preloaded)
+    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]  # the installation's own
+    listener = _listen(path)
+    inode = os.lstat(path).st_ino
+    signal.signal(signal.SIGTERM, lambda *_: _leave(path, inode))
+    last_request = time.monotonic()
+    while time.monotonic() - last_request < idle_s and _same_socket(path, inode):
+        _reap_jobs()
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        if not ready:
+            continue
+        connection, _ = listener.accept()
+        last_request = time.monotonic()
+        if peer_ids(connection) != (os.getuid(), os.getgid()):  # never another user's job
+            connection.close()
+            continue
+        if os.fork() == 0:
+            listener.close()
+            os.close(lock)  # a running job must not keep the next server out
+            _handle(connection, preloaded, signature, base_path)
+        connection.close()
+    _leave(path, inode)
+
+
+def preload() -> dict[str, str]:
+    """Load what every trace loads, then the training libraries that import cleanly; module name -> its origin."""
+    from xmem.trace import child
+    child.preload()
+    import torch._dynamo  # noqa: F401 - the first optimizer step imports it
+    for name in TRAINING_LIBRARIES:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - not installed, or broken: jobs import it themselves
+            continue
+    tops = {name.partition(".")[0] for name in sys.modules}
+    return {name: _origin(sys.modules[name]) for name in sorted(tops) if name in sys.modules and
+            _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
+
+
+def _origin(module: Any) -> str:
+    """The file a module was imported from; "" for built-in, frozen and generated ones."""
+    spec = getattr(module, "__spec__", None)
+    origin = getattr(spec, "origin", None) or ""
+    return origin if os.path.isabs(origin) and os.path.isfile(origin) else ""
+
+
+def code_signature(preloaded: dict[str, str]) -> list:
+    """What makes a server stale when it changes on disk: xmem's sources and each preloaded package's first file."""
+    xmem_dir = Path(__file__).resolve().parent.parent
+    files = sorted(str(p) for p in xmem_dir.rglob("*.py")) + sorted(preloaded.values())
+    signature = []
+    for name in files:
+        try:
+            info = os.stat(name)
+        except OSError:
+            info = None
+        signature.append((name, info.st_mtime_ns if info else 0, info.st_size if info else 0))
+    return signature
+
+
+def _listen(path: Path) -> socket.socket:
+    try:
+        path.unlink()  # a dead server's socket (we hold the lock: no live one uses it)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(old)
+    listener.listen(16)
+    return listener
+
+
+def _same_socket(path: Path, inode: int) -> bool:
+    try:
+        return os.lstat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _leave(path: Path, inode: int) -> None:
+    if _same_socket(path, inode):
+        path.unlink()
+    os._exit(0)
+
+
+def _reap_jobs() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _pythonpath(env: dict[str, str] | os._Environ) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# ---- one job: the server's child that runs it, and its child that becomes the sandbox -------------------------
+
+def _handle(connection: socket.socket, preloaded: dict[str, str], signature: list, base_path: list[str]) -> None:
+    """Run one job and tell the client when it started and how it ended; stop it when the client asks or goes."""
+    try:
+        request, fds = _receive(connection)
+        reason = _declined(request, preloaded, signature, base_path)
+        if reason:
+            _send(connection, {"declined": reason})
+            os._exit(0)
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            _become_job(request, fds, base_path)
+        for fd in fds:
+            os.close(fd)
+        _send(connection, {"started": pid})
+        _send(connection, {"status": _watch(connection, pid)})
+    except BaseException:  # noqa: BLE001 - the client falls back to a cold start
+        pass
+    os._exit(0)
+
+
+def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    connection.settimeout(CONNECT_TIMEOUT_S * 5)
+    header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 2)
+    if len(header) != HEADER.size or len(fds) != 2:
+        raise OSError("a malformed request")
+    (length,) = HEADER.unpack(header)
+    body = b""
+    while len(body) < length:
+        chunk = connection.recv(length - len(body))
+        if not chunk:
+            raise OSError("the request was cut short")
+        body += chunk
+    connection.settimeout(None)
+    return json.loads(body), fds
+
+
+def _declined(request: dict[str, Any], preloaded: dict[str, str], signature: list, base_path: list[str]) -> str:
+    """Why this job cannot be run here exactly as the cold child would run it; "" when it can."""
+    if code_signature(preloaded) != signature:
+        os.kill(os.getppid(), signal.SIGTERM)  # stale: the next estimate starts a fresh server
+        return "xmem, torch or a preloaded library changed since the warm tracer started"
+    env, cwd = request["env"], request["cwd"]
+    if _user_site(env) and os.path.isdir(_user_site(env)):
+        return "a user site-packages exists (the warm tracer imports from the installation's alone)"
+    for name, value in request["limits"].items():
+        _, hard = resource.getrlimit(getattr(resource, name))
+        if hard != resource.RLIM_INFINITY and (value[1] == resource.RLIM_INFINITY or value[1] > hard):
+            return f"the estimate's {name} is above the warm tracer's"
+    return _shadowed(preloaded, _job_path(cwd, env, base_path))
+
+
+def _user_site(env: dict[str, str]) -> str:
+    """The job's user site-packages directory, as `site` would find it ("" when it is switched off)."""
+    if env.get("PYTHONNOUSERSITE"):
+        return ""
+    base = env.get("PYTHONUSERBASE") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local")
+    return os.path.join(base, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
+
+
+def _job_path(cwd: str, env: dict[str, str], base_path: list[str]) -> list[str]:
+    """sys.path as `python -m xmem.trace` starts with it in `cwd`: the directory, the job's PYTHONPATH, the rest."""
+    return [cwd, *_pythonpath(env), *[p for p in base_path if p not in _pythonpath(env)]]
+
+
+def _shadowed(preloaded: dict[str, str], path: list[str]) -> str:
+    """A preloaded module that the job's path would import from another file (a local `transformers/`)."""
+    for name, origin in preloaded.items():
+        if name not in sys.builtin_module_names and not origin.startswith(sysconfig.get_paths()["stdlib"]):
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            found = spec.origin if spec is not None else None
+            if found != origin:
+                return f"{name} would be imported from {found or 'nowhere'}, not from {origin}"
+    return ""
+
+
+def _watch(connection: socket.socket, pid: int) -> int:
+    """Wait for the job; on "stop" or the client's end, stop it as the runner stops a cold helper. Its status as
+    Popen.returncode gives it."""
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd, connection], [], [])
+    if pidfd not in ready:  # the client asked to stop, or went away
+        os.kill(pid, signal.SIGTERM)
+        ended, _, _ = select.select([pidfd], [], [], STOP_GRACE_S)
+        if not ended:
+            os.killpg(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    os.close(pidfd)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _send(connection: socket.socket, message: dict) -> None:
+    try:
+        connection.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _become_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
+    """Take the cold helper's process state (session, descriptors, cwd, umask, limits, environment, signals, path),
+    then run the sandbox in this process. Never returns."""
+    try:
+        os.setsid()
+        log, progress = fds
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(devnull)
+        os.close(log)
+        os.umask(request["umask"])
+        for name, value in request["limits"].items():
+            resource.setrlimit(getattr(resource, name), tuple(value))
+        env, cwd = request["env"], request["cwd"]
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.path[:] = _job_path(cwd, env, base_path)
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=bool(env.get("PYTHONUNBUFFERED")))
+        argv = request["argv"]
+        helper = argv[3:]  # [python, -I, sandbox.py, OPTIONS..., --, TRACER...]
+        helper = with_option(with_option(helper, "--parent", str(os.getppid())), "--progress-fd", str(progress))
+        sandbox.become_tracer = _trace_in_process
+        sandbox.main(helper)
+    except BaseException as error:  # noqa: BLE001 - the fork must never return into the server's code
+        sys.stderr.write(f"xmem warm tracer: cannot start the job: {error}\n")
+    os._exit(127)
+
+
+def with_option(argv: list[str], name: str, value: str) -> list[str]:
+    """`argv` with the value of option `name` replaced: options come before the program's arguments, so the first
+    `name` is ours."""
+    changed = list(argv)
+    changed[changed.index(name) + 1] = value
+    return changed
+
+
+def _trace_in_process(argv: list[str], env: dict) -> None:
+    """sandbox.become_tracer for a warm job: what `python -m xmem.trace ARGS` (or the fallback's bootstrap) would
+    do, in this process, with torch already loaded."""
+    os.environ.clear()
+    os.environ.update(env)
+    sandbox.install_in_child()
+    from xmem.trace import child
+    child.main(argv[argv.index("xmem.trace") + 1:])
+
+
+def main(argv: list[str]) -> None:
+    if sys.path and sys.path[0] in ("", os.getcwd()):  # the socket directory: nothing to import from there
+        sys.path.pop(0)
+    parser = argparse.ArgumentParser(prog="python -m xmem.trace.warm", description="the warm tracer's server")
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--idle", type=float, default=DEFAULT_IDLE_S, help="seconds without a request before it ends")
+    args = parser.parse_args(argv)
+    serve(args.socket, args.idle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
