@@ -396,6 +396,10 @@ def _patch_on_import(module_name: str, patch: Callable[[Any], None]) -> None:
     import importlib.util
     import sys
 
+    if module_name in sys.modules:  # imported already (the warm tracer preloads the training libraries)
+        patch(sys.modules[module_name])
+        return
+
     class PatchAfterLoading(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
             if fullname != module_name:
