@@ -19,7 +19,8 @@ import pytest
 from tests.throwaway_users import scratch, users_fixture  # noqa: F401 (scratch is a fixture)
 from xmem.cache import AnalysisCache, estimate_slot, user_cache_dir
 from xmem.slurm.cache_check import valid_analysis
-from xmem.slurm.filter import Analysis, analysis_cache, reply_for, FilterRequest
+from xmem.slurm.contract import Analysis, FilterRequest, reply_for
+from xmem.slurm.inline import analysis_cache
 from xmem.userfiles import user_name
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,17 +5,10 @@ import json
 import pytest
 
 from xmem.cache import AnalysisCache
-from xmem.slurm.filter import (
-    Analysis,
-    FilterReply,
-    FilterRequest,
-    cached_analysis,
-    plain,
-    reply_for,
-    with_exports,
-)
 from xmem.policy import Decision
-from xmem.slurm.node import JobStamp
+from xmem.slurm.contract import Analysis, FilterReply, FilterRequest, plain, reply_for, with_exports
+from xmem.slurm.inline import cached_analysis
+from xmem.slurm.stamp import JobStamp
 
 GIB = 1 << 30
 

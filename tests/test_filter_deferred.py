@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from xmem.slurm.deferred import _tres, _with_state, defer, load_request
-from xmem.slurm.filter import FilterRequest, deferring, user_request
-from xmem.slurm.node import JobStamp
+from xmem.slurm.contract import FilterRequest, user_request
+from xmem.slurm.deferred import _tres, _with_state, defer, deferring, load_request
+from xmem.slurm.stamp import JobStamp
 
 
 def site(tmp_path, mode="partition", cpu_partition="cpu"):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from xmem.slurm.filter import FilterRequest, filter_main, wrapped_script
+from xmem.slurm.contract import FilterRequest
+from xmem.slurm.filter import filter_main, wrapped_script
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from xmem.jobscript import parse_jobscript
-from xmem.slurm.node import parse_scontrol_record
+from xmem.slurm.scontrol import parse_scontrol_record
 
 pytestmark = pytest.mark.slurm
 

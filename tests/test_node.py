@@ -3,15 +3,8 @@
 import json
 import os
 
-from xmem.slurm.node import (
-    JobStamp,
-    add_to_comment,
-    epilog_record,
-    exit_code_of,
-    mps_memory_limit,
-    prolog_exports,
-    read_measure_file,
-)
+from xmem.slurm.node import epilog_record, exit_code_of, mps_memory_limit, prolog_exports, read_measure_file
+from xmem.slurm.stamp import JobStamp, add_to_comment
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -153,7 +146,7 @@ def test_epilog_records_the_outcome_of_a_deferred_estimate(tmp_path):
 
 
 def test_scontrol_record_keeps_spaces_inside_a_value():
-    from xmem.slurm.node import parse_scontrol_record
+    from xmem.slurm.scontrol import parse_scontrol_record
     line = ("JobId=42 JobName=train job UserId=alice(1000) JobState=PENDING Reason=JobHeldUser "
             "Comment=xmem:state=pending why=estimating+now TresPerNode=gres:gpu:a100:1 TresPerJob=(null)\n")
     fields = parse_scontrol_record(line)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from xmem.gpus import find_gpu, load_catalog
-from xmem.slurm.node import JobStamp
+from xmem.slurm.stamp import JobStamp
 from xmem.slurm.store import read_records
 
 GIB = 1 << 30

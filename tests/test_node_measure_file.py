@@ -11,7 +11,8 @@ import os
 import pytest
 
 from tests.throwaway_users import users_fixture, visible_dir
-from xmem.slurm.node import MEASURE_FILE_MAX_BYTES, JobStamp, epilog_record, read_measure_file
+from xmem.slurm.node import MEASURE_FILE_MAX_BYTES, epilog_record, read_measure_file
+from xmem.slurm.stamp import JobStamp
 
 GIB = 1 << 30
 STAMP = JobStamp(peak_bytes=3 * GIB, needed_bytes=4 * GIB, gpu_type="a100", request="gpu:a100:1", action="rewrite")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.test_slurm_glue import JOB_BODY, MEASURED, TRAIN, expected_decision, xmem_lines
 from tests.throwaway_users import throwaway_users
-from xmem.slurm.node import JobStamp
+from xmem.slurm.stamp import JobStamp
 from xmem.slurm.store import read_records
 
 pytestmark = pytest.mark.slurm

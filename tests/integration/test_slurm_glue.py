@@ -18,7 +18,7 @@ from xmem.config import load_site_config
 from xmem.gpus import find_gpu, load_catalog
 from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
-from xmem.slurm.node import JobStamp
+from xmem.slurm.stamp import JobStamp
 from xmem.slurm.store import read_records
 
 pytestmark = pytest.mark.slurm

@@ -1,7 +1,7 @@
 """Slurm glue commands: `filter` (for cli_filter.lua), `prolog` (TaskProlog), `epilog` (Epilog), `report`.
 
 Owns only the I/O: reading stdin and the environment, printing, exit codes, the site config's path. The logic
-is in xmem.slurm.filter, xmem.slurm.node and xmem.slurm.store. Nothing heavy is imported at module level:
+is in xmem.slurm (filter, deferred, node, store). Nothing heavy is imported at module level:
 sbatch waits on `filter`, and a cached resubmission must stay well under a second.
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xmem.jobscript import GresItem
-from xmem.slurm.node import parse_scontrol_record
+from xmem.slurm.scontrol import parse_scontrol_record
 
 COMMAND_TIMEOUT_S = 10.0
 GPU_GRES = "gpu"

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -38,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from xmem.cache import user_cache_dir
-from xmem.slurm.filter import (FilterReply, FilterRequest, analysis_cache, cached_analysis, command_files,
-                               comment_word, config_digest, estimate_slots, failure_reply, parse_job, reply_for,
-                               user_request)
-from xmem.slurm.node import COMMENT_TAG, JobStamp, add_to_comment, comment_fields, scontrol_show_job
+from xmem.slurm.contract import FilterReply, FilterRequest, failure_reply, reply_for, user_request
+from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
+from xmem.slurm.scontrol import scontrol_show_job
+from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields, comment_word
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
@@ -70,6 +69,21 @@ def spool_root(config: Any) -> Path:
 
 # --- in the filter: snapshot and defer ------------------------------------------------------------------------
 
+def deferring(config: Any) -> bool:
+    """Deferred mode: estimates that are not cached run as jobs on the CPU partition."""
+    deferred = getattr(config, "deferred", None)
+    return bool(deferred and deferred.mode == "partition" and deferred.cpu_partition)
+
+
+def defer_reply(script: str, request: FilterRequest, config: Any) -> FilterReply:
+    """The filter's reply for a submission deferred: held, with the token for post-submit; or, when it cannot be
+    deferred, the site's failure rule."""
+    if why := cannot_defer(request):
+        return failure_reply(why, request, config.failure)
+    reply, token = defer(script, request, config)
+    return dataclasses.replace(reply, defer=token)
+
+
 def cannot_defer(request: FilterRequest) -> str | None:
     """Why this submission cannot be deferred (post-submit could not start the estimation job), or None."""
     size = len(f"{EXPORT_ENV}={request.options.get('export') or ''}".encode()) + 1
@@ -92,14 +106,10 @@ def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
     was = user_request(request.options) or "none"
-    comment = _with_state(request.options.get("comment"), f"state=pending;was={_plain(was)}")
+    comment = _with_state(request.options.get("comment"), state_pairs("pending", was))
     message = (f"GPU memory estimate queued on partition {config.deferred.cpu_partition}: the job is held until "
                f"it is done (xmem-slurm status JOBID)")
     return FilterReply(set={"hold": "set", "comment": comment}, message=message), token
-
-
-def _plain(text: str) -> str:
-    return comment_word(text)
 
 
 def _sweep_unqueued(root: Path) -> None:
@@ -124,6 +134,11 @@ def remove_spool(spool: Path) -> None:
 def own_sbatch_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment for xmem's own sbatch calls: the user's sbatch input variables left out."""
     return {k: v for k, v in environ.items() if not k.startswith(SBATCH_INPUT_PREFIX)} | {NO_FILTER_ENV: "1"}
+
+
+def state_pairs(state: str, was: str, **notes: str) -> str:
+    """Deferred mode's pairs in the comment's token: `state=...;was=...`, then `why=` and `fix=` if given."""
+    return ";".join(f"{key}={comment_word(value)}" for key, value in {"state": state, "was": was, **notes}.items())
 
 
 def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = None) -> str:
@@ -192,7 +207,7 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
     user_comment = request.options.get("comment")
     if reply.reject:
         _scontrol("update", f"JobId={job_id}",
-                  f"Comment={_with_state(user_comment, f'state=refused;was={_plain(was)};why={_plain(reply.reject)}')}")
+                  "Comment=" + _with_state(user_comment, state_pairs("refused", was, why=reply.reject)))
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
         return f"job {job_id} cancelled: {reply.reject}"
     stamp = JobStamp.from_comment(reply.set.get("comment"))
@@ -206,15 +221,15 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
         except RequestLost as e:  # never released without its GPU request: held, with the fix in the comment
             fix = f"scontrol update JobId={job_id} {field}={old} && scontrol release {job_id}"
             _scontrol("update", f"JobId={job_id}", "Comment=" + _with_state(
-                user_comment, f"state=stuck;was={_plain(was)};why={_plain(str(e))};fix={_plain(fix)}"))
+                user_comment, state_pairs("stuck", was, why=str(e), fix=fix)))
             return f"job {job_id} left held: {e}; to run it as submitted: {fix}"
         if refused:
             state, note = "kept", f"Slurm refused {option}={value} on the pending job ({refused}); kept {was}"
             stamp = JobStamp(stamp.peak_bytes, stamp.needed_bytes, stamp.gpu_type, was, "keep")
     if stamp.is_empty():  # nothing estimated (fail-open), or the policy changes nothing (excluded, no fit)
         state = "failed" if note.startswith("cannot estimate") else "unchanged"
-    comment = _with_state(user_comment, f"state={state};was={_plain(was)}" +
-                          (f";why={_plain(note)}" if state != "done" else ""), stamp)
+    why = {"why": note} if state != "done" else {}
+    comment = _with_state(user_comment, state_pairs(state, was, **why), stamp)
     _scontrol("update", f"JobId={job_id}", f"Comment={comment}")
     if request.options.get("hold"):  # the user's own --hold: theirs to release
         return f"job {job_id} left held, as submitted ({state}): {note}"

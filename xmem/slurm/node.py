@@ -1,10 +1,9 @@
 """What xmem-slurm does on the compute node: the TaskProlog's exports and the Epilog's record.
 
-Owns the job stamp (the estimate the filter attaches to a job, as `XMEM_*` variables in the job's environment
-and as a `xmem:...` token in its comment, since the TaskProlog sees only the first and the Epilog only the
-second), the MPS memory limit derived from it, and reading a job's measured peak (a file the job wrote, or
-NVML accounting). Functions take the environment as a mapping and return data; the CLI does the printing and
-the store writing. Nothing here may fail a job: callers catch everything.
+Owns the MPS memory limit derived from the job stamp (xmem.slurm.stamp: the TaskProlog sees the stamp's `XMEM_*`
+variables, else asks slurmctld for the job's comment; the Epilog sees the comment), and reading a job's measured
+peak (a file the job wrote, or NVML accounting). Functions take the environment as a mapping and return data;
+the CLI does the printing and the store writing. Nothing here may fail a job: callers catch everything.
 """
 
 from __future__ import annotations
@@ -18,94 +17,16 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
+from xmem.slurm.scontrol import scontrol_show_job
+from xmem.slurm.stamp import JobStamp, comment_fields
 from xmem.slurm.store import JobRecord
 
 MIB = 1 << 20
-COMMENT_TAG = "xmem:"
 MEASURE_FILE_MAX_BYTES = 4096
 
 
-@dataclass(frozen=True)
-class JobStamp:
-    """The estimate behind a job's request, as the filter left it on the job."""
-
-    peak_bytes: int | None = None  # predicted peak on gpu_type, no margin
-    needed_bytes: int | None = None  # peak plus the site's margin: what the request was sized for
-    gpu_type: str | None = None
-    request: str | None = None  # the GRES (or --gpus) request the job went in with, e.g. "mps:40"
-    action: str | None = None  # the policy's action: rewrite, keep, ...
-
-    _ENV = {"peak_bytes": "XMEM_PEAK_BYTES", "needed_bytes": "XMEM_NEEDED_BYTES", "gpu_type": "XMEM_GPU_TYPE",
-            "request": "XMEM_REQUEST", "action": "XMEM_ACTION"}
-    _COMMENT = {"peak_bytes": "peak", "needed_bytes": "need", "gpu_type": "type", "request": "req",
-                "action": "act"}
-
-    def is_empty(self) -> bool:
-        return all(getattr(self, f) is None for f in self._ENV)
-
-    def env(self) -> dict[str, str]:
-        """`XMEM_*` variables. Values never hold commas (sbatch's --export splits on them) or quotes."""
-        return {var: _plain(getattr(self, f)) for f, var in self._ENV.items() if getattr(self, f) is not None}
-
-    def comment(self) -> str:
-        """One token: `xmem:peak=...;need=...;type=...;req=...;act=...`."""
-        parts = [f"{key}={_plain(getattr(self, f))}" for f, key in self._COMMENT.items()
-                 if getattr(self, f) is not None]
-        return COMMENT_TAG + ";".join(parts)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> JobStamp:
-        return cls._build({f: env.get(var) for f, var in cls._ENV.items()})
-
-    @classmethod
-    def from_comment(cls, comment: str | None) -> JobStamp:
-        """The stamp in a job comment (anywhere in it: the user's own comment may come first)."""
-        pairs = comment_fields(comment)
-        return cls._build({f: pairs.get(key) for f, key in cls._COMMENT.items()})
-
-    @classmethod
-    def _build(cls, raw: Mapping[str, str | None]) -> JobStamp:
-        def as_int(v: str | None) -> int | None:
-            return int(v) if v and v.isdigit() else None
-
-        return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")),
-                   gpu_type=raw.get("gpu_type") or None, request=raw.get("request") or None,
-                   action=raw.get("action") or None)
-
-
-def _plain(value: object) -> str:
-    return re.sub(r"[,;\s\"'\\]", "+", str(value))
-
-
-def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -> str:
-    """The job comment with the stamp in it: the user's comment kept, an older `xmem:` token replaced.
-    `state` (deferred mode's `state=...;was=...` pairs) goes in the same token, after the stamp's."""
-    token = stamp.comment()
-    if state:
-        token += (";" if not stamp.is_empty() else "") + state
-    # Only a token of ours is replaced: the user's own words (even `xmem:`) pass unchanged.
-    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why)=\S*", "", user_comment or "")
-    return f"{kept} {token}" if kept.strip() else token
-
-
 # --- TaskProlog ------------------------------------------------------------------------------------------------
-
-def parse_scontrol_record(line: str) -> dict[str, str]:
-    """One `scontrol show job|node|partition -o` line as {field: value}. Slurm's field names start with a capital
-    (`MCS_label`, `TRES`); a value runs to the next ` Name=`, so a comment or a node's OS may hold spaces."""
-    return dict(p.split("=", 1) for p in re.split(r"\s+(?=[A-Z][\w/:.]*=)", line.strip()) if "=" in p)
-
-
-def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
-    """The job's fields as slurmctld has them; LookupError when it does not know the job."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         timeout=timeout_s, check=False)
-    if out.returncode != 0:
-        raise LookupError(out.stderr.strip() or f"no job {job_id}")
-    return parse_scontrol_record(out.stdout)
-
 
 def comment_from_scontrol(job_id: str, timeout_s: float = 5.0) -> str | None:
     """The job's comment, asked of slurmctld (the TaskProlog's environment has no SLURM_JOB_COMMENT)."""
@@ -285,9 +206,3 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
                      exit_code=exit_code_of(env), measured_bytes=measured, measured_by=measured_by,
                      ended_at=now(), deferred_state=deferred.get("state"),
                      request_before=deferred.get("was", "").replace("+", " ") or None)
-
-
-def comment_fields(comment: str | None) -> dict[str, str]:
-    """Every `key=value` of the comment's `xmem:` token (the stamp's and deferred mode's state, was, why)."""
-    match = re.search(r"xmem:(\S*)", comment or "")
-    return dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p) if match else {}

@@ -1,0 +1,232 @@
+"""The submission contract with slurm/cli_filter.lua: the request sbatch hands over, its cache key, and the reply.
+
+Owns the JSON both sides exchange (documented in slurm/README.md), which sbatch options key a cached analysis,
+the cached analysis's plain form (`Analysis`, checked on read by xmem.slurm.cache_check), and turning an
+analysis into the sbatch options to set (`gres`/`gpus`, `comment` carrying the job stamp, `export` carrying it
+to the TaskProlog), the one line the user sees, and the site's fail-open / fail-closed rule. Pure: no estimate,
+no Slurm call. The inline path (xmem.slurm.inline) and the deferred one (xmem.slurm.deferred) both answer here.
+
+Contract, in:  {"script": abs path | null, "argv": [...], "options": {long option: value, as
+                slurm.json_cli_options gives them}, "user": str | null, "env": {name: value},
+                "cwd": optional, default the filter's own working directory (sbatch's)}
+         out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null,
+                "defer": token | null (deferred mode: post-submit queues the estimation job, xmem.slurm.deferred)}
+`fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
+its install-time default). Option values in `set` are exact (what the user wrote passes unchanged: quotes,
+backslashes); the Lua side decodes JSON strings. The lines for people (`message`, `reject`, `fault`) are one line
+of at most MESSAGE_MAX_CHARS. `hetjob` in the input (the Lua side saw a `:` component separator) or a
+`#SBATCH hetjob` line: heterogeneous jobs are not sized (cli_filter hands each component over on its own, and the
+first's options leak into the next), so they pass unchanged with a notice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xmem.cache import cache_key
+from xmem.slurm.stamp import JobStamp, add_to_comment, comment_word
+
+MESSAGE_MAX_CHARS = 600  # a user's 1 MB exception message must not flood the terminal or the job comment
+# sbatch options that say nothing about the job's GPU memory: left out of the cache key.
+OPTIONS_NOT_IN_KEY = frozenset({
+    "argv", "output", "error", "input", "job-name", "parsable", "wait", "quiet", "verbose", "comment", "export",
+    "mail-type", "mail-user", "open-mode", "begin", "hold", "dependency", "spank", "spank_job_env", "wrap",
+})
+# What the analysis needs from sbatch's options (everything else is the batch script's business).
+ANALYSIS_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task", "partition", "constraint", "account",
+                    "nodes", "ntasks", "ntasks-per-node", "chdir")
+
+
+@dataclass(frozen=True)
+class FilterRequest:
+    """What the Lua side sends for one submission."""
+
+    script: str | None
+    argv: tuple[str, ...] = ()
+    options: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # where sbatch runs: the job's default working directory
+    hetjob: bool = False  # the sbatch command line has a `:` component separator
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FilterRequest:
+        if not isinstance(data, Mapping):
+            raise ValueError("filter input must be a JSON object")
+        options = {str(k): _option_text(v) for k, v in (data.get("options") or {}).items()}
+        return cls(script=data.get("script") or None, argv=tuple(str(a) for a in data.get("argv") or ()),
+                   options=options, user=data.get("user") or None,
+                   env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+                   cwd=data.get("cwd") or os.getcwd(),  # the filter runs in sbatch's directory
+                   hetjob=bool(data.get("hetjob")))
+
+    @property
+    def script_args(self) -> tuple[str, ...]:
+        return self.argv[1:] if self.script else ()
+
+    def cli_options(self) -> dict[str, str]:
+        """The options the analysis needs, as a user would have typed them: 22.05 reads `gres` back with a
+        `gres:` prefix (and repeats it per item), which is stripped here."""
+        picked = {k: self.options[k] for k in ANALYSIS_OPTIONS if self.options.get(k)}
+        if "gres" in picked:
+            picked["gres"] = ",".join(item.removeprefix("gres:") for item in picked["gres"].split(","))
+        return picked
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class FilterReply:
+    set: Mapping[str, str] = field(default_factory=dict)
+    message: str | None = None
+    reject: str | None = None
+    fault: str | None = None
+    defer: str | None = None  # deferred mode: the token post-submit hands to `python -m xmem.slurm.deferred`
+
+    def to_json(self) -> dict[str, Any]:
+        return {"set": {k: str(v) for k, v in self.set.items()}, "message": plain(self.message),
+                "reject": plain(self.reject), "fault": plain(self.fault), "defer": plain(self.defer)}
+
+
+def plain(text: str | None, limit: int = MESSAGE_MAX_CHARS) -> str | None:
+    """A line for people: control characters as spaces, cut to `limit` characters (with a mark)."""
+    if text is None:
+        return None
+    text = re.sub(r"[\x00-\x1f\x7f]+", " ", str(text)).strip()
+    return text if len(text) <= limit else text[:limit - 15].rstrip() + " [... cut]"
+
+
+
+# --- the analysis, as cached ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the filter keeps of `xmem.analyze.JobAnalysis`: plain data, cached as JSON."""
+
+    decision: Mapping[str, Any] | None  # xmem.policy.Decision as a dict
+    peaks: Mapping[str, int] = field(default_factory=dict)
+    errors: tuple[str, ...] = ()
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"decision": dict(self.decision) if self.decision else None, "peaks": dict(self.peaks),
+                "errors": list(self.errors)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Analysis:
+        """The analysis back from `to_json()`; ValueError when `data` is not one (a damaged cache entry)."""
+        decision, peaks, errors = data.get("decision"), data.get("peaks") or {}, data.get("errors") or []
+        from xmem.policy import ACTIONS
+
+        if not (isinstance(decision, Mapping) and decision.get("action") in ACTIONS
+                and all(isinstance(v, str) or v is None for k, v in decision.items() if k in _DECISION_TEXT)
+                and all(isinstance(v, int) or v is None for k, v in decision.items() if k.endswith("_bytes"))
+                and isinstance(peaks, Mapping) and all(isinstance(v, int) for v in peaks.values())
+                and isinstance(errors, list)):
+            raise ValueError("not an analysis")
+        return cls(decision=decision, peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
+
+
+_DECISION_TEXT = ("reason", "gres", "gpus", "option", "kind", "gpu_type", "comment")
+
+
+def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
+    options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
+    return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
+                     env=request.env, files=files,
+                     extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
+
+
+
+# --- from analysis to reply ------------------------------------------------------------------------------------
+
+def user_request(options: Mapping[str, str]) -> str | None:
+    """The GPU request as it stands: gres read back without its `gres:` prefixes, or `gpus=...` /
+    `gpus-per-node=...`."""
+    for option in ("gres", "gpus", "gpus-per-node"):
+        if options.get(option):
+            value = ",".join(v.removeprefix("gres:") for v in options[option].split(","))
+            return value if option == "gres" else f"{option}={value}"
+    return None
+
+
+def with_exports(export: str | None, variables: Mapping[str, str]) -> str | None:
+    """The --export value carrying `variables` to the job, or None to leave --export alone: `NONE` is the
+    user's explicit choice (the TaskProlog then reads the comment instead). Older XMEM_* entries are replaced."""
+    current = (export or "ALL").strip()
+    if current.upper() == "NONE" or current.upper().startswith("NONE,"):
+        return None
+    kept = [item for item in current.split(",") if item and not item.startswith("XMEM_")]
+    return ",".join(kept + [f"{k}={v}" for k, v in variables.items()])
+
+
+def stamp_for(analysis: Analysis, request_text: str | None) -> JobStamp:
+    d = analysis.decision or {}
+    gpu_type = d.get("gpu_type")
+    peak = d.get("peak_bytes") or (analysis.peaks.get(gpu_type) if gpu_type else None)
+    return JobStamp(peak_bytes=peak,
+                    needed_bytes=d.get("needed_bytes"), gpu_type=gpu_type, request=request_text,
+                    action=d.get("action"))
+
+
+def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> FilterReply:
+    """The options to set and the user's line, from the analysis and the site's failure mode."""
+    if analysis.decision is None or analysis.errors:
+        return failure_reply("; ".join(analysis.errors) or "no decision", request, failure)
+    d = analysis.decision
+    action, reason = d.get("action"), d.get("reason") or ""
+    cached = " (cached estimate)" if analysis.cached else ""
+    if action == "none":
+        return FilterReply()  # no GPU wanted: the job is not ours to touch
+    if action == "excluded":
+        return FilterReply(message=f"{reason}; submitted unchanged")
+    if action == "no_fit":
+        return FilterReply(message=f"warning: {reason}; submitted unchanged{cached}")
+    options: dict[str, str] = {}
+    if action == "rewrite":
+        options.update(rewrite_options(d))
+        request_text = d.get("gres") or ",".join(f"{k}={v}" for k, v in rewrite_options(d).items()) or None
+        line = f"{reason} -> {describe_request(d)}{cached}"
+    else:  # keep: the user's explicit request stands; the estimate still travels with the job
+        request_text = user_request(request.options)
+        line = f"{reason}; keeping {request_text}{cached}"
+    stamp = stamp_for(analysis, request_text)
+    why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_word(reason)}"
+    options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
+    export = with_exports(request.options.get("export"), stamp.env())
+    if export is not None:
+        options["export"] = export
+    return FilterReply(set=options, message=line)
+
+
+HETJOB_NOTICE = ("a heterogeneous job (hetjob): xmem-slurm does not size its components; submitted unchanged")
+
+
+def rewrite_options(decision: Mapping[str, Any]) -> dict[str, str]:
+    """The one option the decision rewrites. The policy answers in the user's own form (`gres`, `gpus` or
+    `gpus-per-node`) because cli_filter cannot unset an option: a new value in another form would double it."""
+    option = decision.get("option") or ("gres" if decision.get("gres") else "gpus")
+    value = decision.get("gres") if option == "gres" else decision.get("gpus")
+    return {option: value} if value else {}
+
+
+def describe_request(decision: Mapping[str, Any]) -> str:
+    return " ".join(f"--{k}={v}" for k, v in rewrite_options(decision).items()) or "no change"
+
+
+def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply:
+    what = f"cannot estimate this job's GPU memory ({plain(why, MESSAGE_MAX_CHARS // 2)})"  # the outcome stays
+    if failure == "closed":
+        target = request.script or "the script"
+        return FilterReply(reject=f"{what}. This site requires an estimate: job refused. "
+                                  f"Run `xmem-slurm check {target}` to see why.")
+    return FilterReply(message=f"{what}; submitted unchanged")

@@ -1,0 +1,138 @@
+"""The inline path: one submission's analysis (parse, estimate, policy) in sbatch's own time, cached.
+
+Owns running the real analysis (xmem.analyze: torch loads only on a cache miss), the analysis cache of the site
+(xmem.cache, the user's private part), the host's estimate slots, and storing only what the files the trace
+read still hash to. The deferred estimation job (xmem.slurm.deferred) runs the same cached analysis on a CPU
+node; what the reply says is xmem.slurm.contract's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot, file_digest, user_cache_dir
+from xmem.slurm.cache_check import valid_analysis
+from xmem.slurm.contract import Analysis, FilterRequest, key_for
+
+def analysis_from_job(job_analysis: Any) -> Analysis:
+    """Plain data from an `xmem.analyze.JobAnalysis`."""
+    decision = job_analysis.decision
+    if decision is not None and dataclasses.is_dataclass(decision):
+        decision = dataclasses.asdict(decision)
+    return Analysis(decision=decision, peaks={k: int(v) for k, v in (job_analysis.peaks or {}).items()},
+                    errors=tuple(_error_text(e) for e in job_analysis.errors or ()))
+
+
+def _error_text(error: Any) -> str:
+    kind, message = getattr(error, "kind", None), getattr(error, "message", None)
+    if kind and message:
+        return f"{kind}: {message}"
+    return str(error)
+
+
+def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
+    """Run the real analysis (parse, estimate, policy). Imported here: torch loads only on a cache miss."""
+    from xmem.analyze import analyze_job
+    from xmem.trace import privileges
+
+    try:
+        job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
+                                   config=config, env=dict(request.env) or None, user=request.user,
+                                   submit_cwd=request.cwd,
+                                   estimator=privileges.guarded_estimator(request.options, script))
+    except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
+        return Analysis(decision=None, errors=(_error_text(e),))
+    kept = privileges.kept_decision(job_analysis.errors)  # a user's program is never traced as root
+    return Analysis(decision=kept) if kept else analysis_from_job(job_analysis)
+
+
+def parse_job(script: str, request: FilterRequest) -> Any:
+    """The batch script as xmem.jobscript reads it, in the submitter's environment and directory; None when it
+    is not understood here (the analysis then says why, in its own words)."""
+    from xmem.jobscript import parse_jobscript
+
+    try:
+        return parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                               script_args=list(request.script_args), submit_cwd=request.cwd,
+                               cli_options=request.cli_options(), env=dict(request.env) or None)
+    except Exception:
+        return None
+
+
+def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
+    """Files the job's training commands name (train.py, a config...): their bytes belong in the cache key."""
+    files = []
+    for command in getattr(job, "commands", ()):
+        cwd = command.cwd or request.cwd or os.path.dirname(script)
+        for arg in command.argv[1:]:
+            path = os.path.join(cwd, arg)
+            if os.path.isfile(path):
+                files.append(os.path.realpath(path))
+    return files
+
+
+
+def analysis_cache(config: Any) -> AnalysisCache:
+    """The site's analysis cache: the user's private part of the cache directory, entries checked on read."""
+    return AnalysisCache(user_cache_dir(config.estimate.cache_dir) / "analyses", validate=valid_analysis)
+
+
+def config_digest(config: Any) -> str:
+    """The site config's part of the cache key: its bytes, not its name."""
+    return file_digest(config.source) if config.source else ""
+
+
+def estimate_slots(config: Any) -> contextlib.AbstractContextManager:
+    """One of the host's estimate slots, waiting at most the site's estimate timeout."""
+    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
+
+
+def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
+                    config_digest: str, files: Sequence[str] = (),
+                    analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
+                    slots: Callable[[], contextlib.AbstractContextManager] | None = None,
+                    key: str | None = None) -> Analysis:
+    """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
+    Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
+    cache key when the caller has it already (key_for reads and hashes the script and its files).
+
+    The key hashes the files before the trace reads them: the result is stored only if they hash the same
+    afterwards (an edit during the estimate would otherwise file the edited program's estimate under the
+    original's key). The answer itself stands: it is of the files the job will run."""
+    key = key or key_for(script, request, config_digest, list(files))
+    hit = cache_hit(cache, key)
+    if hit is not None:
+        return hit
+    with slots() if slots else contextlib.nullcontext():
+        hit = cache_hit(cache, key)  # a burst of the same job: the first slot holder's result serves the others
+        if hit is not None:
+            return hit
+        analysis = analyzer(script, request, config)
+    if analysis.decision is not None and not analysis.errors and _same_files(key, script, request, config_digest,
+                                                                             files):
+        with contextlib.suppress(OSError):  # a cache that cannot be written never costs the answer
+            cache.put(key, analysis.to_json())
+    return analysis
+
+
+def cache_hit(cache: AnalysisCache, key: str) -> Analysis | None:
+    """A cache hit, or None: a damaged entry counts as a miss, so it is computed (and written) again."""
+    hit = cache.get(key)
+    if hit is None:
+        return None
+    try:
+        return Analysis.from_json(hit, cached=True)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def _same_files(key: str, script: str, request: FilterRequest, config_digest: str, files: Sequence[str]) -> bool:
+    try:
+        return key_for(script, request, config_digest, list(files)) == key
+    except OSError:
+        return False

@@ -1,0 +1,27 @@
+"""`scontrol`'s text, read in one place: one `scontrol show job|node|partition -o` record as a dict, and a job's
+fields asked of slurmctld.
+
+Slurm 22.05 has no `scontrol --json`, so its one-line records are parsed here; xmem.slurm.cluster (nodes,
+partitions), xmem.slurm.node (the TaskProlog's comment) and xmem.slurm.deferred (a held job's request) use it.
+Owns no decisions: callers say what a missing job or a refused call means to them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """One `scontrol show job|node|partition -o` line as {field: value}. Slurm's field names start with a capital
+    (`MCS_label`, `TRES`); a value runs to the next ` Name=`, so a comment or a node's OS may hold spaces."""
+    return dict(p.split("=", 1) for p in re.split(r"\s+(?=[A-Z][\w/:.]*=)", line.strip()) if "=" in p)
+
+
+def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """The job's fields as slurmctld has them; LookupError when it does not know the job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         timeout=timeout_s, check=False)
+    if out.returncode != 0:
+        raise LookupError(out.stderr.strip() or f"no job {job_id}")
+    return parse_scontrol_record(out.stdout)

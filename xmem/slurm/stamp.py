@@ -1,0 +1,90 @@
+"""The job stamp: the estimate behind a job's GPU request, as the filter leaves it on the job and the node reads it.
+
+Owns its two written forms, one format each: `XMEM_*` variables in the job's environment (what the TaskProlog
+sees) and one `xmem:peak=...;need=...;type=...;req=...;act=...` token in the job's comment (what the Epilog and
+`xmem-slurm status` see), where deferred mode adds its `state=`, `was=`, `why=`, `fix=` pairs. Pure text: no
+Slurm calls here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+COMMENT_TAG = "xmem:"
+
+
+@dataclass(frozen=True)
+class JobStamp:
+    """The estimate behind a job's request, as the filter left it on the job."""
+
+    peak_bytes: int | None = None  # predicted peak on gpu_type, no margin
+    needed_bytes: int | None = None  # peak plus the site's margin: what the request was sized for
+    gpu_type: str | None = None
+    request: str | None = None  # the GRES (or --gpus) request the job went in with, e.g. "mps:40"
+    action: str | None = None  # the policy's action: rewrite, keep, ...
+
+    _ENV = {"peak_bytes": "XMEM_PEAK_BYTES", "needed_bytes": "XMEM_NEEDED_BYTES", "gpu_type": "XMEM_GPU_TYPE",
+            "request": "XMEM_REQUEST", "action": "XMEM_ACTION"}
+    _COMMENT = {"peak_bytes": "peak", "needed_bytes": "need", "gpu_type": "type", "request": "req",
+                "action": "act"}
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self._ENV)
+
+    def env(self) -> dict[str, str]:
+        """`XMEM_*` variables. Values never hold commas (sbatch's --export splits on them) or quotes."""
+        return {var: _plain(getattr(self, f)) for f, var in self._ENV.items() if getattr(self, f) is not None}
+
+    def comment(self) -> str:
+        """One token: `xmem:peak=...;need=...;type=...;req=...;act=...`."""
+        parts = [f"{key}={_plain(getattr(self, f))}" for f, key in self._COMMENT.items()
+                 if getattr(self, f) is not None]
+        return COMMENT_TAG + ";".join(parts)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> JobStamp:
+        return cls._build({f: env.get(var) for f, var in cls._ENV.items()})
+
+    @classmethod
+    def from_comment(cls, comment: str | None) -> JobStamp:
+        """The stamp in a job comment (anywhere in it: the user's own comment may come first)."""
+        pairs = comment_fields(comment)
+        return cls._build({f: pairs.get(key) for f, key in cls._COMMENT.items()})
+
+    @classmethod
+    def _build(cls, raw: Mapping[str, str | None]) -> JobStamp:
+        def as_int(v: str | None) -> int | None:
+            return int(v) if v and v.isdigit() else None
+
+        return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")),
+                   gpu_type=raw.get("gpu_type") or None, request=raw.get("request") or None,
+                   action=raw.get("action") or None)
+
+
+def _plain(value: object) -> str:
+    return re.sub(r"[,;\s\"'\\]", "+", str(value))
+
+
+def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -> str:
+    """The job comment with the stamp in it: the user's comment kept, an older `xmem:` token replaced.
+    `state` (deferred mode's `state=...;was=...` pairs) goes in the same token, after the stamp's."""
+    token = stamp.comment()
+    if state:
+        token += (";" if not stamp.is_empty() else "") + state
+    # Only a token of ours is replaced: the user's own words (even `xmem:`) pass unchanged.
+    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why)=\S*", "", user_comment or "")
+    return f"{kept} {token}" if kept.strip() else token
+
+
+
+def comment_fields(comment: str | None) -> dict[str, str]:
+    """Every `key=value` of the comment's `xmem:` token (the stamp's and deferred mode's state, was, why)."""
+    match = re.search(r"xmem:(\S*)", comment or "")
+    return dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p) if match else {}
+
+
+def comment_word(text: str, limit: int = 200) -> str:
+    """`text` as one value of the comment's `xmem:` token: no spaces, commas, semicolons or quotes, short."""
+    return re.sub(r"[,;\s\"'\\]+", "+", text)[:limit]
