@@ -101,15 +101,15 @@ def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": xmem_parent}
 
 
-def start_server(interpreter: str, path: Path, env: dict[str, str]) -> None:
+def start_server(interpreter: str, path: Path, env: dict[str, str]) -> subprocess.Popen | None:
     """Start the server in the background (it locks, loads, then listens); the caller goes on cold meanwhile."""
     idle = os.environ.get(IDLE_ENV, str(DEFAULT_IDLE_S))
     try:
-        subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle], env=env,
+        return subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle], env=env,
                          cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
-    except OSError:
-        pass  # no warm tracer this time: estimates go on cold
+    except OSError:  # no warm tracer this time: estimates go on cold
+        return None
 
 
 # ---- the client side ---------------------------------------------------------------------------------------------
