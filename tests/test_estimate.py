@@ -238,3 +238,15 @@ def test_shared_replays_give_what_one_replay_per_gpu_type_gives(traced, alloc_co
     alone = {name: estimate_module.estimate_gpu(traced.trace, gpu, config, env)[0] for name, gpu in catalog.items()}
     assert result.gpus == alone
     assert alone["Tiny"].oom is not None and alone["Fits"].fits
+
+
+def test_estimate_from_traces_answers_as_the_estimate_that_traced_them(traced):
+    # bench_trace --phases times this part alone; it must be the estimate's own post-trace work, not a copy
+    kept: dict = {}
+    traced.trace = training_trace(arch_sensitive=True)
+    result = estimate(["python", "train.py"], gpus=["a100-40gb", "t4"], env={}, keep_traces=kept)
+    targets = [find_gpu(name, load_catalog()) for name in ("a100-40gb", "t4")]
+    again = estimate_module.estimate_traces(["python", "train.py"], kept, targets, env={})
+    assert set(kept) == {"sm80+", "pre-sm80"}  # one trace per class: each GPU type replays its own
+    assert {**again.to_json(), "seconds": 0} == {**result.to_json(), "seconds": 0}
+    assert again.gpus["T4"].peak_bytes > 0

@@ -160,6 +160,16 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
                                         gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes)
     if keep_traces is not None:
         keep_traces.update(traces)
+    return estimate_traces(command, traces, targets, env=env, on_progress=on_progress, started=started)
+
+
+def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets: Sequence[GpuType], *,
+                    env: Mapping[str, str] | None = None, on_progress: Callable[[str], None] | None = None,
+                    started: float | None = None) -> Estimate:
+    """The estimate's part after tracing: `traces` (by capability class, as `trace_per_capability_class` gives
+    them) orchestrated, replayed and summed up on each of `targets`. `started`: the `time.perf_counter()` the
+    estimate's `seconds` count from (default: now)."""
+    started = time.perf_counter() if started is None else started
     first = next(iter(traces.values()))
     if not first.used_cuda:
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
