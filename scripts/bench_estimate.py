@@ -11,10 +11,16 @@ training scripts written to a temporary folder, and reports for each:
   the figure is then what it had reserved when it failed).
 
 Cases: (a) GPT-2 124M from config (transformers), batch 8 x 1024, AdamW; (b) a 7B Llama-shaped model
-(hidden 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000), batch 1 x 2048, AdamW.
+(hidden 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000), batch 1 x 2048, AdamW; (c) `small`, an MLP
+with Adam (what every fresh estimate pays besides the model: start-up and imports).
 Targets: GPT-2 <= 10 s; 7B <= 60 s and <= 2 GiB peak RSS.
 
-    .venv/bin/python scripts/bench_estimate.py [--case gpt2|llama7b] [--iterations N] [--repeat R]
+`--warm` runs each case R times cold and R times through the warm tracer (xmem.trace.warm, in a socket directory
+of its own: a first estimate starts it, as a user's first estimate would, and is reported on its own line) and
+prints the median wall time of each; a warm run's RSS columns cover the estimating process only (the traced job
+is the warm server's child).
+
+    .venv/bin/python scripts/bench_estimate.py [--case gpt2|llama7b|small] [--iterations N] [--repeat R] [--warm]
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from xmem.trace import warm
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -68,13 +78,27 @@ LLAMA7B_SCRIPT = """
         optimizer.zero_grad()
 """
 
+SMALL_SCRIPT = """
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(10):
+        loss = model(torch.randn(32, 256, device="cuda")).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
 BENCH_GPUS = {"a100-80gb": "A100-SXM4-80GB", "h100": "H100-SXM5-80GB", "h200": "H200-141GB"}
 GPU_ARGS = [arg for name in BENCH_GPUS for arg in ("--gpu", name)]
 
 CASES = {
     "gpt2": (GPT2_SCRIPT, 10.0, None),  # (script, target seconds, target peak RSS bytes)
     "llama7b": (LLAMA7B_SCRIPT, 60.0, 2 * GIB),
+    "small": (SMALL_SCRIPT, 10.0, None),
 }
+WARM_START_S = 300  # the most a warm server may take to load (niced, on a loaded machine)
 
 
 @dataclass
@@ -85,6 +109,7 @@ class Run:
     max_tree_rss: int
     returncode: int
     result: dict
+    mode: str = "cold"
 
 
 def xmem_slurm_command() -> list[str]:
@@ -116,14 +141,14 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def run_case(case: str, workdir: Path, iterations: int) -> Run:
+def run_case(case: str, workdir: Path, iterations: int, env: dict[str, str] | None = None, mode: str = "cold") -> Run:
     body, _, _ = CASES[case]
     script = workdir / f"train_{case}.py"
     script.write_text(textwrap.dedent(body))
     command = [*xmem_slurm_command(), "estimate", "--json", "--iterations", str(iterations),
                *GPU_ARGS, "--", sys.executable, str(script)]
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     peak_tree = 0
     done = threading.Event()
 
@@ -152,7 +177,40 @@ def run_case(case: str, workdir: Path, iterations: int) -> Run:
         result = json.loads(stdout)
     except json.JSONDecodeError:
         result = {"error": "no JSON", "message": stdout[-500:] + b"".join(err_chunks).decode()[-2000:]}
-    return Run(case, seconds, usage.ru_maxrss * 1024, peak_tree, process.returncode, result)
+    return Run(case, seconds, usage.ru_maxrss * 1024, peak_tree, process.returncode, result, mode)
+
+
+def warm_env(directory: Path) -> dict[str, str]:
+    return {**os.environ, warm.ENABLE_ENV: "1", warm.DIR_ENV: str(directory), warm.IDLE_ENV: "600"}
+
+
+def cold_env() -> dict[str, str]:
+    return {**os.environ, warm.ENABLE_ENV: "0"}
+
+
+def first_warm_estimate(workdir: Path, directory: Path, iterations: int) -> Run:
+    """The estimate that finds no server: it starts one in the background and runs cold. Returns once the server
+    listens."""
+    first = run_case("small", workdir, iterations, warm_env(directory), "first")
+    deadline = time.monotonic() + WARM_START_S
+    while time.monotonic() < deadline and not list(directory.glob("*.sock")):
+        time.sleep(0.5)
+    return first
+
+
+def stop_servers(directory: Path) -> None:
+    for pid in warm.server_pids(directory):
+        os.kill(pid, signal.SIGTERM)
+
+
+def print_medians(runs: list[Run]) -> None:
+    print("\nmedian wall s   " + "".join(f" {mode:>8}" for mode in ("cold", "warm")))
+    for case in dict.fromkeys(run.case for run in runs):
+        cells = []
+        for mode in ("cold", "warm"):
+            times = [r.seconds for r in runs if r.case == case and r.mode == mode and r.returncode == 0]
+            cells.append(f" {statistics.median(times):>8.2f}" if times else f" {'-':>8}")
+        print(f"{case:<16}" + "".join(cells))
 
 
 def peak_cell(gpu: dict | None) -> str:
@@ -174,24 +232,32 @@ def main() -> int:
     parser.add_argument("--case", choices=sorted(CASES), action="append")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--warm", action="store_true", help="compare cold estimates with warm-tracer ones")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xmem-bench-"))
+    sockets = Path(tempfile.mkdtemp(prefix="xwb-"))  # short: a socket's path holds at most 108 bytes
     runs: list[Run] = []
     try:
-        for case in args.case or list(CASES):
+        if args.warm:
+            runs.append(first_warm_estimate(workdir, sockets, args.iterations))
+        for case in args.case or ["gpt2", "llama7b"]:
             for _ in range(args.repeat):
-                runs.append(run_case(case, workdir, args.iterations))
+                runs.append(run_case(case, workdir, args.iterations, cold_env() if args.warm else None))
+                if args.warm:
+                    runs.append(run_case(case, workdir, args.iterations, warm_env(sockets), "warm"))
     finally:
+        stop_servers(sockets)
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
-    header = f"{'case':<9} {'wall s':>7} {'max proc RSS':>13} {'max tree RSS':>13}" + "".join(
+    header = f"{'case':<9} {'mode':<5} {'wall s':>7} {'max proc RSS':>13} {'max tree RSS':>13}" + "".join(
         f" {name:>16}" for name in BENCH_GPUS) + "  verdict"
     print(header)
     print("-" * len(header))
     for run in runs:
         gpus = run.result.get("gpus", {})
         cells = "".join(f" {peak_cell(gpus.get(canonical)):>16}" for canonical in BENCH_GPUS.values())
-        print(f"{run.case:<9} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB"
+        print(f"{run.case:<9} {run.mode:<5} {run.seconds:>7.1f} {run.max_process_rss / MIB:>9.0f} MiB"
               f" {run.max_tree_rss / MIB:>9.0f} MiB{cells}  {verdict(run)}")
         if run.returncode != 0:
             print(f"  exit {run.returncode}: {run.result.get('error')}: {run.result.get('message')}")
@@ -199,6 +265,8 @@ def main() -> int:
             largest_first = sorted(run.result["breakdown"].items(), key=lambda kv: -kv[1])
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in largest_first)
             print(f"  breakdown (GiB) on {run.result.get('breakdown_gpu')}: {parts}")
+    if args.warm:
+        print_medians(runs)
     return 0 if all(r.returncode == 0 for r in runs) else 1
 
 

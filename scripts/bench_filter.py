@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How much time xmem-slurm's cli_filter adds to `sbatch`, measured on the real dev cluster.
 
-    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--mode inline|partition] [--json]
+    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--mode inline|partition] [--warm] [--json]
 
 Starts its own dev cluster (scripts/slurm-dev-cluster.sh, LAB in a temporary directory, ports 6857/6858), submits
 held jobs (they never run) and reports the median wall time of `sbatch` for:
@@ -10,6 +10,10 @@ held jobs (they never run) and reports the median wall time of `sbatch` for:
   fresh      the GPU job with a fresh estimate (the script's bytes changed each time); with --mode partition
              (deferred, issue 5) the estimate is queued as a CPU job instead: this is sbatch's latency then
   cached     the unchanged GPU job again (the analysis comes from the cache)
+  with --warm, also (the filter's estimates through the warm tracer, xmem.trace.warm, in a socket directory of
+  its own):
+  warm-first the first fresh estimate: it finds no server, starts one in the background and runs cold
+  warm       fresh estimates once the server listens
 and the filter's share: each minus the baseline. Run as root (the dev cluster needs it).
 """
 
@@ -19,12 +23,16 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from xmem.trace import warm
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "slurm-dev-cluster.sh"
@@ -64,6 +72,7 @@ def main() -> None:
     parser.add_argument("--fresh", type=int, default=3, help="submissions with a fresh estimate")
     parser.add_argument("--mode", choices=("inline", "partition"), default="inline",
                         help="the dev cluster's estimation mode")
+    parser.add_argument("--warm", action="store_true", help="also fresh estimates through the warm tracer")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -81,6 +90,8 @@ def main() -> None:
         env.update(re.findall(r"(\w+)=(\S+)", up.stdout.strip().splitlines()[-1].removeprefix("export ")))
         try:
             figures = measure(lab, work, env, args.repeat, args.fresh, args.mode)
+            if args.warm:
+                figures.update(measure_warm(work, env, args.fresh, figures["baseline"]["median_s"]))
         finally:
             subprocess.run(["bash", str(CLUSTER), "down", "--lab", str(lab)], env=env, capture_output=True,
                            timeout=120)
@@ -116,11 +127,35 @@ def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int,
         sbatch_seconds(gpu, env, expect="smallest fit")  # fill the cache
     for _ in range(repeat):
         samples["cached"].append(sbatch_seconds(gpu, env, expect="(cached estimate)"))
-    base = statistics.median(samples["baseline"])
+    return summary(samples, statistics.median(samples["baseline"]))
+
+
+def summary(samples: dict[str, list[float]], base: float) -> dict[str, dict]:
+    """Per case: median, min, max, count, and what the filter adds to the baseline's median."""
     return {case: {"median_s": round(statistics.median(v), 3), "min_s": round(min(v), 3),
                    "max_s": round(max(v), 3), "n": len(v),
                    "added_s": round(statistics.median(v) - base, 3) if case != "baseline" else 0.0}
             for case, v in samples.items()}
+
+
+def measure_warm(work: Path, env: dict[str, str], fresh: int, base: float) -> dict[str, dict]:
+    """Fresh estimates through the warm tracer: the first (which starts the server), then `fresh` more."""
+    sockets = Path(tempfile.mkdtemp(prefix="xwb-"))  # short: a socket's path holds at most 108 bytes
+    warm_env = {**env, warm.ENABLE_ENV: "1", warm.DIR_ENV: str(sockets), warm.IDLE_ENV: "600"}
+    samples: dict[str, list[float]] = {"warm-first": [], "warm": []}
+    try:
+        for i in range(fresh + 1):
+            changed = work / f"gpu-warm-{i}.sh"
+            changed.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# warm variant {i}\npython train.py\n")
+            samples["warm" if i else "warm-first"].append(sbatch_seconds(changed, warm_env))
+            deadline = time.monotonic() + 300
+            while i == 0 and time.monotonic() < deadline and not list(sockets.glob("*.sock")):
+                time.sleep(0.5)  # the server loads in the background
+    finally:
+        for pid in warm.server_pids(sockets):
+            os.kill(pid, signal.SIGTERM)
+        shutil.rmtree(sockets, ignore_errors=True)
+    return summary(samples, base)
 
 
 def wait_for_estimates(env: dict[str, str], timeout_s: float = 600) -> None:

@@ -182,7 +182,7 @@ def test_stale_socket_falls_back_to_cold(monkeypatch, tmp_path):
         _, cpu = traced(MLP)
         assert cpu > COLD_CPU_S
     finally:
-        for pid in server_pids(directory):
+        for pid in warm.server_pids(directory):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -221,13 +221,3 @@ def test_sigterm_stops_a_warm_job(warm_on, tmp_path):
     finally:
         stop(parent)
 
-
-def server_pids(directory: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"{directory}/".encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found

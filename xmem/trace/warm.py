@@ -112,6 +112,18 @@ def start_server(interpreter: str, path: Path, env: dict[str, str]) -> subproces
         return None
 
 
+def server_pids(directory: Path) -> list[int]:
+    """The servers whose socket lies in `directory`, by their command line (to stop them: tests, benchmarks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"{directory}/".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 # ---- the client side ---------------------------------------------------------------------------------------------
 
 def connect(path: Path) -> socket.socket | None:
