@@ -1,9 +1,10 @@
 """analyze_job: parse -> estimate per command -> combined peaks -> decision. The estimator here is a hand-written
-stand-in returning `Estimate.to_json()`-shaped data, so each figure below is chosen, not measured; the real
-estimator runs end to end in test_cli_check.py."""
+stand-in returning hand-made `Estimate` records (tests/estimates.py), so each figure below is chosen, not
+measured; the real estimator runs end to end in test_cli_check.py."""
 
 from pathlib import Path
 
+from tests.estimates import estimate_of_peaks
 from xmem.analyze import analyze_job, combined_peaks
 from xmem.config import config_from_dict
 from xmem.slurm.cluster import query_cluster
@@ -33,8 +34,7 @@ class FakeEstimator:
         script = command[1]
         if script in self.errors:
             raise self.errors[script]
-        return {"gpus": {name: {"peak_bytes": peak} for name, peak in self.peaks_by_script[script].items()},
-                "used_cuda": True, "warnings": []}
+        return estimate_of_peaks(self.peaks_by_script[script])
 
 
 def job(tmp_path, body: str) -> Path:
@@ -218,7 +218,7 @@ def test_command_line_options_override_the_script(tmp_path):
 
 
 def test_combined_peaks_match_catalog_and_site_names():
-    estimates = [{"gpus": {"A100-SXM4-40GB": {"peak_bytes": 5}}}, {"gpus": {"a100": {"peak_bytes": 9}}}]
+    estimates = [estimate_of_peaks({"A100-SXM4-40GB": 5}), estimate_of_peaks({"a100": 9})]
     assert combined_peaks(estimates, ["a100", "h100"], SITE) == {"a100": 9}
 
 

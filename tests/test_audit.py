@@ -205,7 +205,7 @@ def test_check_shows_why_and_keeps_the_user_s_request(monkeypatch, tmp_path):
     site = config_from_dict({"partitions": {"default": "debug", "from_cluster": False,
                                             "gpu_types": {"debug": ["a100"]}}})
     analysis = analyze_job(script, config=site, env={"PATH": "/usr/bin", "HOME": str(tmp_path), "USER": "u"})
-    assert analysis.estimates[0].estimate["suspect"] is True
+    assert analysis.estimates[0].estimate.suspect is True
     console = Console(record=True, width=300)
     show_analysis(console, analysis, site)
     text = console.export_text()

@@ -114,7 +114,7 @@ def test_root_never_follows_a_symlink_planted_in_the_shared_slot_directory(scrat
 
 GOOD = {"decision": {"action": "rewrite", "reason": "peak 1.2 GiB", "gres": "mps:a100:2", "gpus": None,
                      "option": "gres", "kind": "mps", "gpu_type": "a100", "peak_bytes": 1288490188,
-                     "needed_bytes": 1500000000, "granted_bytes": 1600000000, "comment": None},
+                     "needed_bytes": 1500000000, "granted_bytes": 1600000000},
         "peaks": {"a100": 1288490188}, "errors": []}
 
 

@@ -19,12 +19,12 @@ def request(**options):
 
 
 def decision(**fields):
-    """A real policy decision, as the filter receives it (Decision.to_json)."""
+    """A real policy decision, as the filter receives it."""
     d = dict(action="rewrite", reason="needs 8.0 GiB with margin: MPS 40 % of an a100 is the smallest fit",
              gres="mps:a100:40", option="gres", kind="mps", gpu_type="a100", peak_bytes=7 * GIB,
-             needed_bytes=8 * GIB, granted_bytes=16 * GIB, comment="xmem:x")
+             needed_bytes=8 * GIB, granted_bytes=16 * GIB)
     d.update(fields)
-    return Decision(**d).to_json()
+    return Decision(**d)
 
 
 PEAKS = {"a100": 7 * GIB, "h100": 7 * GIB + 5}
@@ -157,7 +157,7 @@ def test_a_damaged_cache_entry_is_computed_again(tmp_path):
 
     key = "k" * 64
     for damaged in ({"decision": "rewrite"}, {"decision": {"action": "rewrite", "gres": 7}, "peaks": {}},
-                    {"decision": decision(), "peaks": {"a100": "big"}}, {"decision": None, "errors": []}):
+                    {"decision": decision().to_json(), "peaks": {"a100": "big"}}, {"decision": None, "errors": []}):
         cache.put(key, damaged)
         got = cached_analysis(str(script), req, None, cache=cache, config_digest="", analyzer=analyzer, key=key)
         assert not got.cached and got.decision == decision()
@@ -205,7 +205,7 @@ def test_a_hetjob_passes_unchanged_with_a_notice(tmp_path):
 
 def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
     why = "no command of the job used CUDA under the trace"
-    reply = reply_for(Analysis(Decision("keep", why).to_json(), {}), request(gres="gres:gpu:1", comment="run 3"),
+    reply = reply_for(Analysis(Decision("keep", why), {}), request(gres="gres:gpu:1", comment="run 3"),
                       "open")
     assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
     assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests import estimates
+from tests.estimates import gpu_estimate
 from xmem.config import config_from_dict
 from xmem.gpus import load_catalog
 from xmem.jobscript import parse_jobscript
@@ -104,7 +106,6 @@ def test_fill_generic_keeps_a_typed_request():
     d = run(50, "#SBATCH --gres=gpu:a100:1")
     assert (d.action, d.gres) == ("keep", None)
     assert d.reason.startswith("an explicit request, kept by site policy; needs 55 GiB with 10 % margin")
-    assert "req=gpu:a100:1" in d.comment
     assert "more than the 39.56 GiB it asks for: it may run out of memory" in d.reason
 
 
@@ -171,10 +172,10 @@ def test_types_without_a_peak_are_not_offered():
     assert d.gres == "mps:a100:34"  # no h100 peak: no MIG, no shard offers
 
 
-def test_comment_is_machine_readable():
+def test_a_rewrite_carries_the_figures_the_job_stamp_is_made_of():
     d = run(7)
-    assert d.comment == (f"xmem:peak={7 * GIB};need=8267812045;type=h100;req=gpu:1g.10gb:1;"
-                         f"grant={MIG_1G10GB_BYTES};action=rewrite")
+    assert (d.peak_bytes, d.needed_bytes, d.gpu_type, d.gres, d.granted_bytes) == (
+        7 * GIB, 8267812045, "1g.10gb", "gpu:1g.10gb:1", MIG_1G10GB_BYTES)
 
 
 def test_offers_needing_more_gpus_than_a_node_has_are_left_out():
@@ -198,18 +199,12 @@ def test_considered_offers_follow_preference_then_size():
 
 # --- what a request must never become (issue 14: W1, W2, W4; issue 10: suspect estimates) ----------------------
 
-def gpu_estimate(peak: int, total: int, fits: bool = True) -> dict:
-    """One GPU type of `Estimate.to_json()`, as the analysis reads it."""
-    oom = None if fits else {"requested_bytes": 2 * GIB, "reserved_bytes": peak, "capacity_bytes": total}
-    return {"peak_bytes": peak, "total_bytes": total, "fits": fits, "oom": oom}
-
-
 def test_a_replay_that_ran_out_of_memory_never_sizes_a_small_request():
     from xmem.analyze import combined_peaks
 
     # 39.7 GiB needed: the A100 replay stops at an OOM after 0.51 GiB; the H100 replay runs to the end.
-    estimate = {"gpus": {"A100-SXM4-40GB": gpu_estimate(int(0.51 * GIB), A100_BYTES, fits=False),
-                         "H100-SXM5-80GB": gpu_estimate(int(39.7 * GIB), H100_BYTES)}}
+    estimate = estimates.estimate({"A100-SXM4-40GB": gpu_estimate(int(0.51 * GIB), A100_BYTES, fits=False),
+                                   "H100-SXM5-80GB": gpu_estimate(int(39.7 * GIB), H100_BYTES)})
     config = site()
     job_peaks = combined_peaks([estimate], ["a100", "h100", "1g.10gb"], config, CATALOG)
     assert job_peaks["a100"] > A100_BYTES and job_peaks["1g.10gb"] == int(39.7 * GIB)
@@ -276,8 +271,9 @@ def test_a_suspect_estimate_is_untrusted_whatever_its_peak():
     from xmem.jobscript import TrainCommand
 
     command = TrainCommand(argv=("python", "train.py"), cwd="/w", env={}, python=None, launcher="python", line_no=3)
-    sound = {"gpus": {}, "used_cuda": True, "suspect_reasons": []}
-    suspect = {**sound, "suspect_reasons": ["the optimizer steps 21.9 MB of parameters, the trace saw 12 KB"]}
+    sound = estimates.estimate({})
+    reason = "the optimizer steps 21.9 MB of parameters, the trace saw 12 KB"
+    suspect = estimates.estimate({}, suspect_reasons=(reason,))
     assert untrusted_estimate([CommandEstimate(command, sound)]) is None
     why = untrusted_estimate([CommandEstimate(command, sound), CommandEstimate(command, suspect)])
     assert why == "the estimate is suspect (the optimizer steps 21.9 MB of parameters, the trace saw 12 KB)"

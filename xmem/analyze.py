@@ -22,6 +22,7 @@ from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_
 from xmem.policy.options import OptionTable, option_table
 
 if TYPE_CHECKING:
+    from xmem.estimate import Estimate
     from xmem.gpus import GpuType
     from xmem.slurm.cluster import ClusterInfo
 
@@ -45,15 +46,22 @@ class AnalysisError:
 
 @dataclass(frozen=True)
 class CommandEstimate:
-    """One training command and its estimate (`Estimate.to_json()`), or the error it ended with."""
+    """One training command and its estimate, or the error it ended with."""
 
     command: TrainCommand
-    estimate: Mapping[str, Any] | None = None
+    estimate: Estimate | None = None
     error: AnalysisError | None = None
     skipped: str | None = None  # why the command does not count (not a training step)
+    no_cuda: bool = False  # the program never used CUDA under the trace: its GPU memory is unknown
+
+    @property
+    def counted(self) -> bool:
+        """The command's estimate sizes the job."""
+        return self.estimate is not None and not self.skipped
 
     def to_json(self) -> dict[str, Any]:
-        return {"command": self.command.to_json(), "estimate": self.estimate,
+        estimate = self.estimate.to_json() if self.estimate else {"used_cuda": False} if self.no_cuda else None
+        return {"command": self.command.to_json(), "estimate": estimate,
                 "error": _error_json(self.error) if self.error else None, "skipped": self.skipped}
 
 
@@ -85,7 +93,7 @@ class JobAnalysis:
         }
 
 
-Estimator = Callable[..., Any]  # xmem.estimate.estimate's signature
+Estimator = Callable[..., "Estimate"]  # xmem.estimate.estimate's signature
 ClusterSource = Callable[[], "ClusterInfo | None"]  # what Slurm says, or None when it cannot be asked
 
 
@@ -131,7 +139,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     results = tuple(_estimate_command(c, scope, runtime_env, submit_cwd, deadline, estimator or _default_estimator(),
                                       on_progress) for c in job.commands)
     errors = tuple(r.error for r in results if r.error is not None)
-    counted = [r.estimate for r in results if r.estimate is not None and not r.skipped]
+    counted = [r.estimate for r in results if r.counted]
     peaks = combined_peaks(counted, scope.site_types, scope.config, scope.catalog)
     untrusted = untrusted_estimate(results)
     if not errors and not peaks and not untrusted:
@@ -178,13 +186,12 @@ def untrusted_estimate(results: Sequence[CommandEstimate]) -> str | None:
     """Why the job's estimates cannot size its request (the policy then keeps the user's): no command used CUDA
     under the trace (TensorFlow or JAX, CUDA only in a subprocess, an early exit), or an estimate failed its
     self-audit (`suspect_reasons`). None when they can."""
-    suspect = [reason for r in results if r.estimate and not r.skipped
-               for reason in r.estimate.get("suspect_reasons") or ()]
+    suspect = [reason for r in results if r.counted for reason in r.estimate.suspect_reasons]
     if suspect:
         return "the estimate is suspect (" + "; ".join(dict.fromkeys(suspect)) + ")"
-    if any(r.estimate and not r.skipped for r in results):
+    if any(r.counted for r in results):
         return None
-    if any(r.estimate and not r.estimate.get("used_cuda", True) for r in results):
+    if any(r.no_cuda for r in results):
         return ("no command of the job used CUDA under the trace (TensorFlow or JAX, CUDA only in a subprocess, "
                 "an early exit?), so its GPU memory is unknown")
     return None
@@ -206,7 +213,7 @@ def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str |
     return decision, offers, options
 
 
-def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[str],
+def combined_peaks(estimates: Sequence[Estimate], site_types: Sequence[str],
                    config: SiteConfig, catalog: Mapping[str, GpuType] | None = None) -> dict[str, int]:
     """Per site GPU type (GRES name), the largest need over the commands (`job_peak`: more than the GPU holds where
     a replay ran out of memory). A MIG slice gets its parent's peak.
@@ -221,8 +228,7 @@ def combined_peaks(estimates: Sequence[Mapping[str, Any]], site_types: Sequence[
             name = find_gpu(parent, catalog).name
         except UnknownGpuError:
             continue
-        values = [job_peak(e["gpus"][key]) for e in estimates for key in e.get("gpus", {})
-                  if key == name or key == parent]
+        values = [job_peak(gpu) for e in estimates for key, gpu in e.gpus.items() if key == name or key == parent]
         if values:
             peaks[site_type] = max(values)
     return peaks
@@ -251,12 +257,12 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
         if kind in NOT_TRAINING_KINDS:
             return CommandEstimate(command, skipped=error.message)
         if kind == "no_cuda":  # TensorFlow, JAX, an early exit: its GPU memory is unknown (see untrusted_estimate)
-            return CommandEstimate(command, {"used_cuda": False}, skipped=error.message)
+            return CommandEstimate(command, skipped=error.message, no_cuda=True)
         return CommandEstimate(command, error=error)
-    data = result.to_json() if hasattr(result, "to_json") else dict(result)
-    if not data.get("used_cuda", True):
-        return CommandEstimate(command, data, skipped=f"line {command.line_no}: the program never used CUDA")
-    return CommandEstimate(command, data)
+    if not result.used_cuda:
+        return CommandEstimate(command, result, skipped=f"line {command.line_no}: the program never used CUDA",
+                               no_cuda=True)
+    return CommandEstimate(command, result)
 
 
 def _with_cluster_partitions(config: SiteConfig, partitions: Sequence[str],

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -27,6 +27,9 @@ from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.gpus import load_catalog
 from xmem.policy import gres_capacity
 from xmem.policy.options import OptionTable
+
+if TYPE_CHECKING:
+    from xmem.estimate import Estimate
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
 ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
@@ -199,16 +202,8 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
     for estimate in analysis.estimates:
         if estimate.skipped:
             console.print(f"[yellow]skipped:[/] {escape(estimate.skipped)}")
-        breakdown = (estimate.estimate or {}).get("breakdown") or {}
-        if breakdown:
-            parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
-                              sorted(breakdown.items(), key=lambda kv: -kv[1]) if n >= 2**20)
-            console.print(f"line {estimate.command.line_no}, at the peak on "
-                          f"{escape(str(estimate.estimate.get('breakdown_gpu')))}: {escape(parts)}")
-        for reason in (estimate.estimate or {}).get("suspect_reasons", []):
-            console.print(f"[red]suspect:[/] {escape(reason)}")
-        for warning in (estimate.estimate or {}).get("warnings", []):
-            console.print(f"[yellow]warning:[/] {escape(warning)}")
+        if estimate.estimate is not None:
+            _show_estimate(console, estimate.command.line_no, estimate.estimate)
     _show_offers(console, analysis)
     for note in analysis.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -218,6 +213,18 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
                 "keep": "keep the request as written", "none": "leave the job alone (no GPU)",
                 "excluded": "leave the job alone (excluded)", "no_fit": "no request fits"}[decision.action]
         console.print(f"[bold]Decision:[/] {escape(what)}: {escape(decision.reason)}")
+
+
+def _show_estimate(console: Console, line_no: int, estimate: Estimate) -> None:
+    """One command's breakdown at the peak, its self-audit and its warnings."""
+    if estimate.breakdown:
+        parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
+                          sorted(estimate.breakdown.items(), key=lambda kv: -kv[1]) if n >= 2**20)
+        console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
+    for reason in estimate.suspect_reasons:
+        console.print(f"[red]suspect:[/] {escape(reason)}")
+    for warning in estimate.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
 def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:

@@ -124,7 +124,7 @@ def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
     """The site's offers for a one-GPU job in its default partition, from the peak per GPU type."""
     if not result.used_cuda:
         return None
-    peaks = {name: job_peak(g.to_json()) for name, g in result.gpus.items()}
+    peaks = {name: job_peak(g) for name, g in result.gpus.items()}
     return site_option_table(peaks, site)
 
 

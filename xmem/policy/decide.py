@@ -14,11 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog, mig_profile
 from xmem.jobscript import SbatchRequest, parse_gpus
+
+if TYPE_CHECKING:
+    from xmem.estimate import GpuEstimate
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -46,7 +49,7 @@ class Decision:
     """What to ask Slurm for. `option` names the sbatch option the new value belongs to ("gres", "gpus",
     "gpus-per-node"): `gres` holds it for "gres", `gpus` for the --gpus forms (the user's own form is kept, as
     cli_filter cannot unset an option). `gpu_type` is the GRES type the request lands on and a key of the job's
-    peaks; `comment` is a short machine-readable summary for the job's comment."""
+    peaks. The job's comment is made of these fields by the filter (xmem.slurm.stamp)."""
 
     action: str
     reason: str
@@ -58,7 +61,6 @@ class Decision:
     peak_bytes: int | None = None
     needed_bytes: int | None = None
     granted_bytes: int | None = None
-    comment: str | None = None
 
     def to_json(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -194,15 +196,20 @@ def gpus_per_node(request: SbatchRequest) -> int:
     return request.gpus_on_node
 
 
-def job_peak(gpu_estimate: Mapping[str, Any]) -> int:
-    """The bytes a job needs on one GPU type, from its estimate there (`GpuEstimate.to_json()`): the peak, or one
-    byte more than the GPU holds when the replay ran out of memory (`fits` false): the peak reached before an
-    out-of-memory stop is not the job's, so it must never size a request; the type and its slices then do not
-    fit, and a larger type (or the user's request) is chosen."""
-    peak = int(gpu_estimate["peak_bytes"])
-    if gpu_estimate.get("fits", True) and gpu_estimate.get("oom") is None:
+def job_peak(gpu_estimate: GpuEstimate | Mapping[str, Any]) -> int:
+    """The bytes a job needs on one GPU type, from its estimate there: the peak, or one byte more than the GPU
+    holds when the replay ran out of memory (`fits` false): the peak reached before an out-of-memory stop is not
+    the job's, so it must never size a request; the type and its slices then do not fit, and a larger type (or the
+    user's request) is chosen. The JSON form (`GpuEstimate.to_json()`) is taken where estimates come back from a
+    file (xmem.fit's and scripts/bench_fit.py's traces)."""
+    g = gpu_estimate
+    if isinstance(g, Mapping):
+        peak, fits, oom, total = int(g["peak_bytes"]), g.get("fits", True), g.get("oom"), g.get("total_bytes")
+    else:
+        peak, fits, oom, total = g.peak_bytes, g.fits, g.oom, g.total_bytes
+    if fits and oom is None:
         return peak
-    return max(peak, int(gpu_estimate.get("total_bytes") or 0) + 1)
+    return max(peak, int(total or 0) + 1)
 
 
 def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuType]) -> int | None:
@@ -311,7 +318,7 @@ def _rewrite(offer: Offer, config: SiteConfig, request: SbatchRequest, option: s
     return Decision(
         "rewrite", reason, gres=value if option == "gres" else None, gpus=value if option != "gres" else None,
         option=option, kind=offer.kind, gpu_type=offer.gres_type, peak_bytes=peak, needed_bytes=needed,
-        granted_bytes=offer.granted_bytes, comment=_comment(peak, needed, offer, value))
+        granted_bytes=offer.granted_bytes)
 
 
 def _request_value(offer: Offer, request: SbatchRequest, option: str) -> str:
@@ -331,7 +338,6 @@ def _other_gres(request: SbatchRequest) -> list[str]:
 
 def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int], config: SiteConfig,
           catalog: Mapping[str, GpuType]) -> Decision:
-    asked = ",".join(str(i) for i in request.gpu_items if i.count > 0)
     why = "an explicit request, kept by site policy" if config.explicit_request != "keep" \
         else "GPU requests are kept by site policy"
     gpu_type = request.explicit_type
@@ -345,14 +351,13 @@ def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int],
         return Decision("keep", f"{why}; runs out of memory on a whole {estimated}: it may not be enough",
                         gpu_type=gpu_type)
     needed = config.margin.needed(peak) if peak is not None else None
-    reason = why  # the caller names the request it keeps (`asked` is in the comment)
+    reason = why  # the caller names the request it keeps (the filter's line, the job stamp's `req=`)
     if needed is not None:
         reason += f"; needs {_gib(needed)} {_margin_text(config)}"
         granted = _granted_by(request, offers, config)
         if granted is not None and granted < needed:
             reason += f", more than the {_gib(granted)} it asks for: it may run out of memory"
-    return Decision("keep", reason, kind=None, gpu_type=gpu_type, peak_bytes=peak, needed_bytes=needed,
-                    comment=f"xmem:peak={peak};need={needed};req={asked};action=keep" if peak is not None else None)
+    return Decision("keep", reason, kind=None, gpu_type=gpu_type, peak_bytes=peak, needed_bytes=needed)
 
 
 def _granted_by(request: SbatchRequest, offers: list[Offer], config: SiteConfig) -> int | None:
@@ -390,11 +395,6 @@ def _margin_text(config: SiteConfig) -> str:
     if config.margin.absolute_bytes:
         parts.append(_mib_or_gib(config.margin.absolute_bytes))
     return f"with {' + '.join(parts)} margin" if parts else "with no margin"
-
-
-def _comment(peak: int, needed: int, offer: Offer, value: str) -> str:
-    return (f"xmem:peak={peak};need={needed};type={offer.estimate_type};req={value};"
-            f"grant={offer.granted_bytes};action=rewrite")
 
 
 def _gib(n: int) -> str:

@@ -38,8 +38,6 @@ def _valid_decision(d: Any) -> bool:
         return False
     if not all(d.get(name) is None or _word(d[name]) for name in ("gpu_type", "kind")):
         return False
-    if d.get("comment") is not None and not _text(d["comment"]):
-        return False
     return _valid_request(d)
 
 

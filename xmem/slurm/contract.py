@@ -26,10 +26,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xmem.cache import cache_key
 from xmem.slurm.stamp import JobStamp, add_to_comment, comment_word
+
+if TYPE_CHECKING:
+    from xmem.policy import Decision
 
 MESSAGE_MAX_CHARS = 600  # a user's 1 MB exception message must not flood the terminal or the job comment
 # sbatch options that say nothing about the job's GPU memory: left out of the cache key.
@@ -105,27 +108,28 @@ def plain(text: str | None, limit: int = MESSAGE_MAX_CHARS) -> str | None:
     return text if len(text) <= limit else text[:limit - 15].rstrip() + " [... cut]"
 
 
-
 # --- the analysis, as cached ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Analysis:
-    """What the filter keeps of `xmem.analyze.JobAnalysis`: plain data, cached as JSON."""
+    """What the filter keeps of `xmem.analyze.JobAnalysis`: the policy's decision, the peaks, the errors as text.
+    JSON only in the cache (`to_json`, `from_json`)."""
 
-    decision: Mapping[str, Any] | None  # xmem.policy.Decision as a dict
+    decision: Decision | None
     peaks: Mapping[str, int] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
     cached: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"decision": dict(self.decision) if self.decision else None, "peaks": dict(self.peaks),
+        return {"decision": self.decision.to_json() if self.decision else None, "peaks": dict(self.peaks),
                 "errors": list(self.errors)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Analysis:
-        """The analysis back from `to_json()`; ValueError when `data` is not one (a damaged cache entry)."""
+        """The analysis back from `to_json()`; ValueError (TypeError for a field Decision lacks) when `data` is
+        not one (a damaged cache entry)."""
         decision, peaks, errors = data.get("decision"), data.get("peaks") or {}, data.get("errors") or []
-        from xmem.policy import ACTIONS
+        from xmem.policy import ACTIONS, Decision
 
         if not (isinstance(decision, Mapping) and decision.get("action") in ACTIONS
                 and all(isinstance(v, str) or v is None for k, v in decision.items() if k in _DECISION_TEXT)
@@ -133,10 +137,10 @@ class Analysis:
                 and isinstance(peaks, Mapping) and all(isinstance(v, int) for v in peaks.values())
                 and isinstance(errors, list)):
             raise ValueError("not an analysis")
-        return cls(decision=decision, peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
+        return cls(decision=Decision(**decision), peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
 
 
-_DECISION_TEXT = ("reason", "gres", "gpus", "option", "kind", "gpu_type", "comment")
+_DECISION_TEXT = ("reason", "gres", "gpus", "option", "kind", "gpu_type")
 
 
 def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
@@ -144,7 +148,6 @@ def key_for(script: str, request: FilterRequest, config_digest: str, files: list
     return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
                      env=request.env, files=files,
                      extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
-
 
 
 # --- from analysis to reply ------------------------------------------------------------------------------------
@@ -169,13 +172,11 @@ def with_exports(export: str | None, variables: Mapping[str, str]) -> str | None
     return ",".join(kept + [f"{k}={v}" for k, v in variables.items()])
 
 
-def stamp_for(analysis: Analysis, request_text: str | None) -> JobStamp:
-    d = analysis.decision or {}
-    gpu_type = d.get("gpu_type")
-    peak = d.get("peak_bytes") or (analysis.peaks.get(gpu_type) if gpu_type else None)
-    return JobStamp(peak_bytes=peak,
-                    needed_bytes=d.get("needed_bytes"), gpu_type=gpu_type, request=request_text,
-                    action=d.get("action"))
+def stamp_for(decision: Decision, peaks: Mapping[str, int], request_text: str | None) -> JobStamp:
+    gpu_type = decision.gpu_type
+    peak = decision.peak_bytes or (peaks.get(gpu_type) if gpu_type else None)
+    return JobStamp(peak_bytes=peak, needed_bytes=decision.needed_bytes, gpu_type=gpu_type, request=request_text,
+                    action=decision.action)
 
 
 def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> FilterReply:
@@ -183,7 +184,7 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
     if analysis.decision is None or analysis.errors:
         return failure_reply("; ".join(analysis.errors) or "no decision", request, failure)
     d = analysis.decision
-    action, reason = d.get("action"), d.get("reason") or ""
+    action, reason = d.action, d.reason or ""
     cached = " (cached estimate)" if analysis.cached else ""
     if action == "none":
         return FilterReply()  # no GPU wanted: the job is not ours to touch
@@ -194,12 +195,12 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
     options: dict[str, str] = {}
     if action == "rewrite":
         options.update(rewrite_options(d))
-        request_text = d.get("gres") or ",".join(f"{k}={v}" for k, v in rewrite_options(d).items()) or None
+        request_text = d.gres or ",".join(f"{k}={v}" for k, v in rewrite_options(d).items()) or None
         line = f"{reason} -> {describe_request(d)}{cached}"
     else:  # keep: the user's explicit request stands; the estimate still travels with the job
         request_text = user_request(request.options)
         line = f"{reason}; keeping {request_text}{cached}"
-    stamp = stamp_for(analysis, request_text)
+    stamp = stamp_for(d, analysis.peaks, request_text)
     why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_word(reason)}"
     options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
     export = with_exports(request.options.get("export"), stamp.env())
@@ -211,15 +212,15 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
 HETJOB_NOTICE = ("a heterogeneous job (hetjob): xmem-slurm does not size its components; submitted unchanged")
 
 
-def rewrite_options(decision: Mapping[str, Any]) -> dict[str, str]:
+def rewrite_options(decision: Decision) -> dict[str, str]:
     """The one option the decision rewrites. The policy answers in the user's own form (`gres`, `gpus` or
     `gpus-per-node`) because cli_filter cannot unset an option: a new value in another form would double it."""
-    option = decision.get("option") or ("gres" if decision.get("gres") else "gpus")
-    value = decision.get("gres") if option == "gres" else decision.get("gpus")
+    option = decision.option or ("gres" if decision.gres else "gpus")
+    value = decision.gres if option == "gres" else decision.gpus
     return {option: value} if value else {}
 
 
-def describe_request(decision: Mapping[str, Any]) -> str:
+def describe_request(decision: Decision) -> str:
     return " ".join(f"--{k}={v}" for k, v in rewrite_options(decision).items()) or "no change"
 
 

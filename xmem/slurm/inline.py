@@ -9,23 +9,23 @@ node; what the reply says is xmem.slurm.contract's.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot, file_digest, user_cache_dir
 from xmem.slurm.cache_check import valid_analysis
 from xmem.slurm.contract import Analysis, FilterRequest, key_for
 
-def analysis_from_job(job_analysis: Any) -> Analysis:
-    """Plain data from an `xmem.analyze.JobAnalysis`."""
-    decision = job_analysis.decision
-    if decision is not None and dataclasses.is_dataclass(decision):
-        decision = dataclasses.asdict(decision)
-    return Analysis(decision=decision, peaks={k: int(v) for k, v in (job_analysis.peaks or {}).items()},
-                    errors=tuple(_error_text(e) for e in job_analysis.errors or ()))
+if TYPE_CHECKING:
+    from xmem.analyze import JobAnalysis
+
+
+def analysis_from_job(job_analysis: JobAnalysis) -> Analysis:
+    """What the filter keeps of a job's analysis: its decision as it is, the peaks, the errors as text."""
+    return Analysis(decision=job_analysis.decision, peaks={k: int(v) for k, v in job_analysis.peaks.items()},
+                    errors=tuple(_error_text(e) for e in job_analysis.errors))
 
 
 def _error_text(error: Any) -> str:
@@ -38,6 +38,7 @@ def _error_text(error: Any) -> str:
 def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
     """Run the real analysis (parse, estimate, policy). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
+    from xmem.policy import Decision
     from xmem.trace import privileges
 
     try:
@@ -48,7 +49,7 @@ def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Analysis(decision=None, errors=(_error_text(e),))
     kept = privileges.kept_decision(job_analysis.errors)  # a user's program is never traced as root
-    return Analysis(decision=kept) if kept else analysis_from_job(job_analysis)
+    return Analysis(decision=Decision(**kept)) if kept else analysis_from_job(job_analysis)
 
 
 def parse_job(script: str, request: FilterRequest) -> Any:
