@@ -92,10 +92,8 @@ def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_pat
 
 
 def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):
-    import importlib
-
     import xmem.gpus
-    policy = importlib.import_module("xmem.policy.decide")  # the package exports a function of that name
+
     reads = []
 
     def counting(*args, **kw):
@@ -103,7 +101,6 @@ def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):
         return real(*args, **kw)
     real = xmem.gpus.load_catalog
     monkeypatch.setattr(xmem.gpus, "load_catalog", counting)
-    monkeypatch.setattr(policy, "load_catalog", counting)
     estimator = FakeEstimator({"train.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 6 * GIB}})
     result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython train.py\n"), estimator)
     assert result.decision is not None and result.offers  # the types, the peaks and the policy all used it

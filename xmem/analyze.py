@@ -169,13 +169,11 @@ class _Scope:
 
 def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
                ask_cluster: ClusterSource) -> _Scope:
-    from xmem.gpus import load_catalog
-
     partitions = job_partitions(job.directives, config)
     if not partitions and (info := ask_cluster()) and info.default_partition:
         partitions = (info.default_partition,)
     config = _with_cluster_partitions(config, partitions, ask_cluster)
-    catalog = load_catalog(config.catalog_overrides or None)
+    catalog = config.catalog()
     if gpus:
         return _Scope(config, partitions, tuple(gpus), tuple(gpus), catalog)
     site_types, notes = _known_types(eligible_types(config, partitions), config, catalog)
@@ -218,9 +216,9 @@ def combined_peaks(estimates: Sequence[Estimate], site_types: Sequence[str],
     """Per site GPU type (GRES name), the largest need over the commands (`job_peak`: more than the GPU holds where
     a replay ran out of memory). A MIG slice gets its parent's peak.
     Estimates are keyed by catalog names; they are matched to the site's names through the catalog."""
-    from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
+    from xmem.gpus import UnknownGpuError, find_gpu
 
-    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
+    catalog = catalog if catalog is not None else config.catalog()
     peaks: dict[str, int] = {}
     for site_type in site_types:
         parent = config.mig.parent_of(site_type) or site_type

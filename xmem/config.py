@@ -12,7 +12,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xmem.gpus import GpuType
 
 DEFAULT_CONFIG_PATH = Path("/etc/xmem/xmem.toml")
 REQUEST_KINDS = ("mig", "shard", "mps", "gpu")
@@ -123,6 +126,13 @@ class SiteConfig:
     deferred: DeferredConfig = DeferredConfig()
     source: str | None = None  # the file it was read from; None: built-in defaults
 
+    def catalog(self) -> Mapping[str, GpuType]:
+        """The GPU catalog with the site's [catalog] overrides: the one way every stage reads it (for a job,
+        once: xmem.analyze passes it on)."""
+        from xmem.gpus import load_catalog  # imported here: torch-free, but not needed to read a config
+
+        return load_catalog(self.catalog_overrides or None)
+
     def with_partitions(self, gpu_types: Mapping[str, tuple[str, ...]]) -> SiteConfig:
         """A copy that also knows `gpu_types` (e.g. read from the cluster) for partitions the file leaves out."""
         merged = {**gpu_types, **self.partitions.gpu_types}
@@ -161,10 +171,10 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         mps=_mps(_table(data, "mps", ("enabled", "count_per_gpu", "gpu_types"))),
         shard=_shard(_table(data, "shard", ("enabled", "per_gpu", "gpu_types"))),
         margin=_margin(_table(data, "margin", ("relative", "absolute_bytes", "absolute_mib"))),
-        preference=_preference(policy.get("preference", list(REQUEST_KINDS))),
-        explicit_request=_choice(policy.get("explicit_request", "fill_generic"), "policy.explicit_request",
+        preference=_preference(_get(policy, "preference", SiteConfig)),
+        explicit_request=_choice(_get(policy, "explicit_request", SiteConfig), "policy.explicit_request",
                                  EXPLICIT_MODES),
-        failure=_choice(policy.get("failure", "open"), "policy.failure", FAILURE_MODES),
+        failure=_choice(_get(policy, "failure", SiteConfig), "policy.failure", FAILURE_MODES),
         exclude=_exclude(_table(data, "exclude", ("users", "accounts", "partitions"))),
         estimate=_estimate(_table(data, "estimate", ("timeout_s", "iterations", "cache_dir", "max_concurrent",
                                                      "python", "memory_limit_gib"))),
@@ -182,7 +192,7 @@ def _partitions(table: Mapping[str, Any]) -> PartitionsConfig:
     config = PartitionsConfig(
         gpu_types={name: _strings(types, f"partitions.gpu_types.{name}") for name, types in gpu_types.items()},
         default=_optional_string(table.get("default"), "partitions.default"),
-        from_cluster=_bool(table.get("from_cluster", True), "partitions.from_cluster"),
+        from_cluster=_bool(_get(table, "from_cluster", PartitionsConfig), "partitions.from_cluster"),
     )
     if config.default and config.gpu_types and not config.from_cluster and config.default not in config.gpu_types:
         raise ConfigError(f"partitions.default: {config.default!r} is not one of the partitions listed in "
@@ -191,27 +201,27 @@ def _partitions(table: Mapping[str, Any]) -> PartitionsConfig:
 
 
 def _mps(table: Mapping[str, Any]) -> MpsConfig:
-    return MpsConfig(enabled=_bool(table.get("enabled", False), "mps.enabled"),
-                     count_per_gpu=_positive_int(table.get("count_per_gpu", 100), "mps.count_per_gpu"),
-                     gpu_types=_strings(table.get("gpu_types", []), "mps.gpu_types"))
+    return MpsConfig(enabled=_bool(_get(table, "enabled", MpsConfig), "mps.enabled"),
+                     count_per_gpu=_positive_int(_get(table, "count_per_gpu", MpsConfig), "mps.count_per_gpu"),
+                     gpu_types=_strings(_get(table, "gpu_types", MpsConfig), "mps.gpu_types"))
 
 
 def _shard(table: Mapping[str, Any]) -> ShardConfig:
-    return ShardConfig(enabled=_bool(table.get("enabled", False), "shard.enabled"),
-                       per_gpu=_positive_int(table.get("per_gpu", 4), "shard.per_gpu"),
-                       gpu_types=_strings(table.get("gpu_types", []), "shard.gpu_types"))
+    return ShardConfig(enabled=_bool(_get(table, "enabled", ShardConfig), "shard.enabled"),
+                       per_gpu=_positive_int(_get(table, "per_gpu", ShardConfig), "shard.per_gpu"),
+                       gpu_types=_strings(_get(table, "gpu_types", ShardConfig), "shard.gpu_types"))
 
 
 def _margin(table: Mapping[str, Any]) -> MarginConfig:
     if "absolute_bytes" in table and "absolute_mib" in table:
         raise ConfigError("margin: give absolute_bytes or absolute_mib, not both")
-    relative = table.get("relative", 0.10)
+    relative = _get(table, "relative", MarginConfig)
     if isinstance(relative, bool) or not isinstance(relative, (int, float)) or not 0 <= relative <= 10:
         raise ConfigError(f"margin.relative: must be a number from 0 to 10 (0.1 = 10 %), got {relative!r}")
     if "absolute_mib" in table:
         absolute = _non_negative_number(table["absolute_mib"], "margin.absolute_mib") * MIB
     else:
-        absolute = _non_negative_number(table.get("absolute_bytes", 0), "margin.absolute_bytes")
+        absolute = _non_negative_number(_get(table, "absolute_bytes", MarginConfig), "margin.absolute_bytes")
     return MarginConfig(relative=float(relative), absolute_bytes=int(absolute))
 
 
@@ -228,21 +238,21 @@ def _preference(value: Any) -> tuple[str, ...]:
 
 
 def _exclude(table: Mapping[str, Any]) -> ExcludeConfig:
-    return ExcludeConfig(users=_strings(table.get("users", []), "exclude.users"),
-                         accounts=_strings(table.get("accounts", []), "exclude.accounts"),
-                         partitions=_strings(table.get("partitions", []), "exclude.partitions"))
+    return ExcludeConfig(users=_strings(_get(table, "users", ExcludeConfig), "exclude.users"),
+                         accounts=_strings(_get(table, "accounts", ExcludeConfig), "exclude.accounts"),
+                         partitions=_strings(_get(table, "partitions", ExcludeConfig), "exclude.partitions"))
 
 
 def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
-    timeout = _non_negative_number(table.get("timeout_s", 300), "estimate.timeout_s")
+    timeout = _non_negative_number(_get(table, "timeout_s", EstimateConfig), "estimate.timeout_s")
     if timeout == 0:
         raise ConfigError("estimate.timeout_s: must be more than 0 seconds")
     return EstimateConfig(
         timeout_s=float(timeout),
-        iterations=_positive_int(table.get("iterations", 3), "estimate.iterations"),
-        cache_dir=_optional_string(table.get("cache_dir", "~/.cache/xmem-slurm"), "estimate.cache_dir")
-        or "~/.cache/xmem-slurm",
-        max_concurrent=_positive_int(table.get("max_concurrent", 2), "estimate.max_concurrent"),
+        iterations=_positive_int(_get(table, "iterations", EstimateConfig), "estimate.iterations"),
+        cache_dir=_optional_string(_get(table, "cache_dir", EstimateConfig), "estimate.cache_dir")
+        or EstimateConfig.cache_dir,
+        max_concurrent=_positive_int(_get(table, "max_concurrent", EstimateConfig), "estimate.max_concurrent"),
         python=_optional_string(table.get("python"), "estimate.python"),
         memory_limit_bytes=int(GIB * _non_negative_number(
             table.get("memory_limit_gib", DEFAULT_TRACE_MEMORY_BYTES / GIB), "estimate.memory_limit_gib")),
@@ -254,7 +264,7 @@ def _catalog(table: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
-    mode = _choice(table.get("mode", "inline"), "deferred.mode", DEFERRED_MODES)
+    mode = _choice(_get(table, "mode", DeferredConfig), "deferred.mode", DEFERRED_MODES)
     cpu_partition = _optional_string(table.get("cpu_partition"), "deferred.cpu_partition")
     if mode == "partition" and not cpu_partition:
         raise ConfigError('deferred.cpu_partition: required when deferred.mode is "partition" (the partition the '
@@ -262,18 +272,19 @@ def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
     return DeferredConfig(
         mode=mode,
         cpu_partition=cpu_partition,
-        time_limit=_optional_string(table.get("time_limit", "00:15:00"), "deferred.time_limit") or "00:15:00",
-        mem=_optional_string(table.get("mem", "16G"), "deferred.mem") or "16G",
+        time_limit=_optional_string(_get(table, "time_limit", DeferredConfig), "deferred.time_limit")
+        or DeferredConfig.time_limit,
+        mem=_optional_string(_get(table, "mem", DeferredConfig), "deferred.mem") or DeferredConfig.mem,
     )
 
 
 def _check_gpu_types(config: SiteConfig) -> None:
     """[catalog] overrides must pass the catalog's own checks (unknown type, missing total_bytes, bad capability),
     and every GPU type named must be in the catalog (its memory comes from there) or be a MIG profile offered."""
-    from xmem.gpus import CatalogError, UnknownGpuError, find_gpu, load_catalog, mig_profile
+    from xmem.gpus import CatalogError, UnknownGpuError, find_gpu, mig_profile
 
     try:
-        catalog = load_catalog(config.catalog_overrides or None)
+        catalog = config.catalog()
     except (CatalogError, ValueError, TypeError) as e:
         raise ConfigError(f"catalog: {e}") from None
     for gpu_name, profiles in config.mig.profiles.items():
@@ -297,6 +308,13 @@ def _check_gpu_types(config: SiteConfig) -> None:
 
 
 # -- value checks -----------------------------------------------------------------------------------------------
+
+def _get(table: Mapping[str, Any], key: str, record: type) -> Any:
+    """The table's value for `key`, else the default of the record's field of that name: each default is written
+    once, on the dataclass (a tuple default as the list TOML would give)."""
+    default = record.__dataclass_fields__[key].default
+    return table.get(key, list(default) if isinstance(default, tuple) else default)
+
 
 def _only_keys(table: Mapping[str, Any], prefix: str, allowed: tuple[str, ...]) -> None:
     for key in table:

@@ -146,7 +146,7 @@ def _calibrate_from_store(err: Console, store: str, config: Optional[str], out: 
     except ConfigError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    found = store_samples(read_records(store), load_catalog(site.catalog_overrides or None), site.mig.parent_of)
+    found = store_samples(read_records(store), site.catalog(), site.mig.parent_of)
     left_out = ", ".join(f"{n} {why}" for why, n in sorted(found.skipped.items()))
     if not found.samples:
         err.print(f"[red]error:[/] no usable record in {store} (a record needs an estimate and a measured peak of "

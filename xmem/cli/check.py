@@ -24,7 +24,6 @@ from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
-from xmem.gpus import load_catalog
 from xmem.policy import gres_capacity
 from xmem.policy.options import OptionTable
 
@@ -134,7 +133,7 @@ def _picture_estimator(as_json: bool, plot: Optional[str], snapshot: Optional[st
         return None
     try:
         check_outputs(plot, snapshot)
-        check_plot_gpu(plot_gpu, None, load_catalog(site.catalog_overrides or None))
+        check_plot_gpu(plot_gpu, None, site.catalog())
     except PictureError as e:
         _fail(as_json, EXIT_USAGE, "bad_option", str(e))
     return KeepingEstimator()
@@ -233,7 +232,7 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
     table = Table(title="Predicted peak GPU memory per rank")
     for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
         table.add_column(column, justify="left" if column == "GPU type" else "right")
-    catalog = load_catalog(site.catalog_overrides or None)
+    catalog = site.catalog()
     for gpu_type, peak in analysis.peaks.items():
         total = gres_capacity(gpu_type, site.mig.parent_of(gpu_type), catalog)
         needed = site.margin.needed(peak)

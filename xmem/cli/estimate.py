@@ -25,7 +25,7 @@ from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
-from xmem.gpus import CatalogError, UnknownGpuError, load_catalog
+from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import TraceError
@@ -134,7 +134,7 @@ def _prepare_pictures(plot: Optional[str], snapshot: Optional[str], plot_gpu: Op
     if not (plot or snapshot):
         return None
     check_outputs(plot, snapshot)
-    check_plot_gpu(plot_gpu, gpus, load_catalog(site.catalog_overrides or None))
+    check_plot_gpu(plot_gpu, gpus, site.catalog())
     settings["keep_traces"] = traces = {}
     return traces
 

@@ -45,10 +45,10 @@ def filter_command(
 def _gpu_total_bytes(config: Any) -> Any:
     def total(gpu_type: str) -> Optional[int]:
         try:
-            from xmem.gpus import find_gpu, load_catalog
+            from xmem.config import SiteConfig
+            from xmem.gpus import find_gpu
 
-            overrides = getattr(config, "catalog_overrides", None) if config is not None else None
-            return find_gpu(gpu_type, load_catalog(overrides or None)).total_bytes
+            return find_gpu(gpu_type, (config or SiteConfig()).catalog()).total_bytes
         except Exception:
             return None
     return total
@@ -138,7 +138,6 @@ def report_command(
 def _plot_store(records: list, path: str, config: Optional[str], store: str) -> None:
     """The figure of `report --plot`: the records that count for calibration, per catalog GPU type."""
     from xmem.config import ConfigError, load_site_config
-    from xmem.gpus import load_catalog
     from xmem.report_plots import plot_store
     from xmem.slurm.store_fit import store_samples
 
@@ -147,7 +146,7 @@ def _plot_store(records: list, path: str, config: Optional[str], store: str) -> 
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    points = store_samples(records, load_catalog(site.catalog_overrides or None), site.mig.parent_of).points
+    points = store_samples(records, site.catalog(), site.mig.parent_of).points
     if not points:
         typer.echo(f"error: no record in {store} has both an estimate and a measured peak: nothing to draw", err=True)
         raise typer.Exit(2)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
-from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog, mig_profile
+from xmem.gpus import GpuType, UnknownGpuError, find_gpu, mig_profile
 from xmem.jobscript import SbatchRequest, parse_gpus
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
         return Decision("keep", f"GPUs are asked for through {' and '.join('--' + o for o in gpu_options(request))}"
                                 ": rewriting one would leave the other")
     partitions = job_partitions(request, config, partition)
-    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
+    catalog = catalog if catalog is not None else config.catalog()
     option, count = _request_form(request)
     offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
     if available is not None:
@@ -112,7 +112,7 @@ def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: 
                       available: Mapping[str, int] | None = None) -> list[tuple[Offer, str, bool]]:
     """The offers `decide` weighs for this job, each with the request it would make and whether it fits (for
     showing people why), in the site's order of preference, smallest first."""
-    catalog = catalog if catalog is not None else load_catalog(config.catalog_overrides or None)
+    catalog = catalog if catalog is not None else config.catalog()
     option, count = _request_form(request)
     offers = site_offers(config, job_partitions(request, config, partition), catalog, peaks, count=count,
                          option=option)
