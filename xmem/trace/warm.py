@@ -34,6 +34,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,9 +225,7 @@ def serve(path: Path, idle_s: float) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return  # another server of the same key runs or is starting
-    preloaded = preload()
-    signature = code_signature(preloaded)
-    base_path = [p for p in sys.path if p not in _pythonpath(os.environ)]  # the installation's own
+    loaded = preload()
     listener = _listen(path)
     inode = os.lstat(path).st_ino
     signal.signal(signal.SIGTERM, lambda *_: _leave(path, inode))
@@ -244,24 +243,44 @@ def serve(path: Path, idle_s: float) -> None:
         if os.fork() == 0:
             listener.close()
             os.close(lock)  # a running job must not keep the next server out
-            _handle(connection, preloaded, signature, base_path)
+            _handle(connection, loaded)
         connection.close()
     _leave(path, inode)
 
 
-def preload() -> dict[str, str]:
-    """Load what every trace loads, then the training libraries that import cleanly; module name -> its origin."""
+@dataclass(frozen=True)
+class Loaded:
+    """What the server loaded, as each job checks and adjusts against it."""
+
+    origins: dict[str, str]  # top-level module -> the file it came from
+    signature: list  # code_signature at start
+    base_path: list[str]  # sys.path without PYTHONPATH: the installation's own
+    library_bytes: int  # the training libraries' share of the data segment (RLIMIT_DATA counts it)
+
+
+def preload() -> Loaded:
+    """Load what every trace loads, then the training libraries that import cleanly."""
     from xmem.trace import child
     child.preload()
     import torch._dynamo  # noqa: F401 - the first optimizer step imports it
+    before = _data_bytes()
     for name in TRAINING_LIBRARIES:
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - not installed, or broken: jobs import it themselves
             continue
     tops = {name.partition(".")[0] for name in sys.modules}
-    return {name: _origin(sys.modules[name]) for name in sorted(tops) if name in sys.modules and
-            _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
+    origins = {name: _origin(sys.modules[name]) for name in sorted(tops) if name in sys.modules and
+               _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
+    return Loaded(origins, code_signature(origins), [p for p in sys.path if p not in _pythonpath(os.environ)],
+                  max(_data_bytes() - before, 0))
+
+
+def _data_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _origin(module: Any) -> str:
@@ -329,18 +348,18 @@ def _pythonpath(env: dict[str, str] | os._Environ) -> list[str]:
 
 # ---- one job: the server's child that runs it, and its child that becomes the sandbox -------------------------
 
-def _handle(connection: socket.socket, preloaded: dict[str, str], signature: list, base_path: list[str]) -> None:
+def _handle(connection: socket.socket, loaded: Loaded) -> None:
     """Run one job and tell the client when it started and how it ended; stop it when the client asks or goes."""
     try:
         request, fds = _receive(connection)
-        reason = _declined(request, preloaded, signature, base_path)
+        reason = _declined(request, loaded)
         if reason:
             _send(connection, {"declined": reason})
             os._exit(0)
         pid = os.fork()
         if pid == 0:
             connection.close()
-            _become_job(request, fds, base_path)
+            _become_job(request, fds, loaded)
         for fd in fds:
             os.close(fd)
         _send(connection, {"started": pid})
@@ -366,9 +385,9 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(body), fds
 
 
-def _declined(request: dict[str, Any], preloaded: dict[str, str], signature: list, base_path: list[str]) -> str:
+def _declined(request: dict[str, Any], loaded: Loaded) -> str:
     """Why this job cannot be run here exactly as the cold child would run it; "" when it can."""
-    if code_signature(preloaded) != signature:
+    if code_signature(loaded.origins) != loaded.signature:
         os.kill(os.getppid(), signal.SIGTERM)  # stale: the next estimate starts a fresh server
         return "xmem, torch or a preloaded library changed since the warm tracer started"
     env, cwd = request["env"], request["cwd"]
@@ -378,7 +397,7 @@ def _declined(request: dict[str, Any], preloaded: dict[str, str], signature: lis
         _, hard = resource.getrlimit(getattr(resource, name))
         if hard != resource.RLIM_INFINITY and (value[1] == resource.RLIM_INFINITY or value[1] > hard):
             return f"the estimate's {name} is above the warm tracer's"
-    return _shadowed(preloaded, _job_path(cwd, env, base_path))
+    return _shadowed(loaded.origins, _job_path(cwd, env, loaded.base_path))
 
 
 def _user_site(env: dict[str, str]) -> str:
@@ -427,7 +446,7 @@ def _send(connection: socket.socket, message: dict) -> None:
         pass
 
 
-def _become_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
+def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None:
     """Take the cold helper's process state (session, descriptors, cwd, umask, limits, environment, signals, path),
     then run the sandbox in this process. Never returns."""
     try:
@@ -449,18 +468,26 @@ def _become_job(request: dict[str, Any], fds: list[int], base_path: list[str]) -
         for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(number, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.path[:] = _job_path(cwd, env, base_path)
+        sys.path[:] = _job_path(cwd, env, loaded.base_path)
         sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=bool(env.get("PYTHONUNBUFFERED")))
         argv = request["argv"]
         helper = argv[3:]  # [python, -I, sandbox.py, OPTIONS..., --, TRACER...]
         helper = with_option(with_option(helper, "--parent", str(os.getppid())), "--progress-fd", str(progress))
+        helper = _memory_for_libraries(helper, loaded.library_bytes)
         sandbox.become_tracer = _trace_in_process
         sandbox.main(helper)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the server's code
         sys.stderr.write(f"xmem warm tracer: cannot start the job: {error}\n")
     os._exit(127)
+
+
+def _memory_for_libraries(helper: list[str], library_bytes: int) -> list[str]:
+    """The host-memory limit (RLIMIT_DATA) raised by what the preloaded libraries hold: a job that does not import
+    them must not run out of memory where its cold trace would not."""
+    limit = int(helper[helper.index("--memory-bytes") + 1])
+    return with_option(helper, "--memory-bytes", str(limit + library_bytes)) if limit > 0 else helper
 
 
 def with_option(argv: list[str], name: str, value: str) -> list[str]:
