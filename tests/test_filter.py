@@ -187,14 +187,13 @@ def test_an_estimate_of_files_edited_during_the_trace_is_not_cached(tmp_path):
 
 
 def test_a_hetjob_passes_unchanged_with_a_notice(tmp_path):
-    from types import SimpleNamespace
-
+    from xmem.config import config_from_dict
     from xmem.slurm.filter import run_filter
 
     script = tmp_path / "het.sh"
     script.write_text("#!/bin/bash\n#SBATCH --ntasks=1\n#SBATCH hetjob\n#SBATCH --gres=gpu:1\n"
                       "srun --het-group=1 python train.py\n")
-    config = SimpleNamespace(failure="open", estimate=SimpleNamespace(cache_dir=str(tmp_path / "c")))
+    config = config_from_dict({"estimate": {"cache_dir": str(tmp_path / "c")}})
     never = lambda *a: pytest.fail("a hetjob must not be estimated")
     for req in (FilterRequest(script=str(script), argv=(str(script),), options={"ntasks": "1"}),
                 FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"},
@@ -210,3 +209,26 @@ def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
     assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
     assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]
     assert JobStamp.from_comment(reply.set["comment"]).peak_bytes is None  # no MPS limit from it
+
+
+def test_one_deadline_bounds_the_wait_for_a_slot_and_the_estimate(tmp_path):
+    import time
+
+    from xmem.config import config_from_dict
+    from xmem.slurm.filter import run_filter
+
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    site = config_from_dict({"estimate": {"timeout_s": 30, "cache_dir": str(tmp_path / "cache")}})
+    left = []
+
+    def analyzer(path, req, config, *, deadline):
+        left.append(deadline - time.monotonic())
+        return Analysis(decision(), PEAKS)
+
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
+                        cwd=str(tmp_path))
+    reply = run_filter(req, site, analyzer=analyzer)
+    assert reply.set["gres"] == "mps:a100:40" and len(left) == 1
+    assert 20 < left[0] < 30  # the site's 30 s from the submission's start, less what the filter spent first
+    assert site.estimate.timeout_s == 30  # the config is not rewritten to carry it

@@ -101,13 +101,14 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                 cli_options: Mapping[str, str | None] | None = None, config: SiteConfig,
                 env: Mapping[str, str] | None = None, user: str | None = None,
                 gpus: Sequence[str] | None = None, submit_cwd: str | None = None,
-                on_progress: Callable[[str], None] | None = None,
-                estimator: Estimator | None = None, cluster: ClusterSource | None = None) -> JobAnalysis:
+                on_progress: Callable[[str], None] | None = None, estimator: Estimator | None = None,
+                cluster: ClusterSource | None = None, deadline: float | None = None) -> JobAnalysis:
     """Analyse the batch script at `script_path` as it would be submitted (`sbatch [cli_options] script args`).
 
     `env`: the submitting environment (default: this process's). `gpus`: estimate these GPU types instead of the
     partition's. `estimator` defaults to `xmem.estimate.estimate`; `cluster` to a Slurm query, made at most once and
-    only when the site config lets the cluster fill in what it leaves out (partitions, default, GPUs per node)."""
+    only when the site config lets the cluster fill in what it leaves out (partitions, default, GPUs per node).
+    `deadline` (time.monotonic()) bounds the estimates; default: the site's estimate timeout from now."""
     env = dict(os.environ if env is None else env)
     path = os.path.abspath(script_path)
     try:
@@ -135,7 +136,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                             "[partitions.gpu_types] in the site config"),))
 
     runtime_env = {**env, **slurm_runtime_env(job.directives, submit_cwd)}
-    deadline = time.monotonic() + config.estimate.timeout_s
+    deadline = deadline if deadline is not None else time.monotonic() + config.estimate.timeout_s
     results = tuple(_estimate_command(c, scope, runtime_env, submit_cwd, deadline, estimator or _default_estimator(),
                                       on_progress) for c in job.commands)
     errors = tuple(r.error for r in results if r.error is not None)

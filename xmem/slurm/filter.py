@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -47,16 +46,14 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
-def run_filter(request: FilterRequest, config: Any, *,
-               analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze) -> FilterReply:
+def run_filter(request: FilterRequest, config: Any, *, analyzer: Callable[..., Analysis] = analyze) -> FilterReply:
     """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
-    wait for an estimate slot and the estimate together."""
-    started = time.monotonic()
+    wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze`'s signature."""
+    deadline = time.monotonic() + config.estimate.timeout_s
 
     def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Analysis:
-        left = max(1.0, site.estimate.timeout_s - (time.monotonic() - started))
-        return analyzer(script, req, dataclasses.replace(site, estimate=dataclasses.replace(site.estimate,
-                                                                                             timeout_s=left)))
+        # the slot's wait counts against the deadline; the estimate still gets a second to say it timed out
+        return analyzer(script, req, site, deadline=max(deadline, time.monotonic() + 1.0))
 
     with wrapped_script(request) as script:
         if script is None:

@@ -35,8 +35,9 @@ def _error_text(error: Any) -> str:
     return str(error)
 
 
-def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
-    """Run the real analysis (parse, estimate, policy). Imported here: torch loads only on a cache miss."""
+def analyze(script: str, request: FilterRequest, config: Any, *, deadline: float | None = None) -> Analysis:
+    """Run the real analysis (parse, estimate, policy), done by `deadline` (time.monotonic(); default: the site's
+    estimate timeout from now). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
     from xmem.policy import Decision
     from xmem.trace import privileges
@@ -44,7 +45,7 @@ def analyze(script: str, request: FilterRequest, config: Any) -> Analysis:
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
                                    config=config, env=dict(request.env) or None, user=request.user,
-                                   submit_cwd=request.cwd,
+                                   submit_cwd=request.cwd, deadline=deadline,
                                    estimator=privileges.guarded_estimator(request.options, script))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Analysis(decision=None, errors=(_error_text(e),))
