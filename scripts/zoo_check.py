@@ -9,7 +9,8 @@ runs twice from the same code (`train_step`):
 
 - for real on the CPU in this process, which gives the oracle: the unique storages of the parameters, buffers and
   gradients, the AdamW state a GPU would hold, and the storages autograd saves for backward
-  (`torch.autograd.graph.saved_tensors_hooks`) that are neither parameters, buffers nor the batch, plus the loss;
+  (`torch.autograd.graph.saved_tensors_hooks`) that are neither parameters, buffers nor the batch and that the graph
+  still holds when backward starts (a branch the loss leaves out dies with the forward), plus the loss;
   each storage is named by the ATen op that made it (a dispatch mode sees the same ops the tracer's recorder sees);
 - on fake CUDA under `xmem.trace.run_trace`, several models per traced process (`--step SPEC...`, one optimizer
   step per model, so a model's events are those of its iteration): the live bytes per category after its step, and
@@ -29,6 +30,7 @@ import gc
 import json
 import sys
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -271,10 +273,11 @@ def cpu_figures(spec: str, max_params: int = 0) -> tuple[Figures, int]:
     oracle = CpuOracle(max_params)
     model, optimizer, batch, loss = train_step(spec, "cpu", oracle.instrumented)
     leaves = _storages(model.parameters()) | _storages(model.buffers()) | _storages(batch.values())
-    oracle.saved[loss.untyped_storage()._cdata] = loss.untyped_storage().nbytes()
+    loss_key = loss.untyped_storage()._cdata
+    oracle.saved[loss_key] = loss.untyped_storage().nbytes()
     by_op: dict[str, int] = defaultdict(int)
     for key, nbytes in oracle.saved.items():
-        if key not in leaves and key in oracle.on_gpu:
+        if key not in leaves and key in oracle.on_gpu and (key in oracle.held_at_backward or key == loss_key):
             by_op[oracle.producers[key][0] if key in oracle.producers else "(made outside an op)"] += nbytes
     state = [value for per_param in optimizer.state.values() for key, value in per_param.items()
              if isinstance(value, torch.Tensor) and key not in HOST_STATE_KEYS]
@@ -296,8 +299,12 @@ class CpuOracle:
     def __init__(self, max_params: int = 0) -> None:
         self.max_params = max_params  # 0: any size
         self.params = 0
-        self.producers: dict[int, tuple[str, Any]] = {}  # storage key -> (op that first wrote it, a tensor keeping it)
+        # storage key -> (op that first wrote it, the storage: kept so that its key is not reused; not the tensor,
+        # whose autograd graph would keep what a dropped branch saved)
+        self.producers: dict[int, tuple[str, Any]] = {}
         self.saved: dict[int, int] = {}  # storage key -> bytes
+        self.packed: dict[int, list] = defaultdict(list)  # storage key -> weak references to what the graph holds
+        self.held_at_backward: set[int] = set()  # keys the graph still holds when the forward's scope ends
         self.on_gpu: set[int] = set()
         self.scopes: list[str] = []
 
@@ -308,6 +315,7 @@ class CpuOracle:
             raise TooLarge(self.params)  # before the step's gradients and AdamW moments take 3 more copies
         self.on_gpu |= set(_storages(model.parameters()) | _storages(model.buffers()) | _storages(batch.values()))
         stack = contextlib.ExitStack()
+        stack.callback(self._note_held)  # runs last, after the loss: what backward will find
         scope = attention_scope()
         stack.callback(scope.register_forward_pre_hook(lambda module, args: self.scopes.append(SCOPED_PREFIX)).remove)
         stack.callback(scope.register_forward_hook(lambda module, args, out: self._leave_scope(),
@@ -322,9 +330,16 @@ class CpuOracle:
         self.scopes.pop()
 
     def _pack(self, tensor: Any) -> Any:
+        """The graph keeps a fresh alias (the model may keep the tensor itself), so the alias's weak reference dies
+        with the graph node that saved it."""
         storage = tensor.untyped_storage()
         self.saved[storage._cdata] = storage.nbytes()
-        return tensor
+        alias = tensor.detach()
+        self.packed[storage._cdata].append(weakref.ref(alias))
+        return alias
+
+    def _note_held(self) -> None:
+        self.held_at_backward = {key for key, refs in self.packed.items() if any(ref() is not None for ref in refs)}
 
     def _producer_mode(self) -> Any:
         import torch
@@ -339,7 +354,7 @@ class CpuOracle:
                 for item in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(item, torch.Tensor) and item.layout == torch.strided:
                         key = item.untyped_storage()._cdata
-                        oracle.producers.setdefault(key, (name, item))
+                        oracle.producers.setdefault(key, (name, item.untyped_storage()))
                         if from_gpu:
                             oracle.on_gpu.add(key)
                 return out
@@ -515,6 +530,11 @@ SMALL_TOKENS = ("atto", "femto", "pico", "nano", "micro", "tiny", "xxs", "xs", "
                 "18", "s")
 
 
+# The least inputs these accept (64 px is too small): Inception's stem and reduction blocks leave no 3x3 window
+# below 75 px; CrossViT's two patch grids (12 and 16 px) must line up with its position embeddings at 240
+TIMM_SIZES = {"inception_v3": 75, "inception_v4": 75, "crossvit_tiny_240": 240}
+
+
 def timm_specs(count: int = 64) -> list[str]:
     """One model per timm module (architecture family), in module order: the first name carrying the smallest size
     token, else the first name."""
@@ -526,7 +546,8 @@ def timm_specs(count: int = 64) -> list[str]:
             continue
         by_token = [n for token in SMALL_TOKENS for n in names if token in n.replace("_", " ").split()
                     or f"_{token}" in n]
-        picked.append(f"timm:{(by_token or names)[0]}@64")
+        name = (by_token or names)[0]
+        picked.append(f"timm:{name}@{TIMM_SIZES.get(name, 64)}")
     if len(picked) <= count:
         return picked
     return [picked[index * len(picked) // count] for index in range(count)]  # evenly spread over the modules

@@ -72,6 +72,23 @@ def test_compare_explains_only_kernel_families_with_a_documented_reason():
     assert zoo.compare(cpu, wrong_state)["exact_mismatches"] == ["optimizer_state"]
 
 
+def test_the_oracle_counts_what_the_graph_holds_when_backward_starts_not_a_dropped_branch():
+    import torch
+    trunk, head, aux = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+    batch = {"x": torch.randn(4, 8)}
+    oracle = zoo.CpuOracle()
+    with oracle.instrumented(torch.nn.ModuleList([trunk, head, aux]), batch):
+        hidden = torch.relu(trunk(batch["x"]))  # saved by relu's and the head's backward
+        scaled = hidden * 3  # saved only by the auxiliary head, which the loss leaves out (GoogLeNet's aux logits)
+        dropped = aux(scaled)
+        scaled_key, hidden_key = scaled.untyped_storage()._cdata, hidden.untyped_storage()._cdata
+        del dropped, scaled
+        loss = head(hidden).sum()
+    assert {scaled_key, hidden_key} <= set(oracle.saved)
+    assert hidden_key in oracle.held_at_backward and scaled_key not in oracle.held_at_backward
+    loss.backward()
+
+
 FAST_SUBSET = ["tv:squeezenet1_1@64", "hf:gpt2@16", "hf:bert@16"]  # plain CNN with dropout; fused attention
 
 
