@@ -74,6 +74,7 @@ def phases(name: str, iterations: int) -> dict:
     cache = FakeTensorMode.cache_info()
     return {"workload": name, "phases": _merge_start_up(steps), "events": len(trace.events),
             "ops": sum(trace.op_counts.values()), "post_trace": _post_trace(trace),
+            "repeats_previous": _repeats_previous(trace),
             "dispatch_cache": {"hits": cache.hits, "misses": cache.misses, "bypasses": dict(cache.bypasses)}}
 
 
@@ -95,6 +96,28 @@ def _next_iteration(mark: str) -> str:
     """The phase that starts at the mark "iteration k/N" is iteration k+1 (the last one ends the trace: "stop")."""
     done, _, target = mark.removeprefix("iteration ").partition("/")
     return "stop" if done == target else f"iteration {int(done) + 1}"
+
+
+def _repeats_previous(trace) -> dict[str, bool]:
+    """For each iteration after the first: whether its events repeat the previous iteration's, event for event
+    (action, size, stream, op; a free named by how many events of its iteration back its block was made, or as
+    older). What an early stop would need to see before it could assume the next iteration repeats too."""
+    by_iteration: dict[int, list] = {}
+    for event in trace.events:
+        by_iteration.setdefault(event.iteration, []).append(event)
+
+    def shape(events: list) -> list[tuple]:
+        born: dict[int, int] = {}
+        rows = []
+        for index, e in enumerate(events):
+            if e.action == "alloc":
+                born[e.block] = index
+            back = index - born[e.block] if e.action == "free" and e.block in born else None
+            rows.append((e.action, e.nbytes, e.stream, e.op, back))
+        return rows
+    done = sorted(i for i in by_iteration if i >= 0)
+    return {f"{b + 1} repeats {a + 1}": shape(by_iteration[a]) == shape(by_iteration[b])
+            for a, b in zip(done, done[1:])}
 
 
 def _post_trace(trace) -> dict:
@@ -153,7 +176,7 @@ def _print_phases(name: str, iterations: int) -> None:
     post, cache = result["post_trace"], result["dispatch_cache"]
     print(f"{name}: post-trace   wall {post['wall_s']:6.2f} s  cpu {post['cpu_s']:6.2f} s  ({post['gpu_types']} GPU "
           f"types); {result['ops']} ops, {result['events']} events; dispatch cache {cache['hits']} hits, "
-          f"{cache['misses']} misses, bypasses {cache['bypasses']}")
+          f"{cache['misses']} misses, bypasses {cache['bypasses']}; {result['repeats_previous']}")
     print(json.dumps(result))
 
 
