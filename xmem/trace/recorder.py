@@ -53,6 +53,8 @@ _LIBRARY_OPS = {
 # Ops that bring data onto the GPU (host copies, random batches): outside forward/backward/optimizer, the inputs.
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
 _RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
+# The category of FSDP's all-gathered (unsharded) parameters, as torch's FSDPMemTracker names them ("Unsharded Param")
+UNSHARDED_PARAMETER = "unsharded_parameter"
 
 class NoTrainingLoop(BaseException):
     """Raised when the program shows no training loop (see TrainingState)."""
@@ -365,13 +367,23 @@ class AllocationRecorder(TorchDispatchMode):
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         """`storage.resize_(n)` (FSDP frees and re-allocates unsharded parameters so) happens outside the dispatcher:
-        on the GPU it is a free of the old block and a new cudaMalloc-backed block of n bytes."""
+        on the GPU it is a free of the old block and a new cudaMalloc-backed block of n bytes.
+        In a training program only FSDP (1 and 2: `free_storage`/`alloc_storage`, `_free_storage`) resizes storages,
+        to drop and regrow what it all-gathers, so both blocks are UNSHARDED_PARAMETER: not the parameters the
+        optimizer steps (the shards), though the module holds them as its parameters while it runs."""
         key = storage._cdata
         if self.state.stopped or (key not in self._live and key not in self._emptied):
             return
         device = self._live[key][2] if key in self._live else self._emptied[key]
+        self._label_unsharded(key)
         self._free(key)
         self._alloc(storage, key, device, "resize_", from_host=False, watch=False)
+        self._label_unsharded(key)
+
+    def _label_unsharded(self, key: int) -> None:
+        live = self._live.get(key)
+        if live is not None:
+            self.category[live[0]] = UNSHARDED_PARAMETER
 
     def _first_cuda_use(self, op: str) -> None:
         self._cuda_ops.add(op)
@@ -427,7 +439,8 @@ class AllocationRecorder(TorchDispatchMode):
                 self.label(inner, category)
         elif tensor.device.type == "cuda":
             live = self._live.get(tensor.untyped_storage()._cdata)
-            if live is not None:
+            # an FSDP unit's gathered parameters are its module's parameters while it runs: they stay unsharded
+            if live is not None and not (category == "parameter" and self.category.get(live[0]) == UNSHARDED_PARAMETER):
                 self.category[live[0]] = category
 
     def _label_module_tensors(self, module: torch.nn.Module) -> None:
