@@ -35,6 +35,8 @@ def install(fake: Any) -> None:
     _patch_spawn()
     _patch_data_parallel_transfers()
     _patch_device_mesh()
+    _patch_fsdp_module_move()
+    _patch_lightning_launchers()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -97,6 +99,74 @@ def _patch_device_mesh() -> None:
         if inspect.isfunction(member) and (name == "__init__" or not name.startswith("__")):
             setattr(mesh_class, name, on_real_tensors(member))
     device_mesh.init_device_mesh = on_real_tensors(device_mesh.init_device_mesh)
+
+
+def _patch_fsdp_module_move() -> None:
+    """FSDP1 given `device_id` moves a model's CPU tensors there by `param.data = param.to(device)`
+    (`_init_utils._move_module_to_device`, "like the .data code path of nn.Module._apply"): a fake GPU tensor
+    `.data`-assigned to a real CPU parameter leaves it on device meta, and FSDP stops ("Inconsistent compute device
+    and `device_id` ... meta vs cuda:0"). Fabric's and accelerate's FSDP pass `device_id` with the model on the CPU.
+    The same move runs first through the fake-aware `nn.Module._apply`, module by module as upstream walks them (not
+    into nested FSDP instances; ignored tensors stay), which replaces the parameters by fake ones and rebinds the
+    optimizers built before; upstream's move then finds nothing left on the CPU."""
+    from xmem.trace.fakecuda import _patch_on_import
+
+    def patch(init_utils: Any) -> None:
+        move = init_utils._move_module_to_device
+
+        def move_fake_aware(module: nn.Module, ignored_params: set, ignored_buffers: set, device: Any) -> None:
+            if device is not None:
+                nested = init_utils.fsdp_file.FullyShardedDataParallel  # defined after _init_utils is loaded
+                ignored = {id(t) for t in (*ignored_params, *ignored_buffers)}
+                to_device = (lambda t: t if id(t) in ignored or t.device.type != "cpu" else t.to(device))
+                queue = [module]
+                while queue:
+                    current = queue.pop()
+                    current._apply(to_device, recurse=False)
+                    queue.extend(child for child in current.children() if not isinstance(child, nested))
+            move(module, ignored_params, ignored_buffers, device)
+
+        init_utils._move_module_to_device = move_fake_aware
+
+    _patch_on_import("torch.distributed.fsdp._init_utils", patch)
+
+
+# Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself
+_LIGHTNING_LAUNCHERS = tuple(f"{package}.strategies.launchers.subprocess_script" for package in (
+    "lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning"))
+
+
+class _NoChildProcesses:
+    """Stands for the `subprocess` module of a Lightning launcher while it would start the other ranks."""
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> None:  # noqa: N802 (subprocess's name)
+        return None
+
+
+def _patch_lightning_launchers() -> None:
+    """Lightning with devices=N, started as `python train.py`, starts ranks 1..N-1 as copies of the script
+    (`_SubprocessScriptLauncher._call_children_scripts`: subprocess.Popen). They would run without fake CUDA and take
+    the CPU from rank 0's trace: rank 0 runs alone, as under mp.spawn, with the environment upstream sets for it
+    there (MASTER_ADDR/PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE), and no child for the launcher to watch."""
+    from xmem.trace.fakecuda import _patch_on_import
+
+    def patch(module: Any) -> None:
+        launcher = module._SubprocessScriptLauncher
+        start_children = launcher._call_children_scripts
+
+        def rank_zero_alone(self: Any) -> None:
+            real, module.subprocess = module.subprocess, _NoChildProcesses
+            try:
+                start_children(self)
+            finally:
+                module.subprocess = real
+            self.procs = []
+
+        launcher._call_children_scripts = rank_zero_alone
+
+    for name in _LIGHTNING_LAUNCHERS:
+        _patch_on_import(name, patch)
 
 
 def _patch_data_parallel_transfers() -> None:
