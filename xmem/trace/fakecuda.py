@@ -436,7 +436,10 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                 return memo[id(tensor)]
             with torch.no_grad():
                 converted = fn(tensor)
-            if not isinstance(converted, FakeTensor) and not isinstance(tensor, FakeTensor):
+            # stock sets .data only where the types allow it (compute_should_use_set_data); a DTensor moved off
+            # meta (FSDP2's to_empty) is replaced, as stock swaps it
+            if not isinstance(converted, FakeTensor) and not isinstance(tensor, FakeTensor) and (
+                    converted is tensor or torch._has_compatible_shallow_copy_type(tensor, converted)):
                 if converted is not tensor:  # stock: same object, new data
                     tensor.data = converted
                 result = tensor
