@@ -1,6 +1,6 @@
 """analyze_job: parse -> estimate per command -> combined peaks -> decision. The estimator here is a hand-written
 stand-in returning hand-made `Estimate` records (tests/estimates.py), so each figure below is chosen, not
-measured; the real estimator runs end to end in test_cli_check.py."""
+measured; the real estimator runs end to end in tests/cli/test_check.py."""
 
 from pathlib import Path
 

@@ -12,7 +12,7 @@ from xmem.slurm.store_fit import kept_tables, store_samples
 
 MIB = 1 << 20
 GIB = 1 << 30
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SITE = """\
 [partitions.gpu_types]
 debug = ["a100", "h100", "1g.10gb"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = REPO / "etc" / "xmem.toml"
 XMEM_SLURM = Path(sys.executable).parent / "xmem-slurm"
 

@@ -18,7 +18,7 @@ from xmem.slurm.cluster import (ClusterError, from_pyslurm, parse_gres_list, par
                                 parse_scontrol_partitions, parse_sinfo_json, parse_version, query_cluster,
                                 run_command, versions_match)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "slurm"
 CAPTURED = {
     ("sinfo", "-V"): "sinfo-V.txt",

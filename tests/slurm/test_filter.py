@@ -1,5 +1,5 @@
-"""The filter's entry point as cli_filter.lua runs it: JSON in, JSON out, failure modes, with the real analysis
-(for jobs that need no estimate: CPU jobs and jobs with no training command)."""
+"""The filter: its entry point as cli_filter.lua runs it (JSON in, JSON out, failure modes, with the real analysis
+for jobs that need no estimate: CPU jobs and jobs with no training command), and the path a submission takes."""
 
 import io
 import json
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from xmem.slurm.contract import FilterRequest
-from xmem.slurm.filter import filter_main, wrapped_script
+from tests.slurm.submissions import PEAKS, decision
+from xmem.slurm.contract import Analysis, FilterRequest
+from xmem.slurm.filter import filter_main, run_filter, wrapped_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path, failure="open"):
@@ -100,3 +101,40 @@ def test_isolated_module_entry_point_runs(tmp_path):
                           input=submission(script), capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["set"] == {}
+
+
+def test_a_hetjob_passes_unchanged_with_a_notice(tmp_path):
+    from xmem.config import config_from_dict
+
+    script = tmp_path / "het.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --ntasks=1\n#SBATCH hetjob\n#SBATCH --gres=gpu:1\n"
+                      "srun --het-group=1 python train.py\n")
+    config = config_from_dict({"estimate": {"cache_dir": str(tmp_path / "c")}})
+    never = lambda *a: pytest.fail("a hetjob must not be estimated")
+    for req in (FilterRequest(script=str(script), argv=(str(script),), options={"ntasks": "1"}),
+                FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"},
+                              hetjob=True)):
+        reply = run_filter(req, config, analyzer=never)
+        assert reply.set == {} and "heterogeneous job" in reply.message and "unchanged" in reply.message
+
+
+def test_one_deadline_bounds_the_wait_for_a_slot_and_the_estimate(tmp_path):
+    import time
+
+    from xmem.config import config_from_dict
+
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    site = config_from_dict({"estimate": {"timeout_s": 30, "cache_dir": str(tmp_path / "cache")}})
+    left = []
+
+    def analyzer(path, req, config, *, deadline):
+        left.append(deadline - time.monotonic())
+        return Analysis(decision(), PEAKS)
+
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
+                        cwd=str(tmp_path))
+    reply = run_filter(req, site, analyzer=analyzer)
+    assert reply.set["gres"] == "mps:a100:40" and len(left) == 1
+    assert 20 < left[0] < 30  # the site's 30 s from the submission's start, less what the filter spent first
+    assert site.estimate.timeout_s == 30  # the config is not rewritten to carry it

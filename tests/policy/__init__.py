@@ -1,0 +1,1 @@
+"""Tests of xmem.policy, one file per module (test_<module>.py)."""

@@ -1,0 +1,1 @@
+"""Tests of xmem.slurm, one file per module (test_<module>.py)."""
