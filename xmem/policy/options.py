@@ -1,6 +1,6 @@
 """Every way the site offers each GPU type, side by side, for one job: what `check` and `estimate --config` show.
 
-Owns two views built on the policy's own offers (`decide.considered_offers`, `decide.decide`: nothing here sizes
+Owns two views built on the policy's own offers (`rules.considered_offers`, `rules.decide`: nothing here sizes
 an offer a second way):
 - `option_table`: per offer the usable memory, the job's peak, the need with the site margin, fits or not and by how
   much, the one the policy picks (with its reason) and the closest cheaper offer that did not fit;
@@ -18,7 +18,7 @@ from typing import Any
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu
 from xmem.jobscript import SbatchRequest
-from xmem.policy.decide import Decision, considered_offers, decide, describe_offer, gres_capacity, share_bytes
+from xmem.policy.rules import Decision, considered_offers, decide, describe_offer, gres_capacity, share_bytes
 
 MPS_FRACTIONS = (4, 2)  # MPS shares of 100 are too many to list: a quarter and a half of the GPU stand for them
 MAX_LISTED_SHARDS = 8  # shards of a GPU up to this many are listed one count each, more as MPS_FRACTIONS
