@@ -1,0 +1,224 @@
+"""FSDP as rank 0 of N runs it, traced from small programs (tests/scripts/): FSDP2 (`fully_shard`) with a bf16
+MixedPrecisionPolicy under torchrun, and Lightning Fabric's FSDP strategy (FSDP1) and ModelParallelStrategy (FSDP2)
+launched as `python train.py --devices N`. Each category is pinned by figures derived by hand from the layer
+shapes and the upstream functions that make each buffer (torch/distributed/fsdp/_fully_shard/ for FSDP2,
+_flat_param.py for FSDP1): the fp32 shards (parameters, gradients, AdamW's two moments) and the bf16 unsharded
+parameters that live only while their unit runs (freed by `storage.resize_(0)`). This build only: each trace
+costs seconds."""
+
+import math
+import sys
+
+import pytest
+
+from test_trace_scripts import allocs, sizes
+from torch_builds import SCRIPTS
+from xmem.audit import audit
+from xmem.trace import run_trace
+from xmem.trace.recorder import UNSHARDED_PARAMETER
+
+FP32, BF16 = 4, 2
+TRACES: dict[tuple, object] = {}
+
+
+def traced(script: str, world: int):
+    """One trace per program and world size for the whole module (2 iterations), launched as a user would."""
+    key = (script, world)
+    if key not in TRACES:
+        if script.startswith("fabric"):  # Fabric launches its own ranks: the node has the GPUs it asks for
+            TRACES[key] = run_trace([sys.executable, str(SCRIPTS / script), "--devices", str(world)], iterations=2,
+                                    device_count=world)
+        else:
+            TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / script)], iterations=2)
+    return TRACES[key]
+
+
+# ---- the sharding rules ------------------------------------------------------------------------------------------
+def dim0_shard(shape: tuple[int, ...], world: int) -> int:
+    """Elements of rank 0's shard of one parameter in FSDP2: torch.chunk along dim 0 gives rank 0 ceil(rows / N)
+    rows; FSDPParam._init_sharded_param keeps it in a buffer of that padded size (new_zeros)."""
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def dim0_padded(shape: tuple[int, ...], world: int) -> int:
+    """Elements of one unsharded parameter as FSDP2 all-gathers it: N padded shards (init_all_gather_outputs)."""
+    return dim0_shard(shape, world) * world
+
+
+def walk(result):
+    """Each event, with the storages live (block -> its alloc) just after it."""
+    live = {}
+    for e in result.events:
+        if e.action == "alloc":
+            live[e.block] = e
+        elif e.action == "free":
+            live.pop(e.block, None)
+        yield e, live
+
+
+def live_at_first_step(result) -> dict[str, list[int]]:
+    """Sizes of the storages live per category at the first event of iteration 0's optimizer step."""
+    for e, live in walk(result):
+        if e.iteration == 0 and e.phase == "optimizer":
+            held: dict[str, list[int]] = {}
+            for alloc in live.values():
+                held.setdefault(alloc.category, []).append(alloc.nbytes)
+            return {category: sorted(nbytes) for category, nbytes in held.items()}
+    raise AssertionError("no optimizer step in iteration 0")
+
+
+def peak_live(result, counted, since: int = 0) -> int:
+    """The most bytes live at once, from iteration `since` on, among the allocations for which `counted(alloc)`
+    holds."""
+    return max(sum(alloc.nbytes for alloc in live.values() if counted(alloc))
+               for e, live in walk(result) if e.iteration >= since)
+
+
+def unsharded_per_pass(result, iteration: int, phase: str) -> list[int]:
+    return sizes(e for e in allocs(result, UNSHARDED_PARAMETER, phase) if e.iteration == iteration)
+
+
+def freed_within_their_iteration(result, category: str) -> bool:
+    born = {e.block: e.iteration for e in allocs(result, category) if e.iteration >= 0}
+    freed = {e.block: e.iteration for e in result.events if e.action == "free" and e.block in born}
+    return freed == born
+
+
+# ---- FSDP2 + MixedPrecisionPolicy(bf16 params, fp32 reduce): fsdp2_mixed_precision.py --------------------------
+# 3 blocks (Linear(256, 512), Linear(512, 256)) and a head Linear(256, 10), each its own fully_shard unit; the
+# root unit holds no parameter of its own
+BLOCK = [(512, 256), (512,), (256, 512), (256,)]
+HEAD = [(10, 256), (10,)]
+MP_UNITS = [BLOCK] * 3 + [HEAD]
+
+
+def fsdp2_figures(units: list[list[tuple[int, ...]]], world: int) -> dict[str, list[int]]:
+    """What FSDP2 (with a bf16 param_dtype and an fp32 reduce_dtype) keeps on rank 0, from the upstream code:
+    - parameter: each fp32 shard (FSDPParam._init_sharded_param);
+    - gradient: one fp32 flat buffer per unit, the reduce-scatter output (foreach_reduce: reduce_output in the
+      reduce dtype, which is the parameters' dtype, so the sharded grads are views of it);
+    - optimizer_state: AdamW's exp_avg and exp_avg_sq, zeros_like each shard (its step counter stays on the CPU);
+    - unsharded (bf16): per parameter, N padded shards (FSDPParam.init_all_gather_outputs, regrown by
+      alloc_all_gather_outputs and dropped by free_unsharded_param: storage resize_);
+    - all_gather (bf16): per unit, the flat all-gather output (foreach_all_gather: all_gather_comm.allocate) and
+      rank 0's copy-in (_get_param_all_gather_inputs: flat_foreach_copy_input)."""
+    shards = [[dim0_shard(shape, world) for shape in unit] for unit in units]
+    unsharded = [[dim0_padded(shape, world) * BF16 for shape in unit] for unit in units]
+    return {
+        "parameter": sorted(n * FP32 for unit in shards for n in unit),
+        "gradient": sorted(sum(unit) * FP32 for unit in shards),
+        "optimizer_state": sorted(n * FP32 for unit in shards for n in unit for _moment in range(2)),
+        "unsharded": sorted(n for unit in unsharded for n in unit),
+        "unit_unsharded": [sum(unit) for unit in unsharded],
+        "all_gather": sorted(n for unit in unsharded for n in (sum(unit), sum(unit) // world)),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gathers_bf16_one_unit_at_a_time(world):
+    result = traced("fsdp2_mixed_precision.py", world)
+    figures = fsdp2_figures(MP_UNITS, world)
+    held = live_at_first_step(result)
+    assert held["parameter"] == figures["parameter"]  # the fp32 shards alone: no unsharded parameter left
+    assert held["gradient"] == figures["gradient"]
+    assert UNSHARDED_PARAMETER not in held  # every unit resharded after its backward
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    for iteration in (0, 1):  # every unit gathered in bf16 for its forward and again for its backward
+        for phase in ("forward", "backward"):
+            assert unsharded_per_pass(result, iteration, phase) == figures["unsharded"]
+    assert freed_within_their_iteration(result, UNSHARDED_PARAMETER)
+    # FSDP2 copies a unit's all-gather out into its parameters in that unit's own pre-forward / pre-backward
+    # (FSDPParamGroup.wait_for_unshard) and frees them in its reshard, before the next unit's: one unit at a time
+    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER) == max(figures["unit_unsharded"])
+    # with the flat all-gather buffers: at least a unit's parameters and the next unit's prefetched output; at most
+    # also the previous unit's output (kept in forward until the next copy-out) and one copy-in
+    gathered = peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER or (
+        e.stream != 0 and e.op == "empty" and e.category != "gradient"))
+    largest = max(figures["unit_unsharded"])
+    assert 2 * largest <= gathered <= 3 * largest + largest // world
+    flat = [e for e in allocs(result) if e.iteration == 0 and e.phase == "forward" and e.stream != 0]
+    assert sizes(flat) == figures["all_gather"]  # each unit's all-gather output and copy-in, in bf16
+    # reduce-scatter in fp32: each unit's bf16 unsharded gradients copied into one fp32 buffer (foreach_reduce)
+    scatter_inputs = [e.nbytes for e in allocs(result, phase="backward") if e.iteration == 0 and e.op == "empty"
+                      and e.stream == 0]
+    assert sorted(scatter_inputs) == sorted(n // BF16 * FP32 for n in figures["unit_unsharded"])
+    assert audit(result) == ()
+
+
+# ---- Fabric(strategy="fsdp", precision="bf16-mixed"): FSDP1, the whole model one unit (fabric_fsdp.py) ----------
+# Linear(128, 512), GELU, Linear(512, 128), LayerNorm(128), Linear(128, 4): one flat parameter. With
+# use_orig_params (Fabric's default) FSDP1 aligns each parameter to 16 bytes (4 fp32 elements): every numel here is
+# a multiple of 4, so no padding inside; 132484 elements divide by 2 and 4, so none at the end either
+FABRIC_PARAMS = [128 * 512, 512, 512 * 128, 128, 128, 128, 128 * 4, 4]
+FLAT = sum(FABRIC_PARAMS)
+
+
+def views_in_shard(numels: list[int], shard: int) -> list[int]:
+    """Elements of each original parameter inside rank 0's shard (the first `shard` elements of the flat
+    parameter): with use_orig_params the optimizer steps these views."""
+    held, start = [], 0
+    for numel in numels:
+        inside = min(start + numel, shard) - start
+        if inside > 0:
+            held.append(inside)
+        start += numel
+    return held
+
+
+def test_fabric_fsdp1_bf16_mixed_shards_one_flat_parameter_and_gathers_it_in_bf16():
+    world = 2
+    result = traced("fabric_fsdp.py", world)
+    shard = FLAT // world
+    held = live_at_first_step(result)
+    # FlatParamHandle.shard: rank 0 keeps the first FLAT / N elements in fp32; its gradient is the fp32 copy of the
+    # bf16 reduce-scatter output (_cast_grad_to_param_dtype); the step sees the views of the layers inside the shard
+    assert held["parameter"] == [shard * FP32]
+    assert held["gradient"] == [shard * FP32]
+    assert views_in_shard(FABRIC_PARAMS, shard) == [128 * 512, 512, shard - 128 * 512 - 512]
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == sorted(n * FP32 for n in views_in_shard(FABRIC_PARAMS, shard) for _moment in range(2))
+    # each iteration: the bf16 copy of the shard (_mp_shard, FlatParamHandle._use_low_precision_shard) and the bf16
+    # unsharded flat parameter (_full_param_padded, _alloc_padded_unsharded_flat_param), both regrown by resize_
+    for iteration in (0, 1):
+        regrown = [e for e in allocs(result, UNSHARDED_PARAMETER) if e.iteration == iteration and e.op == "resize_"]
+        assert sizes(regrown) == sorted([shard * BF16, FLAT * BF16])
+    # the first forward's lazy init (FlatParamHandle.init_flat_param_attributes) makes each buffer once and frees
+    # it at once (_free_storage): the bf16 shard, the bf16 unsharded and the fp32 unsharded flat parameter (that one
+    # for summon_full_params)
+    made = [e for e in allocs(result, UNSHARDED_PARAMETER, "forward") if e.iteration == 0 and e.op != "resize_"]
+    assert sizes(made) == sorted([shard * BF16, FLAT * BF16, FLAT * FP32])
+    # in steady state the root unit is not resharded after forward: the unsharded flat parameter lives through
+    # forward and backward, the low-precision shard only until its all-gather is done
+    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER, since=1) == FLAT * BF16 + shard * BF16
+    assert freed_within_their_iteration(result, UNSHARDED_PARAMETER)
+    assert audit(result) == ()
+
+
+# ---- Fabric ModelParallelStrategy + fully_shard with a bf16 policy, meta-device init (fabric_fsdp2.py) ----------
+# 2 blocks (LayerNorm(256), Linear(256, 1024), GELU, Linear(1024, 256)) each a unit; the root unit holds the head
+# Linear(256, 8)
+FABRIC_BLOCK = [(256,), (256,), (1024, 256), (1024,), (256, 1024), (256,)]
+FABRIC_UNITS = [FABRIC_BLOCK] * 2 + [[(8, 256), (8,)]]
+
+
+def test_fabric_model_parallel_fsdp2_materialises_shards_and_keeps_the_root_unit_gathered():
+    world = 4
+    result = traced("fabric_fsdp2.py", world)
+    figures = fsdp2_figures(FABRIC_UNITS, world)
+    held = live_at_first_step(result)
+    # fabric.setup: fully_shard on the meta model, then to_empty + reset_parameters make the fp32 shards only
+    assert held["parameter"] == figures["parameter"]
+    assert sizes(allocs(result, "parameter")) == figures["parameter"]  # never the whole model on one GPU
+    assert held["gradient"] == figures["gradient"]
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    blocks = fsdp2_figures(FABRIC_UNITS[:-1], world)["unsharded"]
+    for iteration in (0, 1):
+        assert unsharded_per_pass(result, iteration, "forward") == figures["unsharded"]
+        # the root unit is not resharded after forward: only the blocks are gathered again for backward
+        assert unsharded_per_pass(result, iteration, "backward") == blocks
+    # the root's gathered head stays while each block is gathered in turn
+    root_bytes, block_bytes = figures["unit_unsharded"][-1], figures["unit_unsharded"][0]
+    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER) == root_bytes + block_bytes
+    assert audit(result) == ()
