@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import importlib
 import importlib.machinery
 import json
 import os
@@ -290,18 +291,23 @@ def _origin(module: Any) -> str:
     return origin if os.path.isabs(origin) and os.path.isfile(origin) else ""
 
 
-def code_signature(preloaded: dict[str, str]) -> list:
-    """What makes a server stale when it changes on disk: xmem's sources and each preloaded package's first file."""
-    xmem_dir = Path(__file__).resolve().parent.parent
-    files = sorted(str(p) for p in xmem_dir.rglob("*.py")) + sorted(preloaded.values())
-    signature = []
+def code_signature(origins: dict[str, str]) -> list:
+    """What makes a server stale when it changes on disk: the files of the xmem modules it loaded, and each
+    preloaded package's first file (an upgrade rewrites it). A job imports everything else from disk itself."""
+    xmem_dir = str(Path(__file__).resolve().parent.parent) + os.sep
+    loaded = [_origin(module) for module in list(sys.modules.values())]
+    return file_stamps(sorted({name for name in loaded if name.startswith(xmem_dir)} | set(origins.values())))
+
+
+def file_stamps(files: list[str]) -> list:
+    stamps = []
     for name in files:
         try:
             info = os.stat(name)
         except OSError:
             info = None
-        signature.append((name, info.st_mtime_ns if info else 0, info.st_size if info else 0))
-    return signature
+        stamps.append((name, info.st_mtime_ns if info else 0, info.st_size if info else 0))
+    return stamps
 
 
 def _listen(path: Path) -> socket.socket:
@@ -387,7 +393,7 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 def _declined(request: dict[str, Any], loaded: Loaded) -> str:
     """Why this job cannot be run here exactly as the cold child would run it; "" when it can."""
-    if code_signature(loaded.origins) != loaded.signature:
+    if file_stamps([name for name, _, _ in loaded.signature]) != loaded.signature:
         os.kill(os.getppid(), signal.SIGTERM)  # stale: the next estimate starts a fresh server
         return "xmem, torch or a preloaded library changed since the warm tracer started"
     env, cwd = request["env"], request["cwd"]
@@ -504,8 +510,23 @@ def _trace_in_process(argv: list[str], env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     sandbox.install_in_child()
+    importlib.invalidate_caches()  # a package installed since the server listed its directories
+    _fresh_random_state()
     from xmem.trace import child
     child.main(argv[argv.index("xmem.trace") + 1:])
+
+
+def _fresh_random_state() -> None:
+    """The random generators as a fresh interpreter has them (Python's and numpy's seeded from the OS, torch's at its
+    fixed default), not as the server's imports left them for every job."""
+    import random
+
+    import torch
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch.default_generator.manual_seed(torch.default_generator.initial_seed())
 
 
 def main(argv: list[str]) -> None:
