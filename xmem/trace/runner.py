@@ -4,7 +4,8 @@ Owns the subprocess: interpreter choice, PYTHONPATH so the child finds xmem from
 rank for distributed launchers, the timeout, capture of the program's output, the sandbox it runs in
 (`xmem.trace.sandbox`: the limits, the shim cache kept writable, stale scratch directories removed), and turning
 the child's error JSON, or how it ended without one (os._exit, a signal, the memory limit), into a TraceError.
-Does not import torch.
+With XMEM_WARM_TRACER=1 the same child is asked of the warm tracer (`xmem.trace.warm`) first, and started cold
+whenever it does not run it to its end. Does not import torch.
 """
 
 from __future__ import annotations
