@@ -299,11 +299,13 @@ class AllocationRecorder(TorchDispatchMode):
         if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
             for inner in _inner_tensors(tensor):
                 self._note_unseen(inner, op)
-        elif tensor.device.type == "cuda":
+            return
+        key = _storage_key(tensor)
+        if key is not None and self._known(key):
+            return  # nearly every input: known storages are CUDA ones, so the device (a Python property) can wait
+        if tensor.device.type == "cuda":
             storage = tensor.untyped_storage()
-            key = storage._cdata
-            if not self._known(key):
-                self._alloc(storage, key, tensor.device.index or 0, op, from_host=True)
+            self._alloc(storage, storage._cdata, tensor.device.index or 0, op, from_host=True)
 
     def _note_output(self, tensor: torch.Tensor, op: str, args: tuple) -> None:
         if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
@@ -314,16 +316,17 @@ class AllocationRecorder(TorchDispatchMode):
             return
         if tensor.dtype == torch.bool:
             guess_truth(tensor, op, args)
-        if tensor.device.type != "cuda":
+        key = _storage_key(tensor)
+        known = key is not None and self._known(key)  # a view, an in-place result: on CUDA, as all known storages
+        if not known and tensor.device.type != "cuda":
             return
         if op not in self._cuda_ops:
             self._first_cuda_use(op)
+        if known:
+            return
         storage = tensor.untyped_storage()
-        key = storage._cdata
-        if self._known(key):
-            return  # a view, an in-place result, or a storage already known
         from_host = op in _COPY_OPS and isinstance(args[0], torch.Tensor) and args[0].device.type != "cuda"
-        self._alloc(storage, key, tensor.device.index or 0, op, from_host)
+        self._alloc(storage, storage._cdata, tensor.device.index or 0, op, from_host)
 
     def _alloc(self, storage: torch.UntypedStorage, key: int, device: int, op: str, from_host: bool,
                watch: bool = True) -> None:
@@ -484,6 +487,15 @@ def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors a traceable wrapper subclass holds (upstream protocol: __tensor_flatten__)."""
     names, _ = tensor.__tensor_flatten__()
     return [inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor)]
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of the StorageImpl behind `tensor`, which identifies a storage while it lives; None for a
+    layout without one (sparse)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
