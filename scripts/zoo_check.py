@@ -219,14 +219,21 @@ def attention_scope() -> Any:
 @contextlib.contextmanager
 def attention_in_scope():
     """Every F.scaled_dot_product_attention call (by attribute, as models and nn.MultiheadAttention make it) runs
-    inside the scope module; the function in place (the tracer's backend choice on fake CUDA) is the one called."""
+    inside the scope module; the function in place (the tracer's backend choice on fake CUDA) is the one called.
+
+    nn.MultiheadAttention runs inside it as a whole: it reshapes the SDPA output from (B, H, T, D) to (T*B, H*D),
+    which copies on CUDA (the fused kernels return a (B, T, H, D)-major output) and not on the CPU (whose flash
+    kernel returns the query's own (T, B, H, D) layout), so that copy is the attention family's too."""
+    import torch
     import torch.nn.functional as F
-    inner = F.scaled_dot_product_attention
+    inner, inner_mha = F.scaled_dot_product_attention, torch.nn.MultiheadAttention.forward
     F.scaled_dot_product_attention = lambda *args, **kwargs: attention_scope()(inner, *args, **kwargs)
+    torch.nn.MultiheadAttention.forward = lambda self, *args, **kwargs: attention_scope()(inner_mha, self, *args,
+                                                                                          **kwargs)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = inner
+        F.scaled_dot_product_attention, torch.nn.MultiheadAttention.forward = inner, inner_mha
 
 
 @contextlib.contextmanager

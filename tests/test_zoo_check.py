@@ -89,6 +89,20 @@ def test_the_oracle_counts_what_the_graph_holds_when_backward_starts_not_a_dropp
     loss.backward()
 
 
+def test_multihead_attention_runs_in_the_attention_scope_as_a_whole():
+    # its SDPA output's reshape copies on CUDA only (kernel layouts): every op inside it is the attention family's
+    import torch
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    batch = {"x": torch.randn(2, 5, 16)}
+    oracle, original = zoo.CpuOracle(), torch.nn.MultiheadAttention.forward
+    with oracle.instrumented(mha, batch), zoo.attention_in_scope():
+        out, _ = mha(batch["x"], batch["x"], batch["x"], need_weights=False)
+    assert torch.nn.MultiheadAttention.forward is original
+    made = {oracle.producers[key][0] for key in oracle.saved if key in oracle.producers}
+    assert made and all(zoo.family_of(name) == "attention" for name in made), made
+    out.sum().backward()
+
+
 FAST_SUBSET = ["tv:squeezenet1_1@64", "hf:gpt2@16", "hf:bert@16"]  # plain CNN with dropout; fused attention
 
 
