@@ -153,6 +153,14 @@ def test_second_job_sees_nothing_of_the_first(warm_on, tmp_path):
     assert first_cpu < COLD_CPU_S and second_cpu < COLD_CPU_S, "a job was not run warm"
 
 
+def test_warm_job_without_namespaces_runs_in_the_fallback_sandbox(warm_on, monkeypatch):
+    monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
+    before = children_cpu()
+    trace = run_trace(MLP, iterations=2)
+    assert children_cpu() - before < COLD_CPU_S
+    assert trace.sandbox.startswith("fallback") and trace.iterations == 2
+
+
 def test_another_user_cannot_reach_or_be_served(server, users):
     path, _ = server
     (intruder,) = users
@@ -196,6 +204,7 @@ def test_server_dying_mid_way_falls_back_to_cold(warm_on, tmp_path):
     def estimate() -> None:
         outcome["trace"], outcome["cpu"] = traced(["python", str(script), "--steps", "4"])
 
+    assert wait_for(lambda: not sandbox.descendants(process.pid), 10)  # the jobs before have ended
     thread = threading.Thread(target=estimate)
     thread.start()
     assert wait_for(lambda: sandbox.descendants(process.pid), 30), "the job never started warm"
@@ -210,6 +219,7 @@ def test_sigterm_stops_a_warm_job(warm_on, tmp_path):
     _, process = warm_on
     script = tmp_path / "sleeps.py"
     script.write_text("import time\ntime.sleep(120)\n")
+    assert wait_for(lambda: not sandbox.descendants(process.pid), 10)  # the jobs before have ended
     parent = subprocess.Popen([sys.executable, "-c", f"from xmem.trace import run_trace; run_trace(['python', "
                                                      f"{str(script)!r}])"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
