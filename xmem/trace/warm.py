@@ -179,7 +179,7 @@ class WarmJob:
             socket.send_fds(connection, [HEADER.pack(len(body))], fds)
             connection.sendall(body)
             started = job._reply(CONNECT_TIMEOUT_S * 5)
-        except OSError:
+        except (OSError, ValueError):  # no answer, or not one of ours: go cold
             started = None
         if not started or "started" not in started:
             connection.close()
@@ -191,7 +191,7 @@ class WarmJob:
             reply = self._reply(timeout)
         except socket.timeout:
             raise subprocess.TimeoutExpired("warm tracer", timeout or 0) from None
-        except OSError:
+        except (OSError, ValueError):
             reply = None
         self.connection.close()
         return reply.get("status") if reply else None
@@ -201,7 +201,7 @@ class WarmJob:
         try:
             self.connection.sendall(b"stop\n")
             self._reply(STOP_GRACE_S + 5)
-        except OSError:
+        except (OSError, ValueError):
             pass  # the server is gone, and with it the job (it dies with its parent)
         self.connection.close()
 
