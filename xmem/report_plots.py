@@ -20,7 +20,8 @@ MIB = 1 << 20
 # Bottom to top; categories the trace has but this list lacks go on top, in name order.
 ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": "#d62728"}  # the peak's and the OOM's labels
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
-CATEGORY_ORDER = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "workspace", "other")
+CATEGORY_ORDER = ("parameter", "unsharded_parameter", "gradient", "optimizer_state", "activation", "temporary",
+                  "workspace", "other")  # unsharded: FSDP's gathered weights, beside the shards
 
 
 def _pyplot():
