@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from xmem.fit import FitError, Point, Vary, command_at, find_limits, fit_growth, parse_vary
+from xmem.fit import FitError, Point, Vary, command_at, find_limits, fit_growth, parse_vary, phase_peaks
+from xmem.simulate import ALLOC, FREE
 from xmem.policy.options import FixedOption
 
 MIB, GIB = 2**20, 2**30
@@ -166,8 +167,11 @@ def test_the_value_goes_in_the_placeholder_or_after_the_option():
         command_at(["python", "t.py", "--lr", "1"], vary, 4)
 
 
-def point(value: int, breakdown: dict[str, int], gpu: str = "g") -> Point:
-    return Point(value, {gpu: sum(breakdown.values())}, frozenset(), breakdown, gpu)
+def point(value: int, breakdown: dict[str, int], gpu: str = "g", **phases: dict[str, int]) -> Point:
+    """A trace whose peak is `breakdown` (its only phase, unless `phases` are given: then the largest of them)."""
+    phases = phases or {"backward": breakdown}
+    peak = {gpu: max(sum(p.values()) for p in phases.values())}
+    return Point(value, peak, frozenset(), phases, peak)
 
 
 def test_growth_is_linear_or_quadratic_per_category():
@@ -209,3 +213,34 @@ def test_check_varies_the_batch_scripts_own_command(tmp_path):
     result = json.loads(done.stdout)
     assert result["limits"] == {"tiny": {"whole": 4, "1g.256mb": 4}}
     assert result["traced_values"] == [1, 2, 4] and result["traces"] == 3
+
+
+def test_phase_peaks_are_the_tensors_live_at_each_phases_highest_moment():
+    ops = [(ALLOC, 1, 100, 0), (ALLOC, 2, 50, 0), (FREE, 2, 50, 0), (ALLOC, 3, 30, 0), (ALLOC, 4, 10, 0),
+           (FREE, 3, 30, 0), (ALLOC, 5, 5, 0)]
+    labels = [("parameter", "other", 0), ("activation", "forward", 0), ("activation", "forward", 0),
+              ("gradient", "backward", 0), ("temporary", "backward", 0), ("gradient", "backward", 0),
+              ("optimizer_state", "optimizer", 0)]
+    assert phase_peaks(ops, labels) == {"other": {"parameter": 100}, "forward": {"parameter": 100, "activation": 50},
+                                        "backward": {"parameter": 100, "gradient": 30, "temporary": 10},
+                                        "optimizer": {"parameter": 100, "temporary": 10, "optimizer_state": 5}}
+
+
+def test_the_peak_moving_from_the_optimizer_step_to_the_backward_pass_is_predicted_from_small_values():
+    """As GPT-2 with AdamW: the optimizer step (weights, gradients, two states and the foreach temporaries: 3000
+    MiB) is the peak up to 50 samples, the backward pass (2000 MiB and 20 MiB a sample) above. A model of the
+    peak's own breakdown at 1, 2 and 4 sees no growth at all; the model per phase predicts every limit at once:
+    each is confirmed by its trace and the next value's, no more."""
+    traced = []
+
+    def trace(value: int) -> Point:
+        traced.append(value)
+        state = {"parameter": 500 * MIB, "gradient": 500 * MIB, "optimizer_state": 1000 * MIB}
+        return point(value, {}, backward={**state, "activation": value * 20 * MIB},
+                     optimizer={**state, "temporary": 1000 * MIB})
+
+    options = [FixedOption("g", "whole", 8000 * MIB), FixedOption("g", "half", 4000 * MIB),
+               FixedOption("g", "3g", 3000 * MIB)]
+    result = find_limits(Vary("b", 1, 1000), options, trace, lambda peak: peak)
+    assert result.limits == {"g": {"whole": 300, "half": 100, "3g": 50}}
+    assert sorted(traced) == [1, 2, 4, 50, 51, 100, 101, 300, 301]

@@ -2,12 +2,15 @@
 GPU type and each way the site offers it, from a few traces rather than a search of full estimates.
 
 Owns the `--vary NAME=LOW..HIGH` grammar, putting a value into the command (`{}`, or the value of `--NAME`), the
-growth model (how each memory category of the breakdown grows with the value: linear, or quadratic where the traces
-show a curve, as attention scores do in the sequence length) and the search: trace at a few small values, predict
-each option's limit from the model, confirm it with a trace at the limit and one at the next value, and where the
-model was wrong, refit with what was traced and try again (bisection on real traces after a few misses, so the
-answer is always one confirmed by traces). What fits is decided as the policy decides it: the site margin on the
-peak (`job_peak`) against the option's usable memory (`xmem.policy.options.fixed_options`).
+growth model and the search. The model: per phase of the run (forward, backward, optimizer), the tensors live at
+that phase's peak, each category a line or a parabola in the value (attention scores grow with the square of the
+sequence length); the run's peak is the largest phase's (the peak moves between phases as the value grows), plus
+the allocator's slack and the overhead as the nearest trace shows them. The search: trace at a few small values,
+then per option trace the model's limit and, once a trace fits, the value above it (the neighbour that confirms
+it); a miss refits with what was traced (bisection on real traces after a few misses, so the answer is always one
+confirmed by traces). One trace answers every GPU type and option (the replays per type are cheap). What fits is
+decided as the policy decides it: the site margin on the peak (`job_peak`) against the option's usable memory
+(`xmem.policy.options.fixed_options`).
 Pure apart from the trace function it is given: `xmem.cli.fit` runs the estimates.
 """
 
@@ -23,19 +26,16 @@ from typing import Any
 import numpy as np
 
 from xmem.policy.options import FixedOption
+from xmem.simulate import ALLOC, FREE
 
 PLACEHOLDER = "{}"
-MODEL_ROUNDS = 3  # guesses from the growth model per option before closing in on traces alone
-# The model of each guess is fitted on the traces nearest the option's frontier: where the peak changes regime (at
-# small batches the optimizer step, at large ones the activations) the traces far from it mislead.
+MODEL_ROUNDS = 6  # traces guided by the growth model per option before bisection on traces alone
+# The model of each guess is fitted on the traces nearest the option's frontier: a category that changes its
+# growth somewhere (a buffer that appears, a kernel chosen by size) misleads from far away.
 LOCAL_POINTS = 3
 # A category is quadratic when a straight line misses a traced point by more than this share of its largest value
-# and this many bytes (the allocator's 2 MiB rounding alone must not make a curve).
-CURVE_SHARE, CURVE_BYTES = 0.02, 4 << 20
-# Not the program's tensors: the allocator's rounding and cached blocks. It does not grow with the program (small
-# values use 2 and 20 MiB segments, large ones are rounded to 2 MiB): the model takes it, with the context and
-# libraries, from the trace nearest the value (`Growth.levels`).
-SLACK = "allocator_slack"
+# (the tensors' requested bytes are exact: no allocator rounding to mistake for a curve).
+CURVE_SHARE = 0.01
 
 
 class FitError(ValueError):
@@ -87,43 +87,76 @@ def command_at(command: Sequence[str], vary: Vary, value: int) -> list[str]:
     return out
 
 
+Phases = Mapping[str, Mapping[str, int]]  # phase of the run -> bytes live per category when its tensors peaked
+
+
+def phase_peaks(ops: Sequence[tuple], labels: Sequence[tuple[str, str, int]]) -> dict[str, dict[str, int]]:
+    """For each phase of the run (forward, backward, optimizer, other; over all iterations), the bytes live per
+    category at the moment the live tensors peaked in it. Taken from the op sequence alone (requested bytes, no
+    allocator): exact where the replay ran out of memory too.
+
+    Each phase's peak is a sum of categories that grow smoothly with a knob, where the peak of the whole run jumps
+    between phases (GPT-2: the optimizer step at small batches, the backward pass at large ones)."""
+    live: dict[int, tuple[str, int]] = {}
+    by_category: dict[str, int] = {}
+    total, highest, peaks = 0, {}, {}
+    for (action, block, nbytes, _stream), (category, phase, _iteration) in zip(ops, labels):
+        if action == ALLOC:
+            live[block] = (category, nbytes)
+            by_category[category] = by_category.get(category, 0) + nbytes
+            total += nbytes
+        elif action == FREE and block in live:
+            category, nbytes = live.pop(block)
+            by_category[category] -= nbytes
+            total -= nbytes
+            continue
+        if action == ALLOC and total > highest.get(phase, -1):
+            highest[phase], peaks[phase] = total, {c: b for c, b in by_category.items() if b}
+    return peaks
+
+
 @dataclass(frozen=True)
 class Point:
-    """One trace at `value`: the bytes the job needs per GPU type (`job_peak`: more than the GPU where it ran out
-    of memory), which of them ran out, and the breakdown at the peak on `breakdown_gpu` (its values add up to that
-    type's peak; empty when that replay ran out of memory: then it says nothing about growth)."""
+    """One trace at `value`: the bytes the job needs per GPU type as the policy counts them (`job_peak`: more than
+    the GPU where it ran out of memory), which of them ran out, what each would need with no memory limit
+    (`needs`: the growth model's figure, the OOM's too), and the tensors live at each phase's peak."""
 
     value: int
     peaks: Mapping[str, int]
     out_of_memory: frozenset[str]
-    breakdown: Mapping[str, int]
-    breakdown_gpu: str
+    phases: Phases
+    needs: Mapping[str, int]
 
     @classmethod
-    def from_estimate(cls, value: int, estimate: Mapping[str, Any], names: Mapping[str, str]) -> Point:
-        """From `Estimate.to_json()`, its GPU types renamed by `names` (catalog name -> the name options use)."""
+    def from_estimate(cls, value: int, estimate: Mapping[str, Any], names: Mapping[str, str], phases: Phases,
+                      unlimited_reserved: int) -> Point:
+        """From `Estimate.to_json()`, its GPU types renamed by `names` (catalog name -> the name options use);
+        `unlimited_reserved`: the peak reserved of a replay with no memory limit (what an OOM type would need
+        besides its overhead)."""
         from xmem.policy import job_peak
 
         gpus = {names.get(name, name): g for name, g in estimate["gpus"].items()}
-        oom = frozenset(name for name, g in gpus.items() if job_peak(g) != g["peak_bytes"])
-        gpu = names.get(estimate.get("breakdown_gpu", ""), estimate.get("breakdown_gpu", ""))
-        breakdown = {} if gpu in oom else dict(estimate.get("breakdown") or {})
-        return cls(value, {name: job_peak(g) for name, g in gpus.items()}, oom, breakdown, gpu)
+        peaks = {name: job_peak(g) for name, g in gpus.items()}
+        oom = frozenset(name for name, g in gpus.items() if peaks[name] != g["peak_bytes"])
+        needs = {name: unlimited_reserved + g["overhead_bytes"] if name in oom else peaks[name]
+                 for name, g in gpus.items()}
+        return cls(value, peaks, oom, phases, needs)
 
 
 @dataclass(frozen=True)
 class Growth:
-    """Each category of tensors as a polynomial in the value (numpy order, highest power first), and per GPU type
-    and traced value what its peak adds to them (allocator slack, context, libraries, workspace): the prediction
-    at a value is the tensors there plus the lesser level of the nearest traces below and above it (the rounding
-    wobbles by a few MiB between neighbours and small values waste whole segments: a guess too high is caught by
-    its trace)."""
+    """Per phase, each category of tensors as a polynomial in the value (numpy order, highest power first); the
+    tensors at a value are the largest phase's. Per GPU type and traced value, what its peak adds to them
+    (allocator slack, context, libraries): the prediction at a value is the tensors there plus the lesser level of
+    the nearest traces below and above it (the rounding wobbles by a few MiB between neighbours and small values
+    waste whole segments: a guess too high is caught by its trace)."""
 
-    categories: Mapping[str, tuple[float, ...]]
+    phases: Mapping[str, Mapping[str, tuple[float, ...]]]
     levels: Mapping[str, Mapping[int, float]]
 
     def tensors(self, value: float) -> float:
-        return sum(float(np.polyval(c, value)) for c in self.categories.values())
+        return max((sum(float(np.polyval(c, value)) for c in categories.values())
+                    for categories in self.phases.values()), default=0.0)
 
     def predict(self, gpu_type: str, value: float) -> float:
         levels = self.levels.get(gpu_type, {})
@@ -132,22 +165,30 @@ class Growth:
         return self.tensors(value) + min((levels[v] for v in (below, above) if v is not None), default=0.0)
 
     def degrees(self) -> dict[str, int]:
-        return {name: len(c) - 1 for name, c in self.categories.items()}
+        """Per category, the highest power it grows with in any phase."""
+        out: dict[str, int] = {}
+        for categories in self.phases.values():
+            for name, c in categories.items():
+                out[name] = max(out.get(name, 0), len(c) - 1)
+        return out
 
 
 def fit_growth(points: Sequence[Point]) -> Growth:
-    """Fit each category of tensors over the points that have a breakdown."""
-    usable = sorted((p for p in points if p.breakdown), key=lambda p: p.value)
-    names = sorted({name for p in usable for name in p.breakdown} - {SLACK, "overhead"})
-    values = np.array([p.value for p in usable], dtype=float)
-    growth = Growth({name: _fit_category(values, np.array([p.breakdown.get(name, 0) for p in usable], dtype=float))
-                     for name in names}, {})
+    """Fit each category of each phase over the points (a phase a point lacks is left out of its fit)."""
+    usable = sorted(points, key=lambda p: p.value)
+    phases: dict[str, dict[str, tuple[float, ...]]] = {}
+    for phase in sorted({phase for p in usable for phase in p.phases}):
+        having = [p for p in usable if phase in p.phases]
+        values = np.array([p.value for p in having], dtype=float)
+        names = sorted({name for p in having for name in p.phases[phase]})
+        phases[phase] = {name: _fit_category(values, np.array([p.phases[phase].get(name, 0) for p in having],
+                                                               dtype=float)) for name in names}
+    growth = Growth(phases, {})
     levels: dict[str, dict[int, float]] = {}
     for p in usable:
-        for gpu, peak in p.peaks.items():
-            if gpu not in p.out_of_memory:
-                levels.setdefault(gpu, {})[p.value] = peak - growth.tensors(p.value)
-    return Growth(growth.categories, levels)
+        for gpu, need in p.needs.items():
+            levels.setdefault(gpu, {})[p.value] = need - growth.tensors(p.value)
+    return Growth(phases, levels)
 
 
 def _fit_category(values: np.ndarray, sizes: np.ndarray) -> tuple[float, ...]:
@@ -160,7 +201,7 @@ def _fit_category(values: np.ndarray, sizes: np.ndarray) -> tuple[float, ...]:
     if len(set(values.tolist())) >= 3:
         miss = float(np.max(np.abs(np.polyval(line, values) - sizes)))
         curve = np.polyfit(values, sizes, 2)
-        if curve[0] > 0 and miss > max(CURVE_BYTES, CURVE_SHARE * float(np.max(np.abs(sizes)))):
+        if curve[0] > 0 and miss > CURVE_SHARE * float(np.max(np.abs(sizes))):
             return tuple(float(c) for c in curve)
     return tuple(float(c) for c in line)
 
@@ -218,32 +259,25 @@ class _Search:
         return self.points[value]
 
     def limit(self, option: FixedOption) -> int | None:
-        for _ in range(MODEL_ROUNDS):
+        """Each round traces the model's limit inside the bracket; once a trace fits, the model's next answer is
+        the value above it (the neighbour that confirms it). The peak is a staircase (the allocator rounds blocks
+        to 2 MiB) that a smooth model cannot place to the value: where traces keep landing on one side, the step
+        away from that side doubles (a gallop), and once the bracket has closed in from both sides twice, or the
+        model has had its rounds, bisection on traces ends it."""
+        step, last, turns = 1, None, 0
+        for rounds in itertools.count():
             low, high = self._bracket(option)
-            if high - low <= 1:
-                return low if low >= self.vary.low else None
-            guess = min(max(self._predicted(option, high), low + 1), high - 1)
-            for value in (guess, guess + 1):
-                if value < high:
-                    self.point(value)
-        low, high = self._bracket(option)
-        for step in itertools.count():  # the model kept missing: close in on traces alone
             if high - low <= 1:
                 break
-            self.point(self._interpolated(option, low, high) if step % 2 == 0 else (low + high) // 2)
-            low, high = self._bracket(option)
+            if turns >= 2 or rounds >= MODEL_ROUNDS:
+                value = (low + high) // 2
+            else:
+                value = self._predicted(option, low, high)
+                value = max(value, low + step) if last else min(value, high - step) if last is False else value
+            fits = self._fits(self.point(min(max(value, low + 1), high - 1)), option)
+            step, turns = (2 * step, turns) if fits == last else (1, turns + (last is not None))
+            last = fits
         return low if low >= self.vary.low else None
-
-    def _interpolated(self, option: FixedOption, low: int, high: int) -> int:
-        """Between the traced ends of the bracket, where a straight line through their needs meets the option's
-        memory (bisection's midpoint where an end is not traced)."""
-        if low < self.vary.low or high > self.vary.high:
-            return (low + high) // 2
-        need_low, need_high = (self.needed(self.points[v].peaks[option.gpu_type]) for v in (low, high))
-        if need_high <= need_low:
-            return (low + high) // 2
-        share = (option.usable_bytes - need_low) / (need_high - need_low)
-        return min(max(low + int(share * (high - low)), low + 1), high - 1)
 
     def _fits(self, point: Point, option: FixedOption) -> bool:
         peak = point.peaks.get(option.gpu_type)
@@ -256,12 +290,14 @@ class _Search:
         above = [v for v, p in self.points.items() if v > low and not self._fits(p, option)]
         return low, min(above, default=self.vary.high + 1)
 
-    def _predicted(self, option: FixedOption, high: int) -> int:
+    def _predicted(self, option: FixedOption, low: int, high: int) -> int:
         """The largest value the growth model says fits (LOW-1 if none): a bisection on the model, no trace. The
-        model is fitted on the traces nearest `high`, the option's first failing value, and none beyond it (a new
-        buffer, a replay out of memory there says nothing about the values below)."""
-        below = sorted((v for v in self.points if v <= high), key=lambda v: high - v)[:LOCAL_POINTS]
-        growth = fit_growth([self.points[v] for v in below])
+        model is fitted on the traces nearest the bracket (`low`, `high`) the option's limit lies in."""
+        def distance(value: int) -> int:
+            return max(low - value, value - high, 0)
+
+        nearest = sorted(self.points, key=lambda v: (distance(v), -v))[:LOCAL_POINTS]
+        growth = fit_growth([self.points[v] for v in nearest])
 
         def fits(value: int) -> bool:
             return self.needed(max(0, int(growth.predict(option.gpu_type, value)))) <= option.usable_bytes
@@ -271,4 +307,3 @@ class _Search:
             mid = (low + high) // 2
             low, high = (mid, high) if fits(mid) else (low, mid)
         return low
-

@@ -20,11 +20,15 @@ from rich.table import Table
 from xmem.cli import app
 from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, _fail, _stdout_to_stderr, fail_on_error
 from xmem.config import SiteConfig, load_site_config
+from xmem.estimate import _allocator_config, capability_class  # the job's allocator settings, as estimated
 from xmem.estimate import estimate as run_estimate
-from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary
-from xmem.gpus import find_gpu, load_catalog
+from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary, phase_peaks
+from xmem.gpus import GpuType, find_gpu, load_catalog
+from xmem.orchestrate import orchestrate, trace_devices
 from xmem.policy import estimate_types
 from xmem.policy.options import FixedOption, fixed_options
+from xmem.simulate import simulate
+from xmem.trace.events import Trace
 
 GIB = 1 << 30
 
@@ -86,10 +90,34 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
     def trace(value: int) -> Point:
         if progress and err.is_terminal:
             err.print(f"tracing {vary.name}={value}", highlight=False)
-        result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog, **settings)
-        return Point.from_estimate(value, result.to_json(), names)
+        traces: dict[str, Trace] = {}
+        result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog,
+                              keep_traces=traces, **settings)
+        if not result.used_cuda:
+            return Point.from_estimate(value, result.to_json(), names, {}, 0)
+        phases, reserved = _unlimited(traces, catalog[result.breakdown_gpu], settings.get("env"))
+        return Point.from_estimate(value, result.to_json(), names, phases, reserved)
 
     return find_limits(vary, options, trace, site.margin.needed), options
+
+
+def _unlimited(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None
+               ) -> tuple[dict[str, dict[str, int]], int]:
+    """On `gpu`, the tensors at each phase's peak and the peak reserved of a replay with no memory limit (what the
+    job needs where the estimate's replay ran out of memory), over its trace's devices (the busiest counts, as in
+    the estimate)."""
+    trace = traces[capability_class(gpu.capability)]
+    job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
+    config = _allocator_config(trace, job_env)
+    phases: dict[str, dict[str, int]] = {}
+    reserved = 0
+    for device in trace_devices(trace):
+        ops = orchestrate(trace, gpu, job_env, device=device)
+        for phase, live in phase_peaks(ops.ops, ops.labels).items():
+            if sum(live.values()) > sum(phases.get(phase, {}).values()):
+                phases[phase] = live
+        reserved = max(reserved, simulate(ops.ops, config).peak_reserved)
+    return phases, reserved
 
 
 def _site_types(site: SiteConfig) -> list[str]:
