@@ -27,8 +27,8 @@ from xmem.cli import app
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 from xmem.gpus.catalog import CALIBRATION_PATH
 from xmem.slurm.store import DEFAULT_STORE
+from xmem.units import MIB
 
-MIB = 1 << 20
 
 
 class CalibrationInputError(ValueError):

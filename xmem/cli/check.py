@@ -22,20 +22,20 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
+from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, TRACE_EXIT_CODES
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_capacity
 from xmem.policy.options import OptionTable
+from xmem.units import MIB, gib_text, size_text
 
 if TYPE_CHECKING:
     from xmem.estimate import Estimate
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOT_UNDERSTOOD = 0, 1, 2, 8
-ESTIMATOR_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                        "no_cuda": 9, "memory_limit": 10, "not_modelled": 11,
-                        "internal": EXIT_INTERNAL, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
-                        "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
-GIB = 1 << 30
+EXIT_OK, EXIT_NOT_UNDERSTOOD = 0, 8
+# The estimator's codes are `xmem-slurm estimate`'s; the analysis adds its own kinds.
+ANALYSIS_EXIT_CODES = {**TRACE_EXIT_CODES, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
+                       "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
 
 
 @app.command("check")
@@ -123,7 +123,7 @@ def exit_code(analysis: JobAnalysis) -> int:
     """0 when a decision was made; else the code of the first error."""
     if analysis.decision is not None or not analysis.errors:
         return EXIT_OK
-    return ESTIMATOR_EXIT_CODES.get(analysis.errors[0].kind, EXIT_INTERNAL)
+    return ANALYSIS_EXIT_CODES.get(analysis.errors[0].kind, EXIT_INTERNAL)
 
 
 def _picture_estimator(as_json: bool, plot: Optional[str], snapshot: Optional[str], plot_gpu: Optional[str],
@@ -218,7 +218,7 @@ def _show_estimate(console: Console, line_no: int, estimate: Estimate) -> None:
     """One command's breakdown at the peak, its self-audit and its warnings."""
     if estimate.breakdown:
         parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
-                          sorted(estimate.breakdown.items(), key=lambda kv: -kv[1]) if n >= 2**20)
+                          sorted(estimate.breakdown.items(), key=lambda kv: -kv[1]) if n >= MIB)
         console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
         console.print(f"[red]suspect:[/] {escape(reason)}")
@@ -239,8 +239,8 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
         style = "" if total is None or needed <= total else "[red]"
         # job_peak: a replay that ran out of memory needs more than the GPU, whatever it reached before
         whole = gres_capacity(site.mig.parent_of(gpu_type) or gpu_type, None, catalog)
-        shown = "[red]out of memory[/]" if whole and peak > whole else _gib(peak)
-        table.add_row(gpu_type, shown, f"{style}{_gib(needed)}", _gib(total) if total else "?")
+        shown = "[red]out of memory[/]" if whole and peak > whole else gib_text(peak)
+        table.add_row(gpu_type, shown, f"{style}{gib_text(needed)}", gib_text(total) if total else "?")
     console.print(table)
 
 
@@ -257,8 +257,8 @@ def show_options(console: Console, options: OptionTable) -> None:
     for row in options.rows:
         slack = _size(abs(row.slack_bytes))
         mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"
-        table.add_row(escape(row.gpu_type), escape(row.request), _gib(row.usable_bytes),
-                      _gib(row.peak_bytes), _gib(row.needed_bytes), mark + (" [bold]<- picked[/]" if row.chosen else ""))
+        table.add_row(escape(row.gpu_type), escape(row.request), gib_text(row.usable_bytes),
+                      gib_text(row.peak_bytes), gib_text(row.needed_bytes), mark + (" [bold]<- picked[/]" if row.chosen else ""))
     console.print(table)
     chosen, miss = options.chosen, options.closest_miss
     if chosen is not None:
@@ -266,15 +266,11 @@ def show_options(console: Console, options: OptionTable) -> None:
     if miss is not None:
         what = "next cheaper offer" if chosen is not None else "closest offer"
         console.print(f"{what}, does not fit: {escape(miss.description)}, {_size(-miss.slack_bytes)} short "
-                      f"(needs {_gib(miss.needed_bytes)}, gives {_gib(miss.usable_bytes)})")
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+                      f"(needs {gib_text(miss.needed_bytes)}, gives {gib_text(miss.usable_bytes)})")
 
 
 def _size(nbytes: int) -> str:
-    return _gib(nbytes) if nbytes >= GIB else f"{nbytes / 2**20:.0f} MiB"
+    return size_text(nbytes, mib_digits=0)
 
 
 def _fail(as_json: bool, code: int, kind: str, message: str) -> None:

@@ -29,12 +29,11 @@ from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import TraceError
+from xmem.units import size_text
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
                     "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
-GIB = 1 << 30
-MIB = 1 << 20
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {"allocator_slack": "allocator slack (cached, rounding)", "overhead": "CUDA context + libraries"}
 
@@ -187,9 +186,7 @@ def show_estimate(console: Console, result: Estimate) -> None:
 
 
 def _size(nbytes: int) -> str:
-    if abs(nbytes) >= GIB:
-        return f"{nbytes / GIB:.2f} GiB"
-    return f"{nbytes / MIB:.1f} MiB"
+    return size_text(nbytes)
 
 
 def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
