@@ -19,7 +19,7 @@ from xmem.audit import audit
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
-from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate
+from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate, simulate_limits
 from xmem.trace import run_trace
 from xmem.trace.events import Trace
 
@@ -180,9 +180,14 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
     results: dict[str, GpuEstimate] = {}
     breakdown: dict[str, int] = {}
     # GPU types that replay the same ops (same trace, same cuBLAS workspace) share a replay where it is exact.
-    replays: dict[tuple, tuple[GpuOps, SimResult | None]] = {}
     same_ops = Counter((capability_class(g.capability), cublas_workspace_bytes(g, job_env)) for g in targets)
     devices = {id(t): trace_devices(t) for t in traces.values()}  # one scan of each trace's events
+    replays = SharedReplays(limits={})
+    for gpu in targets:
+        trace = traces[capability_class(gpu.capability)]
+        for device in devices[id(trace)]:
+            replays.limits.setdefault(_replay_key(trace, gpu, job_env, device), set()).add(
+                (_capacity(gpu, trace), gpu.total_bytes))
     for gpu in targets:
         if on_progress:
             on_progress(f"simulating the caching allocator on {gpu.name}")
@@ -259,9 +264,17 @@ def device_name(gpu: GpuType) -> str:
     return gpu.name if gpu.name.startswith(("NVIDIA", "Tesla")) else f"NVIDIA {gpu.name}"
 
 
+@dataclass
+class SharedReplays:
+    """What the GPU types of one estimate share (see `_replay`), by replay key (trace, cuBLAS workspace, device):
+    the (capacity, device total) of each GPU type on those ops, and once made, the ops and every limit's replay."""
+
+    limits: dict[tuple, set[tuple[int, int]]]
+    done: dict[tuple, tuple[GpuOps, dict[tuple[int, int], SimResult] | None]] = dataclasses.field(default_factory=dict)
+
+
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
-                 with_breakdown: bool = False,
-                 replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None = None,
+                 with_breakdown: bool = False, replays: SharedReplays | None = None,
                  devices: Sequence[int] | None = None) -> tuple[GpuEstimate, dict[str, int]]:
     """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
 
@@ -269,7 +282,7 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     given, shares replays between the GPU types of one estimate (see `_replay`).
     """
     overhead = overhead_bytes(gpu, trace.libraries)
-    capacity = gpu.total_bytes - overhead
+    capacity = _capacity(gpu, trace)
 
     def severity(sim: SimResult) -> tuple[bool, int]:
         return sim.oom is not None, sim.peak_reserved
@@ -301,28 +314,35 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
 
 
 def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None, device: int,
-            capacity: int, replays: dict[tuple, tuple[GpuOps, SimResult | None]] | None
-            ) -> tuple[GpuOps, SimResult]:
+            capacity: int, replays: SharedReplays | None) -> tuple[GpuOps, SimResult]:
     """`device`'s ops on `gpu` and their replay with `capacity`; with `replays`, shared between GPU types.
 
     The ops depend on the GPU type only through the cuBLAS workspace size. Without a memory fraction or expandable
-    segments (the only uses of the device's size short of an OOM), the replay depends on the capacity only if it
-    runs out: a replay with no limit whose peak reserved fits `capacity` is, op for op, the replay with
-    `capacity`, since no cudaMalloc in it asked for more than that peak.
+    segments (the only uses of the device's size short of an OOM), the capacity is read at cudaMalloc only, so
+    the replays of all capacities are made together (`simulate_limits`): one that never passes a capacity is the
+    replay with that capacity, and one with a smaller capacity follows it up to the op that would pass it.
     """
-    key = (id(trace), cublas_workspace_bytes(gpu, env), device)
-    if replays is not None and key in replays:
-        ops, unlimited = replays[key]
-    else:
-        ops, unlimited = orchestrate(trace, gpu, env, device=device), None
-    if replays is not None and key not in replays:
+    key = _replay_key(trace, gpu, env, device)
+    if replays is not None and key not in replays.done:
+        ops, limited = orchestrate(trace, gpu, env, device=device), None
         if config.memory_fraction is None and not config.expandable_segments:
-            unlimited = simulate(ops.ops, config)
-        replays[key] = ops, unlimited
-    if unlimited is not None and unlimited.peak_reserved <= capacity:
-        return ops, unlimited
+            limited = simulate_limits(ops.ops, config, replays.limits[key])[1]
+        replays.done[key] = ops, limited
+    ops, limited = replays.done[key] if replays is not None else (orchestrate(trace, gpu, env, device=device), None)
+    if limited is not None:
+        return ops, limited[capacity, gpu.total_bytes]
     # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
     return ops, simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes)
+
+
+def _replay_key(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None, device: int) -> tuple:
+    """What a replay depends on besides the allocator settings and the limit: the GPU types with one key share it."""
+    return id(trace), cublas_workspace_bytes(gpu, env), device
+
+
+def _capacity(gpu: GpuType, trace: Trace) -> int:
+    """What the caching allocator may reserve on `gpu`: its memory less the context and the libraries' own."""
+    return gpu.total_bytes - overhead_bytes(gpu, trace.libraries)
 
 
 def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[str, int]:

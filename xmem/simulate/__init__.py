@@ -9,7 +9,7 @@ out. Everything here is pure: no I/O, no torch.
 """
 
 from xmem.simulate.config import AllocatorConfig
-from xmem.simulate.replay import ALLOC, EMPTY_CACHE, FREE, simulate
+from xmem.simulate.replay import ALLOC, EMPTY_CACHE, FREE, simulate, simulate_limits
 from xmem.simulate.result import OomInfo, SimResult
 
-__all__ = ["ALLOC", "EMPTY_CACHE", "FREE", "AllocatorConfig", "OomInfo", "SimResult", "simulate"]
+__all__ = ["ALLOC", "EMPTY_CACHE", "FREE", "AllocatorConfig", "OomInfo", "SimResult", "simulate", "simulate_limits"]

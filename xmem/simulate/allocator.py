@@ -225,6 +225,33 @@ class DeviceCachingAllocator:
         self.expandable_segments: list[ExpandableSegment] = []
         self.active_blocks: set[Block] = set()  # the allocated blocks (upstream active_blocks)
 
+    def clone(self, capacity: int | None, device_total: int | None) -> tuple[DeviceCachingAllocator, dict]:
+        """A copy of this allocator's whole state (segments, blocks, pools, counters) under another limit, and the
+        map from each of its blocks to the copy's. Only without a memory fraction and expandable segments: the limit
+        is then read at cudaMalloc alone (`alloc_block`), so nothing else in the state depends on it."""
+        if self.set_fraction or self.config.memory_fraction is not None or self.config.expandable_segments:
+            raise ValueError("clone: only without a memory fraction and expandable segments")
+        twin = DeviceCachingAllocator(self.config, capacity, device_total)
+        for name in ("allocated_bytes", "total_allocated_memory", "num_segments", "num_alloc_retries", "num_ooms",
+                     "last_oom_alloc_size", "next_address"):
+            setattr(twin, name, getattr(self, name))
+        pools = {id(self.small_blocks): twin.small_blocks, id(self.large_blocks): twin.large_blocks}
+        blocks = [*self.small_blocks.blocks.values(), *self.large_blocks.blocks.values(), *self.active_blocks]
+        copies: dict[Block, Block] = {}
+        for block in blocks:
+            copy = copies[block] = Block(block.stream, block.size, block.ptr, pools[id(block.pool)])
+            copy.allocated, copy.gc_count_base = block.allocated, block.gc_count_base
+        for block, copy in copies.items():  # every piece of a segment is free (in a pool) or allocated (active)
+            copy.prev = copies[block.prev] if block.prev is not None else None
+            copy.next = copies[block.next] if block.next is not None else None
+        for pool in (self.small_blocks, self.large_blocks):
+            into = pools[id(pool)]
+            into.keys = list(pool.keys)
+            into.blocks = {key: copies[block] for key, block in pool.blocks.items()}
+            into.get_free_blocks_call_count = pool.get_free_blocks_call_count
+        twin.active_blocks = {copies[block] for block in self.active_blocks}
+        return twin, copies
+
     # ---- the request path ------------------------------------------------------------------------------------
 
     def malloc(self, orig_size: int, stream: int) -> Block | None:

@@ -43,58 +43,136 @@ def simulate(
         raise ValueError(f"timeline_points must be at least 3 (both peaks and the last op), got {timeline_points}")
     allocator = (DeviceCachingAllocator(config, capacity, device_total) if history is None
                  else HistoryAllocator(config, capacity, device_total, history))
-    recording = history is not None
-    live: dict[int, Block | None] = {}
-    stream_index: dict[int, int] = {}
-    allocated_at = array("q")
-    reserved_at = array("q")
-    peak_allocated = peak_reserved = -1
-    peak_allocated_index = peak_reserved_index = segments_at_peak = 0
-    oom = None
-    malloc, free = allocator.malloc, allocator.free
-    record_allocated, record_reserved = allocated_at.append, reserved_at.append
-    for index, (action, block_id, nbytes, stream) in enumerate(ops):
-        if recording:
-            allocator.op_index = index
-        if action == ALLOC:
-            if block_id in live:
-                raise ValueError(f"op {index}: ALLOC of block {block_id}, which is already allocated")
-            if nbytes > 0:
-                s = stream_index.get(stream)
-                if s is None:
-                    s = stream_index[stream] = len(stream_index)
-                block = malloc(nbytes, s)
-                if block is None:
-                    oom = _oom_info(allocator, index, nbytes)
-                live[block_id] = block
-            elif nbytes == 0:
-                live[block_id] = None
-            else:
-                raise ValueError(f"op {index}: ALLOC of block {block_id} with negative size {nbytes}")
-        elif action == FREE:
-            if block_id not in live:
-                raise ValueError(f"op {index}: FREE of block {block_id}, which is not allocated "
-                                 f"(never allocated, or already freed)")
-            block = live.pop(block_id)
-            if block is not None:
-                free(block)
-        elif action == EMPTY_CACHE:
-            allocator.empty_cache()
-        else:
-            raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1 or EMPTY_CACHE=2")
-        allocated = allocator.allocated_bytes
-        reserved = allocator.total_allocated_memory
-        record_allocated(allocated)
-        record_reserved(reserved)
-        if allocated > peak_allocated:
-            peak_allocated, peak_allocated_index = allocated, index
-        if reserved > peak_reserved:
-            peak_reserved, peak_reserved_index = reserved, index
-            segments_at_peak = allocator.num_segments
-        if oom is not None:
+    replay = _Replay(allocator, recording=history is not None)
+    replay.run(ops if isinstance(ops, list) else list(ops))
+    return replay.result(timeline_points)
+
+
+def simulate_limits(ops: list[tuple[int, int, int, int]], config: AllocatorConfig,
+                    limits: Iterable[tuple[int, int]], timeline_points: int = 2000
+                    ) -> tuple[SimResult, dict[tuple[int, int], SimResult]]:
+    """The replay of `ops` without a limit, and under each `(capacity, device_total)` of `limits` what
+    `simulate(ops, config, capacity=..., device_total=...)` gives, with the work they share done once.
+
+    Without a memory fraction and expandable segments a limit is read only at cudaMalloc (reserved + the new
+    segment must fit the capacity), so a limited replay is op for op the unlimited one until the first op after
+    which the unlimited replay reserves more than the capacity: each limited replay starts from a copy of the
+    unlimited allocator's state just before that op (limits it never passes get the unlimited result).
+    """
+    if config.memory_fraction is not None or config.expandable_segments:
+        raise ValueError("simulate_limits: only without a memory fraction and expandable segments")
+    unlimited = _Replay(DeviceCachingAllocator(config))
+    unlimited.run(ops)
+    whole = unlimited.result(timeline_points)
+    results = {}
+    prefix = _Replay(DeviceCachingAllocator(config))
+    for (capacity, device_total), index in _first_ops_above(unlimited.reserved_at, set(limits)):
+        if index is None:
+            results[capacity, device_total] = whole
+            continue
+        prefix.run(ops, stop=index)
+        limited = prefix.fork(capacity, device_total)
+        limited.run(ops, start=index)
+        results[capacity, device_total] = limited.result(timeline_points)
+    return whole, results
+
+
+def _first_ops_above(reserved_at: array, limits: set[tuple[int, int]]) -> list[tuple[tuple[int, int], int | None]]:
+    """Each limit with the index of the first op after which `reserved_at` exceeds its capacity (None: never),
+    in the order of those indices."""
+    found: list[tuple[tuple[int, int], int | None]] = []
+    pending = sorted(limits)
+    for index, reserved in enumerate(reserved_at):
+        while pending and reserved > pending[0][0]:
+            found.append((pending.pop(0), index))
+        if not pending:
             break
-    return _result(allocator, allocated_at, reserved_at, peak_allocated_index, peak_reserved_index,
-                   segments_at_peak, timeline_points, oom)
+    return found + [(limit, None) for limit in pending]
+
+
+class _Replay:
+    """One replay in progress: the allocator, the live blocks by the caller's id, and the per-op figures."""
+
+    def __init__(self, allocator: DeviceCachingAllocator, recording: bool = False) -> None:
+        self.allocator = allocator
+        self.recording = recording
+        self.live: dict[int, Block | None] = {}
+        self.stream_index: dict[int, int] = {}
+        self.allocated_at = array("q")
+        self.reserved_at = array("q")
+        self.peak_allocated = self.peak_reserved = -1
+        self.peak_allocated_index = self.peak_reserved_index = self.segments_at_peak = 0
+        self.oom: OomInfo | None = None
+        self.next_index = 0
+
+    def fork(self, capacity: int | None, device_total: int | None) -> _Replay:
+        """This replay's state so far, continued under another limit (see `DeviceCachingAllocator.clone`)."""
+        allocator, copies = self.allocator.clone(capacity, device_total)
+        twin = _Replay(allocator)
+        twin.live = {block_id: copies[block] if block is not None else None for block_id, block in self.live.items()}
+        twin.stream_index = dict(self.stream_index)
+        twin.allocated_at, twin.reserved_at = array("q", self.allocated_at), array("q", self.reserved_at)
+        for name in ("peak_allocated", "peak_reserved", "peak_allocated_index", "peak_reserved_index",
+                     "segments_at_peak", "next_index"):
+            setattr(twin, name, getattr(self, name))
+        return twin
+
+    def run(self, ops: list[tuple[int, int, int, int]], start: int | None = None, stop: int | None = None) -> None:
+        """Replay `ops[start:stop]` (from where the replay is by default); stop at the first out-of-memory."""
+        allocator, live, stream_index = self.allocator, self.live, self.stream_index
+        recording = self.recording
+        malloc, free = allocator.malloc, allocator.free
+        record_allocated, record_reserved = self.allocated_at.append, self.reserved_at.append
+        peak_allocated, peak_reserved = self.peak_allocated, self.peak_reserved
+        start = self.next_index if start is None else start
+        index = start - 1
+        for index in range(start, len(ops) if stop is None else stop):
+            action, block_id, nbytes, stream = ops[index]
+            if recording:
+                allocator.op_index = index
+            if action == ALLOC:
+                if block_id in live:
+                    raise ValueError(f"op {index}: ALLOC of block {block_id}, which is already allocated")
+                if nbytes > 0:
+                    s = stream_index.get(stream)
+                    if s is None:
+                        s = stream_index[stream] = len(stream_index)
+                    block = malloc(nbytes, s)
+                    if block is None:
+                        self.oom = _oom_info(allocator, index, nbytes)
+                    live[block_id] = block
+                elif nbytes == 0:
+                    live[block_id] = None
+                else:
+                    raise ValueError(f"op {index}: ALLOC of block {block_id} with negative size {nbytes}")
+            elif action == FREE:
+                if block_id not in live:
+                    raise ValueError(f"op {index}: FREE of block {block_id}, which is not allocated "
+                                     f"(never allocated, or already freed)")
+                block = live.pop(block_id)
+                if block is not None:
+                    free(block)
+            elif action == EMPTY_CACHE:
+                allocator.empty_cache()
+            else:
+                raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1 or EMPTY_CACHE=2")
+            allocated = allocator.allocated_bytes
+            reserved = allocator.total_allocated_memory
+            record_allocated(allocated)
+            record_reserved(reserved)
+            if allocated > peak_allocated:
+                peak_allocated, self.peak_allocated_index = allocated, index
+            if reserved > peak_reserved:
+                peak_reserved, self.peak_reserved_index = reserved, index
+                self.segments_at_peak = allocator.num_segments
+            if self.oom is not None:
+                break
+        self.peak_allocated, self.peak_reserved = peak_allocated, peak_reserved
+        self.next_index = index + 1
+
+    def result(self, timeline_points: int) -> SimResult:
+        return _result(self.allocator, self.allocated_at, self.reserved_at, self.peak_allocated_index,
+                       self.peak_reserved_index, self.segments_at_peak, timeline_points, self.oom)
 
 
 def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> OomInfo:
