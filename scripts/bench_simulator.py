@@ -9,10 +9,11 @@ big ones (weights, activations, logits) with many small ones (biases, norms, per
 A side stream (stream 1) carries the input batch copies and gradient-bucket buffers.
 
     .venv/bin/python scripts/bench_simulator.py [--layers 24] [--iterations 250] [--repeat 3] [--vary-seq]
-        [--config "expandable_segments:True"]
+        [--config "expandable_segments:True"] [--limits 8]
 
 Prints the number of ops, the best replay time over the repeats (wall clock and process CPU time), ops/s, and the
-simulated peaks.
+simulated peaks. `--limits K` also times K replays under capacities from 10 % to 90 % of the peak reserved (GPU
+types too small for the job): one `simulate` each against `simulate_limits` sharing them, which must agree.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import argparse
 import random
 import time
 
-from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
+from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate, simulate_limits
 
 FLOAT = 4
 
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--vary-seq", action="store_true", help="a new sequence length (seq/2..seq) every step")
     parser.add_argument("--config", default="", help="allocator settings, as in PYTORCH_CUDA_ALLOC_CONF")
+    parser.add_argument("--limits", type=int, default=0, help="also time K limited replays, alone and shared")
     args = parser.parse_args()
     ops = transformer_trace(args.layers, args.iterations, args.batch, args.seq, args.hidden, args.vocab,
                             args.vary_seq)
@@ -156,6 +158,22 @@ def main() -> None:
           f"wall, {len(ops) / best_cpu:,.0f} ops/s CPU (the CPU figure is steadier on a shared machine)")
     print(f"peak allocated {result.peak_allocated / gib:.2f} GiB, peak reserved {result.peak_reserved / gib:.2f} GiB, "
           f"segments at peak {result.num_segments_at_peak}, fragmentation {result.fragmentation_at_peak:.1%}")
+    if args.limits:
+        time_limits(ops, config, result.peak_reserved, args.limits)
+
+
+def time_limits(ops: list, config: AllocatorConfig, peak: int, count: int) -> None:
+    limits = {(int(peak * (0.1 + 0.8 * i / max(1, count - 1))), 2 * peak) for i in range(count)}
+    start = time.process_time()
+    simulate(ops, config)  # an estimate needs the unlimited replay for the GPU types the job fits either way
+    alone = {limit: simulate(ops, config, capacity=limit[0], device_total=limit[1]) for limit in limits}
+    alone_cpu = time.process_time() - start
+    start = time.process_time()
+    _, shared = simulate_limits(ops, config, limits)
+    shared_cpu = time.process_time() - start
+    assert shared == alone, "simulate_limits disagrees with one replay per limit"
+    print(f"the unlimited replay and {len(limits)} limited ones: {alone_cpu:.3f} s CPU one by one, "
+          f"{shared_cpu:.3f} s CPU shared, same results")
 
 
 if __name__ == "__main__":
