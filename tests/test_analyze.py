@@ -107,6 +107,23 @@ def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):
     assert len(reads) == 1
 
 
+def test_the_offers_are_computed_once_per_analysis(tmp_path, monkeypatch):
+    import importlib
+
+    rules = importlib.import_module("xmem.policy.rules")
+    calls = []
+
+    def counting(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+    real = rules.site_offers
+    monkeypatch.setattr(rules, "site_offers", counting)
+    estimator = FakeEstimator({"train.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 6 * GIB}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython train.py\n"), estimator)
+    assert result.decision.action == "rewrite" and result.options.chosen is not None  # both used them
+    assert len(calls) == 1
+
+
 def test_estimator_error_is_reported_with_its_kind_and_line(tmp_path):
     error = TraceError("user_error", "ValueError: bad lr", user_traceback="Traceback ...")
     estimator = FakeEstimator({}, errors={"train.py": error})

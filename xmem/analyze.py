@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
-from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_partitions, job_peak,
-                         screen)
+from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_offers, job_partitions,
+                         job_peak, screen)
 from xmem.policy.options import OptionTable, option_table
 
 if TYPE_CHECKING:
@@ -202,10 +202,11 @@ def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str |
     """The policy's decision, and the offers it weighed (for people: `check` shows them), also side by side."""
     request, partition = job.directives, ",".join(scope.partitions)
     available = _gpus_per_node(ask_cluster(), scope.partitions) if gpus_per_node(request) > 1 else None
+    weighed = job_offers(peaks, request, scope.config, partition=partition, catalog=scope.catalog)
     decision = decide(peaks, request, scope.config, user=user, partition=partition, catalog=scope.catalog,
-                      available=available, untrusted=untrusted)
+                      available=available, untrusted=untrusted, offers=weighed)
     options = option_table(peaks, request, scope.config, decision, partition=partition, catalog=scope.catalog,
-                           available=available)
+                           available=available, offers=weighed)
     offers = tuple({"kind": row.kind, "request": row.request, "gpu_type": row.gres_type,
                     "granted_bytes": row.usable_bytes, "needed_bytes": row.needed_bytes, "fits": row.fits,
                     "description": row.description} for row in options.rows)

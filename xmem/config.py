@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xmem.units import GIB, MIB
+
 if TYPE_CHECKING:
     from xmem.gpus import GpuType
 
@@ -22,8 +24,6 @@ REQUEST_KINDS = ("mig", "shard", "mps", "gpu")
 EXPLICIT_MODES = ("keep", "fill_generic", "rewrite")
 FAILURE_MODES = ("open", "closed")
 DEFERRED_MODES = ("inline", "partition")
-MIB = 1 << 20
-GIB = 1 << 30
 DEFAULT_TRACE_MEMORY_BYTES = 8 * GIB  # the tracer's host-memory limit unless the site sets one
 
 

@@ -11,14 +11,14 @@ Pure: no file, no Slurm, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu
 from xmem.jobscript import SbatchRequest
-from xmem.policy.rules import Decision, considered_offers, decide, describe_offer, gres_capacity, share_bytes
+from xmem.policy.rules import Decision, Offer, considered_offers, decide, describe_offer, gres_capacity, share_bytes
 
 MPS_FRACTIONS = (4, 2)  # MPS shares of 100 are too many to list: a quarter and a half of the GPU stand for them
 MAX_LISTED_SHARDS = 8  # shards of a GPU up to this many are listed one count each, more as MPS_FRACTIONS
@@ -76,14 +76,15 @@ class OptionTable:
 
 def option_table(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, decision: Decision, *,
                  partition: str | None = None, catalog: Mapping[str, GpuType] | None = None,
-                 available: Mapping[str, int] | None = None) -> OptionTable:
-    """The offers `decision` (from `decide` on the same arguments) was chosen among, side by side."""
+                 available: Mapping[str, int] | None = None, offers: Sequence[Offer] | None = None) -> OptionTable:
+    """The offers `decision` (from `decide` on the same arguments) was chosen among, side by side. `offers`: the
+    job's offers when the caller has them (`job_offers`)."""
     picked = decision.gres or decision.gpus if decision.action == "rewrite" else None
     rows = tuple(OptionRow(offer.estimate_type, offer.gres_type, offer.kind, value, describe_offer(offer), offer.granted_bytes,
                            offer.peak_bytes, config.margin.needed(offer.peak_bytes), fits,
                            chosen=value == picked and offer.kind == decision.kind)
                  for offer, value, fits in considered_offers(peaks, request, config, partition=partition,
-                                                             catalog=catalog, available=available))
+                                                             catalog=catalog, available=available, offers=offers))
     return OptionTable(rows, decision.action, decision.reason, _closest_miss(rows))
 
 

@@ -12,19 +12,18 @@ Pure: no file, no Slurm, no torch. The GPU catalog comes in as an argument (load
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, mig_profile
 from xmem.jobscript import SbatchRequest, parse_gpus
+from xmem.units import gib_words, size_words
 
 if TYPE_CHECKING:
     from xmem.estimate import GpuEstimate
 
-GIB = 1 << 30
-MIB = 1 << 20
 ACTIONS = ("rewrite", "keep", "none", "excluded", "no_fit")
 
 
@@ -69,11 +68,12 @@ class Decision:
 def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *, user: str | None = None,
            account: str | None = None, partition: str | None = None,
            catalog: Mapping[str, GpuType] | None = None, available: Mapping[str, int] | None = None,
-           untrusted: str | None = None) -> Decision:
+           untrusted: str | None = None, offers: Sequence[Offer] | None = None) -> Decision:
     """The request to make for a job whose peak is `peaks[gpu type]` bytes per rank (GRES type names or catalog
     names as keys; a MIG slice may be absent, its parent's peak is used; see `job_peak`). `available`: GPUs of
     each GRES type one node offers, when known (from the cluster); offers needing more are left out.
-    `untrusted`: why the estimate cannot size this job; the user's request is then kept as written."""
+    `untrusted`: why the estimate cannot size this job; the user's request is then kept as written. `offers`: the
+    job's offers when the caller has them already (`job_offers` on the same arguments)."""
     early = screen(request, config, user=user, account=account, partition=partition)
     if early is not None:
         return early
@@ -84,8 +84,9 @@ def decide(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig,
                                 ": rewriting one would leave the other")
     partitions = job_partitions(request, config, partition)
     catalog = catalog if catalog is not None else config.catalog()
-    option, count = _request_form(request)
-    offers = site_offers(config, partitions, catalog, peaks, count=count, option=option)
+    option, _ = _request_form(request)
+    offers = list(offers) if offers is not None else job_offers(peaks, request, config, partition=partition,
+                                                                catalog=catalog)
     if available is not None:
         on_one_node = [o for o in offers if _fits_one_node(o, available, request)]
         if offers and not on_one_node:
@@ -107,15 +108,25 @@ def screen(request: SbatchRequest, config: SiteConfig, *, user: str | None = Non
     return Decision("excluded", excluded) if excluded else None
 
 
-def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *,
-                      partition: str | None = None, catalog: Mapping[str, GpuType] | None = None,
-                      available: Mapping[str, int] | None = None) -> list[tuple[Offer, str, bool]]:
-    """The offers `decide` weighs for this job, each with the request it would make and whether it fits (for
-    showing people why), in the site's order of preference, smallest first."""
+def job_offers(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *,
+               partition: str | None = None, catalog: Mapping[str, GpuType] | None = None) -> list[Offer]:
+    """Every offer of the job's partitions in the form of its request (`site_offers`): what `decide` and
+    `considered_offers` weigh. Computed once per job by a caller that needs both (xmem.analyze)."""
     catalog = catalog if catalog is not None else config.catalog()
     option, count = _request_form(request)
-    offers = site_offers(config, job_partitions(request, config, partition), catalog, peaks, count=count,
-                         option=option)
+    return site_offers(config, job_partitions(request, config, partition), catalog, peaks, count=count,
+                       option=option)
+
+
+def considered_offers(peaks: Mapping[str, int], request: SbatchRequest, config: SiteConfig, *,
+                      partition: str | None = None, catalog: Mapping[str, GpuType] | None = None,
+                      available: Mapping[str, int] | None = None,
+                      offers: Sequence[Offer] | None = None) -> list[tuple[Offer, str, bool]]:
+    """The offers `decide` weighs for this job, each with the request it would make and whether it fits (for
+    showing people why), in the site's order of preference, smallest first. `offers`: as `decide`'s."""
+    option, _ = _request_form(request)
+    if offers is None:
+        offers = job_offers(peaks, request, config, partition=partition, catalog=catalog)
     if available is not None:
         offers = [o for o in offers if _fits_one_node(o, available, request)]
     rank = {kind: i for i, kind in enumerate(config.preference)}
@@ -300,7 +311,7 @@ def _cheapest(offers: list[Offer], config: SiteConfig, request: SbatchRequest,
     if not measured:
         return Decision("no_fit", f"runs out of memory on every GPU type offered, the largest {_describe(largest)}")
     best_peak = min(measured)
-    return Decision("no_fit", f"needs {_gib(config.margin.needed(best_peak))} {_margin_text(config)}: more than "
+    return Decision("no_fit", f"needs {gib_words(config.margin.needed(best_peak))} {_margin_text(config)}: more than "
                               f"the largest offer, {_describe(largest)}", peak_bytes=best_peak,
                     needed_bytes=config.margin.needed(best_peak))
 
@@ -314,7 +325,7 @@ def _rewrite(offer: Offer, config: SiteConfig, request: SbatchRequest, option: s
     kinds_before = [k for k in config.preference[:config.preference.index(offer.kind)] if k in offered]
     skipped = f" (no {'/'.join(k if k == 'shard' else k.upper() for k in kinds_before)} fits)" \
         if kinds_before else ""
-    reason = f"needs {_gib(needed)} {_margin_text(config)}: {_describe(offer)} is the smallest fit{skipped}"
+    reason = f"needs {gib_words(needed)} {_margin_text(config)}: {_describe(offer)} is the smallest fit{skipped}"
     return Decision(
         "rewrite", reason, gres=value if option == "gres" else None, gpus=value if option != "gres" else None,
         option=option, kind=offer.kind, gpu_type=offer.gres_type, peak_bytes=peak, needed_bytes=needed,
@@ -353,10 +364,10 @@ def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int],
     needed = config.margin.needed(peak) if peak is not None else None
     reason = why  # the caller names the request it keeps (the filter's line, the job stamp's `req=`)
     if needed is not None:
-        reason += f"; needs {_gib(needed)} {_margin_text(config)}"
+        reason += f"; needs {gib_words(needed)} {_margin_text(config)}"
         granted = _granted_by(request, offers, config)
         if granted is not None and granted < needed:
-            reason += f", more than the {_gib(granted)} it asks for: it may run out of memory"
+            reason += f", more than the {gib_words(granted)} it asks for: it may run out of memory"
     return Decision("keep", reason, kind=None, gpu_type=gpu_type, peak_bytes=peak, needed_bytes=needed)
 
 
@@ -376,7 +387,7 @@ def _granted_by(request: SbatchRequest, offers: list[Offer], config: SiteConfig)
 
 
 def _describe(offer: Offer) -> str:
-    size = _gib(offer.granted_bytes)
+    size = gib_words(offer.granted_bytes)
     if offer.kind == "mig":
         return f"MIG {offer.gres_type} ({size})" if offer.count == 1 else f"{offer.count} x MIG {offer.gres_type} " \
                                                                         f"({size} each)"
@@ -393,13 +404,6 @@ def _margin_text(config: SiteConfig) -> str:
     if config.margin.relative:
         parts.append(f"{config.margin.relative * 100:g} %")
     if config.margin.absolute_bytes:
-        parts.append(_mib_or_gib(config.margin.absolute_bytes))
+        parts.append(size_words(config.margin.absolute_bytes))
     return f"with {' + '.join(parts)} margin" if parts else "with no margin"
 
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f}".rstrip("0").rstrip(".") + " GiB"
-
-
-def _mib_or_gib(n: int) -> str:
-    return _gib(n) if n >= GIB else f"{n / MIB:g} MiB"

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import JobStamp, comment_fields
 from xmem.slurm.store import JobRecord
+from xmem.units import MIB
 
-MIB = 1 << 20
 MEASURE_FILE_MAX_BYTES = 4096
 
 

@@ -100,7 +100,7 @@ def summarize(records: Iterable[JobRecord]) -> list[TypeSummary]:
 
 
 def _summarize_type(gpu_type: str, records: list[JobRecord]) -> TypeSummary:
-    import numpy  # here, not at the top: the node hooks import this module and need no numpy
+    from xmem.bench.metrics import percentile  # here, not at the top: the node hooks need no numpy
 
     pairs = [r for r in records if r.estimate_bytes and r.measured_bytes]
     errors = [(r.estimate_bytes - r.measured_bytes) / r.measured_bytes for r in pairs]  # type: ignore[operator]
@@ -109,8 +109,8 @@ def _summarize_type(gpu_type: str, records: list[JobRecord]) -> TypeSummary:
         gpu_type=gpu_type,
         jobs=len(records),
         measured=len(pairs),
-        median_abs_rel_error=float(numpy.percentile(magnitudes, 50)) if magnitudes else None,
-        p90_abs_rel_error=float(numpy.percentile(magnitudes, 90)) if magnitudes else None,
+        median_abs_rel_error=percentile(magnitudes, 50),
+        p90_abs_rel_error=percentile(magnitudes, 90),
         mean_rel_error=sum(errors) / len(errors) if errors else None,
         underestimates=sum(1 for e in errors if e < 0),
         over_request=sum(1 for r in pairs
