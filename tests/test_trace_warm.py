@@ -189,6 +189,7 @@ def test_stale_socket_falls_back_to_cold(monkeypatch, tmp_path):
         dead.close()
         _, cpu = traced(MLP)
         assert cpu > COLD_CPU_S
+        assert warm.server_pids(directory), "the estimate started no server for the next ones"
     finally:
         for pid in warm.server_pids(directory):
             os.kill(pid, signal.SIGKILL)

@@ -105,18 +105,8 @@ def remove_stale_scratch(min_age_s: float = 60.0) -> None:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or now - info.st_mtime < min_age_s:
             continue
-        if not _alive(owner):
+        if not warm.alive(owner):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 def _cpu_seconds(timeout: float | None) -> int:
@@ -181,7 +171,7 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
         return None
     connection = warm.connect(path)
     if connection is None:
-        warm.start_server(interpreter, path, warm.server_env(env, XMEM_PARENT_DIR))
+        warm.start_server(interpreter, path, warm.server_env(env, XMEM_PARENT_DIR), after=scratch)
         return None
 
     def start(log: Any, progress_fd: int) -> warm.WarmJob | None:

@@ -103,11 +103,15 @@ def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": xmem_parent}
 
 
-def start_server(interpreter: str, path: Path, env: dict[str, str]) -> subprocess.Popen | None:
-    """Start the server in the background (it locks, loads, then listens); the caller goes on cold meanwhile."""
+def start_server(interpreter: str, path: Path, env: dict[str, str],
+                 after: Path | None = None) -> subprocess.Popen | None:
+    """Start the server in the background (it locks, waits until `after` is gone, loads, then listens); the caller
+    goes on cold meanwhile."""
     idle = os.environ.get(IDLE_ENV, str(DEFAULT_IDLE_S))
+    wait = ["--after", str(after), "--caller", str(os.getpid())] if after is not None else []
     try:
-        return subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle], env=env,
+        return subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle, *wait],
+                                env=env,
                          cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:  # no warm tracer this time: estimates go on cold
@@ -219,13 +223,14 @@ class WarmJob:
 
 # ---- the server ------------------------------------------------------------------------------------------------
 
-def serve(path: Path, idle_s: float) -> None:
+def serve(path: Path, idle_s: float, after: Path | None = None, caller: int = 0) -> None:
     os.nice(SERVER_NICE)
     lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return  # another server of the same key runs or is starting
+    _wait_until_gone(after, caller)
     loaded = preload()
     listener = _listen(path)
     inode = os.lstat(path).st_ino
@@ -247,6 +252,24 @@ def serve(path: Path, idle_s: float) -> None:
             _handle(connection, loaded)
         connection.close()
     _leave(path, inode)
+
+
+def _wait_until_gone(after: Path | None, caller: int) -> None:
+    """Load only once the estimate that started us has finished its cold trace (its scratch directory `after` is
+    gone, or the process itself): on a login node's few cores, the server's imports would slow that first one."""
+    while after is not None and after.exists() and alive(caller):
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (the runner's stale-scratch rule asks it too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -535,8 +558,10 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m xmem.trace.warm", description="the warm tracer's server")
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--idle", type=float, default=DEFAULT_IDLE_S, help="seconds without a request before it ends")
+    parser.add_argument("--after", type=Path, help="load once this path (the first trace's scratch) is gone")
+    parser.add_argument("--caller", type=int, default=0, help="or once this process (the first estimate) is gone")
     args = parser.parse_args(argv)
-    serve(args.socket, args.idle)
+    serve(args.socket, args.idle, args.after, args.caller)
 
 
 if __name__ == "__main__":
