@@ -19,7 +19,7 @@ import pytest
 from tests.throwaway_users import scratch, users_fixture  # noqa: F401 (scratch is a fixture)
 from xmem.cache import AnalysisCache, estimate_slot, user_cache_dir
 from xmem.slurm.cache_check import valid_analysis
-from xmem.slurm.contract import Analysis, FilterRequest, reply_for
+from xmem.slurm.contract import FilterRequest, Verdict, reply_for
 from xmem.slurm.inline import analysis_cache
 from xmem.userfiles import user_name
 
@@ -144,7 +144,7 @@ def test_an_entry_the_filter_could_not_have_written_is_a_miss(tmp_path, entry):
 def test_a_valid_entry_reads_back_and_sets_only_the_gpu_option(tmp_path):
     cache = AnalysisCache(tmp_path, validate=valid_analysis)
     cache.put("k", GOOD)
-    reply = reply_for(Analysis.from_json(cache.get("k"), cached=True), FilterRequest(script="/j.sh"), "open")
+    reply = reply_for(Verdict.from_json(cache.get("k"), cached=True), FilterRequest(script="/j.sh"), "open")
     assert set(reply.set) == {"gres", "comment", "export"} and reply.set["gres"] == "mps:a100:2"
 
 

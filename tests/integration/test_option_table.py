@@ -15,7 +15,7 @@ import pytest
 
 from xmem.config import load_site_config
 from xmem.gpus import load_catalog
-from xmem.policy import gres_capacity
+from xmem.policy import gres_memory_bytes
 
 pytestmark = pytest.mark.slurm
 
@@ -71,16 +71,16 @@ def test_check_lists_every_offer_of_the_clusters_gres(cluster, site_from_cluster
         assert {r["gres_type"] for r in rows if r["kind"] == kind} == declared
     for row in rows:
         parent = site.mig.parent_of(row["gres_type"])
-        capacity = gres_capacity(row["gres_type"], parent, catalog)
+        memory = gres_memory_bytes(row["gres_type"], parent, catalog)
         peak = data["peaks"][row["gres_type"]]
         assert row["peak_bytes"] == peak and row["needed_bytes"] == site.margin.needed(peak)
         assert row["fits"] == (row["needed_bytes"] <= row["usable_bytes"])
         assert row["slack_bytes"] == row["usable_bytes"] - row["needed_bytes"]
         if row["kind"] in ("gpu", "mig"):
-            assert row["usable_bytes"] == capacity
+            assert row["usable_bytes"] == memory
         else:  # MPS on the types the site lists (shards are off on this cluster): a share of the GPU
             assert row["kind"] == "mps" and row["gres_type"] in site.mps.gpu_types
-            assert row["usable_bytes"] <= capacity
+            assert row["usable_bytes"] <= memory
     kinds = [r["kind"] for r in rows]
     assert kinds == sorted(kinds, key=site.preference.index)  # the site's order of preference
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.slurm.submissions import GIB, PEAKS, decision, request
 from xmem.policy import Decision
-from xmem.slurm.contract import Analysis, FilterReply, FilterRequest, plain, reply_for, with_exports
+from xmem.slurm.contract import FilterReply, FilterRequest, Verdict, plain, reply_for, with_exports
 from xmem.slurm.stamp import JobStamp
 
 
@@ -21,7 +21,7 @@ def test_request_from_lua_json_strips_the_gres_prefix_sbatch_reads_back():
 
 
 def test_rewrite_sets_gres_comment_and_exports():
-    reply = reply_for(Analysis(decision(), PEAKS), request(gres="gres:gpu:1"), "open")
+    reply = reply_for(Verdict(decision(), PEAKS), request(gres="gres:gpu:1"), "open")
     stamp = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:a100:40",
                      action="rewrite")
     assert reply.set == {"gres": "mps:a100:40", "comment": stamp.comment(),
@@ -32,7 +32,7 @@ def test_rewrite_sets_gres_comment_and_exports():
 @pytest.mark.parametrize("option", ["gpus", "gpus-per-node"])
 def test_rewrite_in_the_users_gpus_form(option):
     d = decision(gres=None, gpus="h100:1", option=option, kind="gpu", gpu_type="h100", peak_bytes=None)
-    reply = reply_for(Analysis(d, PEAKS), request(**{option: "1"}), "open")
+    reply = reply_for(Verdict(d, PEAKS), request(**{option: "1"}), "open")
     assert reply.set[option] == "h100:1" and "gres" not in reply.set
     assert reply.message.endswith(f"-> --{option}=h100:1")
     stamp = JobStamp.from_comment(reply.set["comment"])
@@ -40,7 +40,7 @@ def test_rewrite_in_the_users_gpus_form(option):
 
 
 def test_keep_leaves_the_request_and_still_stamps_the_job():
-    reply = reply_for(Analysis(decision(action="keep", gres=None, gpu_type="h100"), PEAKS),
+    reply = reply_for(Verdict(decision(action="keep", gres=None, gpu_type="h100"), PEAKS),
                       request(gres="gres:gpu:h100:1", comment="mine"), "open")
     assert "gres" not in reply.set and "gpus" not in reply.set
     assert reply.set["comment"].startswith("mine xmem:")
@@ -49,17 +49,17 @@ def test_keep_leaves_the_request_and_still_stamps_the_job():
 
 
 def test_cpu_job_is_untouched_and_silent():
-    assert reply_for(Analysis(decision(action="none", gres=None)), request(), "closed") == FilterReply()
+    assert reply_for(Verdict(decision(action="none", gres=None)), request(), "closed") == FilterReply()
 
 
 def test_no_fit_warns_and_changes_nothing():
-    reply = reply_for(Analysis(decision(action="no_fit", gres=None, reason="needs 90 GiB: no GPU type fits")),
+    reply = reply_for(Verdict(decision(action="no_fit", gres=None, reason="needs 90 GiB: no GPU type fits")),
                       request(gres="gres:gpu:1"), "closed")
     assert reply.set == {} and reply.reject is None and reply.message.startswith("warning: needs 90 GiB")
 
 
 def test_estimator_fault_fails_open_with_one_line():
-    reply = reply_for(Analysis(None, errors=("user_error: ImportError: no module named foo",)),
+    reply = reply_for(Verdict(None, errors=("user_error: ImportError: no module named foo",)),
                       request(gres="gres:gpu:1"), "open")
     assert reply.set == {} and reply.reject is None
     assert reply.message == ("cannot estimate this job's GPU memory (user_error: ImportError: no module named foo)"
@@ -67,14 +67,14 @@ def test_estimator_fault_fails_open_with_one_line():
 
 
 def test_estimator_fault_is_refused_when_closed():
-    reply = reply_for(Analysis(None, errors=("timeout: 60 s",)), request(gres="gres:gpu:1"), "closed")
+    reply = reply_for(Verdict(None, errors=("timeout: 60 s",)), request(gres="gres:gpu:1"), "closed")
     assert reply.set == {}
     assert reply.reject.startswith("cannot estimate this job's GPU memory (timeout: 60 s). This site requires")
     assert "xmem-slurm check /home/ann/job.sh" in reply.reject
 
 
 def test_cached_analysis_says_so():
-    reply = reply_for(Analysis(decision(), PEAKS, cached=True), request(), "open")
+    reply = reply_for(Verdict(decision(), PEAKS, cached=True), request(), "open")
     assert reply.message.endswith("(cached estimate)")
 
 
@@ -104,7 +104,7 @@ def test_option_values_pass_exactly_and_lines_for_people_are_one_short_line():
 
 def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
     why = "no command of the job used CUDA under the trace"
-    reply = reply_for(Analysis(Decision("keep", why), {}), request(gres="gres:gpu:1", comment="run 3"),
+    reply = reply_for(Verdict(Decision("keep", why), {}), request(gres="gres:gpu:1", comment="run 3"),
                       "open")
     assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
     assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.submissions import PEAKS, decision
-from xmem.slurm.contract import Analysis, FilterRequest
+from xmem.slurm.contract import FilterRequest, Verdict
 from xmem.slurm.filter import filter_main, run_filter, wrapped_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def test_one_deadline_bounds_the_wait_for_a_slot_and_the_estimate(tmp_path):
 
     def analyzer(path, req, config, *, deadline):
         left.append(deadline - time.monotonic())
-        return Analysis(decision(), PEAKS)
+        return Verdict(decision(), PEAKS)
 
     req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
                         cwd=str(tmp_path))

@@ -2,7 +2,7 @@
 
 from tests.slurm.submissions import PEAKS, decision
 from xmem.cache import AnalysisCache
-from xmem.slurm.contract import Analysis, FilterRequest
+from xmem.slurm.contract import FilterRequest, Verdict
 from xmem.slurm.inline import cached_analysis
 
 
@@ -15,7 +15,7 @@ def test_cache_skips_the_second_analysis_and_never_caches_a_failure(tmp_path):
 
     def analyzer(path, r, config):
         calls.append(path)
-        return Analysis(decision(), PEAKS) if len(calls) != 1 else Analysis(None, errors=("timeout: 1 s",))
+        return Verdict(decision(), PEAKS) if len(calls) != 1 else Verdict(None, errors=("timeout: 1 s",))
 
     cache = AnalysisCache(tmp_path / "cache")
     run = lambda: cached_analysis(str(script), req, None, cache=cache, config_digest="", analyzer=analyzer)
@@ -38,7 +38,7 @@ def test_a_damaged_cache_entry_is_computed_again(tmp_path):
 
     def analyzer(path, r, config):
         calls.append(path)
-        return Analysis(decision(), PEAKS)
+        return Verdict(decision(), PEAKS)
 
     key = "k" * 64
     for damaged in ({"decision": "rewrite"}, {"decision": {"action": "rewrite", "gres": 7}, "peaks": {}},
@@ -61,11 +61,11 @@ def test_an_estimate_of_files_edited_during_the_trace_is_not_cached(tmp_path):
 
     def editing_analyzer(path, r, config):
         train.write_text("print('v2: a bigger model')\n")  # the user edits right after sbatch
-        return Analysis(decision(), PEAKS)
+        return Verdict(decision(), PEAKS)
 
     run = lambda analyzer: cached_analysis(str(script), req, None, cache=cache, config_digest="",
                                            files=[str(train)], analyzer=analyzer)
     assert run(editing_analyzer).decision == decision()  # the answer stands (it is what the job will run)
     train.write_text("print('v1')\n")
-    assert not run(lambda *a: Analysis(decision(peak_bytes=1), PEAKS)).cached  # v1's key holds nothing
+    assert not run(lambda *a: Verdict(decision(peak_bytes=1), PEAKS)).cached  # v1's key holds nothing
     assert run(editing_analyzer).decision == decision(peak_bytes=1)  # v1's own estimate, now cached

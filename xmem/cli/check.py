@@ -25,7 +25,7 @@ from xmem.cli import app
 from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, TRACE_EXIT_CODES
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
-from xmem.policy import gres_capacity
+from xmem.policy import gres_memory_bytes
 from xmem.policy.options import OptionTable
 from xmem.units import MIB, gib_text, size_text
 
@@ -234,11 +234,11 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
         table.add_column(column, justify="left" if column == "GPU type" else "right")
     catalog = site.catalog()
     for gpu_type, peak in analysis.peaks.items():
-        total = gres_capacity(gpu_type, site.mig.parent_of(gpu_type), catalog)
+        total = gres_memory_bytes(gpu_type, site.mig.parent_of(gpu_type), catalog)
         needed = site.margin.needed(peak)
         style = "" if total is None or needed <= total else "[red]"
         # job_peak: a replay that ran out of memory needs more than the GPU, whatever it reached before
-        whole = gres_capacity(site.mig.parent_of(gpu_type) or gpu_type, None, catalog)
+        whole = gres_memory_bytes(site.mig.parent_of(gpu_type) or gpu_type, None, catalog)
         shown = "[red]out of memory[/]" if whole and peak > whole else gib_text(peak)
         table.add_row(gpu_type, shown, f"{style}{gib_text(needed)}", gib_text(total) if total else "?")
     console.print(table)

@@ -8,9 +8,9 @@ Pure: no I/O, no Slurm, no torch.
 """
 
 from xmem.policy.rules import (ACTIONS, Decision, Offer, considered_offers, decide, describe_offer, eligible_types,
-                               estimate_types, gpu_options, gpus_per_node, gres_capacity, job_offers, job_partitions,
-                               job_peak, peak_for, screen, site_offers)
+                               estimate_types, gpu_options, gpus_per_node, gres_memory_bytes, job_offers,
+                               job_partitions, job_peak, peak_for, screen, site_offers)
 
 __all__ = ["ACTIONS", "Decision", "Offer", "considered_offers", "decide", "describe_offer", "eligible_types",
-           "estimate_types", "gpu_options", "gpus_per_node", "gres_capacity", "job_offers", "job_partitions", "job_peak",
-           "peak_for", "screen", "site_offers"]
+           "estimate_types", "gpu_options", "gpus_per_node", "gres_memory_bytes", "job_offers", "job_partitions",
+           "job_peak", "peak_for", "screen", "site_offers"]

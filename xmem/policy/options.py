@@ -18,7 +18,8 @@ from typing import Any
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu
 from xmem.jobscript import SbatchRequest
-from xmem.policy.rules import Decision, Offer, considered_offers, decide, describe_offer, gres_capacity, share_bytes
+from xmem.policy.rules import (Decision, Offer, considered_offers, decide, describe_offer, gres_memory_bytes,
+                               share_bytes)
 
 MPS_FRACTIONS = (4, 2)  # MPS shares of 100 are too many to list: a quarter and a half of the GPU stand for them
 MAX_LISTED_SHARDS = 8  # shards of a GPU up to this many are listed one count each, more as MPS_FRACTIONS
@@ -80,8 +81,8 @@ def option_table(peaks: Mapping[str, int], request: SbatchRequest, config: SiteC
     """The offers `decision` (from `decide` on the same arguments) was chosen among, side by side. `offers`: the
     job's offers when the caller has them (`job_offers`)."""
     picked = decision.gres or decision.gpus if decision.action == "rewrite" else None
-    rows = tuple(OptionRow(offer.estimate_type, offer.gres_type, offer.kind, value, describe_offer(offer), offer.granted_bytes,
-                           offer.peak_bytes, config.margin.needed(offer.peak_bytes), fits,
+    rows = tuple(OptionRow(offer.estimate_type, offer.gres_type, offer.kind, value, describe_offer(offer),
+                           offer.granted_bytes, offer.peak_bytes, config.margin.needed(offer.peak_bytes), fits,
                            chosen=value == picked and offer.kind == decision.kind)
                  for offer, value, fits in considered_offers(peaks, request, config, partition=partition,
                                                              catalog=catalog, available=available, offers=offers))
@@ -106,15 +107,15 @@ class FixedOption:
 def fixed_options(config: SiteConfig, gpu_type: str, catalog: Mapping[str, GpuType]) -> list[FixedOption]:
     """The site's offers of `gpu_type` (a GRES or catalog name of a whole GPU), largest first: the whole GPU, each
     MIG profile the site offers on it, and share counts where MPS or shards are enabled for it. The sizes are the
-    policy's (`gres_capacity`, `share_bytes`)."""
-    whole = gres_capacity(gpu_type, None, catalog)
+    policy's (`gres_memory_bytes`, `share_bytes`)."""
+    whole = gres_memory_bytes(gpu_type, None, catalog)
     if whole is None:
         return []
     options = [FixedOption(gpu_type, "whole", whole)]
     for parent, profiles in config.mig.profiles.items():
         if _same_gpu(parent, gpu_type, catalog):
             options += [FixedOption(gpu_type, p, size) for p in profiles
-                        if (size := gres_capacity(p, parent, catalog)) is not None]
+                        if (size := gres_memory_bytes(p, parent, catalog)) is not None]
     for kind, enabled, units, listed in (("shard", config.shard.enabled, config.shard.per_gpu,
                                           config.shard.gpu_types),
                                          ("mps", config.mps.enabled, config.mps.count_per_gpu, config.mps.gpu_types)):

@@ -173,18 +173,18 @@ def site_offers(config: SiteConfig, partitions: tuple[str, ...], catalog: Mappin
     for gres_type in eligible_types(config, partitions):
         parent = config.mig.parent_of(gres_type)
         estimate_type = parent or gres_type
-        capacity = gres_capacity(gres_type, parent, catalog)
+        memory = gres_memory_bytes(gres_type, parent, catalog)
         peak = peak_for(estimate_type, peaks, catalog)
-        if capacity is None or peak is None:
+        if memory is None or peak is None:
             continue
         needed = config.margin.needed(peak)
-        offers.append(Offer("mig" if parent else "gpu", gres_type, estimate_type, count, capacity, capacity, peak))
+        offers.append(Offer("mig" if parent else "gpu", gres_type, estimate_type, count, memory, memory, peak))
         if count != 1 or option != "gres":
             continue  # a share is of one GPU, and only --gres can ask for one
         if config.mps.enabled and _listed(gres_type, config.mps.gpu_types):
-            offers.append(_share("mps", gres_type, estimate_type, capacity, config.mps.count_per_gpu, peak, needed))
+            offers.append(_share("mps", gres_type, estimate_type, memory, config.mps.count_per_gpu, peak, needed))
         if config.shard.enabled and _listed(gres_type, config.shard.gpu_types):
-            offers.append(_share("shard", gres_type, estimate_type, capacity, config.shard.per_gpu, peak, needed))
+            offers.append(_share("shard", gres_type, estimate_type, memory, config.shard.per_gpu, peak, needed))
     return offers
 
 
@@ -234,23 +234,24 @@ def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuT
     return None
 
 
-def _share(kind: str, gres_type: str, estimate_type: str, capacity: int, units: int, peak: int,
+def _share(kind: str, gres_type: str, estimate_type: str, memory: int, units: int, peak: int,
            needed: int) -> Offer:
-    """The fewest units of `units` per GPU whose memory (capacity * count / units) holds `needed`."""
-    count = min(units, max(1, math.ceil(needed * units / capacity)))
-    while count < units and share_bytes(capacity, count, units) < needed:  # integer rounding of the share
+    """The fewest units of `units` per GPU whose memory (memory * count / units) holds `needed`."""
+    count = min(units, max(1, math.ceil(needed * units / memory)))
+    while count < units and share_bytes(memory, count, units) < needed:  # integer rounding of the share
         count += 1
-    return Offer(kind, gres_type, estimate_type, count, share_bytes(capacity, count, units), capacity // units, peak,
+    return Offer(kind, gres_type, estimate_type, count, share_bytes(memory, count, units), memory // units, peak,
                  units)
 
 
-def share_bytes(capacity: int, count: int, units: int) -> int:
-    """The memory `count` of `units` shares (MPS, shards) of a GPU of `capacity` bytes give."""
-    return capacity * count // units
+def share_bytes(memory: int, count: int, units: int) -> int:
+    """The memory `count` of `units` shares (MPS, shards) of a GPU of `memory` bytes give."""
+    return memory * count // units
 
 
-def gres_capacity(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
-    """The memory of one GPU of `gres_type`: the MIG profile's when `parent` is its GPU, else the whole GPU's;
+def gres_memory_bytes(gres_type: str, parent: str | None, catalog: Mapping[str, GpuType]) -> int | None:
+    """The memory of one GPU of `gres_type`: the MIG profile's when `parent` is its GPU, else the whole GPU's
+    (the driver's total: not `GpuEstimate.capacity_bytes`, which is what the caching allocator may reserve of it);
     None when the catalog does not know it."""
     try:
         if parent:
@@ -357,7 +358,7 @@ def _keep(request: SbatchRequest, offers: list[Offer], peaks: Mapping[str, int],
     if peak is None and offers:
         peak = min(o.peak_bytes for o in offers)
     estimated = parent or gpu_type or next((o.estimate_type for o in offers if o.peak_bytes == peak), None)
-    if peak is not None and estimated and peak == (gres_capacity(estimated, None, catalog) or -1) + 1:
+    if peak is not None and estimated and peak == (gres_memory_bytes(estimated, None, catalog) or -1) + 1:
         # job_peak's mark, not a peak: no figure for the job's stamp (nor an MPS limit sized from it)
         return Decision("keep", f"{why}; runs out of memory on a whole {estimated}: it may not be enough",
                         gpu_type=gpu_type)

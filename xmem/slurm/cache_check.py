@@ -1,7 +1,7 @@
 """What a cached analysis may hold, checked on every read: a cache entry is a file the user's own jobs can write,
 so it must not be able to set anything the filter would not set itself.
 
-Owns the shape of a cached `xmem.slurm.contract.Analysis`: the decision's action from the policy's set, the one
+Owns the shape of a cached `xmem.slurm.contract.Verdict`: the decision's action from the policy's set, the one
 rewritten option from the GPU options the filter sets (`--gres`, `--gpus`, `--gpus-per-node`, `--gpus-per-task`),
 its value a GPU request that xmem.jobscript parses (no `--chdir`, no spaces, no second option smuggled in), sizes
 as non-negative whole numbers, names as plain words. An entry that fails is a miss: the job is estimated again.

@@ -1,8 +1,8 @@
 """The submission contract with slurm/cli_filter.lua: the request sbatch hands over, its cache key, and the reply.
 
 Owns the JSON both sides exchange (documented in slurm/README.md), which sbatch options key a cached analysis,
-the cached analysis's plain form (`Analysis`, checked on read by xmem.slurm.cache_check), and turning an
-analysis into the sbatch options to set (`gres`/`gpus`, `comment` carrying the job stamp, `export` carrying it
+the `Verdict` (what the filter keeps of a job's analysis, cached; checked on read by xmem.slurm.cache_check), and
+turning a verdict into the sbatch options to set (`gres`/`gpus`, `comment` carrying the job stamp, `export` carrying it
 to the TaskProlog), the one line the user sees, and the site's fail-open / fail-closed rule. Pure: no estimate,
 no Slurm call. The inline path (xmem.slurm.inline) and the deferred one (xmem.slurm.deferred) both answer here.
 
@@ -108,10 +108,10 @@ def plain(text: str | None, limit: int = MESSAGE_MAX_CHARS) -> str | None:
     return text if len(text) <= limit else text[:limit - 15].rstrip() + " [... cut]"
 
 
-# --- the analysis, as cached ------------------------------------------------------------------------------
+# --- the verdict, as cached -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Analysis:
+class Verdict:
     """What the filter keeps of `xmem.analyze.JobAnalysis`: the policy's decision, the peaks, the errors as text.
     JSON only in the cache (`to_json`, `from_json`)."""
 
@@ -125,8 +125,8 @@ class Analysis:
                 "errors": list(self.errors)}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Analysis:
-        """The analysis back from `to_json()`; ValueError (TypeError for a field Decision lacks) when `data` is
+    def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Verdict:
+        """The verdict back from `to_json()`; ValueError (TypeError for a field Decision lacks) when `data` is
         not one (a damaged cache entry)."""
         decision, peaks, errors = data.get("decision"), data.get("peaks") or {}, data.get("errors") or []
         from xmem.policy import ACTIONS, Decision
@@ -150,7 +150,7 @@ def key_for(script: str, request: FilterRequest, config_digest: str, files: list
                      extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
 
 
-# --- from analysis to reply ------------------------------------------------------------------------------------
+# --- from verdict to reply -------------------------------------------------------------------------------------
 
 def user_request(options: Mapping[str, str]) -> str | None:
     """The GPU request as it stands: gres read back without its `gres:` prefixes, or `gpus=...` /
@@ -179,13 +179,13 @@ def stamp_for(decision: Decision, peaks: Mapping[str, int], request_text: str | 
                     action=decision.action)
 
 
-def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> FilterReply:
-    """The options to set and the user's line, from the analysis and the site's failure mode."""
-    if analysis.decision is None or analysis.errors:
-        return failure_reply("; ".join(analysis.errors) or "no decision", request, failure)
-    d = analysis.decision
+def reply_for(verdict: Verdict, request: FilterRequest, failure: str) -> FilterReply:
+    """The options to set and the user's line, from the verdict and the site's failure mode."""
+    if verdict.decision is None or verdict.errors:
+        return failure_reply("; ".join(verdict.errors) or "no decision", request, failure)
+    d = verdict.decision
     action, reason = d.action, d.reason or ""
-    cached = " (cached estimate)" if analysis.cached else ""
+    cached = " (cached estimate)" if verdict.cached else ""
     if action == "none":
         return FilterReply()  # no GPU wanted: the job is not ours to touch
     if action == "excluded":
@@ -200,7 +200,7 @@ def reply_for(analysis: Analysis, request: FilterRequest, failure: str) -> Filte
     else:  # keep: the user's explicit request stands; the estimate still travels with the job
         request_text = user_request(request.options)
         line = f"{reason}; keeping {request_text}{cached}"
-    stamp = stamp_for(d, analysis.peaks, request_text)
+    stamp = stamp_for(d, verdict.peaks, request_text)
     why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_word(reason)}"
     options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
     export = with_exports(request.options.get("export"), stamp.env())

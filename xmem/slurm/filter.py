@@ -21,9 +21,9 @@ from typing import IO, Any
 
 from xmem.cache import NoSlotFree
 from xmem.slurm import deferred
-from xmem.slurm.contract import HETJOB_NOTICE, Analysis, FilterReply, FilterRequest, failure_reply, key_for, reply_for
-from xmem.slurm.inline import (analysis_cache, analyze, cache_hit, cached_analysis, command_files, config_digest,
-                               estimate_slots, parse_job)
+from xmem.slurm.contract import HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, failure_reply, key_for, reply_for
+from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
+                               config_digest, estimate_slots, parse_job)
 
 
 # --- the whole filter ------------------------------------------------------------------------------------------
@@ -46,12 +46,13 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
-def run_filter(request: FilterRequest, config: Any, *, analyzer: Callable[..., Analysis] = analyze) -> FilterReply:
+def run_filter(request: FilterRequest, config: Any, *,
+               analyzer: Callable[..., Verdict] = analyze_submission) -> FilterReply:
     """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
-    wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze`'s signature."""
+    wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze_submission`'s signature."""
     deadline = time.monotonic() + config.estimate.timeout_s
 
-    def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Analysis:
+    def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Verdict:
         # the slot's wait counts against the deadline; the estimate still gets a second to say it timed out
         return analyzer(script, req, site, deadline=max(deadline, time.monotonic() + 1.0))
 
@@ -72,7 +73,7 @@ def run_filter(request: FilterRequest, config: Any, *, analyzer: Callable[..., A
 
 
 def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config: Any,
-                  analyzer: Callable[[str, FilterRequest, Any], Analysis]) -> FilterReply:
+                  analyzer: Callable[[str, FilterRequest, Any], Verdict]) -> FilterReply:
     """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now."""
     cache, digest = analysis_cache(config), config_digest(config)
     key = key_for(script, request, digest, files)

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot, file_digest, user_cache_dir
 from xmem.slurm.cache_check import valid_analysis
-from xmem.slurm.contract import Analysis, FilterRequest, key_for
+from xmem.slurm.contract import FilterRequest, Verdict, key_for
 
 if TYPE_CHECKING:
     from xmem.analyze import JobAnalysis
 
 
-def analysis_from_job(job_analysis: JobAnalysis) -> Analysis:
+def verdict_of(job_analysis: JobAnalysis) -> Verdict:
     """What the filter keeps of a job's analysis: its decision as it is, the peaks, the errors as text."""
-    return Analysis(decision=job_analysis.decision, peaks={k: int(v) for k, v in job_analysis.peaks.items()},
+    return Verdict(decision=job_analysis.decision, peaks={k: int(v) for k, v in job_analysis.peaks.items()},
                     errors=tuple(_error_text(e) for e in job_analysis.errors))
 
 
@@ -35,7 +35,8 @@ def _error_text(error: Any) -> str:
     return str(error)
 
 
-def analyze(script: str, request: FilterRequest, config: Any, *, deadline: float | None = None) -> Analysis:
+def analyze_submission(script: str, request: FilterRequest, config: Any, *,
+                       deadline: float | None = None) -> Verdict:
     """Run the real analysis (parse, estimate, policy), done by `deadline` (time.monotonic(); default: the site's
     estimate timeout from now). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
@@ -48,9 +49,9 @@ def analyze(script: str, request: FilterRequest, config: Any, *, deadline: float
                                    submit_cwd=request.cwd, deadline=deadline,
                                    estimator=privileges.guarded_estimator(request.options, script))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
-        return Analysis(decision=None, errors=(_error_text(e),))
+        return Verdict(decision=None, errors=(_error_text(e),))
     kept = privileges.kept_decision(job_analysis.errors)  # a user's program is never traced as root
-    return Analysis(decision=Decision(**kept)) if kept else analysis_from_job(job_analysis)
+    return Verdict(decision=Decision(**kept)) if kept else verdict_of(job_analysis)
 
 
 def parse_job(script: str, request: FilterRequest) -> Any:
@@ -96,9 +97,9 @@ def estimate_slots(config: Any) -> contextlib.AbstractContextManager:
 
 def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
                     config_digest: str, files: Sequence[str] = (),
-                    analyzer: Callable[[str, FilterRequest, Any], Analysis] = analyze,
+                    analyzer: Callable[[str, FilterRequest, Any], Verdict] = analyze_submission,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None,
-                    key: str | None = None) -> Analysis:
+                    key: str | None = None) -> Verdict:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
     cache key when the caller has it already (key_for reads and hashes the script and its files).
@@ -122,13 +123,13 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
     return analysis
 
 
-def cache_hit(cache: AnalysisCache, key: str) -> Analysis | None:
+def cache_hit(cache: AnalysisCache, key: str) -> Verdict | None:
     """A cache hit, or None: a damaged entry counts as a miss, so it is computed (and written) again."""
     hit = cache.get(key)
     if hit is None:
         return None
     try:
-        return Analysis.from_json(hit, cached=True)
+        return Verdict.from_json(hit, cached=True)
     except (ValueError, TypeError, AttributeError):
         return None
 
