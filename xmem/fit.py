@@ -30,6 +30,7 @@ from xmem.simulate import ALLOC, FREE
 
 PLACEHOLDER = "{}"
 MODEL_ROUNDS = 6  # traces guided by the growth model per option before bisection on traces alone
+BISECT_AFTER_TURNS = 3  # ... or once the traces have landed on the other side of the limit this often
 # The model of each guess is fitted on the traces nearest the option's frontier: a category that changes its
 # growth somewhere (a buffer that appears, a kernel chosen by size) misleads from far away.
 LOCAL_POINTS = 3
@@ -146,10 +147,8 @@ class Point:
 @dataclass(frozen=True)
 class Growth:
     """Per phase, each category of tensors as a polynomial in the value (numpy order, highest power first); the
-    tensors at a value are the largest phase's. Per GPU type and traced value, what its peak adds to them
-    (allocator slack, context, libraries): the prediction at a value is the tensors there plus the lesser level of
-    the nearest traces below and above it (the rounding wobbles by a few MiB between neighbours and small values
-    waste whole segments: a guess too high is caught by its trace)."""
+    tensors at a value are the largest phase's. Per GPU type and traced value, the level: what its peak adds to
+    them (allocator slack, context, libraries; `predict` says how it is carried to other values)."""
 
     phases: Mapping[str, Mapping[str, tuple[float, ...]]]
     levels: Mapping[str, Mapping[int, float]]
@@ -159,10 +158,18 @@ class Growth:
                     for categories in self.phases.values()), default=0.0)
 
     def predict(self, gpu_type: str, value: float) -> float:
+        """The tensors at `value` plus the level between the nearest traces below and above it, drawn as a line
+        in the tensors (cached blocks grow with them: GPT-2's slack at 130 samples is not its slack at 4); beyond
+        the traced values, the nearest trace's level."""
         levels = self.levels.get(gpu_type, {})
         below = max((v for v in levels if v <= value), default=None)
         above = min((v for v in levels if v >= value), default=None)
-        return self.tensors(value) + min((levels[v] for v in (below, above) if v is not None), default=0.0)
+        tensors = self.tensors(value)
+        if below is None or above is None:
+            return tensors + (levels[below if above is None else above] if levels else 0.0)
+        span = self.tensors(above) - self.tensors(below)
+        share = (tensors - self.tensors(below)) / span if span > 0 else 0.0
+        return tensors + levels[below] + min(max(share, 0.0), 1.0) * (levels[above] - levels[below])
 
     def degrees(self) -> dict[str, int]:
         """Per category, the highest power it grows with in any phase."""
@@ -261,22 +268,26 @@ class _Search:
     def limit(self, option: FixedOption) -> int | None:
         """Each round traces the model's limit inside the bracket; once a trace fits, the model's next answer is
         the value above it (the neighbour that confirms it). The peak is a staircase (the allocator rounds blocks
-        to 2 MiB) that a smooth model cannot place to the value: where traces keep landing on one side, the step
-        away from that side doubles (a gallop), and once the bracket has closed in from both sides twice, or the
-        model has had its rounds, bisection on traces ends it."""
-        step, last, turns = 1, None, 0
+        to 2 MiB) that a smooth model cannot place to the value, and the slack between two far traces is a guess:
+        where traces keep landing on one side, the next goes twice as far as the last move (a gallop), and once
+        the traces have turned sides a few times, or the model has had its rounds, bisection on traces ends it."""
+        step, last, turns, previous = 1, None, 0, 0
         for rounds in itertools.count():
             low, high = self._bracket(option)
             if high - low <= 1:
                 break
-            if turns >= 2 or rounds >= MODEL_ROUNDS:
+            if turns >= BISECT_AFTER_TURNS or rounds >= MODEL_ROUNDS:
                 value = (low + high) // 2
             else:
                 value = self._predicted(option, low, high)
                 value = max(value, low + step) if last else min(value, high - step) if last is False else value
-            fits = self._fits(self.point(min(max(value, low + 1), high - 1)), option)
-            step, turns = (2 * step, turns) if fits == last else (1, turns + (last is not None))
-            last = fits
+            value = min(max(value, low + 1), high - 1)
+            fits = self._fits(self.point(value), option)
+            if fits == last:  # the model fell short again on this side: go twice as far as last time
+                step = max(2, 2 * abs(value - previous))
+            else:
+                step, turns = 1, turns + (last is not None)
+            last, previous = fits, value
         return low if low >= self.vary.low else None
 
     def _fits(self, point: Point, option: FixedOption) -> bool:
