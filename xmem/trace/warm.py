@@ -111,9 +111,8 @@ def start_server(interpreter: str, path: Path, env: dict[str, str],
     wait = ["--after", str(after), "--caller", str(os.getpid())] if after is not None else []
     try:
         return subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle, *wait],
-                                env=env,
-                         cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+                                env=env, cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:  # no warm tracer this time: estimates go on cold
         return None
 
