@@ -30,7 +30,7 @@ from throwaway_users import users_fixture
 SCRIPTS = Path(__file__).parent / "scripts"
 MLP = ["python", str(SCRIPTS / "mlp_adam.py"), "--steps", "4"]
 SERVER_START_S = 300  # a niced server loading torch on a loaded 2-core machine
-COLD_CPU_S = 1.0  # a cold trace's child spends more than this importing torch; a warm trace spends nothing here
+COLD_CPU_S = 0.5  # a cold trace's child spends more than this importing torch; a warm trace spends nothing here
 
 users = users_fixture("intruder")
 
