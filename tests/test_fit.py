@@ -124,9 +124,10 @@ def test_sequence_length_limit_follows_the_quadratic_attention_scores(tmp_path):
         assert least <= limits[option] <= most, (option, limits[option], least, most)
         assert confirmed(result, limits[option], 8192)
     assert 2 in result["growth"].values()  # some category grows with the square of the sequence length
-    # No bound on the traces here: the peak's moment moves with S (the cuBLAS workspace and the forward at small S,
-    # softmax's backward with a cached block at large S), the first guesses miss and the search closes in on traces
-    # (26 traces on this job, as many as a bisection of both offers on estimates).
+    # No bound on the traces here: the peak climbs a staircase (blocks rounded to 2 MiB, a whole plateau of S at one
+    # peak near the 1/4 GiB offer) that no smooth model places to the value, and the cached S^2 blocks make the slack
+    # grow between far traces; the search gallops and bisects on traces (21 traces on this job with the CUDA build,
+    # a bisection of both offers on estimates takes 26).
 
 
 @pytest.mark.slow
