@@ -22,7 +22,7 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, TRACE_EXIT_CODES
+from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
@@ -44,7 +44,7 @@ def check_command(
                                            help="The batch script, as you would give it to sbatch."),
     args: Optional[list[str]] = typer.Argument(None, metavar="[ARGS]...",
                                                help="The script's own arguments (after `--` if one starts with -)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    as_json: bool = JSON_OPTION,
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config (default: $XMEM_CONFIG, else /etc/xmem/xmem.toml)."),
     gpu: Optional[list[str]] = typer.Option(None, "--gpu", "-g", metavar="TYPE",
@@ -59,8 +59,7 @@ def check_command(
     vary: Optional[str] = typer.Option(None, "--vary", metavar="NAME=LOW..HIGH",
                                        help="The largest value of the command's --NAME that fits each GPU type and "
                                             "offer (as `xmem-slurm fit`), instead of one estimate."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
-                                       help="Draw memory over the traced iterations on one GPU type (PNG)."),
+    plot: Optional[str] = PLOT_OPTION,
     plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
                                            help="GPU type of --plot and --snapshot (default: the one picked)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
@@ -257,8 +256,9 @@ def show_options(console: Console, options: OptionTable) -> None:
     for row in options.rows:
         slack = _size(abs(row.slack_bytes))
         mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"
+        picked = " [bold]<- picked[/]" if row.chosen else ""
         table.add_row(escape(row.gpu_type), escape(row.request), gib_text(row.usable_bytes),
-                      gib_text(row.peak_bytes), gib_text(row.needed_bytes), mark + (" [bold]<- picked[/]" if row.chosen else ""))
+                      gib_text(row.peak_bytes), gib_text(row.needed_bytes), mark + picked)
     console.print(table)
     chosen, miss = options.chosen, options.closest_miss
     if chosen is not None:

@@ -34,6 +34,10 @@ from xmem.units import size_text
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
                     "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
+# Options that `estimate` and `check` (and `fit`) declare alike: written once, here.
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else.")
+PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",
+                           help="Draw memory over the traced iterations on one GPU type (PNG).")
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {"allocator_slack": "allocator slack (cached, rounding)", "overhead": "CUDA context + libraries"}
 
@@ -64,14 +68,13 @@ def estimate_command(
                                                 help="GPUs the job's node gives it (torch.cuda.device_count()). "
                                                      "Default: Slurm's SLURM_GPUS_ON_NODE, else the launcher's "
                                                      "processes per node, else 1."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    as_json: bool = JSON_OPTION,
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config whose \\[catalog] and limits apply (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
-                                       help="Draw memory over the traced iterations on one GPU type (PNG)."),
+    plot: Optional[str] = PLOT_OPTION,
     plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
                                            help="GPU type of --plot and --snapshot (default: the first estimated)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
