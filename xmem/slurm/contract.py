@@ -136,7 +136,7 @@ class Verdict:
                 and all(isinstance(v, int) or v is None for k, v in decision.items() if k.endswith("_bytes"))
                 and isinstance(peaks, Mapping) and all(isinstance(v, int) for v in peaks.values())
                 and isinstance(errors, list)):
-            raise ValueError("not an analysis")
+            raise ValueError("not a verdict")
         return cls(decision=Decision(**decision), peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def verdict_of(job_analysis: JobAnalysis) -> Verdict:
     """What the filter keeps of a job's analysis: its decision as it is, the peaks, the errors as text."""
     return Verdict(decision=job_analysis.decision, peaks={k: int(v) for k, v in job_analysis.peaks.items()},
-                    errors=tuple(_error_text(e) for e in job_analysis.errors))
+                   errors=tuple(_error_text(e) for e in job_analysis.errors))
 
 
 def _error_text(error: Any) -> str:
