@@ -7,6 +7,7 @@ by brute force over full estimates (a bisection on estimates per offer, from not
 
 `--brute OPTION` (repeatable) limits the brute force to those offers (it costs about log2(range) estimates each);
 `--width W` stops its bisection at a bracket of W values (coarse, when time is short). Prints one JSON line.
+The committed figures: benchmarks/results/dev-fit/FIT.md.
 """
 
 from __future__ import annotations
