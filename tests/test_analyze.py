@@ -81,7 +81,7 @@ def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_pat
     # 8 GiB * 1.1 = 8.8 GiB fits the 9.75 GiB slice
     assert (result.decision.action, result.decision.gres) == ("rewrite", "gpu:1g.10gb:1")
     # what was weighed: preference mig then gpu, smallest first; every one holds 8.8 GiB (a100: 7.7 GiB)
-    assert [(o["request"], o["fits"]) for o in result.offers] == [
+    assert [(row.request, row.fits) for row in result.options.rows] == [
         ("gpu:1g.10gb:1", True), ("gpu:a100:1", True), ("gpu:h100:1", True)]
     command, kw = estimator.calls[1]
     assert command == ["python", "train.py", "--x"]
@@ -103,7 +103,7 @@ def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):
     monkeypatch.setattr(xmem.gpus, "load_catalog", counting)
     estimator = FakeEstimator({"train.py": {"A100-SXM4-40GB": 7 * GIB, "H100-SXM5-80GB": 6 * GIB}})
     result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython train.py\n"), estimator)
-    assert result.decision is not None and result.offers  # the types, the peaks and the policy all used it
+    assert result.decision is not None and result.options.rows  # the types, the peaks and the policy all used it
     assert len(reads) == 1
 
 

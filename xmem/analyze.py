@@ -19,7 +19,7 @@ from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
 from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_offers, job_partitions,
                          job_peak, screen)
-from xmem.policy.options import OptionTable, option_table
+from xmem.policy.options import OptionRow, OptionTable, option_table
 
 if TYPE_CHECKING:
     from xmem.estimate import Estimate
@@ -75,8 +75,7 @@ class JobAnalysis:
     errors: tuple[AnalysisError, ...] = ()
     partitions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # what was left out and why (e.g. a cluster GPU type the catalog lacks)
-    offers: tuple[Mapping[str, Any], ...] = ()  # what the policy weighed, in its order: kind, request, fits...
-    options: OptionTable | None = None  # the same offers side by side: usable, need, slack, the pick, the near miss
+    options: OptionTable | None = None  # the offers the policy weighed, side by side: usable, need, the pick...
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,7 +87,7 @@ class JobAnalysis:
             "decision": self.decision.to_json() if self.decision else None,
             "errors": [_error_json(e) for e in self.errors],
             "notes": list(self.notes),
-            "offers": [dict(o) for o in self.offers],
+            "offers": [_offer_json(row) for row in self.options.rows] if self.options else [],
             "options": self.options.to_json() if self.options else None,
         }
 
@@ -149,9 +148,9 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     if errors:
         return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
                            notes=scope.notes)
-    decision, offers, options = _decide(job, peaks, scope, user, ask_cluster, untrusted)
+    decision, options = _decide(job, peaks, scope, user, ask_cluster, untrusted)
     return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
-                       notes=scope.notes, offers=offers, options=options)
+                       notes=scope.notes, options=options)
 
 
 @dataclass(frozen=True)
@@ -198,8 +197,8 @@ def untrusted_estimate(results: Sequence[CommandEstimate]) -> str | None:
 
 def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str | None,
             ask_cluster: ClusterSource,
-            untrusted: str | None = None) -> tuple[Decision, tuple[Mapping[str, Any], ...], OptionTable]:
-    """The policy's decision, and the offers it weighed (for people: `check` shows them), also side by side."""
+            untrusted: str | None = None) -> tuple[Decision, OptionTable]:
+    """The policy's decision, and the offers it weighed side by side (for people: `check` shows them)."""
     request, partition = job.directives, ",".join(scope.partitions)
     available = _gpus_per_node(ask_cluster(), scope.partitions) if gpus_per_node(request) > 1 else None
     weighed = job_offers(peaks, request, scope.config, partition=partition, catalog=scope.catalog)
@@ -207,10 +206,7 @@ def _decide(job: JobScript, peaks: Mapping[str, int], scope: _Scope, user: str |
                       available=available, untrusted=untrusted, offers=weighed)
     options = option_table(peaks, request, scope.config, decision, partition=partition, catalog=scope.catalog,
                            available=available, offers=weighed)
-    offers = tuple({"kind": row.kind, "request": row.request, "gpu_type": row.gres_type,
-                    "granted_bytes": row.usable_bytes, "needed_bytes": row.needed_bytes, "fits": row.fits,
-                    "description": row.description} for row in options.rows)
-    return decision, offers, options
+    return decision, options
 
 
 def combined_peaks(estimates: Sequence[Estimate], site_types: Sequence[str],
@@ -326,6 +322,12 @@ def _default_estimator() -> Estimator:
     from xmem.estimate import estimate
 
     return estimate
+
+
+def _offer_json(row: OptionRow) -> dict[str, Any]:
+    """One offer as `check --json` lists it under `offers` (the option table's row, in the older field names)."""
+    return {"kind": row.kind, "request": row.request, "gpu_type": row.gres_type, "granted_bytes": row.usable_bytes,
+            "needed_bytes": row.needed_bytes, "fits": row.fits, "description": row.description}
 
 
 def _error_json(error: AnalysisError) -> dict[str, Any]:
