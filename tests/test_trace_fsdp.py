@@ -15,7 +15,7 @@ from test_trace_scripts import allocs, sizes
 from torch_builds import SCRIPTS
 from xmem.audit import audit
 from xmem.trace import run_trace
-from xmem.trace.recorder import UNSHARDED_PARAMETER
+from xmem.trace.events import Category
 
 FP32, BF16 = 4, 2
 TRACES: dict[tuple, object] = {}
@@ -75,7 +75,7 @@ def peak_live(result, counted, since: int = 0) -> int:
 
 
 def unsharded_per_pass(result, iteration: int, phase: str) -> list[int]:
-    return sizes(e for e in allocs(result, UNSHARDED_PARAMETER, phase) if e.iteration == iteration)
+    return sizes(e for e in allocs(result, Category.UNSHARDED_PARAMETER, phase) if e.iteration == iteration)
 
 
 def freed_within_their_iteration(result, category: str) -> bool:
@@ -121,19 +121,19 @@ def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gathers_bf16_one_unit_at_a_
     held = live_at_first_step(result)
     assert held["parameter"] == figures["parameter"]  # the fp32 shards alone: no unsharded parameter left
     assert held["gradient"] == figures["gradient"]
-    assert UNSHARDED_PARAMETER not in held  # every unit resharded after its backward
+    assert Category.UNSHARDED_PARAMETER not in held  # every unit resharded after its backward
     state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
     assert sizes(state) == figures["optimizer_state"]
     for iteration in (0, 1):  # every unit gathered in bf16 for its forward and again for its backward
         for phase in ("forward", "backward"):
             assert unsharded_per_pass(result, iteration, phase) == figures["unsharded"]
-    assert freed_within_their_iteration(result, UNSHARDED_PARAMETER)
+    assert freed_within_their_iteration(result, Category.UNSHARDED_PARAMETER)
     # FSDP2 copies a unit's all-gather out into its parameters in that unit's own pre-forward / pre-backward
     # (FSDPParamGroup.wait_for_unshard) and frees them in its reshard, before the next unit's: one unit at a time
-    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER) == max(figures["unit_unsharded"])
+    assert peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER) == max(figures["unit_unsharded"])
     # with the flat all-gather buffers: at least a unit's parameters and the next unit's prefetched output; at most
     # also the previous unit's output (kept in forward until the next copy-out) and one copy-in
-    gathered = peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER or (
+    gathered = peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER or (
         e.stream != 0 and e.op == "empty" and e.category != "gradient"))
     largest = max(figures["unit_unsharded"])
     assert 2 * largest <= gathered <= 3 * largest + largest // world
@@ -181,17 +181,20 @@ def test_fabric_fsdp1_bf16_mixed_shards_one_flat_parameter_and_gathers_it_in_bf1
     # each iteration: the bf16 copy of the shard (_mp_shard, FlatParamHandle._use_low_precision_shard) and the bf16
     # unsharded flat parameter (_full_param_padded, _alloc_padded_unsharded_flat_param), both regrown by resize_
     for iteration in (0, 1):
-        regrown = [e for e in allocs(result, UNSHARDED_PARAMETER) if e.iteration == iteration and e.op == "resize_"]
+        regrown = [e for e in allocs(result, Category.UNSHARDED_PARAMETER)
+                   if e.iteration == iteration and e.op == "resize_"]
         assert sizes(regrown) == sorted([shard * BF16, FLAT * BF16])
     # the first forward's lazy init (FlatParamHandle.init_flat_param_attributes) makes each buffer once and frees
     # it at once (_free_storage): the bf16 shard, the bf16 unsharded and the fp32 unsharded flat parameter (that one
     # for summon_full_params)
-    made = [e for e in allocs(result, UNSHARDED_PARAMETER, "forward") if e.iteration == 0 and e.op != "resize_"]
+    made = [e for e in allocs(result, Category.UNSHARDED_PARAMETER, "forward")
+            if e.iteration == 0 and e.op != "resize_"]
     assert sizes(made) == sorted([shard * BF16, FLAT * BF16, FLAT * FP32])
     # in steady state the root unit is not resharded after forward: the unsharded flat parameter lives through
     # forward and backward, the low-precision shard only until its all-gather is done
-    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER, since=1) == FLAT * BF16 + shard * BF16
-    assert freed_within_their_iteration(result, UNSHARDED_PARAMETER)
+    unsharded = peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER, since=1)
+    assert unsharded == FLAT * BF16 + shard * BF16
+    assert freed_within_their_iteration(result, Category.UNSHARDED_PARAMETER)
     assert audit(result) == ()
 
 
@@ -220,5 +223,5 @@ def test_fabric_model_parallel_fsdp2_materialises_shards_and_keeps_the_root_unit
         assert unsharded_per_pass(result, iteration, "backward") == blocks
     # the root's gathered head stays while each block is gathered in turn
     root_bytes, block_bytes = figures["unit_unsharded"][-1], figures["unit_unsharded"][0]
-    assert peak_live(result, lambda e: e.category == UNSHARDED_PARAMETER) == root_bytes + block_bytes
+    assert peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER) == root_bytes + block_bytes
     assert audit(result) == ()

@@ -71,7 +71,8 @@ def _trace_entry(entry: TraceEntry, frames: list[dict], category: str) -> dict[s
         out["device_free"] = entry.device_free
     elif entry.action in ("alloc", "free_requested", "free_completed"):
         out["requested_size"] = entry.requested
-        out["category"] = category  # the viewer colours the active memory timeline by it
+        out["category"] = str(category)  # the viewer colours the active memory timeline by it (a plain str: the
+        # pickle must load without xmem)
     return out
 
 

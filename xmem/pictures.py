@@ -20,7 +20,7 @@ from xmem.gpus import GpuType, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, SimResult, simulate
 from xmem.simulate.history import TraceEntry
-from xmem.trace.events import MemEvent, Trace
+from xmem.trace.events import Category, MemEvent, Trace
 
 TIMELINE_POINTS = 3000  # samples of the curves: plenty for a figure a few thousand pixels wide
 
@@ -105,7 +105,7 @@ def describe_op(run: GpuRun, op_index: int) -> str:
     if event is None:
         return f"{category.replace('_', ' ')} ({phase})"
     what = f"{event.op or 'an allocation'}"
-    if category == "workspace" and event.category != "workspace":
+    if category == Category.WORKSPACE and event.category != Category.WORKSPACE:
         what = f"workspace of {what}"
     where = f" in {event.module}" if event.module else ""
     when = f", iteration {iteration}" if iteration >= 0 else ", setup"

@@ -14,14 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from xmem.pictures import GpuRun, category_curves, describe_op
+from xmem.trace.events import Category
 
 GIB = 1 << 30
 MIB = 1 << 20
 # Bottom to top; categories the trace has but this list lacks go on top, in name order.
 ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": "#d62728"}  # the peak's and the OOM's labels
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
-CATEGORY_ORDER = ("parameter", "unsharded_parameter", "gradient", "optimizer_state", "activation", "temporary",
-                  "workspace", "other")  # unsharded: FSDP's gathered weights, beside the shards
+# Unsharded: FSDP's gathered weights, beside the shards.
+CATEGORY_ORDER = (Category.PARAMETER, Category.UNSHARDED_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE,
+                  Category.ACTIVATION, Category.TEMPORARY, Category.WORKSPACE, Category.OTHER)
 
 
 def _pyplot():

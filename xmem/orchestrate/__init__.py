@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from xmem.gpus import GpuType, cublas_workspace_bytes
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE
-from xmem.trace.events import CUBLAS_OPS, MemEvent, Trace
+from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
 
 Op = tuple  # (action, block, nbytes, stream), the simulator's input row
 Label = tuple[str, str, int]  # (category, phase, iteration)
@@ -125,7 +125,7 @@ def host_thread(event: MemEvent) -> str:
     The trace records no thread ids. On CUDA the autograd engine runs backward on its own device thread, and the
     rest of a training step (forward, loss, optimizer) runs on the Python thread that called it.
     """
-    return AUTOGRAD_THREAD if event.phase == "backward" else MAIN_THREAD
+    return AUTOGRAD_THREAD if event.phase == Phase.BACKWARD else MAIN_THREAD
 
 
 def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None, *, device: int = 0,
@@ -147,7 +147,7 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
             iteration_starts.setdefault(e.iteration, len(ops))
         if e.action == "empty_cache":
             ops.append((EMPTY_CACHE, 0, 0, e.stream))
-            labels.append(("other", e.phase, e.iteration))
+            labels.append((Category.OTHER, e.phase, e.iteration))
             continue
         ops.append((ALLOC if e.action == "alloc" else FREE, e.block, e.nbytes, e.stream))
         labels.append((e.category, e.phase, e.iteration))
@@ -159,19 +159,19 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
         if e.op in CUBLAS_OPS and key not in has_workspace:
             has_workspace.add(key)
             ops.append((ALLOC, next_block, workspace_bytes, e.stream))
-            labels.append(("workspace", e.phase, e.iteration))
+            labels.append((Category.WORKSPACE, e.phase, e.iteration))
             next_block += 1
         if e.op in CONV_OPS and (size := conv_workspace.size(e.nbytes)) > 0:
             ops.append((ALLOC, next_block, size, e.stream))
             ops.append((FREE, next_block, size, e.stream))
-            labels.extend([("workspace", e.phase, e.iteration)] * 2)
+            labels.extend([(Category.WORKSPACE, e.phase, e.iteration)] * 2)
             next_block += 1
             conv_count += 1
         if e.op in ATTENTION_BACKWARD_OPS and (outputs := _attention_backward_outputs(trace.events, index)):
             blocks = [(next_block + i, size) for i, size in enumerate(attention_workspace.sizes(e.op, outputs))]
             ops.extend([(ALLOC, block, size, e.stream) for block, size in blocks] +
                        [(FREE, block, size, e.stream) for block, size in blocks])
-            labels.extend([("workspace", e.phase, e.iteration)] * (2 * len(blocks)))
+            labels.extend([(Category.WORKSPACE, e.phase, e.iteration)] * (2 * len(blocks)))
             next_block += len(blocks)
             attention_count += bool(blocks)
 

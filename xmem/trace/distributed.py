@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from xmem.trace.events import Category
+
 # upstream torch/distributed/constants + DDP defaults: the first bucket is small so communication starts early
 FIRST_BUCKET_BYTES = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -255,7 +257,7 @@ class DistributedDataParallel(nn.Module):
         if not gradient_as_bucket_view:
             for dtype, device, elements in bucket_sizes(params, cap):
                 bucket = torch.empty(elements, dtype=dtype, device=device)
-                _fake_cuda.on_module_tensor(bucket, "gradient")
+                _fake_cuda.on_module_tensor(bucket, Category.GRADIENT)
                 self._buckets.append(bucket)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

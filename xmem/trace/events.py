@@ -1,6 +1,7 @@
 """The trace's output record: what crosses from `trace` to `orchestrate`.
 
-Owns only the data types (no torch import here, so the simulator and the CLI load fast).
+Owns only the data types (no torch import here, so the simulator and the CLI load fast), and the names of memory
+categories and training phases (`Category`, `Phase`, once each, as torch's `mem_tracker.py` names its categories).
 """
 
 from __future__ import annotations
@@ -8,8 +9,40 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Literal
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10: the same, by hand (members are their strings, in JSON and comparisons alike)
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return self.value
+
+
+class Category(StrEnum):
+    """What a GPU storage holds: the breakdown's, the pictures' and the audit's words."""
+
+    PARAMETER = "parameter"
+    UNSHARDED_PARAMETER = "unsharded_parameter"  # FSDP's all-gathered parameters (FSDPMemTracker's "Unsharded Param")
+    BUFFER = "buffer"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATION = "activation"
+    TEMPORARY = "temporary"
+    INPUT = "input"  # copied from the host or drawn at random outside forward/backward/optimizer: the batch
+    WORKSPACE = "workspace"  # cuBLAS/cuDNN workspaces the orchestrator adds
+    OTHER = "other"
+
+
+class Phase(StrEnum):
+    """Where the training loop was when a storage was allocated."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +61,9 @@ class MemEvent:
     stream: int = 0
     op: str = ""
     module: str = ""
-    phase: str = "other"
+    phase: str = Phase.OTHER
     iteration: int = -1  # -1: before the first optimizer step's iteration started (model load, setup)
-    category: str = "other"
+    category: str = Category.OTHER
 
 
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))

@@ -20,11 +20,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from xmem.trace.events import (FACT_BATCH, FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
-                               FACT_STATE_BY_RULE, FACT_STEPPED, Fact)
+                               FACT_STATE_BY_RULE, FACT_STEPPED, Category, Fact)
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
 # "temporary", one copied from the host "input").
-BATCH_CATEGORIES = ("input", "activation", "temporary", "other")
+BATCH_CATEGORIES = (Category.INPUT, Category.ACTIVATION, Category.TEMPORARY, Category.OTHER)
 
 # Storages per device: {device: {storage id: nbytes}}.
 Storages = dict[int, dict[int, int]]
@@ -239,15 +239,15 @@ class FactCollector:
         if self._module_hooks:
             self._stop_watching_modules()
             model = merged(*(storages(module_state(m), self.device_type) for m in list(self._roots)))
-            self.facts += facts_of(FACT_MODEL_STATE, ("parameter", "buffer"), model, at,
+            self.facts += facts_of(FACT_MODEL_STATE, (Category.PARAMETER, Category.BUFFER), model, at,
                                    "parameters and buffers of the modules called before the first step")
         optimizers = self._seen()
         kinds = ", ".join(type(o).__name__ for o in optimizers)
         params = [p for o in optimizers for p in optimizer_params(o)]
-        self.facts += facts_of(FACT_STEPPED, ("parameter",), storages(params, self.device_type), at,
+        self.facts += facts_of(FACT_STEPPED, (Category.PARAMETER,), storages(params, self.device_type), at,
                                f"param_groups of {kinds}")
         grads = storages((p.grad for p in params), self.device_type)
-        self.facts += facts_of(FACT_GRADIENTS, ("gradient",), grads, at, f".grad of the parameters of {kinds}")
+        self.facts += facts_of(FACT_GRADIENTS, (Category.GRADIENT,), grads, at, f".grad of the parameters of {kinds}")
 
     @_never_raising
     def on_step_end(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -259,14 +259,14 @@ class FactCollector:
         optimizers = self._seen()
         kinds = ", ".join(type(o).__name__ for o in optimizers)
         held = storages((t for o in optimizers for t in optimizer_state_tensors(o)), self.device_type)
-        self.facts += facts_of(FACT_STATE, ("optimizer_state",), held, at, f"the state of {kinds}")
+        self.facts += facts_of(FACT_STATE, (Category.OPTIMIZER_STATE,), held, at, f"the state of {kinds}")
         rules = [self._rules[id(o)] for o in optimizers if self._rules.get(id(o), ({}, ""))[1]]
         by_device: dict[int, int] = {}
         for expected, _ in rules:
             for device, nbytes in expected.items():
                 by_device[device] = by_device.get(device, 0) + nbytes
         source = "; ".join(dict.fromkeys(rule for _, rule in rules))
-        self.facts += [Fact(FACT_STATE_BY_RULE, ("optimizer_state",), device, 0, nbytes, at, source)
+        self.facts += [Fact(FACT_STATE_BY_RULE, (Category.OPTIMIZER_STATE,), device, 0, nbytes, at, source)
                        for device, nbytes in sorted(by_device.items()) if nbytes > 0]
 
     def _seen(self) -> list[torch.optim.Optimizer]:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from xmem.trace import attention, distributed
+from xmem.trace.events import Category
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
 GPU_BY_CAPABILITY: dict[tuple[int, int], tuple[str, int, int]] = {
@@ -444,13 +445,13 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                     tensor.data = converted
                 result = tensor
                 if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
-                    tensor.grad = convert(tensor.grad, "gradient")
+                    tensor.grad = convert(tensor.grad, Category.GRADIENT)
             else:
                 result = converted
                 if isinstance(tensor, nn.Parameter):
                     result = nn.Parameter(converted, requires_grad=tensor.requires_grad)
                     if tensor.grad is not None:
-                        result.grad = convert(tensor.grad, "gradient")
+                        result.grad = convert(tensor.grad, Category.GRADIENT)
                 if result is not tensor:
                     replaced[id(tensor)] = result
                     fake.on_module_tensor(result, kind)
@@ -463,10 +464,10 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                 continue
             for name, param in list(module._parameters.items()):
                 if param is not None:
-                    module._parameters[name] = convert(param, "parameter")
+                    module._parameters[name] = convert(param, Category.PARAMETER)
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
-                    module._buffers[name] = convert(buffer, "buffer")
+                    module._buffers[name] = convert(buffer, Category.BUFFER)
         _rebind_optimizers(fake.optimizers, {old: new for old, new in replaced.items()
                                              if isinstance(new, nn.Parameter)})
         # convert() calls itself, so its closure is a reference cycle that keeps memo alive until the next garbage

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.config import alloc_conf_setting
-from xmem.trace.events import CUBLAS_OPS, MemEvent, Trace
+from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
 
@@ -53,8 +53,6 @@ _LIBRARY_OPS = {
 # Ops that bring data onto the GPU (host copies, random batches): outside forward/backward/optimizer, the inputs.
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
 _RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
-# The category of FSDP's all-gathered (unsharded) parameters, as torch's FSDPMemTracker names them ("Unsharded Param")
-UNSHARDED_PARAMETER = "unsharded_parameter"
 
 class NoTrainingLoop(BaseException):
     """Raised when the program shows no training loop (see TrainingState)."""
@@ -81,7 +79,7 @@ class TrainingState:
     def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet) -> None:
         self.target = iterations
         self.on_progress = on_progress
-        self.phase = "other"
+        self.phase = Phase.OTHER
         self.completed = 0
         self.started = False
         self.trained = False  # a backward pass or an optimizer step happened
@@ -118,8 +116,8 @@ class TrainingState:
             if self._top_forwards > MAX_FORWARDS_WITHOUT_TRAINING:
                 raise NoTrainingLoop
         self._forward_depth += 1
-        if self.phase == "other":
-            self.phase = "forward"
+        if self.phase == Phase.OTHER:
+            self.phase = Phase.FORWARD
             if not self.started:
                 self.started = True
                 self.on_progress("training started")
@@ -129,12 +127,12 @@ class TrainingState:
 
     def _in_backward(self, run: Callable) -> Callable:
         def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:
-            outer, self.phase, self.started, self.trained = self.phase, "backward", True, True
+            outer, self.phase, self.started, self.trained = self.phase, Phase.BACKWARD, True, True
             try:
                 result = run(*args, **kwargs)
             finally:
-                self.phase = "other" if outer == "forward" else outer
-            if outer != "backward" and not self._step_depth and not len(self._optimizers) and \
+                self.phase = Phase.OTHER if outer == Phase.FORWARD else outer
+            if outer != Phase.BACKWARD and not self._step_depth and not len(self._optimizers) and \
                     _on_gpu(args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))):
                 self.on_backward_end()  # before the last iteration's StopTracing
                 self._complete_iteration()  # no optimizer: the backward pass is the iteration
@@ -145,7 +143,7 @@ class TrainingState:
         self._step_depth += 1
         self.trained = True
         if self._step_depth == 1:
-            self.phase = "optimizer"
+            self.phase = Phase.OPTIMIZER
             self.on_step_begin(optimizer)
         else:
             self._not_awaited.add(id(optimizer))
@@ -155,7 +153,7 @@ class TrainingState:
         if self._step_depth > 0:
             return
         self.on_step_end(optimizer)
-        self.phase = "other"
+        self.phase = Phase.OTHER
         if id(optimizer) in self._stepped:  # stepped again: the optimizers not seen are not in the loop
             self._not_awaited |= {id(o) for o in self._optimizers} - self._stepped
             self._complete_iteration()
@@ -372,7 +370,7 @@ class AllocationRecorder(TorchDispatchMode):
         """`storage.resize_(n)` (FSDP frees and re-allocates unsharded parameters so) happens outside the dispatcher:
         on the GPU it is a free of the old block and a new cudaMalloc-backed block of n bytes.
         In a training program only FSDP (1 and 2: `free_storage`/`alloc_storage`, `_free_storage`) resizes storages,
-        to drop and regrow what it all-gathers, so both blocks are UNSHARDED_PARAMETER: not the parameters the
+        to drop and regrow what it all-gathers, so both blocks are Category.UNSHARDED_PARAMETER: not the parameters the
         optimizer steps (the shards), though the module holds them as its parameters while it runs."""
         key = storage._cdata
         if self.state.stopped or (key not in self._live and key not in self._emptied):
@@ -386,7 +384,7 @@ class AllocationRecorder(TorchDispatchMode):
     def _label_unsharded(self, key: int) -> None:
         live = self._live.get(key)
         if live is not None:
-            self.category[live[0]] = UNSHARDED_PARAMETER
+            self.category[live[0]] = Category.UNSHARDED_PARAMETER
 
     def _first_cuda_use(self, op: str) -> None:
         self._cuda_ops.add(op)
@@ -443,16 +441,17 @@ class AllocationRecorder(TorchDispatchMode):
         elif tensor.device.type == "cuda":
             live = self._live.get(tensor.untyped_storage()._cdata)
             # an FSDP unit's gathered parameters are its module's parameters while it runs: they stay unsharded
-            if live is not None and not (category == "parameter" and self.category.get(live[0]) == UNSHARDED_PARAMETER):
+            if live is not None and not (category == Category.PARAMETER and
+                                     self.category.get(live[0]) == Category.UNSHARDED_PARAMETER):
                 self.category[live[0]] = category
 
     def _label_module_tensors(self, module: torch.nn.Module) -> None:
         self._forward_modules[id(module)] = module
         # frozen weights (no optimizer) made directly on the GPU are known as parameters only by their module
         for param in module._parameters.values():
-            self.label(param, "parameter")
+            self.label(param, Category.PARAMETER)
         for buffer in module._buffers.values():
-            self.label(buffer, "buffer")
+            self.label(buffer, Category.BUFFER)
 
     def _label_module_gradients(self) -> None:
         # no optimizer names the parameters (updated by hand: p.data.add_(p.grad, alpha=-lr)), so the gradients
@@ -460,23 +459,23 @@ class AllocationRecorder(TorchDispatchMode):
         for module in list(self._forward_modules.values()):
             for param in module._parameters.values():
                 if param is not None:
-                    self.label(param.grad, "gradient")
+                    self.label(param.grad, Category.GRADIENT)
 
     def _label_parameters_and_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                self.label(param, "parameter")
-                self.label(param.grad, "gradient")
+                self.label(param, Category.PARAMETER)
+                self.label(param.grad, Category.GRADIENT)
 
     def _label_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         for per_param in optimizer.state.values():
             for value in per_param.values():
                 if isinstance(value, torch.Tensor):
-                    self.label(value, "optimizer_state")
+                    self.label(value, Category.OPTIMIZER_STATE)
 
     # ---- the result -------------------------------------------------------------------------------------------
     def to_trace(self, capability: tuple[int, int], seconds: float) -> Trace:
-        events = [MemEvent(*row[:9], category=self.category.get(row[1], "other")) for row in self.rows]
+        events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER)) for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
@@ -500,11 +499,11 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 def _category_at_birth(phase: str, op: str, from_host: bool) -> str:
     """First guess of a storage's category; parameters, gradients and optimizer state are labelled later."""
-    if phase == "forward":
-        return "activation"
-    if phase in ("backward", "optimizer"):
-        return "temporary"
-    return "input" if from_host or op in _RANDOM_INPUT_OPS else "temporary"
+    if phase == Phase.FORWARD:
+        return Category.ACTIVATION
+    if phase in (Phase.BACKWARD, Phase.OPTIMIZER):
+        return Category.TEMPORARY
+    return Category.INPUT if from_host or op in _RANDOM_INPUT_OPS else Category.TEMPORARY
 
 
 def _on_gpu(tensors: Any) -> bool:
