@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xmem.bench.metrics import GIB, Outcome, accurate, percentile, score
+from xmem.bench.metrics import Outcome, accurate, percentile, score
+from xmem.units import GIB
 
 CAP = 10 * GIB
 G = 4 * GIB  # measured peak of the runs that fit

@@ -15,9 +15,8 @@ import numpy as np
 
 from xmem.pictures import GpuRun, category_curves, describe_op
 from xmem.trace.events import Category
+from xmem.units import GIB, MIB
 
-GIB = 1 << 30
-MIB = 1 << 20
 # Bottom to top; categories the trace has but this list lacks go on top, in name order.
 ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": "#d62728"}  # the peak's and the OOM's labels
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy
 
-GIB = 1 << 30
+from xmem.units import GIB
 
 
 @dataclass(frozen=True)

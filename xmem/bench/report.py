@@ -10,8 +10,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from xmem.bench.metrics import GIB, Outcome, Scores, score
+from xmem.bench.metrics import Outcome, Scores, score
 from xmem.bench.records import ESTIMATORS, Reference
+from xmem.units import GIB
 
 OURS = "xmem-slurm"
 TARGETS = {"mre": 0.03, "p90": 0.08, "under_share": 0.05, "oom_recall": 0.95, "median_seconds": 5.0}

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xmem.units import GIB
+
 CATALOG_PATH = Path(__file__).with_name("catalog.toml")
 CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")
-GIB = 1 << 30
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize(): ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB.
 CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from xmem.gpus import GpuType, cublas_workspace_bytes
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE
 from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
+from xmem.units import MIB
 
 Op = tuple  # (action, block, nbytes, stream), the simulator's input row
 Label = tuple[str, str, int]  # (category, phase, iteration)
-
-MIB = 1 << 20
 
 # ATen ops that run a cuDNN convolution on CUDA (fake CUDA reports them as `convolution`/`convolution_backward`).
 CONV_OPS = frozenset({

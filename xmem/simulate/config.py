@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+from xmem.units import MIB as MiB  # spelt as upstream's comments spell it
 
 # The allocator's constants, named and valued as upstream (c10/core/AllocatorConfig.h in torch 2.13/2.14, except
 # kLargeBuffer, from c10/cuda/CUDACachingAllocator.cpp). They live here because the settings are checked against them.

@@ -30,6 +30,7 @@ from xmem.trace import sandbox, shim, warm
 from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import Trace
+from xmem.units import GIB
 
 XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
@@ -325,7 +326,7 @@ def _signal_name(number: int) -> str:
 
 
 def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):g} GiB"
+    return f"{nbytes / GIB:g} GiB"
 
 
 def _read_tail(log: Any) -> str:
