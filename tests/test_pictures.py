@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -5,7 +5,7 @@ Pages are 2 MiB in the small pool and 20 MiB (large_segment_size) in the large p
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
 from xmem.simulate.allocator import DeviceCachingAllocator
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 KiB = 1024
 EXPANDABLE = AllocatorConfig.parse("expandable_segments:True")

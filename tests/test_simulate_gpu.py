@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate, simulate_limits
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 
 def training_like_ops(seed: int, steps: int = 1500) -> list[tuple[int, int, int, int]]:

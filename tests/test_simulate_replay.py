@@ -6,7 +6,7 @@ import pytest
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
 from xmem.simulate.allocator import DeviceCachingAllocator, kMinBlockSize
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 EMPTY = (EMPTY_CACHE, 0, 0, 0)
 

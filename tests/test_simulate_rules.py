@@ -7,7 +7,7 @@ import pytest
 
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
 from xmem.simulate.allocator import DeviceCachingAllocator, round_size
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 KiB = 1024
 

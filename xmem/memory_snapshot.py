@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from xmem.pictures import GpuRun
-from xmem.simulate.config import kSmallBuffer
+from xmem.simulate.allocator_settings import kSmallBuffer
 from xmem.simulate.history import TraceEntry
 
 SEGMENT_START = {"segment_alloc", "segment_map"}

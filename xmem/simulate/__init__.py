@@ -3,12 +3,12 @@
     from xmem.simulate import ALLOC, FREE, EMPTY_CACHE, AllocatorConfig, simulate
     result = simulate(ops, AllocatorConfig.from_environ(job_env), capacity=device_bytes)
 
-`config.py` parses the allocator settings, `allocator.py` holds the rules (named as in
+`allocator_settings.py` parses the allocator settings, `allocator.py` holds the rules (named as in
 c10/cuda/CUDACachingAllocator.cpp), `replay.py` drives a sequence through them and `result.py` holds what comes
 out. Everything here is pure: no I/O, no torch.
 """
 
-from xmem.simulate.config import AllocatorConfig
+from xmem.simulate.allocator_settings import AllocatorConfig
 from xmem.simulate.replay import ALLOC, EMPTY_CACHE, FREE, simulate, simulate_limits
 from xmem.simulate.result import OomInfo, SimResult
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
-from xmem.simulate.config import (
+from xmem.simulate.allocator_settings import (
     AllocatorConfig,
     kLargeBuffer,
     kMinBlockSize,

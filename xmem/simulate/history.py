@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmem.simulate.allocator import AllocParams, Block, DeviceCachingAllocator
-from xmem.simulate.config import AllocatorConfig
+from xmem.simulate.allocator_settings import AllocatorConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from array import array
 from collections.abc import Iterable
 
 from xmem.simulate.allocator import Block, DeviceCachingAllocator
-from xmem.simulate.config import AllocatorConfig
+from xmem.simulate.allocator_settings import AllocatorConfig
 from xmem.simulate.history import HistoryAllocator, TraceEntry
 from xmem.simulate.result import OomInfo, SimResult, downsample_timeline, oom_message
 

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xmem.simulate.config import alloc_conf_setting
+from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth

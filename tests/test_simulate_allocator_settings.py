@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from xmem.simulate import AllocatorConfig
-from xmem.simulate.config import MiB
+from xmem.simulate.allocator_settings import MiB
 
 
 def test_defaults_are_upstreams():
