@@ -24,6 +24,9 @@ from xmem.trace import run_trace
 from xmem.trace.events import Trace
 
 NO_CUDA_WARNING = "the program never used CUDA"
+# The breakdown's parts beside the memory categories (xmem.trace.events.Category): named once, here.
+ALLOCATOR_SLACK = "allocator_slack"
+OVERHEAD = "overhead"
 # Compute capability 8.0 (Ampere) is where the GPU-dependent choices a trace can take change: bf16 support,
 # the flash-attention SDPA backend, TF32. One trace per side of it is enough.
 CAPABILITY_SPLIT = (8, 0)
@@ -360,8 +363,8 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
     breakdown: dict[str, int] = {}
     for category, nbytes in live.values():
         breakdown[category] = breakdown.get(category, 0) + nbytes
-    breakdown["allocator_slack"] = reserved - sum(breakdown.values())
-    breakdown["overhead"] = overhead
+    breakdown[ALLOCATOR_SLACK] = reserved - sum(breakdown.values())
+    breakdown[OVERHEAD] = overhead
     return breakdown
 
 

@@ -23,7 +23,7 @@ from typer.core import TyperCommand
 
 from xmem.cli import app
 from xmem.config import ConfigError, SiteConfig, load_site_config
-from xmem.estimate import BadJobSettingError, Estimate, estimate as run_estimate
+from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, BadJobSettingError, Estimate, estimate as run_estimate
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.policy import job_peak
@@ -39,7 +39,7 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdou
 PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",
                            help="Draw memory over the traced iterations on one GPU type (PNG).")
 # How the breakdown names its non-tensor parts for people.
-PART_NAMES = {"allocator_slack": "allocator slack (cached, rounding)", "overhead": "CUDA context + libraries"}
+PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
 
 class _EstimateCommand(TyperCommand):
