@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from xmem.trace.events import FACT_STEPPED, Fact, MemEvent, Trace
+from xmem.units import MIB
 
 # Facts and trace count the same storages by the same size, so they match exactly when the trace is right; the
 # tolerance only keeps a stray small storage (a scalar labelled otherwise) from making an estimate suspect.
@@ -86,6 +87,6 @@ def _in_categories(held: Held, device: int, categories: Iterable[str]) -> tuple[
 
 
 def _amount(storages: int, nbytes: int) -> str:
-    size = next((f"{nbytes / scale:.1f} {unit}" for scale, unit in ((1 << 20, "MiB"), (1 << 10, "KiB"))
+    size = next((f"{nbytes / scale:.1f} {unit}" for scale, unit in ((MIB, "MiB"), (1 << 10, "KiB"))
                  if nbytes >= scale), f"{nbytes} B")
     return f"{size} in {storages} storage(s)" if storages else size

@@ -16,6 +16,7 @@ import typer
 
 from xmem.cli import app
 from xmem.slurm.store import DEFAULT_STORE
+from xmem.units import GIB
 
 ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
 StoreOption = typer.Option(os.environ.get("XMEM_STORE", DEFAULT_STORE), "--store",
@@ -182,5 +183,5 @@ def status_command(
         typer.echo(f"to run it as submitted: {status['fix']}")
     stamp = status["stamp"]
     if stamp and stamp.get("peak_bytes"):
-        typer.echo(f"peak {stamp['peak_bytes'] / (1 << 30):.2f} GiB on {stamp['gpu_type']}, request sized for "
-                   f"{(stamp['needed_bytes'] or 0) / (1 << 30):.2f} GiB")
+        typer.echo(f"peak {stamp['peak_bytes'] / GIB:.2f} GiB on {stamp['gpu_type']}, request sized for "
+                   f"{(stamp['needed_bytes'] or 0) / GIB:.2f} GiB")
