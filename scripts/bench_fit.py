@@ -24,7 +24,7 @@ from xmem.cli.fit import search  # noqa: E402
 from xmem.config import load_site_config  # noqa: E402
 from xmem.estimate import estimate  # noqa: E402
 from xmem.fit import command_at, parse_vary  # noqa: E402
-from xmem.gpus import find_gpu, load_catalog  # noqa: E402
+from xmem.gpus import find_gpu  # noqa: E402
 from xmem.policy import job_peak  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     if args.no_brute:
         print(json.dumps({"command": command, "gpu": args.gpu, "fit": result.to_json()}))
         return
-    catalog = load_catalog(site.catalog_overrides or None)
+    catalog = site.catalog()
     gpu_name, cache = find_gpu(args.gpu, catalog).name, {}
     brute = {}
     for option in options:

@@ -178,7 +178,7 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
         return _no_cuda_estimate(command, targets, first, time.perf_counter() - started)
 
     job_env = dict(env) if env is not None else dict(os.environ)  # the tracer runs the job with this env too
-    config = _allocator_config(first, job_env)
+    config = allocator_config(first, job_env)
     biggest = max(targets, key=lambda g: g.total_bytes).name
     results: dict[str, GpuEstimate] = {}
     breakdown: dict[str, int] = {}
@@ -368,7 +368,8 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
     return breakdown
 
 
-def _allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
+def allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
+    """The allocator settings the job's replay uses (also `fit`'s and the pictures' replays)."""
     # What the job really ran with wins: the tracer saw PYTORCH_(CUDA_)ALLOC_CONF as the job set it, even when
     # the script sets it itself before importing torch.
     try:

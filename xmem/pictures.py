@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xmem.estimate import _allocator_config, capability_class
+from xmem.estimate import allocator_config, capability_class
 from xmem.gpus import GpuType, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, SimResult, simulate
@@ -53,7 +53,7 @@ def gpu_run(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str]) -
     peak reserved.
     """
     trace = traces[capability_class(gpu.capability)]
-    config = _allocator_config(trace, env)
+    config = allocator_config(trace, env)
     overhead = overhead_bytes(gpu, trace.libraries)
     runs = []
     for device in trace_devices(trace):

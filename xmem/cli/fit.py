@@ -20,10 +20,10 @@ from rich.table import Table
 from xmem.cli import app
 from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, _fail, _stdout_to_stderr, fail_on_error
 from xmem.config import SiteConfig, load_site_config
-from xmem.estimate import _allocator_config, capability_class  # the job's allocator settings, as estimated
+from xmem.estimate import allocator_config, capability_class  # the job's allocator settings, as estimated
 from xmem.estimate import estimate as run_estimate
 from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary, phase_peaks
-from xmem.gpus import GpuType, find_gpu, load_catalog
+from xmem.gpus import GpuType, find_gpu
 from xmem.orchestrate import orchestrate, trace_devices
 from xmem.policy import estimate_types
 from xmem.policy.options import FixedOption, fixed_options
@@ -81,7 +81,7 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
            progress: bool = False) -> tuple[FitResult, list[FixedOption]]:
     """The limits and the offers searched (see `run_fit`), an estimate at each value `xmem.fit` asks for."""
     command_at(command, vary, vary.low)  # nowhere to put the value: say so before any trace
-    catalog = load_catalog(site.catalog_overrides or None)
+    catalog = site.catalog()
     types = list(gpus or site_types or _site_types(site) or catalog)
     names = {find_gpu(t, catalog).name: t for t in types}  # catalog name -> the name the user knows
     options = [o for t in types for o in fixed_options(site, t, catalog)]
@@ -108,7 +108,7 @@ def _unlimited(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str]
     the estimate)."""
     trace = traces[capability_class(gpu.capability)]
     job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
-    config = _allocator_config(trace, job_env)
+    config = allocator_config(trace, job_env)
     phases: dict[str, dict[str, int]] = {}
     reserved = 0
     for device in trace_devices(trace):
