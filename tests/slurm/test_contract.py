@@ -7,7 +7,7 @@ import pytest
 
 from tests.slurm.submissions import GIB, PEAKS, decision, request
 from xmem.policy import Decision
-from xmem.slurm.contract import FilterReply, FilterRequest, Verdict, plain, reply_for, with_exports
+from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, Verdict, reply_for, with_exports
 from xmem.slurm.stamp import JobStamp
 
 
@@ -96,10 +96,9 @@ def test_option_values_pass_exactly_and_lines_for_people_are_one_short_line():
     reply = FilterReply(message='can\'t "parse"\nline \\2', set={"export": export, "comment": 'a"b\\c'})
     out = json.loads(json.dumps(reply.to_json()))
     assert out["set"] == {"export": export, "comment": 'a"b\\c'}
-    assert out["message"] == 'can\'t "parse" line \\2'
-    assert plain(None) is None
-    long = plain("RuntimeError: " + "x" * 1_000_000)
-    assert len(long) <= 600 and long.endswith("[... cut]")
+    assert out["message"] == 'can\'t "parse" line \\2' and out["reject"] is None
+    long = FilterReply(message="RuntimeError: " + "x" * 1_000_000).to_json()["message"]
+    assert len(long) <= MESSAGE_MAX_CHARS and long.endswith("[... cut]")
 
 
 def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():

@@ -27,6 +27,7 @@ from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, che
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
 from xmem.policy.options import OptionTable
+from xmem.text import one_line
 from xmem.units import MIB, gib_text, size_text
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def check_command(
             if error.kind == "not_understood" and analysis.job and analysis.job.problems:
                 line = f"not understood: {len(analysis.job.problems)} problem(s) listed above"
             else:
-                line = " ".join(str(error).split())
+                line = one_line(error)
             sys.stderr.write(f"xmem-slurm check: {line}\n")
     raise typer.Exit(code)
 
@@ -274,7 +275,7 @@ def _size(nbytes: int) -> str:
 
 
 def _fail(as_json: bool, code: int, kind: str, message: str) -> None:
-    line = " ".join(message.split()) or kind
+    line = one_line(message) or kind
     sys.stderr.write(f"xmem-slurm check: {line}\n")
     if as_json:
         sys.stdout.write(json.dumps({"error": kind, "message": line, "exit_code": code}) + "\n")

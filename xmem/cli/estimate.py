@@ -29,6 +29,7 @@ from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import TraceError
+from xmem.text import one_line
 from xmem.units import size_text
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
@@ -194,7 +195,7 @@ def _size(nbytes: int) -> str:
 
 def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
           verb: str = "estimate") -> NoReturn:
-    line = " ".join(message.split()) or kind
+    line = one_line(message) or kind
     if printed:  # what the program printed last, often the reason: beside its traceback
         rows = "".join(f"  | {row}\n" for row in printed.splitlines())
         sys.stderr.write(f"the program's last output lines:\n{rows}")

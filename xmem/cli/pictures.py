@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog
+from xmem.text import one_line
+
+TITLE_COMMAND_MAX_CHARS = 110  # the command under the plot's title fits the figure's width
 
 
 class PictureError(ValueError):
@@ -93,17 +96,14 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
 
         plot_run(replay, plot, slice_bytes=chosen.usable_bytes if on_drawn else None,
                  slice_name=chosen.request if on_drawn else "",
-                 title=f"Predicted GPU memory on {gpu.name}\n{_shortened(' '.join(run.command))}")
+                 title=f"Predicted GPU memory on {gpu.name}\n"
+                       f"{one_line(' '.join(run.command), TITLE_COMMAND_MAX_CHARS)}")
         written.append(f"wrote {plot} (memory over the run on {gpu.name})")
     if snapshot:
         write_snapshot(replay, snapshot)
         written.append(f"wrote {snapshot} (memory snapshot on {gpu.name}: python -m torch.cuda._memory_viz "
                        f"trace_plot {snapshot} -o trace.html, or open it at https://pytorch.org/memory_viz)")
     return written
-
-
-def _shortened(text: str, limit: int = 110) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _gpu_to_draw(run: KeptRun, name: str | None, catalog: Mapping[str, GpuType]) -> GpuType:

@@ -14,22 +14,22 @@ Contract, in:  {"script": abs path | null, "argv": [...], "options": {long optio
 `fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
 its install-time default). Option values in `set` are exact (what the user wrote passes unchanged: quotes,
 backslashes); the Lua side decodes JSON strings. The lines for people (`message`, `reject`, `fault`) are one line
-of at most MESSAGE_MAX_CHARS. `hetjob` in the input (the Lua side saw a `:` component separator) or a
-`#SBATCH hetjob` line: heterogeneous jobs are not sized (cli_filter hands each component over on its own, and the
-first's options leak into the next), so they pass unchanged with a notice.
+of at most MESSAGE_MAX_CHARS (`xmem.text.one_line`). `hetjob` in the input (the Lua side saw a `:` component
+separator) or a `#SBATCH hetjob` line: heterogeneous jobs are not sized (cli_filter hands each component over on
+its own, and the first's options leak into the next), so they pass unchanged with a notice.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xmem.cache import cache_key
-from xmem.slurm.stamp import JobStamp, add_to_comment, comment_word
+from xmem.slurm.stamp import JobStamp, add_to_comment
+from xmem.text import comment_value, one_line
 
 if TYPE_CHECKING:
     from xmem.policy import Decision
@@ -96,16 +96,9 @@ class FilterReply:
     defer: str | None = None  # deferred mode: the token post-submit hands to `python -m xmem.slurm.deferred`
 
     def to_json(self) -> dict[str, Any]:
-        return {"set": {k: str(v) for k, v in self.set.items()}, "message": plain(self.message),
-                "reject": plain(self.reject), "fault": plain(self.fault), "defer": plain(self.defer)}
-
-
-def plain(text: str | None, limit: int = MESSAGE_MAX_CHARS) -> str | None:
-    """A line for people: control characters as spaces, cut to `limit` characters (with a mark)."""
-    if text is None:
-        return None
-    text = re.sub(r"[\x00-\x1f\x7f]+", " ", str(text)).strip()
-    return text if len(text) <= limit else text[:limit - 15].rstrip() + " [... cut]"
+        lines = {"message": self.message, "reject": self.reject, "fault": self.fault, "defer": self.defer}
+        return {"set": {k: str(v) for k, v in self.set.items()},
+                **{k: None if v is None else one_line(v, MESSAGE_MAX_CHARS) for k, v in lines.items()}}
 
 
 # --- the verdict, as cached -------------------------------------------------------------------------------
@@ -201,7 +194,7 @@ def reply_for(verdict: Verdict, request: FilterRequest, failure: str) -> FilterR
         request_text = user_request(request.options)
         line = f"{reason}; keeping {request_text}{cached}"
     stamp = stamp_for(d, verdict.peaks, request_text)
-    why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_word(reason)}"
+    why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_value(reason)}"
     options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
     export = with_exports(request.options.get("export"), stamp.env())
     if export is not None:
@@ -225,7 +218,7 @@ def describe_request(decision: Decision) -> str:
 
 
 def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply:
-    what = f"cannot estimate this job's GPU memory ({plain(why, MESSAGE_MAX_CHARS // 2)})"  # the outcome stays
+    what = f"cannot estimate this job's GPU memory ({one_line(why, MESSAGE_MAX_CHARS // 2)})"  # the outcome stays
     if failure == "closed":
         target = request.script or "the script"
         return FilterReply(reject=f"{what}. This site requires an estimate: job refused. "

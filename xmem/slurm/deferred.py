@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from xmem.cache import user_cache_dir
-from xmem.slurm.contract import FilterReply, FilterRequest, failure_reply, reply_for, user_request
+from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, failure_reply, reply_for, user_request
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
 from xmem.slurm.scontrol import scontrol_show_job
-from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields, comment_word
+from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
+from xmem.text import comment_text, comment_value, one_line
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
 GPU_OPTIONS = {"gres": "TresPerNode", "gpus-per-node": "TresPerNode", "gpus": "TresPerJob"}
@@ -138,7 +139,7 @@ def own_sbatch_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def state_pairs(state: str, was: str, **notes: str) -> str:
     """Deferred mode's pairs in the comment's token: `state=...;was=...`, then `why=` and `fix=` if given."""
-    return ";".join(f"{key}={comment_word(value)}" for key, value in {"state": state, "was": was, **notes}.items())
+    return ";".join(f"{key}={comment_value(value)}" for key, value in {"state": state, "was": was, **notes}.items())
 
 
 def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = None) -> str:
@@ -324,9 +325,9 @@ def job_status(job_id: str) -> dict[str, Any]:
     request = next((f"{k}={v}" for k, v in ((k, fields.get(k)) for k in ("TresPerNode", "TresPerJob"))
                     if v and v != "(null)"), None)
     return {"job_id": job_id, "job_state": fields.get("JobState"), "reason": fields.get("Reason"),
-            "estimate": estimate, "request_before": pairs.get("was", "").replace("+", " ") or None,
-            "request_now": request, "why": pairs.get("why", "").replace("+", " ") or None,
-            "fix": pairs.get("fix", "").replace("+", " ") or None,
+            "estimate": estimate, "request_before": comment_text(pairs.get("was", "")) or None,
+            "request_now": request, "why": comment_text(pairs.get("why", "")) or None,
+            "fix": comment_text(pairs.get("fix", "")) or None,
             "stamp": asdict(stamp) if not stamp.is_empty() else None}
 
 
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             print(rescue(spool, args.job_id, config))
     except Exception as e:
         why = f"{type(e).__name__}: {e}"
-        print(f"xmem-slurm deferred {args.step}: {why}"[:600], file=sys.stderr)
+        print(one_line(f"xmem-slurm deferred {args.step}: {why}", MESSAGE_MAX_CHARS), file=sys.stderr)
         if spool is None:  # submit without a config: cli_filter.lua releases (or cancels) the job itself
             return 1
         return EXIT_HANDLED if settle(spool, args.job_id, f"xmem failed ({why})", failure) else 1
@@ -370,8 +371,8 @@ def settle(spool: Path, job_id: str, why: str, failure: str) -> bool:
         reply = failure_reply(why, dataclasses.replace(request, script=original), failure)
         print(apply(job_id, reply, request, None))
     except Exception as again:
-        print(f"xmem-slurm: job {job_id} may be held: release it with `scontrol release {job_id}` "
-              f"({type(again).__name__}: {again})"[:600], file=sys.stderr)
+        print(one_line(f"xmem-slurm: job {job_id} may be held: release it with `scontrol release {job_id}` "
+                       f"({type(again).__name__}: {again})", MESSAGE_MAX_CHARS), file=sys.stderr)
         return False
     _cancel_watchdog(spool)
     remove_spool(spool)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import JobStamp, comment_fields
 from xmem.slurm.store import JobRecord
+from xmem.text import comment_text
 from xmem.units import MIB
 
 MEASURE_FILE_MAX_BYTES = 4096
@@ -205,4 +206,4 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
                      gres=stamp.request, estimate_bytes=stamp.peak_bytes, needed_bytes=stamp.needed_bytes,
                      exit_code=exit_code_of(env), measured_bytes=measured, measured_by=measured_by,
                      ended_at=now(), deferred_state=deferred.get("state"),
-                     request_before=deferred.get("was", "").replace("+", " ") or None)
+                     request_before=comment_text(deferred.get("was", "")) or None)

@@ -2,8 +2,8 @@
 
 Owns its two written forms, one format each: `XMEM_*` variables in the job's environment (what the TaskProlog
 sees) and one `xmem:peak=...;need=...;type=...;req=...;act=...` token in the job's comment (what the Epilog and
-`xmem-slurm status` see), where deferred mode adds its `state=`, `was=`, `why=`, `fix=` pairs. Pure text: no
-Slurm calls here.
+`xmem-slurm status` see), where deferred mode adds its `state=`, `was=`, `why=`, `fix=` pairs. Each value is
+written by `xmem.text.comment_value`. Pure text: no Slurm calls here.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from xmem.text import comment_value
 
 COMMENT_TAG = "xmem:"
 
@@ -35,11 +37,12 @@ class JobStamp:
 
     def env(self) -> dict[str, str]:
         """`XMEM_*` variables. Values never hold commas (sbatch's --export splits on them) or quotes."""
-        return {var: _plain(getattr(self, f)) for f, var in self._ENV.items() if getattr(self, f) is not None}
+        return {var: comment_value(getattr(self, f)) for f, var in self._ENV.items()
+                if getattr(self, f) is not None}
 
     def comment(self) -> str:
         """One token: `xmem:peak=...;need=...;type=...;req=...;act=...`."""
-        parts = [f"{key}={_plain(getattr(self, f))}" for f, key in self._COMMENT.items()
+        parts = [f"{key}={comment_value(getattr(self, f))}" for f, key in self._COMMENT.items()
                  if getattr(self, f) is not None]
         return COMMENT_TAG + ";".join(parts)
 
@@ -63,10 +66,6 @@ class JobStamp:
                    action=raw.get("action") or None)
 
 
-def _plain(value: object) -> str:
-    return re.sub(r"[,;\s\"'\\]", "+", str(value))
-
-
 def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -> str:
     """The job comment with the stamp in it: the user's comment kept, an older `xmem:` token replaced.
     `state` (deferred mode's `state=...;was=...` pairs) goes in the same token, after the stamp's."""
@@ -83,8 +82,3 @@ def comment_fields(comment: str | None) -> dict[str, str]:
     """Every `key=value` of the comment's `xmem:` token (the stamp's and deferred mode's state, was, why)."""
     match = re.search(r"xmem:(\S*)", comment or "")
     return dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p) if match else {}
-
-
-def comment_word(text: str, limit: int = 200) -> str:
-    """`text` as one value of the comment's `xmem:` token: no spaces, commas, semicolons or quotes, short."""
-    return re.sub(r"[,;\s\"'\\]+", "+", text)[:limit]

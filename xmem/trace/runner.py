@@ -30,6 +30,7 @@ from xmem.trace import sandbox, shim, warm
 from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import Trace
+from xmem.text import one_line
 from xmem.units import GIB
 
 XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
@@ -288,7 +289,7 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
         real_cuda = [line for line in run.output.splitlines() if any(sign in line for sign in REAL_CUDA_SIGNS)]
         if real_cuda:  # a native extension called the CUDA runtime itself (no device here) and ended the process
             return TraceError("not_modelled", f"not modelled: a native library reached the real CUDA runtime and "
-                                              f"ended the program {when}: {real_cuda[-1].strip()[:200]}",
+                                              f"ended the program {when}: {one_line(real_cuda[-1], 200)}",
                               output=output)
         return TraceError("user_error", f"the program called os._exit({code}) {when}; xmem records a program that "
                                         "returns or calls sys.exit()", output=output)

@@ -1,0 +1,47 @@
+"""Text that leaves xmem for a place with rules of its own: one function per rule, no other module cleans text.
+
+Two sinks, two rules, because they break on different characters:
+- a line for people (`one_line`): the filter's message and refusal that `slurm/cli_filter.lua` prints on sbatch's
+  terminal, the CLI's last `xmem-slurm VERB: ...` line and its `--json` "message", the deferred steps' stderr,
+  the not-modelled line quoting the program's output, a plot's title. It must stay one line: a user's exception
+  text may hold newlines or terminal escapes, so every run of whitespace and control characters is one space.
+  Where the text can be a user's 1 MB message, a limit cuts it, with a mark so nobody takes it for the whole.
+- a value inside the job comment's `xmem:key=value;key=value` token and the `XMEM_*` variables (`comment_value`):
+  the token ends at whitespace, its pairs split at `;`, sbatch's `--export` splits at commas and quotes, so each
+  run of those (and of control characters) is one `+`; `comment_text` reads such a value back for people.
+Pure text: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+CUT_MARK = " [... cut]"
+COMMENT_VALUE_MAX_CHARS = 200  # a reason in the comment stays short: Slurm shows the comment whole
+
+_LINE_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f]+")
+_COMMENT_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f,;\"'\\]+")
+_COMMENT_SPACE = "+"
+
+
+def one_line(text: object, limit: int | None = None) -> str:
+    """`text` as one line for people: each run of whitespace or control characters one space, no spaces at the
+    ends; longer than `limit` characters, cut to `limit` with `CUT_MARK` at the end."""
+    line = _LINE_BREAKERS.sub(" ", str(text)).strip()
+    if limit is None or len(line) <= limit:
+        return line
+    return line[:limit - len(CUT_MARK)].rstrip() + CUT_MARK
+
+
+def comment_value(value: object, limit: int = COMMENT_VALUE_MAX_CHARS) -> str:
+    """`value` as one value of the comment's `xmem:` token or of an `XMEM_*` variable: each run of whitespace,
+    control characters, commas, semicolons, quotes or backslashes one `+`, at most `limit` characters."""
+    return _COMMENT_BREAKERS.sub(_COMMENT_SPACE, str(value))[:limit]
+
+
+def comment_text(value: str) -> str:
+    """A value `comment_value` wrote, read back for people: its `+` as spaces."""
+    return value.replace(_COMMENT_SPACE, " ")
+
+
+__all__ = ["COMMENT_VALUE_MAX_CHARS", "CUT_MARK", "comment_text", "comment_value", "one_line"]
