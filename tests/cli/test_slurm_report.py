@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+import xmem.cli.slurm  # noqa: F401  (registers report on the app, long before the variable below is set)
+from xmem.cli import app
 from xmem.slurm.store import JobRecord, append_record
 
 GIB = 1 << 30
@@ -45,3 +49,12 @@ def test_report_without_a_store_says_where_it_looked(tmp_path):
     done = report("--store", str(tmp_path / "none.jsonl"))
     assert done.returncode == 2
     assert f"no record store at {tmp_path / 'none.jsonl'}" in done.stderr
+
+
+def test_report_reads_xmem_store_when_it_runs_not_when_imported(tmp_path, monkeypatch):
+    store = tmp_path / "r.jsonl"
+    append_record(store, JobRecord("1", gpu_type="h100", estimate_bytes=9 * GIB, measured_bytes=10 * GIB))
+    monkeypatch.setenv("XMEM_STORE", str(store))
+    done = CliRunner().invoke(app, ["report", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["store"] == str(store)

@@ -3,8 +3,10 @@
 import json
 import os
 
-from xmem.slurm.node import epilog_record, exit_code_of, mps_memory_limit, prolog_exports, read_measure_file
+from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_memory_limit, prolog_exports,
+                             read_measure_file)
 from xmem.slurm.stamp import JobStamp, add_to_comment
+from xmem.slurm.store import DEFAULT_STORE
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -154,3 +156,11 @@ def test_scontrol_record_keeps_spaces_inside_a_value():
     assert fields["Comment"] == "xmem:state=pending why=estimating+now"
     assert fields["TresPerNode"] == "gres:gpu:a100:1"
     assert fields["TresPerJob"] == "(null)"
+
+
+def test_node_settings_come_from_the_option_else_the_environment_else_the_default():
+    env = {"XMEM_STORE": "/site/records.jsonl", "XMEM_MEASURE_DIR": "/tmp/measure"}
+    assert NodeSettings.read(env) == NodeSettings("/site/records.jsonl", "/tmp/measure")
+    assert NodeSettings.read(env, store="/mine.jsonl", measure_dir="/m") == NodeSettings("/mine.jsonl", "/m")
+    assert NodeSettings.read({}) == NodeSettings(DEFAULT_STORE, None)
+    assert NodeSettings.read({"XMEM_MEASURE_DIR": ""}).measure_dir is None  # empty: unset, as --measure-dir's was

@@ -92,8 +92,8 @@ def calibrate_command(
                                              help="scripts/bench_accuracy.py's estimates.jsonl for the same records."),
     from_store: bool = typer.Option(False, "--from-store",
                                     help="Fit on the Epilog's records of the site's jobs instead (--store)."),
-    store: str = typer.Option(os.environ.get("XMEM_STORE", DEFAULT_STORE), "--store",
-                              help="With --from-store: the record store (default: $XMEM_STORE)."),
+    store: Optional[str] = typer.Option(None, "--store", help="With --from-store: the record store "
+                                                              f"(default: $XMEM_STORE, else {DEFAULT_STORE})."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="With --from-store: the site config (MIG slices, catalog)."),
     out: Path = typer.Option(CALIBRATION_PATH, "--out", help="Where to write the calibration TOML."),
@@ -131,13 +131,15 @@ def calibrate_command(
     err.print(f"wrote {out}")
 
 
-def _calibrate_from_store(err: Console, store: str, config: Optional[str], out: Path, quantile: float,
+def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[str], out: Path, quantile: float,
                           dry_run: bool) -> None:
     """The fit on the site's own jobs; GPU types the store has no usable record of keep their calibration."""
     from xmem.config import ConfigError, load_site_config
+    from xmem.slurm.node import NodeSettings
     from xmem.slurm.store import read_records
     from xmem.slurm.store_fit import kept_tables, store_samples
 
+    store = NodeSettings.read(os.environ, store=store).store
     if not os.path.exists(store):
         err.print(f"[red]error:[/] no record store at {store} (set --store or $XMEM_STORE)")
         raise typer.Exit(2)

@@ -19,8 +19,11 @@ from xmem.slurm.store import DEFAULT_STORE
 from xmem.units import GIB
 
 ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
-StoreOption = typer.Option(os.environ.get("XMEM_STORE", DEFAULT_STORE), "--store",
-                           help="The JSONL store of job records the epilog writes (default: $XMEM_STORE).")
+# The store's and the measure directory's variables are read when the command runs (xmem.slurm.node.NodeSettings).
+StoreOption = typer.Option(None, "--store", help="The JSONL store of job records the epilog writes "
+                                                 f"(default: $XMEM_STORE, else {DEFAULT_STORE}).")
+MeasureDirOption = typer.Option(None, "--measure-dir", help="Where jobs leave their measured peak "
+                                                            "(XMEM_MEASURE_FILE; default: $XMEM_MEASURE_DIR).")
 
 
 def _load_config(explicit: Optional[str]) -> Any:
@@ -57,20 +60,20 @@ def _gpu_total_bytes(config: Any) -> Any:
 
 @app.command("prolog")
 def prolog_command(
-    measure_dir: Optional[str] = typer.Option(None, "--measure-dir", envvar="XMEM_MEASURE_DIR",
-                                              help="Where jobs leave their measured peak (XMEM_MEASURE_FILE)."),
+    measure_dir: Optional[str] = MeasureDirOption,
     config: Optional[str] = ConfigOption,
 ) -> None:
     """For TaskProlog: print `export NAME=value` lines (estimate, MPS memory limit). Never fails the task."""
     try:
-        from xmem.slurm.node import prolog_exports
+        from xmem.slurm.node import NodeSettings, prolog_exports
 
         try:
             site = _load_config(config)
         except Exception:
             site = None
+        settings = NodeSettings.read(os.environ, measure_dir=measure_dir)
         for name, value in prolog_exports(os.environ, total_bytes_of=_gpu_total_bytes(site),
-                                          measure_dir=measure_dir):
+                                          measure_dir=settings.measure_dir):
             print(f"export {name}={value}")
     except Exception as e:
         print(f"xmem-slurm prolog: {type(e).__name__}: {e}", file=sys.stderr)
@@ -78,18 +81,18 @@ def prolog_command(
 
 @app.command("epilog")
 def epilog_command(
-    store: str = StoreOption,
-    measure_dir: Optional[str] = typer.Option(None, "--measure-dir", envvar="XMEM_MEASURE_DIR",
-                                              help="Where jobs leave their measured peak (XMEM_MEASURE_FILE)."),
+    store: Optional[str] = StoreOption,
+    measure_dir: Optional[str] = MeasureDirOption,
 ) -> None:
     """For Epilog (root, on the node): append the finished job's record to the store."""
-    from xmem.slurm.node import epilog_record
+    from xmem.slurm.node import NodeSettings, epilog_record
     from xmem.slurm.store import append_record
 
     try:
-        record = epilog_record(os.environ, measure_dir=measure_dir)
+        settings = NodeSettings.read(os.environ, store=store, measure_dir=measure_dir)
+        record = epilog_record(os.environ, measure_dir=settings.measure_dir)
         if record is not None:
-            append_record(store, record)
+            append_record(settings.store, record)
     except Exception as e:
         print(f"xmem-slurm epilog: job {os.environ.get('SLURM_JOB_ID')}: {type(e).__name__}: {e}", file=sys.stderr)
         raise typer.Exit(1)
@@ -97,7 +100,7 @@ def epilog_command(
 
 @app.command("report")
 def report_command(
-    store: str = StoreOption,
+    store: Optional[str] = StoreOption,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png",
                                        help="Also draw estimate against measured peak per GPU type (PNG)."),
@@ -107,8 +110,10 @@ def report_command(
     """Estimate against measured peak, per GPU type, from the epilog's records."""
     import dataclasses
 
+    from xmem.slurm.node import NodeSettings
     from xmem.slurm.store import read_records, summarize
 
+    store = NodeSettings.read(os.environ, store=store).store
     if not os.path.exists(store):
         typer.echo(f"error: no record store at {store} (set --store or $XMEM_STORE)", err=True)
         raise typer.Exit(2)

@@ -2,8 +2,10 @@
 
 Owns the MPS memory limit derived from the job stamp (xmem.slurm.stamp: the TaskProlog sees the stamp's `XMEM_*`
 variables, else asks slurmctld for the job's comment; the Epilog sees the comment), and reading a job's measured
-peak (a file the job wrote, or NVML accounting). Functions take the environment as a mapping and return data;
-the CLI does the printing and the store writing. Nothing here may fail a job: callers catch everything.
+peak (a file the job wrote, or NVML accounting), and the node's settings (`NodeSettings`: the record store and
+the measure directory, read from the environment when a command runs, never at import). Functions take the
+environment as a mapping and return data; the CLI does the printing and the store writing. Nothing here may fail
+a job: callers catch everything.
 """
 
 from __future__ import annotations
@@ -17,14 +19,35 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import JobStamp, comment_fields
-from xmem.slurm.store import JobRecord
+from xmem.slurm.store import DEFAULT_STORE, JobRecord
 from xmem.text import comment_text
 from xmem.units import MIB
 
 MEASURE_FILE_MAX_BYTES = 4096
+STORE_ENV = "XMEM_STORE"  # the record store: the Epilog appends to it, `report` and `calibrate` read it
+MEASURE_DIR_ENV = "XMEM_MEASURE_DIR"  # where jobs leave their measured peak: slurm/task_prolog.sh exports it
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The node-side settings an install leaves in the environment. Read when a command runs (`read`), not when
+    xmem is imported: a variable set after the import (by a wrapper, a test) counts, and nothing is frozen into a
+    default."""
+
+    store: str = DEFAULT_STORE
+    measure_dir: str | None = None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str], *, store: str | None = None,
+             measure_dir: str | None = None) -> NodeSettings:
+        """The settings a command runs with: the option it was given, else the variable in `env`, else the
+        default. An empty XMEM_MEASURE_DIR is unset (as an option's environment variable is)."""
+        return cls(store=env.get(STORE_ENV, DEFAULT_STORE) if store is None else store,
+                   measure_dir=(env.get(MEASURE_DIR_ENV) or None) if measure_dir is None else measure_dir)
 
 
 # --- TaskProlog ------------------------------------------------------------------------------------------------
