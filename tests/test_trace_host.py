@@ -79,3 +79,31 @@ def test_tensorboard_tqdm_and_logging_take_cuda_values(tmp_path):
     assert result.iterations == 3
     assert "tensor.numpy() returned ones (no real data under fake CUDA)" in result.warnings  # SummaryWriter's
     assert list(tmp_path.iterdir()) == []  # its runs/ directory went to the sandbox, not the user's directory
+
+
+def test_weights_tied_after_the_host_budget_stay_tied(tmp_path):
+    """An output layer tied to the input embedding once the model is past the 64 MiB of real host tensors
+    (transformers' `_tie_or_clone_weights` assigns the embedding's Parameter): one parameter, counted once."""
+    script = tmp_path / "tied.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "class LM(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Embedding(16384, 1024)\n"  # 64 MiB fp32: the whole budget
+        "        self.body = nn.Linear(1024, 1024)\n"  # born fake
+        "        self.head = nn.Linear(1024, 16384, bias=False)\n"
+        "        self.head.weight = self.embed.weight\n"
+        "    def forward(self, ids):\n"
+        "        return self.head(self.body(self.embed(ids)))\n"
+        "model = LM()\n"
+        "assert model.head.weight is model.embed.weight\n"
+        "model = model.cuda()\n"
+        "assert model.head.weight is model.embed.weight\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "for _ in range(2):\n"
+        "    model(torch.randint(0, 16384, (2, 8), device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")
+    trace = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    embed, body = 16384 * 1024 * 4, (1024 * 1024 + 1024) * 4
+    assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([embed, body - 1024 * 4, 1024 * 4])
+    assert sum(e.nbytes for e in allocs(trace, "optimizer_state") if e.nbytes > 512) == 2 * (embed + body)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
 
 from xmem.trace import attention, distributed
 from xmem.trace.events import Category
@@ -553,12 +554,23 @@ HOST_MODEL_BYTES = 64 << 20
 
 def _patch_module_registration(fake: FakeCuda) -> None:
     real_bytes = 0
+    # What each host tensor became when first registered: registering it again (tied weights: transformers'
+    # `_tie_or_clone_weights` assigns the input embedding's Parameter to the output layer) must give that same
+    # object, kept real or made fake, so that the tie holds and its bytes count once.
+    # A tensor kept real maps to None: a value holding its key would keep it alive for good.
+    registered: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def fake_past_budget(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        nonlocal real_bytes
         if tensor is None or isinstance(tensor, FakeTensor) or tensor.device.type != "cpu" or \
                 type(tensor) not in (torch.Tensor, nn.Parameter, getattr(nn, "Buffer", nn.Parameter)):
             return tensor
+        if tensor not in registered:
+            result = _real_or_fake(tensor)
+            registered[tensor] = None if result is tensor else result
+        return registered[tensor] if registered[tensor] is not None else tensor
+
+    def _real_or_fake(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal real_bytes
         nbytes = tensor.numel() * tensor.element_size()
         if real_bytes + nbytes <= HOST_MODEL_BYTES:
             real_bytes += nbytes
