@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
+from xmem.trace import shortcuts
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
 
@@ -203,6 +204,7 @@ class AllocationRecorder(TorchDispatchMode):
         # (several fake GPUs) must not change at once; re-entrant because a storage can die, and its finalizer
         # record the free, while this thread holds it.
         self._lock = threading.RLock()
+        self._shortcuts = shortcuts.enabled()  # read here, in the job's environment (a warm tracer imports earlier)
         self.stand_ins = StandIns(self.warn, lambda: (state.iteration, state.phase))
         self._connect()
 
@@ -228,6 +230,10 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._shortcuts:
+            device = shortcuts.device_of(func, args)
+            if device is not shortcuts.NOT_TAKEN:
+                return device
         if _runs_on_host(args, kwargs):
             # Only what the GPU would hold is fake: host work runs for real, with real values, below the fake mode.
             with unset_fake_temporarily():
@@ -245,7 +251,9 @@ class AllocationRecorder(TorchDispatchMode):
             if name == "convolution" and args[0].dtype == torch.bfloat16:
                 self.arch_sensitive = True  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
         try:
-            out = func(*args, **kwargs)
+            out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
+            if out is shortcuts.NOT_TAKEN:
+                out = func(*args, **kwargs)
         except DataDependentOutputException:
             if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
                 return self.stand_ins.scalar(args[0])
