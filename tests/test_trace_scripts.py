@@ -361,3 +361,11 @@ def test_the_allocator_setting_is_the_one_in_force_at_the_first_allocation(tmp_p
     plain.write_text("import torch\n" + loop)
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}
     assert run_trace([sys.executable, str(plain)], iterations=1, env=env).alloc_conf == ""
+
+
+# ---- what only the cyclic collector frees -------------------------------------------------------------------
+def test_tensors_in_reference_cycles_are_freed_by_the_collector_during_the_trace():
+    # the tracer loads torch with the collector off and freezes what it loaded; the program's objects are collected
+    result = trace(sys.executable, "cyclic_garbage.py", iterations=3)
+    freed = [e for e in result.events if e.action == "free" and e.nbytes == 123_457]
+    assert len(allocs(result)) and freed, "cyclic garbage was never collected"

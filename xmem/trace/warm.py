@@ -55,12 +55,14 @@ MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
 # here: a job's own path is checked against where each preloaded module came from (`_shadowed`).
 IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
                        "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
-                       "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_")
+                       "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
-# server's path). A library a job would import from another place is not used warm (`_shadowed`).
-TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "safetensors", "accelerate", "timm", "lightning",
-                      "pytorch_lightning", "tqdm")
+# server's path). A library a job would import from another place is not used warm (`_shadowed`). transformers
+# loads lazily: its model base (modeling_utils, 1.3 s) and Trainer (2.8 s more) are what every HF job imports; a
+# model's own file is a few milliseconds.
+TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "transformers.modeling_utils", "transformers.trainer",
+                      "safetensors", "accelerate", "timm", "lightning", "pytorch_lightning", "tqdm")
 LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_STACK", "RLIMIT_NPROC", "RLIMIT_CORE",
           "RLIMIT_FSIZE", "RLIMIT_MEMLOCK")
 # The server's command (not `-m xmem.trace.warm`: the package imports this module first, through the runner).
@@ -285,13 +287,13 @@ def preload() -> Loaded:
     """Load what every trace loads, then the training libraries that import cleanly."""
     from xmem.trace import child
     child.preload()
-    import torch._dynamo  # noqa: F401 - the first optimizer step imports it
     before = _data_bytes()
-    for name in TRAINING_LIBRARIES:
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - not installed, or broken: jobs import it themselves
-            continue
+    with child.loading_for_good():  # frozen too: a job's collections walk its own objects only
+        for name in TRAINING_LIBRARIES:
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 - not installed, or broken: jobs import it themselves
+                continue
     tops = {name.partition(".")[0] for name in sys.modules}
     origins = {name: _origin(sys.modules[name]) for name in sorted(tops) if name in sys.modules and
                _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
