@@ -21,7 +21,8 @@ tracer (a new overhead calibration, a simulator fix) repeats everything after th
 that part; the first run's full seconds stay in its own estimates.jsonl.
 `--reference-stack` (the default) runs the jobs with the library stack they were measured with
 (benchmarks/requirements-reference.txt: transformers 4.51.3), installed once into bench-out/reference-stack from PyPI
-and put first on the jobs' PYTHONPATH; `--no-reference-stack` runs them with the interpreter's own libraries.
+and put first on the path of a venv beside it (bench-out/reference-venv: that directory, then the interpreter's own
+site-packages) that runs the jobs; `--no-reference-stack` runs them with the interpreter's own libraries.
 Records whose job is identical (same command, environment, GPU type and capacity) are estimated once; the others
 carry `"same_job_as"`.
 """
@@ -63,6 +64,23 @@ def reference_stack(python: str, requirements: Path = REFERENCE_REQUIREMENTS, ta
     subprocess.run(command, check=True)
     marker.write_text(digest)
     return target
+
+
+def reference_interpreter(python: str, stack: Path) -> str:
+    """An interpreter whose site-packages are `stack` first, then `python`'s own (a venv with one .pth file): the jobs
+    import the reference stack as installed libraries, as a user's venv would give them, instead of from PYTHONPATH,
+    which the warm tracer (xmem.trace.warm) does not preload from."""
+    venv = stack.parent / "reference-venv"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    interpreter = venv / "bin" / "python"
+    if not interpreter.exists():
+        subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    own = subprocess.run([str(interpreter), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    # a .pth line is a path, or code when it starts with "import": addsitedir also reads the venv's own .pth files
+    (Path(own) / "reference-stack.pth").write_text(f"{stack}\nimport site; site.addsitedir({purelib!r})\n")
+    return str(interpreter)
 
 
 def last_line(text: str) -> str:
@@ -240,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_accuracy: cannot install the reference stack ({e}); "
                       "install it by hand or pass --no-reference-stack", file=sys.stderr)
                 return 2
-            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack), os.environ.get("PYTHONPATH")]))
+            args.python = reference_interpreter(args.python, stack)
         results = run_estimates(unique, args.jobs, args.python, args.iterations, args.timeout, estimates_file,
                                 args.trace_cache)
 

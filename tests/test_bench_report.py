@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,22 @@ def test_reference_stack_installs_once_and_again_when_the_pins_change(tmp_path):
     script.reference_stack(sys.executable, requirements, target)
     assert "2.0" in (target / "demo_stack_pkg" / "__init__.py").read_text()
     assert not (target / "left-by-hand").exists()
+
+
+def test_reference_interpreter_imports_the_stack_first_then_the_interpreters_own_libraries(tmp_path):
+    script = load_script()
+    requirements, target = tmp_path / "requirements.txt", tmp_path / "stack"
+    requirements.write_text(f"{demo_wheel(tmp_path, '1.0')}\n")
+    script.reference_stack(sys.executable, requirements, target)
+    interpreter = script.reference_interpreter(sys.executable, target)
+    assert Path(interpreter).parent.parent == tmp_path / "reference-venv"
+    shown = subprocess.run([interpreter, "-c", "import demo_stack_pkg, torch, xmem; print(demo_stack_pkg.__file__, "
+                            "torch.__file__, xmem.__file__)"], capture_output=True, text=True, check=True,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout.split()
+    import torch
+    import xmem
+    assert shown == [str(target / "demo_stack_pkg" / "__init__.py"), torch.__file__, xmem.__file__]
+    assert script.reference_interpreter(sys.executable, target) == interpreter  # made once, reused
 
 
 def test_our_figure_leaves_the_context_out_where_the_record_does():
