@@ -55,7 +55,8 @@ def main() -> None:
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     site, vary = load_site_config(args.config), parse_vary(args.vary)
-    settings = {"iterations": args.iterations, "memory_limit_bytes": site.estimate.memory_limit_bytes}
+    settings = {"iterations": args.iterations, "memory_limit_bytes": site.estimate.memory_limit_bytes,
+                "warm_tracer": site.estimate.warm_tracer}
     result, options = search(command, vary, site, [args.gpu], settings)
     if args.no_brute:
         print(json.dumps({"command": command, "gpu": args.gpu, "fit": result.to_json()}))

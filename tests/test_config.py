@@ -121,3 +121,10 @@ def test_deferred_section_is_parsed():
 def test_partition_mode_without_a_cpu_partition_is_refused():
     with pytest.raises(ConfigError, match="deferred.cpu_partition: required"):
         config_from_dict({"deferred": {"mode": "partition"}})
+
+
+def test_warm_tracer_is_off_unless_the_site_turns_it_on(tmp_path):
+    assert config_from_dict({}).estimate.warm_tracer is False
+    assert config_from_dict({"estimate": {"warm_tracer": True}}).estimate.warm_tracer is True
+    with pytest.raises(ConfigError, match="estimate.warm_tracer"):
+        config_from_dict({"estimate": {"warm_tracer": "yes"}})

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from xmem.trace.command import Target, parse_command
+from xmem.trace.command import Target, named_interpreter, parse_command
 from xmem.trace.errors import TraceError
 
 
@@ -101,3 +101,15 @@ def test_accelerate_and_deepspeed_launchers(train, tmp_path):
     command = ["deepspeed", "--num_gpus=2", "train.py", "--deepspeed_config", "ds.json"]
     assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--deepspeed_config", "ds.json"),
                                                                "deepspeed", 2)
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["/opt/env/bin/python", "train.py"], "/opt/env/bin/python"),
+    (["/opt/env/bin/python3.11", "-m", "pkg.train"], "/opt/env/bin/python3.11"),
+    (["env/bin/python", "train.py"], "/job/env/bin/python"),  # relative: from the job's directory
+    (["/opt/env/bin/torchrun", "--nproc-per-node", "2", "train.py"], "/opt/env/bin/python"),
+    (["/opt/env/bin/accelerate", "launch", "train.py"], "/opt/env/bin/python"),
+    (["python", "train.py"], None), (["torchrun", "train.py"], None), (["./train.py"], None), ([], None),
+])
+def test_the_interpreter_a_command_names_by_its_path(command, expected):
+    assert named_interpreter(command, "/job") == expected

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -369,3 +370,16 @@ def test_tensors_in_reference_cycles_are_freed_by_the_collector_during_the_trace
     result = trace(sys.executable, "cyclic_garbage.py", iterations=3)
     freed = [e for e in result.events if e.action == "free" and e.nbytes == 123_457]
     assert len(allocs(result)) and freed, "cyclic garbage was never collected"
+
+
+# ---- the interpreter the command names -------------------------------------------------------------------------
+def test_a_command_naming_its_interpreter_by_path_runs_on_it(tmp_path):
+    import sysconfig
+    venv = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    own = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    (Path(own) / "parent.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    python = str(venv / "bin" / "python")
+    result = run_trace([python, str(SCRIPTS / "which_python.py"), python], iterations=1)
+    assert result.iterations == 1

@@ -144,6 +144,15 @@ def test_warm_trace_equals_the_cold_one(warm_on, monkeypatch):
     assert warm_trace == cold_trace
 
 
+def test_the_sites_choice_applies_unless_the_users_environment_says_otherwise(warm_on, monkeypatch):
+    monkeypatch.delenv(warm.ENABLE_ENV)
+    _, site_on = traced(MLP, warm_tracer=True)  # [estimate] warm_tracer = true
+    _, site_off = traced(MLP)  # the default: off
+    monkeypatch.setenv(warm.ENABLE_ENV, "0")
+    _, user_off = traced(MLP, warm_tracer=True)
+    assert site_on < COLD_CPU_S < min(site_off, user_off)
+
+
 def test_second_job_sees_nothing_of_the_first(warm_on, tmp_path):
     first, second = tmp_path / "leaves_state.py", tmp_path / "sees_no_state.py"
     first.write_text(LEAVES_STATE)

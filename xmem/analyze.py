@@ -244,7 +244,8 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
                            env={**env, **command.env}, cwd=command.cwd or submit_cwd, timeout=remaining,
                            python=command.python or config.estimate.python,
                            catalog=scope.catalog, on_progress=on_progress,
-                           memory_limit_bytes=config.estimate.memory_limit_bytes)
+                           memory_limit_bytes=config.estimate.memory_limit_bytes,
+                           warm_tracer=config.estimate.warm_tracer)
     except Exception as e:  # the estimator's own errors carry a kind; anything else is reported as internal
         kind = getattr(e, "kind", None) or ("unknown_gpu" if type(e).__name__ == "UnknownGpuError" else "internal")
         message = getattr(e, "message", None) or str(e) or type(e).__name__

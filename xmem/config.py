@@ -97,6 +97,7 @@ class EstimateConfig:
     max_concurrent: int = 2
     python: str | None = None  # interpreter for jobs that name none (None: the one xmem runs on)
     memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES  # host memory one trace may use (0: no limit)
+    warm_tracer: bool = False  # estimates through a warm tracer per user (xmem.trace.warm); $XMEM_WARM_TRACER wins
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         failure=_choice(_get(policy, "failure", SiteConfig), "policy.failure", FAILURE_MODES),
         exclude=_exclude(_table(data, "exclude", ("users", "accounts", "partitions"))),
         estimate=_estimate(_table(data, "estimate", ("timeout_s", "iterations", "cache_dir", "max_concurrent",
-                                                     "python", "memory_limit_gib"))),
+                                                     "python", "memory_limit_gib", "warm_tracer"))),
         catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
         deferred=_deferred(_table(data, "deferred", ("mode", "cpu_partition", "time_limit", "mem"))),
     )
@@ -256,6 +257,7 @@ def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
         python=_optional_string(table.get("python"), "estimate.python"),
         memory_limit_bytes=int(GIB * _non_negative_number(
             table.get("memory_limit_gib", DEFAULT_TRACE_MEMORY_BYTES / GIB), "estimate.memory_limit_gib")),
+        warm_tracer=_bool(_get(table, "warm_tracer", EstimateConfig), "estimate.warm_tracer"),
     )
 
 

@@ -144,13 +144,14 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              catalog_overrides: Mapping[str, Any] | None = None,
              on_progress: Callable[[str], None] | None = None,
              catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None,
-             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES,
+             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES, warm_tracer: bool = False,
              keep_traces: dict[str, Trace] | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
     fresh load). `gpus_per_node`: the GPUs the job's node shows the program (default: as `run_trace` finds them).
-    `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`).
+    `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`);
+    `warm_tracer`: the site's `estimate.warm_tracer` (`xmem.trace.warm.enabled`).
     `keep_traces`, if given, receives the traces by capability class (for pictures of the run: `xmem.pictures`).
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
@@ -160,7 +161,8 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     targets = resolve_gpus(gpus, catalog)
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
                                         timeout=timeout, python=python, on_progress=on_progress,
-                                        gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes)
+                                        gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes,
+                                        warm_tracer=warm_tracer)
     if keep_traces is not None:
         keep_traces.update(traces)
     return estimate_traces(command, traces, targets, env=env, on_progress=on_progress, started=started)
@@ -235,7 +237,8 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
                                timeout: float | None, python: str | None,
                                on_progress: Callable[[str], None] | None,
                                gpus_per_node: int | None = None,
-                               memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES) -> dict[str, Trace]:
+                               memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES,
+                               warm_tracer: bool = False) -> dict[str, Trace]:
     """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
 
     Each class is traced as its GPU of highest capability among `targets` (its name and memory are what the
@@ -253,7 +256,7 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
                  "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
         return run_trace(list(command), iterations=iterations, capability=gpu.capability, env=shown, cwd=cwd,
                          timeout=timeout, python=python, on_progress=on_progress, device_count=gpus_per_node,
-                         memory_limit_bytes=memory_limit_bytes)
+                         memory_limit_bytes=memory_limit_bytes, warm_tracer=warm_tracer)
 
     first = trace(representative[order[0]])
     traces = {order[0]: first}

@@ -71,7 +71,8 @@ def estimate_command(
                                                      "processes per node, else 1."),
     as_json: bool = JSON_OPTION,
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
-    python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
+    python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: the one "
+                                         "the command names by path, e.g. ~/env/bin/python, else this one)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config whose \\[catalog] and limits apply (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
@@ -88,7 +89,7 @@ def estimate_command(
         site = load_site_config(config)
         settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python,
                         catalog_overrides=site.catalog_overrides or None, gpus_per_node=gpus_per_node,
-                        memory_limit_bytes=site.estimate.memory_limit_bytes)
+                        memory_limit_bytes=site.estimate.memory_limit_bytes, warm_tracer=site.estimate.warm_tracer)
         traces = _prepare_pictures(plot, snapshot, plot_gpu, gpu, site, settings)
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with _stdout_to_stderr() as out:

@@ -55,7 +55,7 @@ def fit_command(
     try:
         site = load_site_config(config)
         settings = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python,
-                    "memory_limit_bytes": site.estimate.memory_limit_bytes}
+                    "memory_limit_bytes": site.estimate.memory_limit_bytes, "warm_tracer": site.estimate.warm_tracer}
         run_fit(command, parse_vary(vary), site, gpu, settings, as_json)
     except FitError as e:
         _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
@@ -168,7 +168,8 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
     env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
     settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
                 "python": command.python or site.estimate.python or None, "env": env,
-                "cwd": command.cwd or os.getcwd(), "memory_limit_bytes": site.estimate.memory_limit_bytes}
+                "cwd": command.cwd or os.getcwd(), "memory_limit_bytes": site.estimate.memory_limit_bytes,
+                "warm_tracer": site.estimate.warm_tracer}
     try:
         run_fit(command.argv, vary, site, gpus, settings, as_json,
                 site_types=estimate_types(site, job_partitions(job.directives, site)))

@@ -105,6 +105,22 @@ def launcher_env(target: Target, env: Mapping[str, str], gpus: int) -> dict[str,
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)), **variables, **kept}
 
 
+def named_interpreter(command: list[str], cwd: str | None = None) -> str | None:
+    """The interpreter a command names by its path, which its program runs on: `/opt/env/bin/python train.py`, and
+    `/opt/env/bin/torchrun` (or accelerate, deepspeed), which runs `/opt/env/bin/python`. None for a bare name
+    (`python`, `torchrun`) or a script: the caller's interpreter then, or the job script's (xmem.jobscript)."""
+    program = command[0] if command else ""
+    if os.sep not in program:
+        return None
+    name = os.path.basename(program)
+    path = os.path.join(cwd or os.getcwd(), program)
+    if _PYTHON_NAME.match(name):
+        return path
+    if name in ("torchrun", "accelerate", "deepspeed"):
+        return os.path.join(os.path.dirname(path), "python")
+    return None
+
+
 def parse_command(command: list[str], cwd: str | None = None) -> Target:
     """Understand `command` (as typed by the user). Raises TraceError not_found / not_python."""
     if not command:

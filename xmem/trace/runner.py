@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.trace import sandbox, shim, warm
-from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
+from xmem.trace.command import Target, gpus_per_node, launcher_env, named_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import Trace
 from xmem.text import one_line
@@ -47,7 +47,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
               device_count: int | None = None, env: Mapping[str, str] | None = None, cwd: str | None = None,
               timeout: float | None = None, python: str | None = None,
               on_progress: Callable[[str], None] | None = None,
-              memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES) -> Trace:
+              memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES, warm_tracer: bool = False) -> Trace:
     """Run `command` (as the user would type it) under fake CUDA for `iterations` optimizer steps.
 
     Returns the Trace; a program that ends without using CUDA raises TraceError no_cuda (with its output).
@@ -56,13 +56,15 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     XMEM_FAKE_GPU_NAME and XMEM_FAKE_TOTAL_MEMORY (bytes) so that torch.cuda.get_device_properties names the exact
     GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
-    memory (0: no limit).
+    memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
+    (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer (`xmem.trace.warm.enabled`).
     """
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
-    interpreter = shutil.which(python or sys.executable)
+    wanted = python or named_interpreter(list(command), cwd) or sys.executable
+    interpreter = shutil.which(wanted)
     if interpreter is None:
-        raise TraceError("not_found", f"Python interpreter {python or sys.executable} not found: give the job's python")
+        raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
     remove_stale_scratch()
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
@@ -72,8 +74,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
-        run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch)) or \
-            _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
+        run = warm.enabled(warm_tracer) and _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress,
+                                                      Path(scratch))
+        run = run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
         ended = sandbox.read_result(Path(scratch))
         payload = json.loads(out.read_text()) if out.exists() else None
     if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
@@ -164,10 +167,8 @@ def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
 
 def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str | None, timeout: float | None,
               on_progress: Callable[[str], None] | None, scratch: Path) -> ChildRun | None:
-    """The child run by the warm tracer (`xmem.trace.warm`), when it is on and can serve this job; None: go cold
-    (and, where no server answers, one is started in the background for the next estimates)."""
-    if not warm.enabled():
-        return None
+    """The child run by the warm tracer (`xmem.trace.warm`), when it can serve this job; None: go cold (and, where
+    no server answers, one is started in the background for the next estimates)."""
     path = warm.socket_path(interpreter, env)
     if path is None:
         return None

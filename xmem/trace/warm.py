@@ -70,8 +70,11 @@ SERVER_MAIN = "import sys; from xmem.trace.warm import main; main(sys.argv[1:])"
 HEADER = struct.Struct("!Q")  # the request's length, sent with its descriptors
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "") == "1"
+def enabled(site_default: bool = False) -> bool:
+    """Whether estimates go through the warm tracer: $XMEM_WARM_TRACER ("1" or "0") when set, else the site's
+    `[estimate] warm_tracer`."""
+    value = os.environ.get(ENABLE_ENV, "")
+    return value == "1" if value in ("0", "1") else site_default
 
 
 # ---- where the server lives ----------------------------------------------------------------------------------
