@@ -66,9 +66,12 @@ def test_out_of_place_foreach_gives_what_the_fake_mode_gives(fake):
 
 
 @pytest.mark.parametrize("case", ["shapes differ", "lengths differ", "integer tensors", "complex scalar",
-                                  "one tensor operand", "dtypes differ", "a reduction", "an out= variant"])
+                                  "one tensor operand", "dtypes differ", "a reduction", "an out= variant",
+                                  "another fake mode"])
 def test_declines_what_it_cannot_vouch_for(fake, case):
     a, b = tensors((4, 3), (5,)), tensors((4, 3), (5,))
+    with FakeTensorMode():
+        elsewhere = tensors((4, 3), (5,))
     func, args, kwargs = {
         "shapes differ": (aten._foreach_add_.List, (a, tensors((4, 3), (1,))), {}),
         "lengths differ": (aten._foreach_add_.List, (a, b[:1]), {}),
@@ -78,6 +81,7 @@ def test_declines_what_it_cannot_vouch_for(fake, case):
         "dtypes differ": (aten._foreach_add_.List, (a, tensors((4, 3), (5,), dtype=torch.float16)), {}),
         "a reduction": (aten._foreach_norm.Scalar, (a, 2), {}),
         "an out= variant": (aten._foreach_add.List_out, (a, b), {"out": tensors((4, 3), (5,))}),
+        "another fake mode": (aten._foreach_mul_.Scalar, (elsewhere, 0.5), {}),
     }[case]
     assert shortcuts.foreach(func, func._opname, args, kwargs) is shortcuts.NOT_TAKEN
 

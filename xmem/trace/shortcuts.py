@@ -53,7 +53,8 @@ def foreach(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
     in_place = name.endswith("_")
     if in_place == bool(func._schema.returns) or (not in_place and name not in _ELEMENTWISE_FOREACH):
         return NOT_TAKEN
-    if not args or not _plain_floating_list(args[0]):
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if not args or not _plain_floating_list(args[0], mode):
         return NOT_TAKEN
     first = args[0]
     for value in (*args[1:], *kwargs.values()):
@@ -64,9 +65,11 @@ def foreach(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
     return [torch.empty_like(tensor) for tensor in first]
 
 
-def _plain_floating_list(value: Any) -> bool:
+def _plain_floating_list(value: Any, mode: Any) -> bool:
+    """Floating fake tensors of the running fake mode (another mode's are its error to raise), none a constant."""
     return isinstance(value, (list, tuple)) and bool(value) and all(
-        type(t) is FakeTensor and t.dtype.is_floating_point and t.constant is None for t in value)
+        type(t) is FakeTensor and t.fake_mode is mode and t.dtype.is_floating_point and t.constant is None
+        for t in value)
 
 
 def _fits(value: Any, first: list) -> bool:
@@ -78,5 +81,5 @@ def _fits(value: Any, first: list) -> bool:
         return False
     if all(isinstance(item, (bool, int, float)) for item in value):
         return True
-    return all(type(item) is FakeTensor and item.shape == ref.shape and item.dtype == ref.dtype
-               and item.fake_device == ref.fake_device for item, ref in zip(value, first))
+    return all(type(item) is FakeTensor and item.fake_mode is ref.fake_mode and item.shape == ref.shape
+               and item.dtype == ref.dtype and item.fake_device == ref.fake_device for item, ref in zip(value, first))
