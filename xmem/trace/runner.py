@@ -57,7 +57,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
-    (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer (`xmem.trace.warm.enabled`).
+    (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer
+    (`xmem.trace.warm.enabled`).
     """
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)

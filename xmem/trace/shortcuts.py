@@ -10,7 +10,7 @@ with them is known exactly: the speed of a trace, not its content (a shortcut's 
   out-of-place elementwise one allocates `empty_like` of each input, in list order (`ForeachUnaryOp.cu` and
   `ForeachBinaryOp*.cu`: `at::native::empty_like(t)` per tensor before one launch). Only plainly valid calls are
   taken (floating tensors, each position the same shape, dtype and device in every list, real scalars), so no
-  error the real op would raise is skipped; anything else returns None and goes the normal way.
+  error the real op would raise is skipped; anything else is NOT_TAKEN and goes the normal way.
 """
 
 from __future__ import annotations
