@@ -375,11 +375,11 @@ def test_tensors_in_reference_cycles_are_freed_by_the_collector_during_the_trace
 # ---- the interpreter the command names -------------------------------------------------------------------------
 def test_a_command_naming_its_interpreter_by_path_runs_on_it(tmp_path):
     import sysconfig
-    venv = tmp_path / "env"
+    venv = tmp_path / "env"  # a venv that sees this one's libraries (a .pth), as a user's venv would have its own
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    own = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    python = str(venv / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True).stdout.strip()
     (Path(own) / "parent.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    python = str(venv / "bin" / "python")
     result = run_trace([python, str(SCRIPTS / "which_python.py"), python], iterations=1)
     assert result.iterations == 1
