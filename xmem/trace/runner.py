@@ -75,9 +75,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
-        run = warm.enabled(warm_tracer) and _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress,
-                                                      Path(scratch))
-        run = run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
+        warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch)) \
+            if warm.enabled(warm_tracer) else None
+        run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
         ended = sandbox.read_result(Path(scratch))
         payload = json.loads(out.read_text()) if out.exists() else None
     if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
