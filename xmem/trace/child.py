@@ -81,9 +81,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
     preload()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from xmem.trace import fakecuda
+    from xmem.trace import fakecuda, shortcuts
     from xmem.trace.recorder import MAX_FORWARDS_WITHOUT_TRAINING, AllocationRecorder, NoTrainingLoop, StopTracing, \
         TrainingState
 
@@ -103,7 +101,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     started = time.monotonic()
     outcome: BaseException | None = None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
+        with shortcuts.fake_mode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
             _enter_in_new_threads(fake_mode, recorder)
             from xmem.trace import weights
             weights.install(lambda: fake_mode)  # checkpoint tensors bound for the GPU: fake, from metadata only
