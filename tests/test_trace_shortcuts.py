@@ -109,13 +109,116 @@ def test_device_query_is_the_fake_device_outside_a_kernel(fake):
         fake.in_kernel_invocation = False
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "NAdam", "RMSprop"])
-def test_a_trace_is_the_same_event_for_event_without_the_shortcuts(optimizer, monkeypatch):
-    args = ("--optimizer", optimizer, "--dtype", "bfloat16" if optimizer == "NAdam" else "float32")
+def canonical(events):
+    """The events with each run of consecutive frees in block order: where several storages die at once their order
+    is a hash map's (autocast's cast cache, cleared as the region ends, is keyed by address) and differs from run to
+    run of the same program; what dies at each point does not."""
+    result, frees = [], []
+    for event in events:
+        if event.action == "free":
+            frees.append(event)
+            continue
+        result += sorted(frees, key=lambda e: e.block) + [event]
+        frees = []
+    return result + sorted(frees, key=lambda e: e.block)
+
+
+@pytest.mark.parametrize("script, args", [
+    ("optimizer_loop.py", ("--optimizer", "AdamW", "--dtype", "float32")),
+    ("optimizer_loop.py", ("--optimizer", "SGD", "--dtype", "float32")),
+    ("optimizer_loop.py", ("--optimizer", "NAdam", "--dtype", "bfloat16")),
+    ("optimizer_loop.py", ("--optimizer", "RMSprop", "--dtype", "float32")),
+    ("layer_caches.py", ()),  # empty GPU tensors made directly; bf16 autocast, SDPA, views, in-place ops
+    ("cnn_bn_sgd.py", ()),  # convolutions, batch norm (never cached upstream), pooling
+], ids=["AdamW", "SGD", "NAdam-bf16", "RMSprop", "layer-caches", "cnn-bn"])
+def test_a_trace_is_the_same_event_for_event_without_the_shortcuts(script, args, monkeypatch):
     monkeypatch.setenv(shortcuts.SWITCH_ENV, "1")
-    fast = trace(sys.executable, "optimizer_loop.py", *args, iterations=3)
+    fast = trace(sys.executable, script, *args, iterations=3)
     monkeypatch.setenv(shortcuts.SWITCH_ENV, "0")
-    slow = trace(sys.executable, "optimizer_loop.py", *args, iterations=3)
+    slow = trace(sys.executable, script, *args, iterations=3)
     assert fast.iterations == slow.iterations == 3
-    assert fast.events == slow.events
-    assert {op: n for op, n in slow.op_counts.items() if op != "device"} == fast.op_counts
+    assert canonical(fast.events) == canonical(slow.events)
+    # the same ops but where a shortcut answers: `.device` queries, and an empty GPU tensor made directly
+    # (`empty`) instead of copied from the host (`_to_copy`)
+    replaced = {"device", "_to_copy", "empty"}
+    assert {op: n for op, n in slow.op_counts.items() if op not in replaced} == \
+           {op: n for op, n in fast.op_counts.items() if op not in replaced}
+    made_directly = fast.op_counts.get("empty", 0) - slow.op_counts.get("empty", 0)
+    assert slow.op_counts.get("_to_copy", 0) - fast.op_counts.get("_to_copy", 0) == made_directly
+    assert made_directly == (20 if script == "layer_caches.py" else 0)  # 2 per layer and step, 2 at the start
+
+
+# ---- the quick key in front of FakeTensorMode's cache ---------------------------------------------------------------
+
+def metadata(value):
+    """What a fake result is, for comparing two: per tensor its shape, stride, offset, dtype, device, requires_grad,
+    and which input (if any) it is or shares storage with."""
+    if isinstance(value, (tuple, list)):
+        return type(value), [metadata(v) for v in value]
+    if not isinstance(value, torch.Tensor):
+        return value
+    return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device,
+            value.requires_grad, value.is_inference())
+
+
+def aliases(out, inputs):
+    """Which inputs the result is, and which it shares storage with (a view's, an in-place op's)."""
+    outs = [o for o in (out if isinstance(out, tuple) else [out]) if isinstance(o, torch.Tensor)]
+    storage = {name: t.untyped_storage()._cdata for name, t in inputs.items()}
+    return ([name for name, t in inputs.items() if out is t],
+            [name for name in inputs for o in outs if o.untyped_storage()._cdata == storage[name]])
+
+
+def calls(x, w, ints):
+    """Calls a training step makes, with the cases a key must tell apart: a scalar's type (1 vs 1.0 on an integer
+    tensor), kwargs, tuple results, views, in-place ops, factories that read the default dtype."""
+    return [
+        ("add", lambda: torch.add(x, x)), ("add scalar", lambda: torch.add(x, 2.0, alpha=0.5)),
+        ("int + int", lambda: ints + 1), ("int + float", lambda: ints + 1.0),
+        ("mm", lambda: x @ w), ("layer norm (3 results)", lambda: aten.native_layer_norm(x, [8], w[0], w[0], 1e-5)),
+        ("softmax", lambda: torch.softmax(x, dim=-1)), ("sum dims", lambda: x.sum(dim=(0,), keepdim=True)),
+        ("view", lambda: x.view(-1)), ("transpose", lambda: x.t()), ("expand", lambda: w[0].expand(4, 8)),
+        ("slice", lambda: x[1:3]), ("in place", lambda: x.mul_(1.0)), ("full", lambda: torch.full((3,), 1.5)),
+        ("zeros like", lambda: torch.zeros_like(x, dtype=torch.bfloat16)),
+    ]
+
+
+def test_the_quick_key_gives_what_the_fake_mode_gives():
+    """Each call twice in each mode: the second is a cache hit, by the quick key or by upstream's own."""
+    results = {}
+    for name, make_mode in [("plain", FakeTensorMode), ("quick", shortcuts.fake_mode)]:
+        with make_mode() as mode:
+            x, w, ints = torch.empty(4, 8), torch.empty(8, 8), torch.empty(5, dtype=torch.int64)
+            inputs = {"x": x, "w": w, "ints": ints}
+            for label, call in calls(x, w, ints):
+                for attempt in range(2):
+                    out = call()
+                    results[(name, label, attempt)] = (metadata(out), aliases(out, inputs))
+    assert type(mode) is FakeTensorMode  # by its type, higher-order ops find their fake rule
+    assert mode._cached_dispatch_impl.__self__.hits >= len(calls(x, w, ints))  # every second call at least
+    for (name, label, attempt), result in results.items():
+        if name == "quick":
+            assert result == results[("plain", label, attempt)], label
+    assert results[("quick", "int + float", 1)][0][3] == torch.float32  # not the int result a key without types gives
+
+
+def test_the_quick_key_follows_the_global_state_the_upstream_key_reads():
+    with shortcuts.fake_mode():
+        x = torch.empty(3, 3)
+        assert torch.full((2,), 1.5).dtype == torch.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert torch.full((2,), 1.5).dtype == torch.float64
+        finally:
+            torch.set_default_dtype(previous)
+        assert not (x + x).is_inference()
+        with torch.inference_mode():
+            assert (x + x).is_inference()
+
+
+def test_the_quick_key_is_off_with_the_other_shortcuts(monkeypatch):
+    monkeypatch.setenv(shortcuts.SWITCH_ENV, "0")
+    assert "_cached_dispatch_impl" not in vars(shortcuts.fake_mode())
+    monkeypatch.setenv(shortcuts.SWITCH_ENV, "1")
+    assert isinstance(vars(shortcuts.fake_mode())["_cached_dispatch_impl"].__self__, shortcuts.QuickKeyCache)
