@@ -1,6 +1,7 @@
 """The replay driver: op checking, peaks, timeline, and the allocator's bookkeeping under long random sequences."""
 
 import random
+from array import array
 
 import pytest
 
@@ -81,6 +82,23 @@ def test_timeline_is_downsampled_but_keeps_both_peaks_and_the_last_op():
     full = simulate(ops, timeline_points=len(ops))
     assert len(full.timeline) == len(ops)  # every op when asked for as many points
     assert all(point in full.timeline for point in result.timeline)
+
+
+@pytest.mark.parametrize("n, points", [(5000, 50), (997, 40), (101, 100), (64, 7)])
+def test_each_bucket_gives_its_first_highest_op(n, points):
+    """The rule as numpy states it (buckets cut at linspace(0, n, b + 1), argmax in each), against the down-sampler."""
+    import numpy as np
+    from xmem.simulate.result import downsample_timeline
+
+    rng = random.Random(n)
+    allocated = array("q", (rng.randrange(0, 50) for _ in range(n)))  # small values: many ties within a bucket
+    keep = (3, n - 1)
+    buckets = points - len(keep)
+    edges = np.linspace(0, n, buckets + 1).astype(np.int64).tolist()
+    expected = set(keep) | {start + int(np.asarray(allocated[start:stop]).argmax())
+                            for start, stop in zip(edges[:-1], edges[1:]) if stop > start}
+    timeline = downsample_timeline(allocated, allocated, points, keep)
+    assert [i for i, _, _ in timeline] == sorted(expected)
 
 
 def test_timeline_points_below_three_are_refused():

@@ -9,8 +9,6 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class OomInfo:
@@ -85,11 +83,11 @@ def downsample_timeline(
         chosen = range(n)
     else:
         buckets = max(points - len(keep_set), 1)
-        values = np.frombuffer(allocated, dtype=np.int64)
-        edges = np.linspace(0, n, buckets + 1).astype(np.int64)
+        edges = [int(k * (n / buckets)) for k in range(buckets)] + [n]  # numpy.linspace(0, n, buckets + 1), truncated
         chosen_set = set(keep_set)
-        for start, stop in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        for start, stop in zip(edges[:-1], edges[1:]):
             if stop > start:
-                chosen_set.add(start + int(values[start:stop].argmax()))
+                bucket = allocated[start:stop]
+                chosen_set.add(start + bucket.index(max(bucket)))  # the first highest, as argmax
         chosen = sorted(chosen_set)
     return tuple((i, allocated[i], reserved[i]) for i in chosen)
