@@ -96,7 +96,7 @@ def _fits(value: Any, first: list) -> bool:
 # 60 % of an op's cost in a trace. `QuickKeyFakeTensorMode` keeps, beside it, a map from a plain tuple (built from
 # the same facts, read straight off the tensors) to the upstream key and entry it stands for; a call whose tuple is
 # known gets its output from that entry by upstream's own `_output_from_cache_entry`, exactly as a cache hit does
-# (or, where every output is a new plain tensor, by the same empty meta tensor that function would make).
+# (or, where every output is plain, by the same steps that function takes, without its generic checks).
 # Why equal tuples mean equal upstream keys: the tuple holds the op; the global state `_cache_key` reads (default
 # dtype and device, inference mode, whether a proxy mode traces; no shape env: the tracer has none); each tensor's
 # dtype, shape, stride, device, layout, storage offset and bytes, requires_grad, conj, neg and inference bits (the
@@ -142,7 +142,7 @@ class QuickKeyCache:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
         self.mode, self.key_state, self.entry_type, self.proxy_mode = mode, key_state, entry_type, get_proxy_mode
         self.upstream = functools.partial(FakeTensorMode._cached_dispatch_impl, mode)
-        self.known: dict[tuple, tuple | None] = {}  # quick key -> (upstream key, entry, fresh outputs' recipe)
+        self.known: dict[tuple, tuple | None] = {}  # quick key -> (upstream key, entry, outputs' recipe)
         self.hits = 0  # calls answered through the quick key
 
     def dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -154,23 +154,35 @@ class QuickKeyCache:
             return self._learn(quick, func, types, args, kwargs)
         if known is None:
             return self.upstream(func, types, args, kwargs)
-        key, entry, fresh = known
-        output = self._fresh_outputs(*fresh) if fresh is not None else \
+        key, entry, recipe = known
+        output = self._outputs(*recipe, args) if recipe is not None else \
             self.mode._output_from_cache_entry(self.key_state(None), entry, key, func, args)
         FakeTensorMode.cache_hits += 1
         self.hits += 1
         return output
 
-    def _fresh_outputs(self, is_tuple: bool, outputs: tuple) -> Any:
-        """New tensors, as upstream's `_get_output_tensor_from_cache_entry` makes a result that aliases no input: an
-        empty meta tensor of the cached shape, stride, dtype and layout, wrapped as a FakeTensor."""
+    def _outputs(self, is_tuple: bool, recipe: tuple, args: Any) -> Any:
+        """The outputs as upstream's `_get_output_tensor_from_cache_entry` makes them: an in-place op's is its
+        argument; any other an empty meta tensor of the cached shape, stride, dtype and layout (for a view op set onto
+        its argument's storage at the cached offset), wrapped as a FakeTensor."""
+        if all(out is None or out[0] is _IN_PLACE for out in recipe):  # nothing to make: no kernel context
+            made = [out if out is None else args[out[1]] for out in recipe]
+            return tuple(made) if is_tuple else made[0]
+        made = []
         with in_kernel_invocation_manager(self.mode):
-            metas = [None if out is None else torch.empty_strided(out[0], out[1], dtype=out[2], layout=out[3],
-                                                                  device="meta", requires_grad=out[4])
-                     for out in outputs]
-        made = tuple(None if meta is None else FakeTensor(self.mode, meta, out[5])
-                     for meta, out in zip(metas, outputs))
-        return made if is_tuple else made[0]
+            for out in recipe:
+                if out is None or out[0] is _IN_PLACE:
+                    made.append(out if out is None else args[out[1]])
+                    continue
+                kind, index, shape, stride, offset, dtype, layout, requires_grad, _device = out
+                meta = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
+                                           requires_grad=requires_grad)
+                if kind is _VIEW:
+                    meta.set_(args[index].untyped_storage(), offset, shape, stride)
+                made.append(meta)
+        made = [FakeTensor(self.mode, t, out[8]) if out is not None and out[0] is not _IN_PLACE else t
+                for t, out in zip(made, recipe)]
+        return tuple(made) if is_tuple else made[0]
 
     def _learn(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The upstream path, then which upstream entry (if any) this quick key stands for from now on."""
@@ -180,7 +192,7 @@ class QuickKeyCache:
             key = None
         output = self.upstream(func, types, args, kwargs)
         entry = FakeTensorMode.cache.get(key) if key is not None else None
-        self.known[quick] = (key, entry, _fresh_recipe(func, entry)) if type(entry) is self.entry_type else None
+        self.known[quick] = (key, entry, _recipe(func, entry)) if type(entry) is self.entry_type else None
         return output
 
     def _quick_key(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -220,23 +232,30 @@ class QuickKeyCache:
         return True
 
 
-def _fresh_recipe(func: Any, entry: Any) -> tuple | None:
-    """(is_tuple, per output (shape, stride, dtype, layout, requires_grad, device) or None) when every output of a
-    cache entry is a new plain tensor or None: nothing aliased (no in-place or view result), no symbolic size, no
-    storage offset, conjugate or negative bit. Else None: upstream builds the outputs."""
-    if getattr(func, "is_view", True):
+_IN_PLACE, _NEW, _VIEW = "in place", "new", "view"  # what an output of a cache entry is
+
+
+def _recipe(func: Any, entry: Any) -> tuple | None:
+    """(is_tuple, per output None, (_IN_PLACE, argument index) or (_NEW or _VIEW, argument index, shape, stride,
+    storage offset, dtype, layout, requires_grad, device)) for an entry whose outputs are all plain: no symbolic
+    size, no conjugate or negative bit, no constant but None. Else None: upstream builds the outputs."""
+    is_view = getattr(func, "is_view", None)
+    if is_view is None:
         return None
     outputs = []
     for info in entry.output_infos:
         meta = info.metadata
-        if info.inplace_idx is None and meta is None and info.view_idx is None and info.constant_value is None:
+        if info.inplace_idx is None and meta is None and info.view_idx is None:
+            if info.constant_value is not None:
+                return None
             outputs.append(None)
-            continue
-        if info.inplace_idx is not None or info.view_idx is not None or meta is None:
+        elif info.inplace_idx is not None:
+            outputs.append((_IN_PLACE, info.inplace_idx))
+        elif meta is None or meta.is_conj or meta.is_neg or meta.layout != torch.strided or \
+                not all(type(v) is int for v in (*meta.shape, *meta.stride, meta.storage_offset)) or \
+                is_view != (info.view_idx is not None):
             return None
-        plain = all(type(v) is int for v in (*meta.shape, *meta.stride, meta.storage_offset))
-        if not plain or meta.storage_offset != 0 or meta.is_conj or meta.is_neg or meta.layout != torch.strided:
-            return None
-        outputs.append((tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.layout, meta.requires_grad,
-                        meta.device))
+        else:
+            outputs.append((_VIEW if is_view else _NEW, info.view_idx, tuple(meta.shape), tuple(meta.stride),
+                            meta.storage_offset, meta.dtype, meta.layout, meta.requires_grad, meta.device))
     return entry.is_output_tuple, tuple(outputs)
