@@ -19,9 +19,10 @@ with them is known exactly: the speed of a trace, not its content (a shortcut's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
@@ -93,7 +94,7 @@ def _fits(value: Any, first: list) -> bool:
 # ---- FakeTensorMode's own cache, reached through a cheaper key ------------------------------------------------------
 # FakeTensorMode answers most ops from a cache of output metadata, but builds the key of every call from scratch
 # (upstream `FakeTensorMode._cache_key`: a dataclass of 17 fields per tensor, flattened through generic Python): about
-# 60 % of an op's cost in a trace. `QuickKeyFakeTensorMode` keeps, beside it, a map from a plain tuple (built from
+# 60 % of an op's cost in a trace. `QuickKeyCache` keeps, beside it, a map from a plain tuple (built from
 # the same facts, read straight off the tensors) to the upstream key and entry it stands for; a call whose tuple is
 # known gets its output from that entry by upstream's own `_output_from_cache_entry`, exactly as a cache hit does
 # (or, where every output is plain, by the same steps that function takes, without its generic checks).
@@ -161,32 +162,21 @@ class QuickKeyCache:
         self.hits += 1
         return output
 
-    def _outputs(self, is_tuple: bool, recipe: tuple, args: Any) -> Any:
+    def _outputs(self, is_tuple: bool, makes_tensors: bool, recipe: tuple, args: Any) -> Any:
         """The outputs as upstream's `_get_output_tensor_from_cache_entry` makes them: an in-place op's is its
         argument; any other an empty meta tensor of the cached shape, stride, dtype and layout (for a view op set onto
-        its argument's storage at the cached offset), wrapped as a FakeTensor."""
-        if all(out is None or out[0] is _IN_PLACE for out in recipe):  # nothing to make: no kernel context
-            made = [out if out is None else args[out[1]] for out in recipe]
-            return tuple(made) if is_tuple else made[0]
-        made = []
-        with in_kernel_invocation_manager(self.mode):
-            for out in recipe:
-                if out is None or out[0] is _IN_PLACE:
-                    made.append(out if out is None else args[out[1]])
-                    continue
-                kind, index, shape, stride, offset, dtype, layout, requires_grad, _device = out
-                meta = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
-                                           requires_grad=requires_grad)
-                if kind is _VIEW:
-                    meta.set_(args[index].untyped_storage(), offset, shape, stride)
-                made.append(meta)
-        made = [FakeTensor(self.mode, t, out[8]) if out is not None and out[0] is not _IN_PLACE else t
-                for t, out in zip(made, recipe)]
+        its argument's storage at the cached offset), wrapped as a FakeTensor outside the kernel context."""
+        with in_kernel_invocation_manager(self.mode) if makes_tensors else contextlib.nullcontext():
+            made = [None if out is None else args[out.index] if out.kind is _IN_PLACE else _empty_meta(out, args)
+                    for out in recipe]
+        if makes_tensors:
+            made = [t if out is None or out.kind is _IN_PLACE else FakeTensor(self.mode, t, out.device)
+                    for t, out in zip(made, recipe)]
         return tuple(made) if is_tuple else made[0]
 
     def _learn(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The upstream path, then which upstream entry (if any) this quick key stands for from now on."""
-        try:
+        try:  # upstream computes this key once more below: once per distinct call, not per call
             key = self.mode._cache_key(self.key_state(None), func, args, kwargs)
         except Exception:  # upstream's _BypassDispatchCache, or any surprise: never quick, always upstream
             key = None
@@ -235,14 +225,37 @@ class QuickKeyCache:
 _IN_PLACE, _NEW, _VIEW = "in place", "new", "view"  # what an output of a cache entry is
 
 
+class _Output(NamedTuple):
+    """How to make one output of a cache entry: the in-place argument at `index`, or a new tensor (for a view, on
+    the storage of the argument at `index`) of this metadata."""
+
+    kind: str
+    index: int | None
+    shape: tuple = ()
+    stride: tuple = ()
+    offset: int = 0
+    dtype: Any = None
+    layout: Any = None
+    requires_grad: bool = False
+    device: Any = None
+
+
+def _empty_meta(out: _Output, args: Any) -> torch.Tensor:
+    meta = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, layout=out.layout, device="meta",
+                               requires_grad=out.requires_grad)
+    if out.kind is _VIEW:
+        meta.set_(args[out.index].untyped_storage(), out.offset, out.shape, out.stride)
+    return meta
+
+
 def _recipe(func: Any, entry: Any) -> tuple | None:
-    """(is_tuple, per output None, (_IN_PLACE, argument index) or (_NEW or _VIEW, argument index, shape, stride,
-    storage offset, dtype, layout, requires_grad, device)) for an entry whose outputs are all plain: no symbolic
-    size, no conjugate or negative bit, no constant but None. Else None: upstream builds the outputs."""
+    """(is_tuple, whether any output is a new tensor, per output None or an `_Output`) for an entry whose outputs
+    are all plain: no symbolic size, no conjugate or negative bit, no constant but None. Else None: upstream builds
+    the outputs."""
     is_view = getattr(func, "is_view", None)
     if is_view is None:
         return None
-    outputs = []
+    outputs: list[_Output | None] = []
     for info in entry.output_infos:
         meta = info.metadata
         if info.inplace_idx is None and meta is None and info.view_idx is None:
@@ -250,12 +263,13 @@ def _recipe(func: Any, entry: Any) -> tuple | None:
                 return None
             outputs.append(None)
         elif info.inplace_idx is not None:
-            outputs.append((_IN_PLACE, info.inplace_idx))
+            outputs.append(_Output(_IN_PLACE, info.inplace_idx))
         elif meta is None or meta.is_conj or meta.is_neg or meta.layout != torch.strided or \
                 not all(type(v) is int for v in (*meta.shape, *meta.stride, meta.storage_offset)) or \
                 is_view != (info.view_idx is not None):
             return None
         else:
-            outputs.append((_VIEW if is_view else _NEW, info.view_idx, tuple(meta.shape), tuple(meta.stride),
-                            meta.storage_offset, meta.dtype, meta.layout, meta.requires_grad, meta.device))
-    return entry.is_output_tuple, tuple(outputs)
+            outputs.append(_Output(_VIEW if is_view else _NEW, info.view_idx, tuple(meta.shape), tuple(meta.stride),
+                                   meta.storage_offset, meta.dtype, meta.layout, meta.requires_grad, meta.device))
+    makes_tensors = any(out is not None and out.kind is not _IN_PLACE for out in outputs)
+    return entry.is_output_tuple, makes_tensors, tuple(outputs)
