@@ -202,6 +202,32 @@ def test_the_quick_key_gives_what_the_fake_mode_gives():
     assert results[("quick", "int + float", 1)][0][3] == torch.float32  # not the int result a key without types gives
 
 
+def test_a_host_tensor_copied_to_the_gpu_gives_what_the_fake_mode_gives():
+    """`_to_copy` of a real host tensor (model.to, every batch): upstream caches none; the quick key keys the host
+    tensor's metadata and takes upstream's first result as the recipe. A one-element tensor (a constant upstream
+    may memoise) always goes upstream."""
+    host = {"matrix": torch.empty(4, 3), "transposed weight": torch.nn.Parameter(torch.empty(6, 2).t()),
+            "scalar": torch.tensor(2.0)}
+    copies = [("to gpu", lambda t: t.to("cuda:0")), ("to gpu in bf16", lambda t: t.to("cuda:0", torch.bfloat16)),
+              ("dtype only", lambda t: t.to(torch.float64)), ("cuda(0)", lambda t: t.cuda(0))]
+    results = {}
+    for name, make_mode in [("plain", FakeTensorMode), ("quick", shortcuts.fake_mode)]:
+        with make_mode(allow_non_fake_inputs=True) as mode:
+            for tensor_name, tensor in host.items():
+                for label, copy in copies:
+                    for attempt in range(2):
+                        out = copy(tensor)
+                        results[(name, tensor_name, label, attempt)] = \
+                            (metadata(out), out.constant is None, out.untyped_storage().nbytes())
+    quick = mode._cached_dispatch_impl.__self__
+    host_keys = [key for key in quick.known if key[0] is aten._to_copy.default and key[5][0] == "host"]
+    assert len(host_keys) >= len(copies) and all(quick.known[key] is not None for key in host_keys)
+    assert all(key[5][2] != torch.Size([]) for key in host_keys)  # the one-element tensor was never keyed
+    for (name, *call), result in results.items():
+        if name == "quick":
+            assert result == results[("plain", *call)], call
+
+
 def test_the_quick_key_follows_the_global_state_the_upstream_key_reads():
     with shortcuts.fake_mode():
         x = torch.empty(3, 3)

@@ -105,10 +105,17 @@ def _fits(value: Any, first: list) -> bool:
 # sparse fields from layout); every other argument with its type (1 and 1.0 hash alike), lists and tuples with
 # their type and length. Anything else (a real tensor, a constant, another mode's tensor, a symbolic size, a
 # callable) makes no tuple and goes the upstream way, as does a call upstream would not cache.
+# One uncached call is keyed too: a host tensor copied to the GPU (`_to_copy` of a real CPU tensor: every weight of
+# `model.to("cuda")`, every batch), which upstream answers by making a fake copy of the host tensor first (about 3 ms
+# a tensor). Its result is a new fake tensor whose metadata follows from the host tensor's metadata, the arguments
+# and the current GPU alone (no constant: a host tensor of more than one element never becomes one), so the first
+# result upstream gives for a key is the recipe for the rest.
 
 _PLAIN_ARGUMENT_TYPES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device,
                                    torch.layout, torch.memory_format})
 _NO_QUICK_KEY = object()  # a call the quick key cannot describe: the upstream path
+_HOST_COPY = torch.ops.aten._to_copy.default
+_HOST_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _upstream_cache_api() -> Any:
@@ -176,6 +183,11 @@ class QuickKeyCache:
 
     def _learn(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The upstream path, then which upstream entry (if any) this quick key stands for from now on."""
+        if func is _HOST_COPY and type(args[0]) is not FakeTensor:  # uncached upstream: its result is the recipe
+            output = self.upstream(func, types, args, kwargs)
+            recipe = _host_copy_recipe(self.mode, output, args[0])
+            self.known[quick] = (None, None, recipe) if recipe is not None else None
+            return output
         try:  # upstream computes this key once more below: once per distinct call, not per call
             key = self.mode._cache_key(self.key_state(None), func, args, kwargs)
         except Exception:  # upstream's _BypassDispatchCache, or any surprise: never quick, always upstream
@@ -192,7 +204,15 @@ class QuickKeyCache:
             return _NO_QUICK_KEY
         parts = [func, torch.get_default_dtype(), torch._C._get_default_device(),
                  torch.is_inference_mode_enabled(), self.proxy_mode() is not None]
-        if not self._add_arguments(parts, args):
+        if func is _HOST_COPY and args and type(args[0]) in _HOST_TENSOR_TYPES:
+            host = _host_tensor_key(args[0])
+            if host is None or len(args) != 1:
+                return _NO_QUICK_KEY
+            parts.append(host)
+            target = kwargs.get("device")
+            if type(target) is torch.device and target.type == "cuda" and target.index is None:
+                parts.append(torch.cuda.current_device())  # where a "cuda" without an index lands
+        elif not self._add_arguments(parts, args):
             return _NO_QUICK_KEY
         if kwargs:
             parts.append(tuple(kwargs))
@@ -220,6 +240,32 @@ class QuickKeyCache:
             else:  # a real tensor, a symbolic value, a callable...: upstream decides
                 return False
         return True
+
+
+def _host_tensor_key(tensor: torch.Tensor) -> tuple | None:
+    """A plain host tensor's metadata for the quick key of its copy to the GPU; None for one that could be (or be
+    memoised as) a constant, or is not dense host memory."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() <= 1:
+        return None
+    return ("host", tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.requires_grad,
+            tensor.is_conj(), tensor.is_neg(), tensor.is_inference())
+
+
+def _host_copy_recipe(mode: FakeTensorMode, output: Any, host: torch.Tensor) -> tuple | None:
+    """The recipe of a host tensor's copy to the GPU, from upstream's first result: a plain new fake tensor of this
+    mode, on storage of its own of exactly its size. Else None (never quick)."""
+    if type(output) is not FakeTensor or output.fake_mode is not mode or output.constant is not None or \
+            output.layout != torch.strided or output.is_conj() or output.is_neg() or output.storage_offset() != 0:
+        return None
+    shape, stride = tuple(output.shape), output.stride()
+    if not all(type(v) is int for v in (*shape, *stride)):
+        return None
+    extent = 0 if 0 in shape else 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    if output.untyped_storage().nbytes() != extent * output.element_size():
+        return None
+    made = _Output(_NEW, None, shape, stride, 0, output.dtype, output.layout, output.requires_grad,
+                   output.fake_device)
+    return False, True, (made,)
 
 
 _IN_PLACE, _NEW, _VIEW = "in place", "new", "view"  # what an output of a cache entry is
