@@ -3,9 +3,11 @@ in-process, the same trace event for event end to end (XMEM_TRACE_SHORTCUTS=0 tu
 every call whose validity they cannot see at a glance, so that the real op's own checks still run."""
 
 import sys
+import warnings
 
 import pytest
 import torch
+import torch._functorch.config
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -158,7 +160,22 @@ def metadata(value):
     if not isinstance(value, torch.Tensor):
         return value
     return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device,
-            value.requires_grad, value.is_inference())
+            value.requires_grad, value.is_inference(), python_state(value), data_pointer_guarded(value))
+
+
+def python_state(fake):
+    """A FakeTensor's Python attributes, its mode's by type (each mode is its own object)."""
+    return sorted((name, type(v).__name__ if name == "fake_mode" else v) for name, v in vars(fake).items())
+
+
+def data_pointer_guarded(fake):
+    """Whether reading the data pointer raises (FakeTensor() arms it; the test's modes are made to raise, not warn
+    once per process)."""
+    try:
+        fake.data_ptr()
+    except RuntimeError:
+        return True
+    return False
 
 
 def aliases(out, inputs):
@@ -187,7 +204,7 @@ def test_the_quick_key_gives_what_the_fake_mode_gives():
     """Each call twice in each mode: the second is a cache hit, by the quick key or by upstream's own."""
     results = {}
     for name, make_mode in [("plain", FakeTensorMode), ("quick", shortcuts.fake_mode)]:
-        with make_mode() as mode:
+        with torch._functorch.config.patch(fake_tensor_allow_unsafe_data_ptr_access=False), make_mode() as mode:
             x, w, ints = torch.empty(4, 8), torch.empty(8, 8), torch.empty(5, dtype=torch.int64)
             inputs = {"x": x, "w": w, "ints": ints}
             for label, call in calls(x, w, ints):
@@ -212,7 +229,8 @@ def test_a_host_tensor_copied_to_the_gpu_gives_what_the_fake_mode_gives():
               ("dtype only", lambda t: t.to(torch.float64)), ("cuda(0)", lambda t: t.cuda(0))]
     results = {}
     for name, make_mode in [("plain", FakeTensorMode), ("quick", shortcuts.fake_mode)]:
-        with make_mode(allow_non_fake_inputs=True) as mode:
+        with torch._functorch.config.patch(fake_tensor_allow_unsafe_data_ptr_access=False), \
+                make_mode(allow_non_fake_inputs=True) as mode:
             for tensor_name, tensor in host.items():
                 for label, copy in copies:
                     for attempt in range(2):

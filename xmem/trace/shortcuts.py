@@ -25,7 +25,7 @@ import os
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
 
 DEVICE_QUERY = torch.ops.prim.device.default
 
@@ -150,8 +150,11 @@ class QuickKeyCache:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
         self.mode, self.key_state, self.entry_type, self.proxy_mode = mode, key_state, entry_type, get_proxy_mode
         self.upstream = functools.partial(FakeTensorMode._cached_dispatch_impl, mode)
+        self.guard_data_pointer = torch._C._set_warn_deprecated_on_mutable_data_ptr \
+            if mode._allow_unsafe_data_ptr_access else torch._C._set_throw_on_mutable_data_ptr  # as __new__ does
         self.known: dict[tuple, tuple | None] = {}  # quick key -> (upstream key, entry, outputs' recipe)
         self.hits = 0  # calls answered through the quick key
+        self.wrappers: dict[torch.device, dict] = {}  # device -> the Python state FakeTensor() gives a tensor there
 
     def dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         quick = self._quick_key(func, args, kwargs)
@@ -177,9 +180,26 @@ class QuickKeyCache:
             made = [None if out is None else args[out.index] if out.kind is _IN_PLACE else _empty_meta(out, args)
                     for out in recipe]
         if makes_tensors:
-            made = [t if out is None or out.kind is _IN_PLACE else FakeTensor(self.mode, t, out.device)
+            made = [t if out is None or out.kind is _IN_PLACE else self._wrap(t, out.device)
                     for t, out in zip(made, recipe)]
         return tuple(made) if is_tuple else made[0]
+
+    def _wrap(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+        """`FakeTensor(mode, meta, device)` without its generic argument checks: the subclass made as its __new__
+        makes it, then given the Python state a FakeTensor of this mode and device is born with (all of it the
+        same for every such tensor: the device, the mode, no constant, no real tensor, empty memos), copied from the
+        first one made the upstream way."""
+        state = self.wrappers.get(device)
+        if state is None or FakeTensorConfig.debug:  # debug: each tensor keeps the stack that made it
+            made = FakeTensor(self.mode, meta, device)
+            if device.index is not None or device.type == "cpu":  # else the device's index is today's GPU
+                self.wrappers[device] = dict(vars(made))
+            return made
+        fake = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                                           device_for_backend_keys=device)
+        self.guard_data_pointer(fake)
+        fake.__dict__.update(state)
+        return fake
 
     def _learn(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The upstream path, then which upstream entry (if any) this quick key stands for from now on."""
