@@ -219,6 +219,26 @@ def test_the_quick_key_gives_what_the_fake_mode_gives():
     assert results[("quick", "int + float", 1)][0][3] == torch.float32  # not the int result a key without types gives
 
 
+def test_the_quick_key_keeps_upstreams_cache_and_its_counts():
+    """A call first seen goes through upstream's cache steps restated (the key computed once): the same entries,
+    negative ones included (batch norm in training is never cached), and the same hit, miss and bypass counts."""
+    counts, entries = {}, {}
+    for name, make_mode in [("plain", FakeTensorMode), ("quick", shortcuts.fake_mode)]:
+        FakeTensorMode.cache_clear()
+        with make_mode():
+            x, w, ints = torch.empty(4, 8), torch.empty(8, 8), torch.empty(5, dtype=torch.int64)
+            mean, var = torch.zeros(8), torch.ones(8)
+            batch_norm = ("batch norm", lambda: aten.native_batch_norm(x, w[0], w[0], mean, var, True, 0.1, 1e-5))
+            for _, call in [*calls(x, w, ints), batch_norm] * 2:
+                call()
+        info = FakeTensorMode.cache_info()
+        counts[name] = (info.hits, info.misses, dict(info.bypasses), info.size)
+        entries[name] = sorted(type(entry).__name__ for entry in FakeTensorMode.cache.values())
+    FakeTensorMode.cache_clear()
+    assert counts["quick"] == counts["plain"] and entries["quick"] == entries["plain"]
+    assert counts["plain"][2], "no call was a bypass: the case is not covered"
+
+
 def test_a_host_tensor_copied_to_the_gpu_gives_what_the_fake_mode_gives():
     """`_to_copy` of a real host tensor (model.to, every batch): upstream caches none; the quick key keys the host
     tensor's metadata and takes upstream's first result as the recipe. A one-element tensor (a constant upstream

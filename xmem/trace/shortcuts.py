@@ -118,18 +118,30 @@ _HOST_COPY = torch.ops.aten._to_copy.default
 _HOST_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _upstream_cache_api() -> Any:
-    """Upstream's cache pieces the quick key relies on, or None where this torch lacks one (then the plain mode)."""
+class _UpstreamCache(NamedTuple):
+    """Upstream's cache pieces the quick key relies on (torch._subclasses.fake_tensor)."""
+
+    key_state: type  # _CacheKeyState
+    valid_entry: type  # _DispatchCacheValidEntry
+    bypass: type  # _BypassDispatchCache: a call upstream does not cache
+    bypass_entry: type  # _DispatchCacheBypassEntry: upstream's negative entry
+    set_cache_key: Any  # _set_cache_key
+
+
+def _upstream_cache_api() -> _UpstreamCache | None:
+    """Upstream's cache pieces, or None where this torch lacks one (then the plain mode)."""
     from torch._subclasses import fake_tensor
     try:
         from torch._subclasses._fake_tensor_utils import _CacheKeyState
     except ImportError:
         return None
-    entry_type = getattr(fake_tensor, "_DispatchCacheValidEntry", None)
-    needed = ("_cache_key", "_output_from_cache_entry", "_cached_dispatch_impl", "cache")
-    if entry_type is None or not all(hasattr(FakeTensorMode, name) for name in needed):
+    names = ("_DispatchCacheValidEntry", "_BypassDispatchCache", "_DispatchCacheBypassEntry", "_set_cache_key")
+    methods = ("_cache_key", "_output_from_cache_entry", "_cached_dispatch_impl", "_dispatch_impl",
+               "_make_cache_entry", "cache")
+    if not all(hasattr(fake_tensor, name) for name in names) or \
+            not all(hasattr(FakeTensorMode, name) for name in methods):
         return None
-    return _CacheKeyState, entry_type
+    return _UpstreamCache(_CacheKeyState, *(getattr(fake_tensor, name) for name in names))
 
 
 def fake_mode(**options: Any) -> FakeTensorMode:
@@ -139,16 +151,16 @@ def fake_mode(**options: Any) -> FakeTensorMode:
     mode = FakeTensorMode(**options)
     api = _upstream_cache_api()
     if api is not None and enabled():
-        mode._cached_dispatch_impl = QuickKeyCache(mode, *api).dispatch
+        mode._cached_dispatch_impl = QuickKeyCache(mode, api).dispatch
     return mode
 
 
 class QuickKeyCache:
     """The quick-key map of one fake mode, in front of its upstream cache lookup."""
 
-    def __init__(self, mode: FakeTensorMode, key_state: type, entry_type: type) -> None:
+    def __init__(self, mode: FakeTensorMode, api: _UpstreamCache) -> None:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
-        self.mode, self.key_state, self.entry_type, self.proxy_mode = mode, key_state, entry_type, get_proxy_mode
+        self.mode, self.api, self.proxy_mode = mode, api, get_proxy_mode
         self.upstream = functools.partial(FakeTensorMode._cached_dispatch_impl, mode)
         self.guard_data_pointer = torch._C._set_warn_deprecated_on_mutable_data_ptr \
             if mode._allow_unsafe_data_ptr_access else torch._C._set_throw_on_mutable_data_ptr  # as __new__ does
@@ -167,7 +179,7 @@ class QuickKeyCache:
             return self.upstream(func, types, args, kwargs)
         key, entry, recipe = known
         output = self._outputs(*recipe, args) if recipe is not None else \
-            self.mode._output_from_cache_entry(self.key_state(None), entry, key, func, args)
+            self.mode._output_from_cache_entry(self.api.key_state(None), entry, key, func, args)
         FakeTensorMode.cache_hits += 1
         self.hits += 1
         return output
@@ -208,13 +220,38 @@ class QuickKeyCache:
             recipe = _host_copy_recipe(self.mode, output, args[0])
             self.known[quick] = (None, None, recipe) if recipe is not None else None
             return output
-        try:  # upstream computes this key once more below: once per distinct call, not per call
-            key = self.mode._cache_key(self.key_state(None), func, args, kwargs)
-        except Exception:  # upstream's _BypassDispatchCache, or any surprise: never quick, always upstream
-            key = None
-        output = self.upstream(func, types, args, kwargs)
-        entry = FakeTensorMode.cache.get(key) if key is not None else None
-        self.known[quick] = (key, entry, _recipe(func, entry)) if type(entry) is self.entry_type else None
+        return self._upstream_once(quick, func, types, args, kwargs)
+
+    def _upstream_once(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """Upstream's `_cached_dispatch_impl` without a shape env (the quick key needs none), restated step for step
+        so that the call's key is computed once (it costs about as much as a cached op); then the entry this quick
+        key stands for from now on, if any."""
+        mode, api, cache = self.mode, self.api, FakeTensorMode.cache
+        state = api.key_state(None)
+        try:
+            key = mode._cache_key(state, func, args, kwargs)
+        except api.bypass as bypass:
+            FakeTensorMode.cache_bypasses[bypass.reason] += 1
+            self.known[quick] = None
+            return mode._dispatch_impl(func, types, args, kwargs)
+        entry = cache.get(key)
+        if entry is None:
+            output = mode._dispatch_impl(func, types, args, kwargs)
+            try:
+                entry = mode._make_cache_entry(state, key, func, args, kwargs, output)
+            except api.bypass as bypass:
+                FakeTensorMode.cache_bypasses[bypass.reason] += 1
+                entry = api.bypass_entry(bypass.reason)
+            else:
+                FakeTensorMode.cache_misses += 1
+            api.set_cache_key(cache, key, entry)
+        elif isinstance(entry, api.bypass_entry):
+            FakeTensorMode.cache_bypasses[entry.reason] += 1
+            output = mode._dispatch_impl(func, types, args, kwargs)
+        else:
+            output = mode._output_from_cache_entry(state, entry, key, func, args)
+            FakeTensorMode.cache_hits += 1
+        self.known[quick] = (key, entry, _recipe(func, entry)) if type(entry) is api.valid_entry else None
         return output
 
     def _quick_key(self, func: Any, args: Any, kwargs: Any) -> Any:
