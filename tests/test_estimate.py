@@ -4,13 +4,15 @@ every request of 10 MiB or more gets its own segment rounded up to 2 MiB unless 
 stream fits; an 8,519,680-B cuBLAS workspace takes a 20 MiB segment and is split."""
 
 import json
+import threading
 
 import pytest
 
 import xmem.estimate as estimate_module
 from xmem.estimate import BadJobSettingError, Estimate, capability_class, estimate
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, overhead_bytes
-from xmem.trace.events import MemEvent, Trace
+from xmem.trace import TraceCancelled, TraceError
+from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, MemEvent, Trace
 
 MIB = 1 << 20
 WS_A100 = 8_519_680
@@ -152,6 +154,50 @@ def test_one_trace_per_capability_class_when_architecture_sensitive(traced):
     assert any("traced once per class" in w for w in result.warnings)
 
 
+def test_other_classes_are_traced_beside_the_first_once_it_reports_an_architecture_choice(monkeypatch):
+    """The pre-sm80 trace starts while the sm80+ one still runs (it waits here for the other to begin), and its
+    progress lines name its class."""
+    second_started, messages = threading.Event(), []
+
+    def run_trace(command, *, capability, on_progress, cancel=None, **kwargs):
+        if capability == (9, 0):
+            on_progress("iteration 1/3")
+            on_progress(ARCH_SENSITIVE_PROGRESS)
+            assert second_started.wait(30), "the other class's trace did not start beside this one"
+        else:
+            second_started.set()
+            on_progress("iteration 1/3")
+        return training_trace(capability=tuple(capability), arch_sensitive=True)
+
+    monkeypatch.setattr(estimate_module, "run_trace", run_trace)
+    result = estimate(["python", "train.py"], gpus=["h100", "t4"], on_progress=messages.append)
+    assert result.gpus["T4"].traced_capability == (7, 5) and result.gpus["H100-SXM5-80GB"].traced_capability == (9, 0)
+    assert "iteration 1/3" in messages and "pre-sm80: iteration 1/3" in messages
+    assert ARCH_SENSITIVE_PROGRESS not in messages
+
+
+def test_no_other_trace_runs_when_the_first_reports_no_architecture_choice(traced):
+    estimate(["python", "train.py"], gpus=["h100", "t4"])
+    assert [c[1] for c in traced.calls] == [(9, 0)]
+
+
+def test_a_failing_first_trace_cancels_the_one_beside_it(monkeypatch):
+    cancels = []
+
+    def run_trace(command, *, capability, on_progress, cancel=None, **kwargs):
+        if capability == (9, 0):
+            on_progress(ARCH_SENSITIVE_PROGRESS)
+            raise TraceError("user_error", "ValueError: bad batch")
+        cancels.append(cancel)
+        assert cancel.wait(30), "never cancelled"
+        raise TraceCancelled()
+
+    monkeypatch.setattr(estimate_module, "run_trace", run_trace)
+    with pytest.raises(TraceError, match="bad batch"):
+        estimate(["python", "train.py"], gpus=["h100", "t4"])
+    assert len(cancels) == 1 and cancels[0].is_set()
+
+
 def test_capability_classes():
     assert capability_class((7, 5)) == capability_class((7, 0)) == "pre-sm80"
     assert capability_class((8, 0)) == capability_class((9, 0)) == "sm80+"
@@ -220,9 +266,11 @@ def test_malformed_allocator_setting_is_a_clear_error(traced):
 def test_progress_reaches_the_tracer_and_names_each_simulation(traced):
     messages = []
     estimate(["python", "train.py"], gpus=["a100", "t4"], on_progress=messages.append)
-    assert traced.calls[0][2]["on_progress"] == messages.append
     assert messages == ["simulating the caching allocator on A100-SXM4-40GB",
                         "simulating the caching allocator on T4"]
+    messages.clear()
+    traced.calls[0][2]["on_progress"]("iteration 1/3")
+    assert messages == ["iteration 1/3"]
 
 
 @pytest.mark.parametrize("alloc_conf", ["", "max_split_size_mb:30", "expandable_segments:True"])

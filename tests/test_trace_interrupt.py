@@ -6,10 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from xmem.trace import TraceCancelled, run_trace
 
 
 def processes_running(marker: str) -> list[int]:
@@ -61,5 +64,35 @@ def test_signal_to_the_estimating_process_stops_the_tracing_child(tmp_path, sig)
     finally:
         if parent.poll() is None:
             parent.kill()
+        for pid in processes_running(str(script)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_cancelled_trace_stops_its_tracing_child(tmp_path):
+    """The estimate cancels a trace it no longer needs (a capability class's, traced beside a first that failed)."""
+    script = tmp_path / "sleeps_cancelled.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    cancel, outcome = threading.Event(), {}
+
+    def trace() -> None:
+        try:
+            run_trace(["python", str(script)], cancel=cancel)
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = error
+
+    def children() -> list[int]:
+        return [p for p in processes_running(str(script)) if p in processes_running("--out")]
+
+    thread = threading.Thread(target=trace)
+    thread.start()
+    try:
+        assert wait_for(children, 60), "the tracing child never started"
+        cancel.set()
+        thread.join(timeout=30)
+        assert isinstance(outcome.get("error"), TraceCancelled), outcome
+        assert wait_for(lambda: not children(), 10), "the tracing child outlived its cancelled trace"
+    finally:
+        cancel.set()
+        thread.join(timeout=30)
         for pid in processes_running(str(script)):
             os.kill(pid, signal.SIGKILL)

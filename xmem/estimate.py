@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,7 @@ from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, o
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate, simulate_limits
 from xmem.trace import run_trace
-from xmem.trace.events import Trace
+from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 
 NO_CUDA_WARNING = "the program never used CUDA"
 # The breakdown's parts beside the memory categories (xmem.trace.events.Category): named once, here.
@@ -242,7 +243,9 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
     """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
 
     Each class is traced as its GPU of highest capability among `targets` (its name and memory are what the
-    program sees); the newest class goes first.
+    program sees); the newest class goes first. The others' traces start beside it as soon as it reports a choice
+    that depends on the GPU generation (they are needed then; on a login node's second core the estimate waits
+    about one trace, not one per class), and never start when it reports none.
     """
     representative: dict[str, GpuType] = {}
     for gpu in targets:
@@ -251,18 +254,79 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
             representative[cls] = gpu
     order = sorted(representative, key=lambda cls: representative[cls].capability, reverse=True)
 
-    def trace(gpu: GpuType) -> Trace:
+    def trace(gpu: GpuType, progress: Callable[[str], None] | None, cancel: threading.Event | None = None) -> Trace:
         shown = {**(os.environ if env is None else env), "XMEM_FAKE_GPU_NAME": device_name(gpu),
                  "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
         return run_trace(list(command), iterations=iterations, capability=gpu.capability, env=shown, cwd=cwd,
-                         timeout=timeout, python=python, on_progress=on_progress, device_count=gpus_per_node,
-                         memory_limit_bytes=memory_limit_bytes, warm_tracer=warm_tracer)
+                         timeout=timeout, python=python, on_progress=progress, device_count=gpus_per_node,
+                         memory_limit_bytes=memory_limit_bytes, warm_tracer=warm_tracer, cancel=cancel)
 
-    first = trace(representative[order[0]])
-    traces = {order[0]: first}
-    for cls in order[1:]:
-        traces[cls] = trace(representative[cls]) if first.used_cuda and first.arch_sensitive else first
-    return traces
+    others = _TracesBeside({cls: representative[cls] for cls in order[1:]}, trace, on_progress)
+
+    def first_progress(line: str) -> None:
+        if line == ARCH_SENSITIVE_PROGRESS:
+            others.start()
+        elif on_progress is not None:
+            on_progress(line)
+
+    try:
+        first = trace(representative[order[0]], first_progress)
+    except BaseException:
+        others.cancel()
+        raise
+    if first.used_cuda and first.arch_sensitive:
+        return {order[0]: first, **others.results()}
+    others.cancel()
+    return {cls: first for cls in order}
+
+
+class _TracesBeside:
+    """The other capability classes' traces, each run in a thread of its own once `start` is called (by the first
+    trace's progress), until `results` has them all or `cancel` stops them."""
+
+    def __init__(self, gpus: dict[str, GpuType], trace: Callable[..., Trace],
+                 on_progress: Callable[[str], None] | None) -> None:
+        self.gpus, self.trace, self.on_progress = gpus, trace, on_progress
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+        self.threads: dict[str, threading.Thread] = {}
+        self.outcomes: dict[str, Trace | BaseException] = {}
+
+    def start(self) -> None:
+        with self.lock:
+            if self.threads or self.cancelled.is_set():
+                return
+            for cls in self.gpus:
+                self.threads[cls] = threading.Thread(target=self._run, args=(cls,), daemon=True,
+                                                     name=f"xmem trace {cls}")
+                self.threads[cls].start()
+
+    def results(self) -> dict[str, Trace]:
+        self.start()
+        try:
+            for thread in self.threads.values():
+                while thread.is_alive():  # in steps: a signal (Ctrl-C, SIGTERM) still reaches this thread
+                    thread.join(0.2)
+        except BaseException:
+            self.cancel()
+            raise
+        for cls in self.gpus:
+            if isinstance(self.outcomes[cls], BaseException):
+                raise self.outcomes[cls]
+        return dict(self.outcomes)  # type: ignore[arg-type]
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled.set()
+        for thread in self.threads.values():
+            thread.join()
+
+    def _run(self, cls: str) -> None:
+        progress = (lambda line: self.on_progress(f"{cls}: {line}")) if self.on_progress is not None else None
+        try:
+            self.outcomes[cls] = self.trace(self.gpus[cls], progress, self.cancelled)
+        except BaseException as error:  # noqa: BLE001 - given to the caller by results()
+            self.outcomes[cls] = error
 
 
 def device_name(gpu: GpuType) -> str:

@@ -22,6 +22,6 @@ Modules: `runner` (parent side: the child process, its sandbox and limits), `chi
 
 from xmem.trace.errors import TraceError
 from xmem.trace.events import MemEvent, Trace
-from xmem.trace.runner import run_trace
+from xmem.trace.runner import TraceCancelled, run_trace
 
-__all__ = ["MemEvent", "Trace", "TraceError", "run_trace"]
+__all__ = ["MemEvent", "Trace", "TraceCancelled", "TraceError", "run_trace"]

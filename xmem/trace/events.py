@@ -95,6 +95,10 @@ class Fact:
 
 
 # What the facts are about (`Fact.what`), as the audit's reasons name them.
+# The tracer's progress line when the program first takes a choice that depends on the GPU generation (an attention
+# kernel, a bf16 convolution): the estimate may start the other capability classes' traces beside it then.
+ARCH_SENSITIVE_PROGRESS = "the program's memory depends on the GPU generation"
+
 FACT_BATCH = "the first batch given to the model"
 FACT_MODEL_STATE = "the model's parameters and buffers on the GPU"
 FACT_STEPPED = "the parameters the optimizers step"

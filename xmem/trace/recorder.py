@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.allocator_settings import alloc_conf_setting
-from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
+from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace import shortcuts
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
@@ -249,7 +249,7 @@ class AllocationRecorder(TorchDispatchMode):
         if not self.state.stopped:
             self._note_unseen_inputs(args, name)
             if name == "convolution" and args[0].dtype == torch.bfloat16:
-                self.arch_sensitive = True  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
+                self._arch_question()  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
             if out is shortcuts.NOT_TAKEN:
@@ -429,7 +429,10 @@ class AllocationRecorder(TorchDispatchMode):
             self.warnings.append(message)
 
     def _arch_question(self) -> None:
-        self.arch_sensitive = True
+        """The program took a choice that depends on the GPU generation: other classes need traces of their own."""
+        if not self.arch_sensitive:
+            self.arch_sensitive = True
+            self.state.on_progress(ARCH_SENSITIVE_PROGRESS)
 
     def _empty_cache(self) -> None:
         if not self.state.stopped:

@@ -29,7 +29,7 @@ from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.trace import sandbox, shim, warm
 from xmem.trace.command import Target, gpus_per_node, launcher_env, named_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
-from xmem.trace.events import Trace
+from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.text import one_line
 from xmem.units import GIB
 
@@ -47,7 +47,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
               device_count: int | None = None, env: Mapping[str, str] | None = None, cwd: str | None = None,
               timeout: float | None = None, python: str | None = None,
               on_progress: Callable[[str], None] | None = None,
-              memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES, warm_tracer: bool = False) -> Trace:
+              memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES, warm_tracer: bool = False,
+              cancel: threading.Event | None = None) -> Trace:
     """Run `command` (as the user would type it) under fake CUDA for `iterations` optimizer steps.
 
     Returns the Trace; a program that ends without using CUDA raises TraceError no_cuda (with its output).
@@ -58,7 +59,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
     (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer
-    (`xmem.trace.warm.enabled`).
+    (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the trace: TraceCancelled.
     """
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
@@ -75,9 +76,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
-        warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch)) \
+        warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
             if warm.enabled(warm_tracer) else None
-        run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress)
+        run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress, cancel)
         ended = sandbox.read_result(Path(scratch))
         payload = json.loads(out.read_text()) if out.exists() else None
     if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
@@ -167,7 +168,8 @@ def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
 
 
 def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str | None, timeout: float | None,
-              on_progress: Callable[[str], None] | None, scratch: Path) -> ChildRun | None:
+              on_progress: Callable[[str], None] | None, scratch: Path,
+              cancel: threading.Event | None = None) -> ChildRun | None:
     """The child run by the warm tracer (`xmem.trace.warm`), when it can serve this job; None: go cold (and, where
     no server answers, one is started in the background for the next estimates)."""
     path = warm.socket_path(interpreter, env)
@@ -181,7 +183,7 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
     def start(log: Any, progress_fd: int) -> warm.WarmJob | None:
         return warm.WarmJob.submit(connection, warm.job_request(argv, env, cwd), [log.fileno(), progress_fd])
 
-    run = _run_child(start, timeout, on_progress)
+    run = _run_child(start, timeout, on_progress, cancel)
     if run is None:  # declined, or the server died mid-way: the cold child starts from a clean scratch
         connection.close()
         for entry in scratch.iterdir():
@@ -192,14 +194,16 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
     return run
 
 
-def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str], None] | None) -> ChildRun | None:
+def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str], None] | None,
+               cancel: threading.Event | None = None) -> ChildRun | None:
     """Run the child; return its output and status (None when the warm tracer did not run it to its end).
     Progress lines arrive on a pipe."""
     read_fd, write_fd = os.pipe()
     seen: list[str] = []
 
     def progress(line: str) -> None:
-        seen[:] = [line]
+        if line != ARCH_SENSITIVE_PROGRESS:  # a signal to the estimate, not a stage an error could name
+            seen[:] = [line]
         if on_progress is not None:
             on_progress(line)
 
@@ -216,7 +220,7 @@ def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str],
         started = time.monotonic()
         try:
             with _sigterm_raises():
-                returncode = process.wait(timeout=timeout)
+                returncode = _wait(process, timeout, cancel)
         except subprocess.TimeoutExpired:
             _stop(process)
             relay.join(timeout=1)
@@ -233,6 +237,29 @@ def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str],
             return None
         log.seek(0)
         return ChildRun(log.read().decode(errors="replace"), returncode, seen[0] if seen else "")
+
+
+class TraceCancelled(Exception):
+    """The trace was stopped because its caller set `cancel` (its result was no longer needed)."""
+
+
+CANCEL_POLL_S = 0.1  # how often a cancellable trace looks at its `cancel`
+
+
+def _wait(process: Started, timeout: float | None, cancel: threading.Event | None) -> int | None:
+    """`process.wait(timeout)`, raising TraceCancelled as soon as `cancel` is set."""
+    if cancel is None:
+        return process.wait(timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            return process.wait(timeout=CANCEL_POLL_S if left is None else min(CANCEL_POLL_S, left))
+        except subprocess.TimeoutExpired:
+            if cancel.is_set():
+                raise TraceCancelled() from None
+            if left is not None and left <= CANCEL_POLL_S:
+                raise
 
 
 def _relay_progress(read_fd: int, on_progress: Callable[[str], None] | None) -> None:
