@@ -241,3 +241,30 @@ def test_sigterm_stops_a_warm_job(warm_on, tmp_path):
     finally:
         stop(parent)
 
+
+
+HUGE_PAGES_CHECK = """
+import os, sys
+from xmem.trace import warm
+data = bytearray(os.urandom(1 << 20) * 64)  # 64 MiB of the process's own data
+def huge():
+    return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
+before, asked = huge(), warm.collapse_into_huge_pages()
+if not asked:
+    print("refused"); sys.exit(0)
+pid = os.fork()
+if pid == 0:  # a job writes to its copy: the server's stays as it was
+    data[::4096] = bytes(len(data[::4096]))
+    os._exit(0 if not any(data[::4096]) else 1)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), "huge", huge() - before >= 32 << 10, "intact", any(data[::4096]))
+"""
+
+
+def test_the_servers_memory_in_huge_pages_forks_as_before():
+    """collapse_into_huge_pages (cheaper forks) keeps what a fork is: the child's writes are its own."""
+    done = subprocess.run([sys.executable, "-c", HUGE_PAGES_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "refused":
+        pytest.skip("this kernel has no MADV_COLLAPSE")
+    assert done.stdout.split() == ["child", "0", "huge", "True", "intact", "True"], done.stdout

@@ -22,6 +22,7 @@ from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, o
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate, simulate_limits
 from xmem.trace import run_trace
+from xmem.trace.runner import sigterm_raises
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 
 NO_CUDA_WARNING = "the program never used CUDA"
@@ -304,9 +305,10 @@ class _TracesBeside:
     def results(self) -> dict[str, Trace]:
         self.start()
         try:
-            for thread in self.threads.values():
-                while thread.is_alive():  # in steps: a signal (Ctrl-C, SIGTERM) still reaches this thread
-                    thread.join(0.2)
+            with sigterm_raises():  # as while the first trace ran: the cleanup below runs
+                for thread in self.threads.values():
+                    while thread.is_alive():  # in steps: a signal (Ctrl-C, SIGTERM) still reaches this thread
+                        thread.join(0.2)
         except BaseException:
             self.cancel()
             raise

@@ -219,7 +219,7 @@ def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str],
         relay.start()
         started = time.monotonic()
         try:
-            with _sigterm_raises():
+            with sigterm_raises():
                 returncode = _wait(process, timeout, cancel)
         except subprocess.TimeoutExpired:
             _stop(process)
@@ -270,9 +270,10 @@ def _relay_progress(read_fd: int, on_progress: Callable[[str], None] | None) -> 
 
 
 @contextmanager
-def _sigterm_raises():
-    """Turn SIGTERM into SystemExit while waiting, so the cleanup above runs (by default SIGTERM ends Python at
-    once). Only where it is ours to change: the main thread, and no handler set by the program embedding us."""
+def sigterm_raises():
+    """Turn SIGTERM into SystemExit while waiting on a trace, so that its cleanup runs (by default SIGTERM ends
+    Python at once). Only where it is ours to change: the main thread, and no handler set by the program embedding
+    us."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield

@@ -236,6 +236,7 @@ def serve(path: Path, idle_s: float, after: Path | None = None, caller: int = 0)
         return  # another server of the same key runs or is starting
     _wait_until_gone(after, caller)
     loaded = preload()
+    collapse_into_huge_pages()
     listener = _listen(path)
     inode = os.lstat(path).st_ino
     signal.signal(signal.SIGTERM, lambda *_: _leave(path, inode))
@@ -302,6 +303,35 @@ def preload() -> Loaded:
                _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
     return Loaded(origins, code_signature(origins), [p for p in sys.path if p not in _pythonpath(os.environ)],
                   max(_data_bytes() - before, 0))
+
+
+HUGE_PAGE = 2 << 20
+MADV_COLLAPSE = 25  # Linux 6.1+: make the range's pages huge now, whatever the system's THP setting
+
+
+def collapse_into_huge_pages() -> int:
+    """Back the server's anonymous memory (torch's and the libraries' data: about 0.5 GiB) by huge pages, so that
+    each fork of a job copies one page-table entry per 2 MiB instead of per 4 KiB: a warm job forks the server's
+    image four times (job handler, sandbox helper, namespace init, tracer), each about 45 ms with small pages and
+    15 ms with huge ones. What a child writes is still copied 4 KiB at a time (the kernel splits a shared huge page
+    on a write). Kernels without MADV_COLLAPSE refuse it: nothing changes. Returns the bytes collapsed."""
+    import ctypes
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    asked = 0
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in maps:
+        fields = line.split()
+        if "w" not in fields[1] or "p" not in fields[1] or (len(fields) > 5 and fields[5] != "[heap]"):
+            continue  # file mappings, the stack and the like stay as they are
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        start, end = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if end > start and madvise(start, end - start, MADV_COLLAPSE) == 0:
+            asked += end - start
+    return asked
 
 
 def _data_bytes() -> int:
@@ -448,8 +478,9 @@ def _job_path(cwd: str, env: dict[str, str], base_path: list[str]) -> list[str]:
 
 def _shadowed(preloaded: dict[str, str], path: list[str]) -> str:
     """A preloaded module that the job's path would import from another file (a local `transformers/`)."""
+    stdlib = sysconfig.get_paths()["stdlib"]  # once: it expands every install scheme's paths
     for name, origin in preloaded.items():
-        if name not in sys.builtin_module_names and not origin.startswith(sysconfig.get_paths()["stdlib"]):
+        if name not in sys.builtin_module_names and not origin.startswith(stdlib):
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             found = spec.origin if spec is not None else None
             if found != origin:
