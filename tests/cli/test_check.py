@@ -99,6 +99,23 @@ def test_bad_config_exits_2_naming_the_key(workdir):
     done = check(str(workdir / "job.sh"), "--config", str(workdir / "bad.toml"), cwd=workdir)
     assert done.returncode == 2
     assert "unknown key 'mps.count'" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("xmem-slurm check: ")
+
+
+def test_json_error_has_the_same_shape_as_estimates(workdir):
+    """`check --json` and `estimate --json` answer a usage error with the same object (one shape for scripts)."""
+    (workdir / "bad.toml").write_text("[mps]\ncount = 3\n")
+    (workdir / "job.sh").write_text("#!/bin/bash\npython train.py 8\n")
+    checked = check(str(workdir / "job.sh"), "--json", "--config", str(workdir / "bad.toml"), cwd=workdir)
+    estimated = subprocess.run([sys.executable, "-m", "xmem.cli", "estimate", "--json", "--config",
+                                str(workdir / "bad.toml"), "--", sys.executable, "train.py"],
+                               cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == estimated.returncode == 2
+    from_check, from_estimate = json.loads(checked.stdout), json.loads(estimated.stdout)
+    assert from_check.keys() == from_estimate.keys() >= {"error", "message", "exit_code"}
+    assert from_check["error"] == from_estimate["error"] == "bad_option"
+    assert from_check["exit_code"] == from_estimate["exit_code"] == 2
+    assert "mps.count" in from_check["message"] and "mps.count" in from_estimate["message"]
 
 
 def test_missing_script_exits_2(workdir):

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES
+from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, fail
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
@@ -69,11 +69,11 @@ def check_command(
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
     err = Console(stderr=True)
     if (script is None) == (wrap is None):
-        _fail(as_json, EXIT_USAGE, "bad_option", "give a batch script or --wrap COMMAND (one of them)")
+        fail(as_json, EXIT_USAGE, "bad_option", "give a batch script or --wrap COMMAND (one of them)", verb="check")
     try:
         site = load_site_config(config)
     except ConfigError as e:
-        _fail(as_json, EXIT_USAGE, "bad_config", str(e))
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb="check")
     given = {"partition": partition, "gres": gres, "gpus": gpus}
     cli_options = {name: value for name, value in given.items() if value} or None
     if vary:  # what-if on the job's own knob (xmem.cli.fit) instead of one estimate
@@ -87,7 +87,7 @@ def check_command(
         with _script_file(script, wrap) as path:
             analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu, estimator)
     except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
-        _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}")
+        fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb="check")
     if estimator is not None and estimator.runs:
         _write_pictures(as_json, estimator, analysis, plot, snapshot, plot_gpu)
     code = exit_code(analysis)
@@ -135,7 +135,7 @@ def _picture_estimator(as_json: bool, plot: Optional[str], snapshot: Optional[st
         check_outputs(plot, snapshot)
         check_plot_gpu(plot_gpu, None, site.catalog())
     except PictureError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb="check")
     return KeepingEstimator()
 
 
@@ -146,7 +146,7 @@ def _write_pictures(as_json: bool, estimator: KeepingEstimator, analysis: JobAna
         drawn = next((run for run in estimator.runs if run.estimate.used_cuda), estimator.runs[0])  # a GPU command
         lines = write_pictures(drawn, plot=plot, snapshot=snapshot, gpu_name=plot_gpu, chosen=chosen)
     except PictureError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb="check")
     for line in lines:
         sys.stderr.write(line + "\n")
 
@@ -272,15 +272,6 @@ def show_options(console: Console, options: OptionTable) -> None:
 
 def _size(nbytes: int) -> str:
     return size_text(nbytes, mib_digits=0)
-
-
-def _fail(as_json: bool, code: int, kind: str, message: str) -> None:
-    line = one_line(message) or kind
-    sys.stderr.write(f"xmem-slurm check: {line}\n")
-    if as_json:
-        sys.stdout.write(json.dumps({"error": kind, "message": line, "exit_code": code}) + "\n")
-        sys.stdout.flush()
-    raise typer.Exit(code)
 
 
 __all__ = ["check_command", "exit_code", "show_analysis"]

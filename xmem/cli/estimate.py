@@ -107,7 +107,7 @@ def estimate_command(
         if traces is not None:
             _write_pictures(result, traces, plot, snapshot, plot_gpu, site, options)
     except PictureError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e))
+        fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e)
 
@@ -115,13 +115,13 @@ def estimate_command(
 def fail_on_error(as_json: bool, e: Exception, verb: str = "estimate") -> NoReturn:
     """Exit with the code and one-line message of an error of the estimate (shared with `fit`)."""
     if isinstance(e, UnknownGpuError):
-        _fail(as_json, EXIT_USAGE, "unknown_gpu", str(e), verb=verb)
+        fail(as_json, EXIT_USAGE, "unknown_gpu", str(e), verb=verb)
     if isinstance(e, (ConfigError, CatalogError, BadJobSettingError)):
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     if isinstance(e, TraceError):
-        _fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
-              e.last_lines(), verb=verb)
-    _fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb=verb)  # our bug
+        fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
+             e.last_lines(), verb=verb)
+    fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb=verb)  # our bug
 
 
 def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
@@ -194,8 +194,10 @@ def _size(nbytes: int) -> str:
     return size_text(nbytes)
 
 
-def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
-          verb: str = "estimate") -> NoReturn:
+def fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
+         verb: str = "estimate") -> NoReturn:
+    """Exit with `code`: one line on stderr (after the program's traceback and last output), and with `--json` one
+    object on stdout that says the same (the shape every command's JSON error has)."""
     line = one_line(message) or kind
     if printed:  # what the program printed last, often the reason: beside its traceback
         rows = "".join(f"  | {row}\n" for row in printed.splitlines())
@@ -205,7 +207,7 @@ def _fail(as_json: bool, code: int, kind: str, message: str, traceback: str = ""
     sys.stderr.write(f"xmem-slurm {verb}: {line}\n")  # not through rich: it would wrap the one line
     if as_json:
         payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None,
-                                   "output": printed or None}
+                                   "output": printed or None, "exit_code": code}
         sys.stdout.write(json.dumps(payload) + "\n")
         sys.stdout.flush()
     raise typer.Exit(code)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, _fail, _stdout_to_stderr, fail_on_error
+from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, fail, _stdout_to_stderr, fail_on_error
 from xmem.config import SiteConfig, load_site_config
 from xmem.estimate import allocator_config, capability_class  # the job's allocator settings, as estimated
 from xmem.estimate import estimate as run_estimate
@@ -58,7 +58,7 @@ def fit_command(
                     "memory_limit_bytes": site.estimate.memory_limit_bytes, "warm_tracer": site.estimate.warm_tracer}
         run_fit(command, parse_vary(vary), site, gpu, settings, as_json)
     except FitError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e, verb)
 
@@ -158,12 +158,12 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
         with open(script, errors="replace") as f:
             text = f.read()
     except (FitError, OSError) as e:
-        _fail(as_json, EXIT_USAGE, "bad_input", str(e), verb=verb)
+        fail(as_json, EXIT_USAGE, "bad_input", str(e), verb=verb)
     job = parse_jobscript(text, path=os.path.abspath(script), script_args=list(args), submit_cwd=os.getcwd(),
                           cli_options=cli_options, env=dict(os.environ))
     if not job.commands:
-        _fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found",
-              verb=verb)
+        fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found",
+             verb=verb)
     command = job.commands[0]
     env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
     settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
@@ -174,6 +174,6 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
         run_fit(command.argv, vary, site, gpus, settings, as_json,
                 site_types=estimate_types(site, job_partitions(job.directives, site)))
     except FitError as e:
-        _fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
+        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e, verb)
