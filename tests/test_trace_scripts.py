@@ -11,6 +11,7 @@ import pytest
 
 from torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import run_trace
+from xmem.trace.fakecuda import memory_size_warning
 
 
 def trace(python, script, *args, **options):
@@ -214,7 +215,8 @@ def test_cuda_api_script_runs_with_stand_ins(python):
     assert sorted(result.warnings) == sorted([
         "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)",
         "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)",
-        "tensor.tolist() returned ones (no real data under fake CUDA)"])  # scores.tolist()
+        "tensor.tolist() returned ones (no real data under fake CUDA)",  # scores.tolist()
+        memory_size_warning(80 << 30)])  # it sized its batch by props.total_memory
     # scores[scores > 0] with every element assumed selected: 128 fp32 values
     assert 128 * 4 in [e.nbytes for e in allocs(result) if e.op == "index"]
     # an H100 (80 GB) by default: the script picks a batch of 8 (8 x 32 fp32 inputs)
@@ -225,6 +227,39 @@ def test_device_properties_can_name_the_exact_gpu():
     result = trace(sys.executable, "cuda_api.py", iterations=1, env={**os.environ,
                    "XMEM_FAKE_GPU_NAME": "NVIDIA H200", "XMEM_FAKE_TOTAL_MEMORY": str(141 * 2**30)})
     assert 16 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]  # batch 16 on a 141 GB GPU
+    assert memory_size_warning(141 << 30) in result.warnings
+
+
+def test_reading_free_memory_is_said_once_with_the_size_traced(tmp_path):
+    """A program that fills what mem_get_info or NVML says is free allocates by the GPU it gets: the trace says
+    so (once), and a program that reads only the name and capability is not warned."""
+    script = tmp_path / "fill_free.py"
+    script.write_text(
+        "import pynvml, torch\n"
+        "pynvml.nvmlInit()\n"
+        "nvml_free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free\n"
+        "model = torch.nn.Linear(64, 64).cuda()\n"
+        "optimizer = torch.optim.SGD(model.parameters())\n"
+        "for _ in range(2):\n"
+        "    free, total = torch.cuda.mem_get_info()\n"
+        "    assert free <= nvml_free <= total\n"
+        "    cache = torch.empty(int(free * 0.01), dtype=torch.uint8, device='cuda')\n"
+        "    model(torch.randn(8, 64, device='cuda')).sum().backward()\n"
+        "    optimizer.step()\n")
+    env = {**os.environ, "XMEM_FAKE_TOTAL_MEMORY": str(40 << 30)}
+    result = run_trace(["python", str(script)], python=sys.executable, iterations=2, env=env)
+    assert result.warnings.count(memory_size_warning(40 << 30)) == 1
+    plain = tmp_path / "names_only.py"
+    plain.write_text(
+        "import torch\n"
+        "print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())\n"
+        "model = torch.nn.Linear(64, 64).cuda()\n"
+        "optimizer = torch.optim.SGD(model.parameters())\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(8, 64, device='cuda')).sum().backward()\n"
+        "    optimizer.step()\n")
+    assert not any("memory size" in w for w in run_trace(["python", str(plain)], python=sys.executable,
+                                                         iterations=2).warnings)
 
 
 # ---- transformers, activation checkpointing, the program's own SDPA restriction ----------------------------------

@@ -14,8 +14,9 @@ import collections
 import contextlib
 import itertools
 import os
+import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -42,7 +43,7 @@ class FakeDeviceProperties:
     """Stand-in for torch.cuda's _CudaDeviceProperties (the fields training code reads)."""
 
     name: str
-    total_memory: int
+    memory_bytes: int
     major: int
     minor: int
     multi_processor_count: int
@@ -52,6 +53,12 @@ class FakeDeviceProperties:
     max_threads_per_multi_processor: int = 2048
     warp_size: int = 32
     gcnArchName: str = ""
+    on_memory_read: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+
+    @property
+    def total_memory(self) -> int:
+        self.on_memory_read()  # the program may size itself by it: the estimate says so
+        return self.memory_bytes
 
 
 class FakeStream:
@@ -120,7 +127,9 @@ class FakeCuda:
 
     Listeners (set by the recorder): `on_arch_question()` when a capability-dependent answer was given,
     `on_module_tensor(tensor, kind)` for each parameter/buffer a module moved, `on_empty_cache()`,
-    `live_bytes()` / `peak_bytes()` / `reset_peak()` for the memory queries.
+    `live_bytes()` / `peak_bytes()` / `reset_peak()` for the memory queries. A read of the memory size
+    (`ask_total_memory`) is said once as a warning: what a program allocates after it may follow the size it saw,
+    and a MIG slice or an MPS share shows another one than the traced GPU.
     """
 
     def __init__(self, capability: tuple[int, int] = (9, 0), device_count: int = 1) -> None:
@@ -146,7 +155,16 @@ class FakeCuda:
         name, memory, sms = GPU_BY_CAPABILITY.get(self.capability, ("NVIDIA GPU", 80 << 30, 100))
         name = os.environ.get("XMEM_FAKE_GPU_NAME", name)
         memory = int(os.environ.get("XMEM_FAKE_TOTAL_MEMORY", memory))
-        return FakeDeviceProperties(name, memory, self.capability[0], self.capability[1], sms)
+        return FakeDeviceProperties(name, memory, self.capability[0], self.capability[1], sms,
+                                    on_memory_read=self._memory_size_read)
+
+    def ask_total_memory(self) -> int:
+        """The device's memory size, as `total_memory`, `mem_get_info` and NVML give it to the program."""
+        return self.properties.total_memory
+
+    def _memory_size_read(self) -> None:
+        if not _read_for_a_cap_only():
+            self.on_warning(memory_size_warning(self.properties.memory_bytes))
 
     @property
     def bf16_supported(self) -> bool:
@@ -279,8 +297,7 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         reset_accumulated_memory_stats=lambda device=None: None,
         memory_stats=memory_stats,
         memory_summary=lambda device=None, abbreviated=False: _memory_summary(fake),
-        mem_get_info=lambda device=None: (fake.properties.total_memory - fake.live_bytes(),
-                                         fake.properties.total_memory),
+        mem_get_info=lambda device=None: (fake.ask_total_memory() - fake.live_bytes(), fake.ask_total_memory()),
         empty_cache=empty_cache,
         set_per_process_memory_fraction=lambda fraction, device=None: None,
         get_rng_state=lambda device="cuda": torch.get_rng_state(),
@@ -615,6 +632,27 @@ def _memory_summary(fake: FakeCuda) -> str:
             f"{fake.peak_bytes() / 2**20:.1f} MiB at the peak; the estimate replays the caching allocator  |")
 
 
+# Library functions that read the memory size only to cap an allocation of theirs, so that the answer changes
+# nothing for a job whose weights fit with room to spare: transformers' `caching_allocator_warmup` (from_pretrained
+# with a device_map) makes one warm-up allocation of the weights' size, capped at the total memory less 1.2 GiB and
+# skipped when the free memory is all but used.
+_CAP_ONLY_READERS = {("transformers.modeling_utils", "caching_allocator_warmup")}
+
+
+def _read_for_a_cap_only() -> bool:
+    """Whether the code that asked for the memory size (the first frame outside this module) is a cap-only reader."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame is not None and (frame.f_globals.get("__name__"), frame.f_code.co_name) in _CAP_ONLY_READERS
+
+
+def memory_size_warning(nbytes: int) -> str:
+    """Said once when the program reads the device's memory size (`FakeCuda.ask_total_memory`)."""
+    return (f"the program read the GPU's memory size (traced with {nbytes / 2**30:.1f} GiB); where its GPU, MIG slice "
+            "or MPS share shows another size, it may allocate otherwise than traced")
+
+
 GRAPH_WARNING = "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"
 
 
@@ -701,7 +739,7 @@ def _answer_nvml(nvml: Any, fake: FakeCuda) -> None:
     class Memory:
         @property
         def total(self) -> int:
-            return fake.properties.total_memory
+            return fake.ask_total_memory()
 
         @property
         def used(self) -> int:
