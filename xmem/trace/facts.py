@@ -36,9 +36,13 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter or not hasattr(tensor,
                                                                                        "__tensor_flatten__"):
         return [tensor]
+    return [part for inner in inner_tensors(tensor) for part in plain_tensors(inner)]
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a traceable wrapper subclass holds, one level down (upstream protocol: __tensor_flatten__)."""
     names, _ = tensor.__tensor_flatten__()
-    inner = (getattr(tensor, name) for name in names)
-    return [part for t in inner if isinstance(t, torch.Tensor) for part in plain_tensors(t)]
+    return [inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor)]
 
 
 def storages(tensors: Iterable[Any], device_type: str = "cuda") -> Storages:

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace import shortcuts
+from xmem.trace.facts import inner_tensors
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
 
@@ -303,7 +304,7 @@ class AllocationRecorder(TorchDispatchMode):
 
     def _note_unseen(self, tensor: torch.Tensor, op: str) -> None:
         if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
-            for inner in _inner_tensors(tensor):
+            for inner in inner_tensors(tensor):
                 self._note_unseen(inner, op)
             return
         key = _storage_key(tensor)
@@ -317,7 +318,7 @@ class AllocationRecorder(TorchDispatchMode):
         if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
             # a wrapper subclass (DTensor...): its own storage is a shell of the global size; the memory is in the
             # inner tensors, made while the subclass dispatched (with this mode off)
-            for inner in _inner_tensors(tensor):
+            for inner in inner_tensors(tensor):
                 self._note_unseen(inner, op)
             return
         if tensor.dtype == torch.bool:
@@ -447,7 +448,7 @@ class AllocationRecorder(TorchDispatchMode):
         if tensor is None:
             return
         if type(tensor) is not FakeTensor and hasattr(tensor, "__tensor_flatten__"):
-            for inner in _inner_tensors(tensor):
+            for inner in inner_tensors(tensor):
                 self.label(inner, category)
         elif tensor.device.type == "cuda":
             live = self._live.get(tensor.untyped_storage()._cdata)
@@ -491,12 +492,6 @@ class AllocationRecorder(TorchDispatchMode):
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
                      alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__)
-
-
-def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors a traceable wrapper subclass holds (upstream protocol: __tensor_flatten__)."""
-    names, _ = tensor.__tensor_flatten__()
-    return [inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor)]
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
