@@ -53,11 +53,11 @@ class FakeDeviceProperties:
     max_threads_per_multi_processor: int = 2048
     warp_size: int = 32
     gcnArchName: str = ""
-    on_memory_read: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+    on_memory_read: Callable[[int], None] = field(default=lambda nbytes: None, repr=False, compare=False)
 
     @property
     def total_memory(self) -> int:
-        self.on_memory_read()  # the program may size itself by it: the estimate says so
+        self.on_memory_read(self.memory_bytes)  # the program may size itself by it: the estimate says so
         return self.memory_bytes
 
 
@@ -147,6 +147,7 @@ class FakeCuda:
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0
         self.reset_peak: Callable[[], None] = lambda: None
+        self.memory_size_said = False  # the memory-size warning, once (`_memory_size_read`)
 
     @property
     def properties(self) -> FakeDeviceProperties:
@@ -162,9 +163,10 @@ class FakeCuda:
         """The device's memory size, as `total_memory`, `mem_get_info` and NVML give it to the program."""
         return self.properties.total_memory
 
-    def _memory_size_read(self) -> None:
-        if not _read_for_a_cap_only():
-            self.on_warning(memory_size_warning(self.properties.memory_bytes))
+    def _memory_size_read(self, nbytes: int) -> None:
+        if not self.memory_size_said and not _read_for_a_cap_only():
+            self.memory_size_said = True
+            self.on_warning(memory_size_warning(nbytes))
 
     @property
     def bf16_supported(self) -> bool:
@@ -261,6 +263,10 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         return {"allocated_bytes.all.current": fake.live_bytes(), "allocated_bytes.all.peak": fake.peak_bytes(),
                 "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
 
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        total = fake.ask_total_memory()
+        return total - fake.live_bytes(), total
+
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         # upstream: native from sm80; older GPUs (CUDA >= 11) emulate it, which counts unless excluded
         fake.on_arch_question()
@@ -297,7 +303,7 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         reset_accumulated_memory_stats=lambda device=None: None,
         memory_stats=memory_stats,
         memory_summary=lambda device=None, abbreviated=False: _memory_summary(fake),
-        mem_get_info=lambda device=None: (fake.ask_total_memory() - fake.live_bytes(), fake.ask_total_memory()),
+        mem_get_info=mem_get_info,
         empty_cache=empty_cache,
         set_per_process_memory_fraction=lambda fraction, device=None: None,
         get_rng_state=lambda device="cuda": torch.get_rng_state(),

@@ -25,6 +25,7 @@ import os
 from typing import Any, NamedTuple
 
 import torch
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
 
 DEVICE_QUERY = torch.ops.prim.device.default
@@ -317,8 +318,7 @@ def _host_copy_recipe(mode: FakeTensorMode, output: Any, host: torch.Tensor) -> 
     shape, stride = tuple(output.shape), output.stride()
     if not all(type(v) is int for v in (*shape, *stride)):
         return None
-    extent = 0 if 0 in shape else 1 + sum((size - 1) * step for size, step in zip(shape, stride))
-    if output.untyped_storage().nbytes() != extent * output.element_size():
+    if output.untyped_storage().nbytes() != compute_required_storage_length(shape, stride, 0) * output.element_size():
         return None
     made = _Output(_NEW, None, shape, stride, 0, output.dtype, output.layout, output.requires_grad,
                    output.fake_device)
