@@ -20,13 +20,16 @@ def test_finds_this_interpreters_torch_without_importing_it():
     assert out[2] == "False"
 
 
-def test_cache_path_is_keyed_by_version_build_and_source(tmp_path, monkeypatch):
+def test_cache_path_is_keyed_by_version_build_source_and_install(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     install = shim.TorchInstall(tmp_path, "2.14.1+cu130", "cuda")
     path = shim.shim_path(install)
     assert path.parent == tmp_path / "xmem-slurm" / "native"
     assert path.name.startswith("xmem_fake_cuda-2.14.1+cu130-cuda-") and path.suffix == ".so"
     assert shim.shim_path(shim.TorchInstall(tmp_path, "2.13.0+cpu", "cpu")) != path
+    # the same torch in another environment: the shim links to each one's libraries by path
+    assert shim.shim_path(shim.TorchInstall(tmp_path / "other-venv", "2.14.1+cu130", "cuda")) != path
+    assert shim.shim_path(shim.TorchInstall(tmp_path, "2.14.1+cu130", "cuda")) == path
 
 
 def test_missing_compiler_is_named(tmp_path, monkeypatch):

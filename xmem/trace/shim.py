@@ -65,8 +65,11 @@ CXXFLAGS = ("-O1", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1
 
 
 def shim_path(torch: TorchInstall) -> Path:
-    """Where the shim for this torch lives: one file per (torch version, build, source and flags)."""
-    digest = hashlib.sha256(SOURCES[torch.build].read_bytes() + " ".join(CXXFLAGS).encode()).hexdigest()[:12]
+    """Where the shim for this torch lives: one file per (torch version, build, source and flags, install). The
+    install counts because the shim links to its libraries by path (rpath): a shim built for another environment
+    with the same torch would load that one's libraries, or none once it is deleted."""
+    key = SOURCES[torch.build].read_bytes() + " ".join(CXXFLAGS).encode() + os.fsencode(torch.root.resolve())
+    digest = hashlib.sha256(key).hexdigest()[:12]
     version = re.sub(r"[^A-Za-z0-9.+_-]", "_", torch.version)
     return cache_dir() / f"xmem_fake_cuda-{version}-{torch.build}-{digest}.so"
 
