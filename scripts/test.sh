@@ -11,7 +11,7 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 export XMEM_TEST_CPU_PYTHON="$PWD/.venv-cpu/bin/python"
 set +e
-.venv/bin/python -m pytest -ra "$@"
+.venv/bin/python -m pytest -ra --durations=25 "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected" (e.g. a -k filter that matches nothing): not a failure of the code.
