@@ -255,3 +255,33 @@ def test_cluster_gpu_types_the_catalog_lacks_are_left_out_with_a_note(tmp_path):
     assert result.gpu_types == ("a100",)
     assert "quantum9000" in result.notes[0]
     assert result.decision.action == "rewrite"
+
+
+class ArrayEstimator(FakeEstimator):
+    """A program whose width follows its SLURM_ARRAY_TASK_ID: task t peaks at (t + 1) GiB."""
+
+    def __call__(self, command, **kw):
+        self.calls.append((command, kw))
+        task = int(kw["env"]["SLURM_ARRAY_TASK_ID"])
+        return estimate_of_peaks({"A100-SXM4-40GB": (task + 1) * GIB, "H100-SXM5-80GB": (task + 1) * GIB})
+
+
+def test_a_job_array_is_sized_for_its_largest_traced_task(tmp_path):
+    estimator = ArrayEstimator({})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1 --array=0-15:3%2\npython t.py $SLURM_ARRAY_TASK_ID\n"),
+                     estimator)
+    traced = [(kw["env"]["SLURM_ARRAY_TASK_ID"], command[2], kw["env"]["SLURM_ARRAY_TASK_COUNT"])
+              for command, kw in estimator.calls]
+    assert traced == [("0", "0", "6"), ("9", "9", "6"), ("15", "15", "6")]  # first, middle, last of 0,3,...,15
+    assert result.peaks["a100"] == 16 * GIB and result.decision.gpu_type == "a100"  # 17.6 GiB: no 9.75 GiB slice
+    assert [e.array_task for e in result.estimates] == [0, 9, 15]
+    assert any("tasks 0, 9, 15 traced" in note for note in result.notes)
+
+
+def test_a_short_array_traces_every_task_and_a_plain_job_once(tmp_path):
+    estimator = ArrayEstimator({})
+    analyze(job(tmp_path, "#SBATCH --gres=gpu:1\n#SBATCH -a 2,5\npython t.py\n"), estimator)
+    assert [kw["env"]["SLURM_ARRAY_TASK_ID"] for _, kw in estimator.calls] == ["2", "5"]
+    plain = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB}})
+    analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), plain)
+    assert len(plain.calls) == 1 and "SLURM_ARRAY_TASK_ID" not in plain.calls[0][1]["env"]

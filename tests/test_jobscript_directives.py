@@ -150,3 +150,17 @@ def test_gpu_mixes_slurm_refuses_are_problems_on_the_option_line():
     assert [(p.line_no, "with and without a type" in p.reason) for p in job.problems] == [(3, True)]
     assert not parse_jobscript("#!/bin/bash\n#SBATCH --gres=gpu:a100:1,gpu:h100:1\npython t.py\n",
                                env={}).problems
+
+
+def test_array_task_lists_as_sbatch_reads_them():
+    from xmem.jobscript.directives import array_task_ids
+
+    assert array_task_ids("0-15:4%2") == (0, 4, 8, 12)
+    assert array_task_ids("7,1-3,2") == (1, 2, 3, 7)
+    for bad in ("", "3-1", "1-9:0", "a-b", "0-9999999999"):
+        with pytest.raises(DirectiveError):
+            array_task_ids(bad)
+    from xmem.jobscript.directives import build_request
+
+    request, errors = build_request([], {"array": "5-1"})
+    assert request.array == "5-1" and errors and "--array" in errors[0][1]

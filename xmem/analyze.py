@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xmem.config import SiteConfig
-from xmem.jobscript import JobScript, TrainCommand, parse_jobscript, slurm_runtime_env
+from xmem.jobscript import JobScript, TrainCommand, job_array_tasks, parse_jobscript, slurm_runtime_env
 from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_offers, job_partitions,
                          job_peak, screen)
 from xmem.policy.options import OptionRow, OptionTable, option_table
@@ -53,6 +53,7 @@ class CommandEstimate:
     error: AnalysisError | None = None
     skipped: str | None = None  # why the command does not count (not a training step)
     no_cuda: bool = False  # the program never used CUDA under the trace: its GPU memory is unknown
+    array_task: int | None = None  # the job array's task it was traced as (SLURM_ARRAY_TASK_ID)
 
     @property
     def counted(self) -> bool:
@@ -62,7 +63,8 @@ class CommandEstimate:
     def to_json(self) -> dict[str, Any]:
         estimate = self.estimate.to_json() if self.estimate else {"used_cuda": False} if self.no_cuda else None
         return {"command": self.command.to_json(), "estimate": estimate,
-                "error": _error_json(self.error) if self.error else None, "skipped": self.skipped}
+                "error": _error_json(self.error) if self.error else None, "skipped": self.skipped,
+                "array_task": self.array_task}
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,17 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
             "no_gpu_types", f"no GPU types known for partition {where}: list them under "
                             "[partitions.gpu_types] in the site config"),))
 
-    runtime_env = {**env, **slurm_runtime_env(job.directives, submit_cwd)}
+    tasks = [job] + [parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
+                                     cli_options=cli_options, env=env, array_task=t)
+                     for t in job_array_tasks(job.directives)[1:]]
+    notes = scope.notes + _array_note(tasks)
     deadline = deadline if deadline is not None else time.monotonic() + config.estimate.timeout_s
-    results = tuple(_estimate_command(c, scope, runtime_env, submit_cwd, deadline, estimator or _default_estimator(),
-                                      on_progress) for c in job.commands)
-    errors = tuple(r.error for r in results if r.error is not None)
+    results = tuple(replace(_estimate_command(c, scope, {**env, **slurm_runtime_env(t.directives, submit_cwd,
+                                                                                     t.array_task)},
+                                              submit_cwd, deadline, estimator or _default_estimator(), on_progress),
+                            array_task=t.array_task)
+                    for t in tasks for c in t.commands)
+    errors = tuple(r.error for r in results if r.error is not None) + _array_problems(tasks)
     counted = [r.estimate for r in results if r.counted]
     peaks = combined_peaks(counted, scope.site_types, scope.config, scope.catalog)
     untrusted = untrusted_estimate(results)
@@ -147,10 +155,23 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                                 + "; ".join(r.skipped or "" for r in results)),)
     if errors:
         return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
-                           notes=scope.notes)
+                           notes=notes)
     decision, options = _decide(job, peaks, scope, user, ask_cluster, untrusted)
     return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
-                       notes=scope.notes, options=options)
+                       notes=notes, options=options)
+
+
+def _array_note(tasks: Sequence[JobScript]) -> tuple[str, ...]:
+    if len(tasks) < 2:
+        return ()
+    return (f"job array: tasks {', '.join(str(t.array_task) for t in tasks)} traced (the first, the middle, the "
+            "last); one request serves every task, so it is sized for the largest",)
+
+
+def _array_problems(tasks: Sequence[JobScript]) -> tuple[AnalysisError, ...]:
+    """A later array task whose commands cannot be read: its memory is unknown, so the request cannot cover it."""
+    return tuple(AnalysisError("not_understood", f"array task {t.array_task}: " + (
+        "; ".join(str(p) for p in t.problems) or "no training command found")) for t in tasks[1:] if not t.commands)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand, _is_python
-from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, build_request,
+from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, array_task_ids, build_request,
                                        directive_arguments, parse_gpus, parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
 
 __all__ = ["JobScript", "SbatchRequest", "GresItem", "TrainCommand", "Problem", "parse_jobscript", "parse_gres",
-           "parse_gpus", "DirectiveError", "slurm_runtime_env"]
+           "parse_gpus", "DirectiveError", "slurm_runtime_env",
+           "array_task_ids", "job_array_tasks"]
 
 # What a job's environment holds before its first line runs, that depends only on the request.
 # SLURM_JOB_ID is not known before submission; "0" stands in for it (it names files, it does not size memory).
@@ -32,6 +33,7 @@ class JobScript:
     problems: tuple[Problem, ...]
     path: str | None = None
     het_line: int = 0  # the first `#SBATCH hetjob` line: a heterogeneous job (its components are not told apart)
+    array_task: int | None = None  # the job array's task the commands were read for (SLURM_ARRAY_TASK_ID)
 
     def to_json(self) -> dict:
         return {"path": self.path, "het_line": self.het_line, "directives": self.directives.to_json(),
@@ -41,13 +43,14 @@ class JobScript:
 
 def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence[str] = (),
                     submit_cwd: str | None = None, cli_options: Mapping[str, str | None] | None = None,
-                    env: Mapping[str, str] | None = None) -> JobScript:
+                    env: Mapping[str, str] | None = None, array_task: int | None = None) -> JobScript:
     """Read a batch script as sbatch and bash would, without running it.
 
     `cli_options`: sbatch's command-line options by long name (as cli_filter reports them); they override the
     SBATCH_* variables of `env`, which override the `#SBATCH` lines. `env`: the submitting environment (sbatch's
     default `--export=ALL` hands it to the job); defaults to this process's environment. `submit_cwd`: where
-    sbatch runs (the job's default working directory).
+    sbatch runs (the job's default working directory). `array_task`: for a job array, the task to read the commands
+    for (default: its first; `job_array_tasks` names the ones whose paths may differ).
     """
     lines = text.splitlines()
     scan = scan_directives(lines)
@@ -59,12 +62,14 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
                  for n, reason in request_errors]
 
     cwd = _job_cwd(request.chdir, submit_cwd)
-    base_env = {**env, **slurm_runtime_env(request, submit_cwd)}
+    tasks = job_array_tasks(request)
+    array_task = (array_task if array_task is not None else tasks[0]) if tasks else None
+    base_env = {**env, **slurm_runtime_env(request, submit_cwd, array_task)}
     shebang = _python_shebang(lines)
     if shebang is not None:
         commands = (TrainCommand(argv=("python", path or "script.py", *script_args), cwd=cwd, env={},
                                  python=shebang or None, launcher="python", line_no=1),)
-        return JobScript(request, commands, tuple(problems), path, het_line)
+        return JobScript(request, commands, tuple(problems), path, het_line, array_task)
 
     state = ShellState(base_env=base_env, positional=list(script_args), script_name=path or "", cwd=cwd)
     finder = Finder(state=state, lines=lines, default_ranks=request.ntasks_per_node or request.ntasks)
@@ -77,7 +82,18 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     if not finder.commands and not problems:
         problems.append(Problem(0, "", "no training command found (python/python3, torchrun, srun python, "
                                        "accelerate launch)"))
-    return JobScript(request, tuple(finder.commands), tuple(problems), path, het_line)
+    return JobScript(request, tuple(finder.commands), tuple(problems), path, het_line, array_task)
+
+
+def job_array_tasks(request: SbatchRequest) -> tuple[int, ...]:
+    """The tasks of a job array whose memory is traced: the first, the middle and the last (all, when there are
+    so few), since a program may size itself by its SLURM_ARRAY_TASK_ID, and sizes usually grow or shrink along
+    the ids. () for a job that is not an array (or whose task list sbatch would refuse)."""
+    try:
+        ids = array_task_ids(request.array) if request.array else ()
+    except DirectiveError:
+        return ()
+    return tuple(dict.fromkeys((ids[0], ids[len(ids) // 2], ids[-1]))) if ids else ()
 
 
 HET_SEPARATORS = ("hetjob", "packjob")  # packjob: the name before Slurm 20.02, still read by sbatch
@@ -99,8 +115,10 @@ def het_separator_line(lines: Sequence[str]) -> int:
     return 0
 
 
-def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[str, str]:
-    """The SLURM_* variables of the batch step that follow from the request and where sbatch ran."""
+def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None,
+                      array_task: int | None = None) -> dict[str, str]:
+    """The SLURM_* variables of the batch step that follow from the request and where sbatch ran; for a job
+    array's `array_task`, those of that task too."""
     env = {"SLURM_JOB_ID": _PLACEHOLDER_JOB_ID, "SLURM_JOBID": _PLACEHOLDER_JOB_ID,
            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
     if submit_dir:
@@ -123,7 +141,17 @@ def slurm_runtime_env(request: SbatchRequest, submit_dir: str | None) -> dict[st
     if optional["SLURM_JOB_NUM_NODES"]:
         optional["SLURM_NNODES"] = optional["SLURM_JOB_NUM_NODES"]
     env.update({k: v for k, v in optional.items() if v})
+    if array_task is not None and request.array:
+        env.update(_array_env(array_task_ids(request.array), array_task))
     return env
+
+
+def _array_env(ids: Sequence[int], task: int) -> dict[str, str]:
+    """What Slurm sets in an array task (sbatch(1), OUTPUT ENVIRONMENT VARIABLES)."""
+    steps = {b - a for a, b in zip(ids, ids[1:])}
+    return {"SLURM_ARRAY_JOB_ID": _PLACEHOLDER_JOB_ID, "SLURM_ARRAY_TASK_ID": str(task),
+            "SLURM_ARRAY_TASK_COUNT": str(len(ids)), "SLURM_ARRAY_TASK_MIN": str(ids[0]),
+            "SLURM_ARRAY_TASK_MAX": str(ids[-1]), "SLURM_ARRAY_TASK_STEP": str(steps.pop() if len(steps) == 1 else 1)}
 
 
 def _task_count(request: SbatchRequest) -> int | None:

@@ -79,6 +79,7 @@ class SbatchRequest:
     ntasks_per_node: int | None = None
     job_name: str | None = None
     chdir: str | None = None
+    array: str | None = None  # --array's task list as written (`0-15:4%2`): see array_task_ids
     raw: tuple[tuple[str, str | None, int], ...] = ()
 
     @property
@@ -320,7 +321,7 @@ def parse_gpus(value: str) -> tuple[GresItem, ...]:
 # sbatch's input environment variables for the options xmem reads ("INPUT ENVIRONMENT VARIABLES" in sbatch(1)).
 ENV_OPTIONS = {"SBATCH_ACCOUNT": "account", "SBATCH_PARTITION": "partition", "SBATCH_GRES": "gres",
                "SBATCH_GPUS": "gpus", "SBATCH_GPUS_PER_NODE": "gpus-per-node", "SBATCH_GPUS_PER_TASK": "gpus-per-task",
-               "SBATCH_CONSTRAINT": "constraint", "SBATCH_JOB_NAME": "job-name"}
+               "SBATCH_CONSTRAINT": "constraint", "SBATCH_JOB_NAME": "job-name", "SBATCH_ARRAY_INX": "array"}
 ENV_LINE = -1  # the `line` of an option that came from an SBATCH_* variable
 
 
@@ -353,6 +354,11 @@ def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str
             except DirectiveError as e:
                 errors.append((d.line_no, str(e)))
                 values[d.option] = None
+        elif d.option == "array" and d.value:
+            try:
+                array_task_ids(d.value)
+            except DirectiveError as e:
+                errors.append((d.line_no, str(e)))
     request = SbatchRequest(
         partition=values.get("partition"),
         gres=gres,
@@ -366,12 +372,31 @@ def build_request(directives: Iterable[Directive], cli_options: Mapping[str, str
         ntasks_per_node=_int_or_none(values.get("ntasks-per-node"), "ntasks-per-node", ordered, errors),
         job_name=values.get("job-name"),
         chdir=values.get("chdir"),
+        array=values.get("array"),
         raw=tuple((d.option, d.value, d.line_no) for d in ordered),
     )
     line_no = next((d.line_no for d in reversed(ordered) if d.option in ("gres", "gpus", "gpus-per-node",
                                                                         "gpus-per-task")), 0)
     errors += [(line_no, reason) for reason in refused_gpu_mixes(request)]
     return request, errors
+
+
+MAX_ARRAY_TASKS = 4_000_001  # Slurm's largest MaxArraySize: no job array is longer
+
+
+def array_task_ids(spec: str) -> tuple[int, ...]:
+    """The task ids of `--array` (`0-15:4`, `1,3,5-7`, `0-9%2`): sorted, each once; sbatch's syntax (the `%N`
+    throttle says how many run at once, not which)."""
+    ids: set[int] = set()
+    for part in spec.split("%", 1)[0].split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+)(?::(\d+))?)?\s*", part)
+        if not match:
+            raise DirectiveError(f"invalid --array task list {spec!r} (expected e.g. 0-15:4 or 1,3,5)")
+        first, last, step = int(match[1]), int(match[2] or match[1]), int(match[3] or 1)
+        if step < 1 or last < first or len(ids) + (last - first) // step >= MAX_ARRAY_TASKS:
+            raise DirectiveError(f"invalid --array task list {spec!r} (an empty, reversed or too long range)")
+        ids.update(range(first, last + 1, step))
+    return tuple(sorted(ids))
 
 
 def refused_gpu_mixes(request: SbatchRequest) -> list[str]:
