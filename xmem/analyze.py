@@ -161,6 +161,14 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                        notes=notes, options=options)
 
 
+def decide_on_peaks(job: JobScript, peaks: Mapping[str, int], config: SiteConfig, *, user: str | None = None,
+                    cluster: ClusterSource | None = None) -> Decision:
+    """The policy's decision for `job` on peaks already known, weighed against the cluster's offers as
+    `analyze_job` weighs them: what a cached decision must still be to be used (xmem.slurm.cache_check)."""
+    ask_cluster = _once(cluster or _query_cluster) if config.partitions.from_cluster else (lambda: None)
+    return _decide(job, peaks, _gpu_scope(job, config, None, ask_cluster), user, ask_cluster)[0]
+
+
 def _array_note(tasks: Sequence[JobScript]) -> tuple[str, ...]:
     if len(tasks) < 2:
         return ()

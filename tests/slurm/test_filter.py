@@ -138,3 +138,61 @@ def test_one_deadline_bounds_the_wait_for_a_slot_and_the_estimate(tmp_path):
     assert reply.set["gres"] == "mps:a100:40" and len(left) == 1
     assert 20 < left[0] < 30  # the site's 30 s from the submission's start, less what the filter spent first
     assert site.estimate.timeout_s == 30  # the config is not rewritten to carry it
+
+
+def cached_site(tmp_path):
+    from xmem.config import config_from_dict
+
+    return config_from_dict({"partitions": {"default": "debug", "from_cluster": False,
+                                            "gpu_types": {"debug": ["a100", "h100"]}},
+                             "mps": {"enabled": True, "gpu_types": ["a100"]}, "policy": {"preference": ["mps", "gpu"]},
+                             "estimate": {"cache_dir": str(tmp_path / "cache")}})
+
+
+def test_a_cached_rewrite_the_policy_would_not_make_is_a_miss(tmp_path):
+    """An entry edited to gpu:8,mps:100 (well-formed, refused by sbatch) is estimated again, not used."""
+    from xmem.analyze import decide_on_peaks
+    from xmem.slurm.inline import parse_job
+
+    site, script = cached_site(tmp_path), tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py\n")
+    req = FilterRequest(script=str(script), argv=(str(script),), options={"gres": "gres:gpu:1"}, user="ann",
+                        cwd=str(tmp_path))
+    calls = []
+
+    def analyzer(path, r, config, *, deadline):  # the real policy on fixed peaks
+        calls.append(path)
+        return Verdict(decide_on_peaks(parse_job(path, r), PEAKS, config), PEAKS)
+
+    first = run_filter(req, site, analyzer=analyzer)
+    entry = next((tmp_path / "cache").rglob("*.json"))
+    data = json.loads(entry.read_text())
+    assert data["decision"]["gres"] == first.set["gres"] == "mps:a100:20"
+    assert run_filter(req, site, analyzer=analyzer).set["gres"] == "mps:a100:20" and len(calls) == 1  # a hit
+    data["decision"]["gres"] = "gpu:8,mps:100"
+    entry.write_text(json.dumps(data))
+    again = run_filter(req, site, analyzer=analyzer)
+    assert again.set["gres"] == "mps:a100:20" and len(calls) == 2
+
+
+def test_a_rewrite_slurm_refuses_leaves_the_job_as_written(tmp_path, monkeypatch):
+    """`sbatch --test-only` (here a stand-in on PATH that refuses what it is given) turns a rewrite into the job as
+    the user wrote it, with Slurm's reason; an sbatch that cannot reach the controller refuses nothing."""
+    site, script = cached_site(tmp_path), tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1 -p debug\npython train.py\n")
+    req = FilterRequest(script=str(script), argv=(str(script),), options={}, user="ann", cwd=str(tmp_path))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text('#!/bin/sh\necho "$@ $XMEM_NO_FILTER" > "$0.args"\necho "allocation failure: Requested node '
+                    'configuration is not available" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SBATCH_GPUS", "1")
+    reply = run_filter(req, site, analyzer=lambda *a, **k: Verdict(decision(), PEAKS))
+    assert reply.set == {} and "Requested node configuration is not available" in reply.message
+    assert reply.message.endswith("submitted as written") and "--gres=mps:a100:40" in reply.message
+    assert (bin_dir / "sbatch.args").read_text() == "--test-only --partition=debug --gres=mps:a100:40 --wrap=true 1\n"
+    fake.write_text('#!/bin/sh\necho "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\n'
+                    'exit 1\n')
+    assert run_filter(req, site, analyzer=lambda *a, **k: Verdict(decision(), PEAKS)).set["gres"] == "mps:a100:40"

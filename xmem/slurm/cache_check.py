@@ -5,6 +5,8 @@ Owns the shape of a cached `xmem.slurm.contract.Verdict`: the decision's action 
 rewritten option from the GPU options the filter sets (`--gres`, `--gpus`, `--gpus-per-node`, `--gpus-per-task`),
 its value a GPU request that xmem.jobscript parses (no `--chdir`, no spaces, no second option smuggled in), sizes
 as non-negative whole numbers, names as plain words. An entry that fails is a miss: the job is estimated again.
+A well-formed rewrite is used only if the policy, asked again on the entry's peaks with the cluster's offers of
+today, makes the same one (`still_offered`): the policy is the one judge of what a request may be.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def valid_analysis(entry: Mapping[str, Any]) -> bool:
     return ((decision is None or _valid_decision(decision))
             and isinstance(peaks, dict) and all(_word(k) and _size(v) for k, v in peaks.items())
             and isinstance(errors, list) and all(_text(e) for e in errors))
+
+
+def still_offered(verdict: Any, job: Any, config: Any, user: str | None = None) -> bool:
+    """True when a cached `xmem.slurm.contract.Verdict` may be used for `job` (an xmem.jobscript.JobScript): what
+    it does not rewrite changes nothing; a rewrite must be the one `xmem.analyze.decide_on_peaks` makes now (an
+    edited entry, or a cluster that no longer offers it, makes a miss)."""
+    cached = verdict.decision
+    if cached is None or cached.action != "rewrite":
+        return True
+    if job is None:
+        return False
+    from xmem.analyze import decide_on_peaks
+
+    now = decide_on_peaks(job, verdict.peaks, config, user=user)
+    return (now.action, now.option, now.gres, now.gpus) == (cached.action, cached.option, cached.gres, cached.gpus)
 
 
 def _valid_decision(d: Any) -> bool:

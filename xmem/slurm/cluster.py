@@ -132,6 +132,28 @@ def run_command(argv: Sequence[str]) -> str:
     return done.stdout
 
 
+# What sbatch says when it could not ask the controller (no config, controller or munge down): no refusal known.
+UNREACHABLE = re.compile(r"fatal:|unable to contact|socket timed out|connect|zero bytes|can't be reached|"
+                         r"authenticat|talking to database|configuration source", re.IGNORECASE)
+
+
+def test_only_refusal(options: Sequence[str], run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+                      ) -> str | None:
+    """Why Slurm would refuse a job of `options` (`sbatch --test-only`: the controller checks it against its
+    partitions and nodes without queueing it), or None when it would take it or cannot be asked (then nothing is
+    known against it). Runs without the SBATCH_* variables, which would add options, and without xmem's filter."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBATCH_")}
+    try:
+        done = run(["sbatch", "--test-only", *options, "--wrap=true"], capture_output=True, text=True,
+                   timeout=COMMAND_TIMEOUT_S, env={**env, "XMEM_NO_FILTER": "1"}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode == 0 or UNREACHABLE.search(done.stderr):
+        return None
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return lines[-1].removeprefix("sbatch: error: ").strip() if lines else f"exit status {done.returncode}"
+
+
 # -- parsers ----------------------------------------------------------------------------------------------------
 
 def parse_version(text: str) -> str | None:

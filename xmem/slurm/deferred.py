@@ -38,6 +38,7 @@ from typing import Any
 
 from xmem.cache import user_cache_dir
 from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, failure_reply, reply_for, user_request
+from xmem.slurm.cache_check import still_offered
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
 from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
@@ -194,7 +195,8 @@ def run(spool: Path, job_id: str, config: Any) -> str:
     job = parse_job(request.script, request)
     analysis = cached_analysis(
         request.script, request, config, cache=analysis_cache(config), config_digest=config_digest(config),
-        files=command_files(job, request, original), slots=lambda: estimate_slots(config))
+        files=command_files(job, request, original), slots=lambda: estimate_slots(config),
+        usable=lambda verdict: still_offered(verdict, job, config, request.user))
     reply = reply_for(analysis, request, config.failure)
     outcome = apply(job_id, reply, request, config)
     _cancel_watchdog(spool)

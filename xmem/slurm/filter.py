@@ -21,6 +21,8 @@ from typing import IO, Any
 
 from xmem.cache import NoSlotFree
 from xmem.slurm import deferred
+from xmem.slurm.cache_check import REWRITE_OPTIONS, still_offered
+from xmem.slurm.cluster import test_only_refusal
 from xmem.slurm.contract import HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, failure_reply, key_for, reply_for
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
@@ -65,7 +67,8 @@ def run_filter(request: FilterRequest, config: Any, *,
         if job is not None and not job.directives.wants_gpu:
             return FilterReply()  # a CPU job: no estimate, no change, no message
         try:
-            return gpu_job_reply(script, command_files(job, request, script), request, config, timed_analyzer)
+            return gpu_job_reply(script, command_files(job, request, script), request, config, timed_analyzer,
+                                 job=job)
         except NoSlotFree as e:
             return failure_reply(str(e), request, config.failure)
         except OSError as e:
@@ -73,15 +76,40 @@ def run_filter(request: FilterRequest, config: Any, *,
 
 
 def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config: Any,
-                  analyzer: Callable[[str, FilterRequest, Any], Verdict]) -> FilterReply:
-    """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now."""
+                  analyzer: Callable[[str, FilterRequest, Any], Verdict], *, job: Any = None) -> FilterReply:
+    """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now; a rewrite
+    Slurm would refuse is not made (`refused_rewrite`)."""
     cache, digest = analysis_cache(config), config_digest(config)
     key = key_for(script, request, digest, files)
-    if deferred.deferring(config) and cache_hit(cache, key) is None:
+    usable = lambda verdict: still_offered(verdict, job, config, request.user)  # noqa: E731
+    if deferred.deferring(config) and cache_hit(cache, key, usable) is None:
         return deferred.defer_reply(script, request, config)
     analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
-                               analyzer=analyzer, slots=lambda: estimate_slots(config), key=key)
-    return reply_for(analysis, request, config.failure)
+                               analyzer=analyzer, slots=lambda: estimate_slots(config), key=key, usable=usable)
+    reply = reply_for(analysis, request, config.failure)
+    return refused_rewrite(reply, job) or reply
+
+
+# The options that decide where a job may run: with its new GPU request, what Slurm is asked to check.
+PLACEMENT_OPTIONS = ("partition", "account", "qos", "reservation", "constraint", "nodes", "ntasks",
+                     "ntasks-per-node", "nodelist", "exclude", "clusters")
+
+
+def refused_rewrite(reply: FilterReply, job: Any) -> FilterReply | None:
+    """The reply to send instead of a rewrite Slurm would refuse (`sbatch --test-only` on the job's placement and
+    the new GPU request): the job as the user wrote it, and why. None when the reply rewrites nothing, or Slurm
+    takes the rewrite (or cannot be asked)."""
+    rewritten = {o: v for o, v in reply.set.items() if o in REWRITE_OPTIONS}
+    if not rewritten or job is None:
+        return None
+    written = {option: value for option, value, _ in job.directives.raw if value}  # the last one wins, as in sbatch
+    placement = [f"--{o}={written[o]}" for o in PLACEMENT_OPTIONS if o in written]
+    refusal = test_only_refusal(placement + [f"--{o}={v}" for o, v in rewritten.items()])
+    if refusal is None:
+        return None
+    asked = ", ".join(f"--{o}={v}" for o, v in rewritten.items())
+    return FilterReply(message=f"Slurm would refuse the request xmem chose ({asked}: {refusal}); submitted as "
+                               "written")
 
 
 # --- entry point ------------------------------------------------------------------------------------------------

@@ -99,20 +99,21 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
                     config_digest: str, files: Sequence[str] = (),
                     analyzer: Callable[[str, FilterRequest, Any], Verdict] = analyze_submission,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None,
-                    key: str | None = None) -> Verdict:
+                    key: str | None = None, usable: Callable[[Verdict], bool] | None = None) -> Verdict:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
     cache key when the caller has it already (key_for reads and hashes the script and its files).
 
     The key hashes the files before the trace reads them: the result is stored only if they hash the same
     afterwards (an edit during the estimate would otherwise file the edited program's estimate under the
-    original's key). The answer itself stands: it is of the files the job will run."""
+    original's key). The answer itself stands: it is of the files the job will run. `usable`: whether a cached
+    verdict still holds (cache_check.still_offered); one that does not is a miss."""
     key = key or key_for(script, request, config_digest, list(files))
-    hit = cache_hit(cache, key)
+    hit = cache_hit(cache, key, usable)
     if hit is not None:
         return hit
     with slots() if slots else contextlib.nullcontext():
-        hit = cache_hit(cache, key)  # a burst of the same job: the first slot holder's result serves the others
+        hit = cache_hit(cache, key, usable)  # a burst of the same job: the first slot holder's result serves the others
         if hit is not None:
             return hit
         analysis = analyzer(script, request, config)
@@ -123,15 +124,17 @@ def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: 
     return analysis
 
 
-def cache_hit(cache: AnalysisCache, key: str) -> Verdict | None:
-    """A cache hit, or None: a damaged entry counts as a miss, so it is computed (and written) again."""
+def cache_hit(cache: AnalysisCache, key: str, usable: Callable[[Verdict], bool] | None = None) -> Verdict | None:
+    """A cache hit, or None: a damaged entry, or one `usable` turns down, counts as a miss, so it is computed (and
+    written) again."""
     hit = cache.get(key)
     if hit is None:
         return None
     try:
-        return Verdict.from_json(hit, cached=True)
+        verdict = Verdict.from_json(hit, cached=True)
     except (ValueError, TypeError, AttributeError):
         return None
+    return verdict if usable is None or usable(verdict) else None
 
 
 def _same_files(key: str, script: str, request: FilterRequest, config_digest: str, files: Sequence[str]) -> bool:
