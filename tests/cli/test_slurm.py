@@ -1,4 +1,4 @@
-"""`xmem-slurm prolog` and `xmem-slurm epilog` as Slurm runs them: environment in, export lines / a record out."""
+"""`xmem-slurm prolog`, `root-prolog` and `epilog` as Slurm runs them: environment in, export lines / a record out."""
 
 import json
 import os
@@ -22,15 +22,58 @@ def run(*args, env):
 
 
 def test_prolog_prints_exports_with_the_mps_limit_capped_by_the_share(tmp_path):
+    measure = tmp_path / "measure"
+    measure.mkdir(mode=0o755)
     env = {"SLURM_JOB_ID": "31", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10", "CUDA_VISIBLE_DEVICES": "1",
-           "XMEM_MEASURE_DIR": str(tmp_path), **STAMP.env()}
+           "XMEM_MEASURE_DIR": str(measure), "SLURM_JOB_UID": str(os.getuid()), "SLURM_JOB_GID": str(os.getgid()),
+           **STAMP.env()}
+    made = run("root-prolog", "--mps-control", str(tmp_path / "no-mps-here"), env=env)  # the Prolog, first
+    assert (made.returncode, made.stderr) == (0, ""), made.stderr
     done = run("prolog", env=env)
     assert done.returncode == 0, done.stderr
     total = find_gpu("a100", load_catalog()).total_bytes
     share_mib = -(-(total * 10 // 100) // MIB)  # 10 % of the a100 is below the 6 GiB needed
     assert done.stdout.splitlines() == [f"export {k}={v}" for k, v in STAMP.env().items()] + [
-        f"export XMEM_MEASURE_FILE={tmp_path}/xmem-measure-31.json",
+        f"export XMEM_MEASURE_FILE={measure}/{os.getuid()}/xmem-measure-31.json",
         f"export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={share_mib}M"]
+
+
+def stand_in(directory: Path, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+def test_root_prolog_sets_the_mps_daemons_limit_from_slurms_allocation(tmp_path):
+    """A recording stand-in of nvidia-cuda-mps-control (its stdin, one command per call, goes to a log; it answers
+    get_server_list with this test's own pid, a server of the job's user) and of nvidia-smi (an 80 GiB GPU 2)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "mps.log"
+    bin_dir.mkdir()
+    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"]) \
+        if os.geteuid() == 0 else None  # a server of another user: left alone
+    servers = f"{os.getpid()} {other.pid if other else ''} 999999999"
+    stand_in(bin_dir, "nvidia-cuda-mps-control", f'read -r line; echo "$line" >> {log}\n'
+                                                 f'[ "$line" = get_server_list ] && echo "{servers}"\nexit 0\n')
+    stand_in(bin_dir, "nvidia-smi", '[ "$1" = --id=2 ] && echo 81920 || exit 6\n')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "32", "SLURM_JOB_UID": str(os.getuid()),
+           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30", "SLURM_JOB_GPUS": "2",
+           "SLURM_JOB_COMMENT": JobStamp(needed_bytes=70 * GIB, request="mps:90").comment()}  # the user's words
+    try:
+        done = run("root-prolog", env=env)
+    finally:
+        if other:
+            other.kill()
+            other.wait()
+    assert (done.returncode, done.stderr) == (0, "")
+    share = 81920 * 30 // 100
+    assert log.read_text().splitlines() == ["get_server_list", f"set_default_device_pinned_mem_limit 2 {share}M",
+                                            f"set_device_pinned_mem_limit {os.getpid()} 2 {share}M"]
+    log.unlink()
+    not_mps = run("root-prolog", env={**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": ""})
+    assert not_mps.returncode == 0 and not log.exists()
+    stand_in(bin_dir, "nvidia-cuda-mps-control", "echo 'Cannot find MPS control daemon' >&2; exit 1\n")
+    down = run("root-prolog", env=env)
+    assert down.returncode == 0 and "MPS memory limit not set" in down.stderr  # logged; never fails the job
 
 
 def test_prolog_never_fails_the_task(tmp_path):
@@ -43,7 +86,8 @@ def test_prolog_never_fails_the_task(tmp_path):
 
 def test_epilog_appends_the_record(tmp_path):
     store = tmp_path / "records.jsonl"
-    (tmp_path / "xmem-measure-77.json").write_text(json.dumps({"peak_bytes": 4 * GIB}))
+    (tmp_path / str(os.getuid())).mkdir()
+    (tmp_path / str(os.getuid()) / "xmem-measure-77.json").write_text(json.dumps({"peak_bytes": 4 * GIB}))
     env = {"SLURM_JOB_ID": "77", "SLURM_JOB_USER": "ann", "SLURM_JOB_UID": str(os.getuid()),
            "SLURM_JOB_COMMENT": STAMP.comment(),
            "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_GPUS": "0"}

@@ -3,8 +3,8 @@
 import json
 import os
 
-from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_memory_limit, prolog_exports,
-                             read_measure_file)
+from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_limit_commands, mps_memory_limit,
+                             mps_share_mib, prolog_exports, read_measure_file)
 from xmem.slurm.stamp import JobStamp, add_to_comment
 from xmem.slurm.store import DEFAULT_STORE
 
@@ -53,17 +53,35 @@ def test_mps_limit_rounds_up_to_whole_mib_and_covers_every_visible_device():
     assert mps_memory_limit(env, stamp, None) == "0=101M,1=101M"
 
 
+def test_the_root_side_mps_share_is_what_slurm_allocated_never_the_stamp():
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "SLURM_JOB_GPUS": "1", "CUDA_VISIBLE_DEVICES": "0",
+           **JobStamp(needed_bytes=1, gpu_type="h100").env()}  # the stamp's claims play no part
+    shares = mps_share_mib(env, {0: 81920, 1: 40960}.get)
+    assert shares == {1: 10240}  # 25 % of GPU 1 (the node's index, as the control daemon counts), in MiB
+    assert mps_limit_commands(shares, ["4242"]) == ["set_default_device_pinned_mem_limit 1 10240M",
+                                                    "set_device_pinned_mem_limit 4242 1 10240M"]
+    assert mps_share_mib({"SLURM_JOB_GPUS": "0"}, {0: 40960}.get) == {}  # not an MPS job
+    assert mps_share_mib({**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "250"}, {1: 40960}.get) == {}
+
+
 def test_no_mps_limit_for_a_job_without_mps():
     assert mps_memory_limit({"CUDA_VISIBLE_DEVICES": "0"}, STAMP, 40 * GIB) is None
 
 
-def test_prolog_exports_the_stamp_the_measure_file_and_the_mps_limit():
+def test_prolog_exports_the_stamp_the_measure_file_and_the_mps_limit(tmp_path):
+    made = tmp_path / str(os.geteuid()) / "xmem-measure-42.json"  # as the root Prolog leaves it
+    made.parent.mkdir()
+    made.touch()
     env = {"SLURM_JOB_ID": "42", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40", "CUDA_VISIBLE_DEVICES": "0",
            **STAMP.env()}
     exports = dict(prolog_exports(env, total_bytes_of=lambda t: 40 * GIB if t == "a100" else None,
-                                  measure_dir="/var/tmp/m", comment_of=no_comment))
-    assert exports == {**STAMP.env(), "XMEM_MEASURE_FILE": "/var/tmp/m/xmem-measure-42.json",
+                                  measure_dir=str(tmp_path), comment_of=no_comment))
+    assert exports == {**STAMP.env(), "XMEM_MEASURE_FILE": str(made),
                        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M"}
+    made.unlink()
+    made.symlink_to(tmp_path / "elsewhere")  # no file the Prolog made: nothing to write to
+    assert "XMEM_MEASURE_FILE" not in dict(prolog_exports(env, total_bytes_of=lambda t: None,
+                                                          measure_dir=str(tmp_path), comment_of=no_comment))
 
 
 def test_prolog_reads_the_comment_when_the_job_exported_nothing():
@@ -109,7 +127,9 @@ def test_exit_code_from_slurm_variables():
 
 
 def test_epilog_record_from_comment_and_measure_file(tmp_path):
-    (tmp_path / "xmem-measure-42.json").write_text(json.dumps({"peak_bytes": 6 * GIB}))
+    path = tmp_path / str(os.getuid()) / "xmem-measure-42.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"peak_bytes": 6 * GIB}))
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_USER": "ann", "SLURM_JOB_UID": str(os.getuid()),  # the file's owner
            "SLURM_JOB_COMMENT": "x " + STAMP.comment(),
            "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_GPUS": "0"}
@@ -118,19 +138,24 @@ def test_epilog_record_from_comment_and_measure_file(tmp_path):
                                 "estimate_bytes": 7 * GIB, "needed_bytes": 8 * GIB, "exit_code": 0,
                                 "measured_bytes": 6 * GIB, "measured_by": "file", "ended_at": 5.0,
                                 "deferred_state": None, "request_before": None}
-    assert not os.path.exists(tmp_path / "xmem-measure-42.json")
+    assert not path.exists()
 
 
-def test_epilog_falls_back_to_nvml_on_the_jobs_gpus(tmp_path):
+def test_epilog_takes_nvml_before_the_file_the_job_wrote(tmp_path):
     seen = []
 
     def nvml(gpus, since):
         seen.append(gpus)
         return 3 * GIB
 
-    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_COMMENT": STAMP.comment(), "SLURM_JOB_GPUS": "1,3"}
+    path = tmp_path / str(os.getuid()) / "xmem-measure-9.json"
+    path.parent.mkdir()
+    path.write_text("99")  # the job's own claim: not what root measured
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_UID": str(os.getuid()), "SLURM_JOB_COMMENT": STAMP.comment(),
+           "SLURM_JOB_GPUS": "1,3"}
     record = epilog_record(env, measure_dir=str(tmp_path), nvml=nvml)
     assert seen == [[1, 3]] and (record.measured_bytes, record.measured_by) == (3 * GIB, "nvml")
+    assert not path.exists()
 
 
 def test_epilog_records_nothing_for_a_job_with_no_estimate_and_no_measurement(tmp_path):

@@ -27,9 +27,10 @@ def xmem(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def record(job_id: int, gpu_type: str | None, estimate: int | None, measured: int | None,
-           exit_code: int | None = 0) -> JobRecord:
-    return JobRecord(job_id=str(job_id), gpu_type=gpu_type, estimate_bytes=estimate, measured_bytes=measured,
-                     measured_by="file" if measured else None, exit_code=exit_code)
+           exit_code: int | None = 0, user: str | None = None, measured_by: str = "nvml") -> JobRecord:
+    """A record of its own user (`u<job_id>` unless named), measured by the root Epilog's NVML by default."""
+    return JobRecord(job_id=str(job_id), user=user or f"u{job_id}", gpu_type=gpu_type, estimate_bytes=estimate,
+                     measured_bytes=measured, measured_by=measured_by if measured else None, exit_code=exit_code)
 
 
 def overhead_now(name: str) -> int:
@@ -78,7 +79,7 @@ def test_calibrate_from_store_fits_the_median_error_into_each_types_overhead(tmp
     out.write_text('# an older fit\n\n[overhead."A100-SXM4-40GB"]\ncontext_bytes = 1\nprovenance = "old"\n\n'
                    '[overhead."T4"]\ncontext_bytes = 333\nlibrary_bytes = { cublas = 7 }\nprovenance = "t4 runs"\n')
     run = xmem("calibrate", "--from-store", "--store", str(store), "--config", str(tmp_path / "site.toml"),
-               "--out", str(out), cwd=tmp_path)
+               "--out", str(out), "--min-users", "2", cwd=tmp_path)  # the H100 has two users' records
     assert run.returncode == 0, run.stderr
     fitted = tomllib.loads(out.read_text())["overhead"]
     a100, h100 = fitted["A100-SXM4-40GB"], fitted["H100-SXM5-80GB"]
@@ -122,3 +123,59 @@ def test_report_plot_draws_estimate_against_measured(tmp_path):
     append_record(empty, record(1, "a100", 3 * GIB, None))
     nothing = xmem("report", "--store", str(empty), "--plot", "x.png", cwd=tmp_path)
     assert nothing.returncode == 2 and "nothing to draw" in nothing.stderr
+
+
+# --- issue 21: no user moves the site's calibration alone ---------------------------------------------------------
+
+def honest_and_forged(path: Path, *, forged_by: str, honest_users: int = 3) -> None:
+    """`honest_users` users' A100 jobs measured 100-300 MiB above their estimate, and six jobs of one user whose
+    comment claims a tiny estimate for a large NVML peak: 60 GiB of residual each (the campaign's attack)."""
+    job = 0
+    for u in range(honest_users):
+        for delta in (100, 200, 300):
+            job += 1
+            append_record(path, record(job, "a100", 4 * GIB, 4 * GIB + (delta + 10 * u) * MIB, user=f"honest{u}"))
+    for _ in range(6):
+        job += 1
+        append_record(path, record(job, "a100", 1, 60 * GIB, user="mallory", measured_by=forged_by))
+
+
+def calibrated_a100(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, int | None]:
+    out = tmp_path / "calibration.toml"
+    run = xmem("calibrate", "--from-store", "--store", str(tmp_path / "records.jsonl"), "--out", str(out), *args,
+               cwd=tmp_path)
+    fitted = tomllib.loads(out.read_text())["overhead"] if out.exists() else {}
+    return run, fitted.get("A100-SXM4-40GB", {}).get("context_bytes")
+
+
+def test_peaks_the_jobs_wrote_themselves_never_calibrate(tmp_path):
+    honest_and_forged(tmp_path / "records.jsonl", forged_by="file")
+    run, context = calibrated_a100(tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert context == overhead_now("a100") + 210 * MIB  # the median honest user (+200 MiB, +10 MiB each)
+    assert "6 measured by file, not trusted" in " ".join(run.stderr.split())
+
+
+def test_one_users_forged_estimates_are_one_vote_among_the_users(tmp_path):
+    honest_and_forged(tmp_path / "records.jsonl", forged_by="nvml")  # the peak is real, the comment is not
+    run, context = calibrated_a100(tmp_path)
+    assert run.returncode == 0, run.stderr
+    # four users' medians: +200, +210, +220 MiB and mallory's ~60 GiB: the median lies between two honest users
+    assert overhead_now("a100") + 210 * MIB <= context <= overhead_now("a100") + 220 * MIB
+
+
+def test_one_user_alone_moves_nothing(tmp_path):
+    honest_and_forged(tmp_path / "records.jsonl", forged_by="nvml", honest_users=0)
+    run, context = calibrated_a100(tmp_path)
+    assert run.returncode == 2 and context is None
+    assert "records of 1 user(s), fewer than 3" in " ".join(run.stderr.split())
+
+
+def test_a_fit_moves_the_overhead_by_one_bounded_step(tmp_path):
+    store = tmp_path / "records.jsonl"
+    for u in range(3):  # every user agrees on +3 GiB: a real change, taken a step at a time
+        append_record(store, record(u, "a100", 4 * GIB, 7 * GIB, user=f"user{u}"))
+    run, context = calibrated_a100(tmp_path, "--max-move-mib", "512")
+    assert run.returncode == 0, run.stderr
+    assert context == overhead_now("a100") + 512 * MIB
+    assert "held to a step of 512 MiB" in " ".join(run.stderr.split())

@@ -2,7 +2,7 @@
 
 - `estimate`            xmem/cli/estimate.py   (the estimator)
 - `check`               xmem/cli/check.py      (a batch script: parse, estimate, policy, no submission)
-- `filter`, `prolog`, `epilog`, `report`, `status`
+- `filter`, `prolog`, `root-prolog`, `epilog`, `report`, `status`
                         xmem/cli/slurm.py      (Slurm glue)
 - `calibrate`           xmem/cli/calibrate.py  (per-GPU overhead fit)
 - `fit`                 xmem/cli/fit.py        (the largest value of one knob that fits each offer)
@@ -34,7 +34,7 @@ def _root() -> None:
 COMMAND_MODULES: dict[str, str] = {
     "estimate": "estimate",
     "check": "check",
-    "filter": "slurm", "prolog": "slurm", "epilog": "slurm", "report": "slurm", "status": "slurm",
+    "filter": "slurm", "prolog": "slurm", "root-prolog": "slurm", "epilog": "slurm", "report": "slurm", "status": "slurm",
     "calibrate": "calibrate",
     "fit": "fit",
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,7 @@ from xmem.cli import app
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 from xmem.gpus.catalog import CALIBRATION_PATH
 from xmem.slurm.store import DEFAULT_STORE
+from xmem.slurm.store_fit import MAX_MOVE_BYTES, MIN_USERS, TRUSTED_MEASUREMENTS
 from xmem.units import MIB
 
 
@@ -100,11 +102,20 @@ def calibrate_command(
     quantile: float = typer.Option(0.5, "--quantile", min=0.0, max=1.0,
                                    help="Quantile of the residuals taken as the fitted overhead (0.5: median)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the fit and the TOML; write nothing."),
+    min_users: int = typer.Option(MIN_USERS, "--min-users", min=1,
+                                  help="With --from-store: distinct users a GPU type's fit needs."),
+    max_move_mib: int = typer.Option(MAX_MOVE_BYTES // MIB, "--max-move-mib", min=0,
+                                     help="With --from-store: how far one fit may move a type's overhead (MiB)."),
+    trust_job_files: bool = typer.Option(False, "--trust-job-files",
+                                         help="With --from-store: also count peaks the jobs wrote themselves "
+                                              "(XMEM_MEASURE_FILE), which their users control."),
 ) -> None:
     """Fit CUDA context + per-library overhead per GPU type from real runs, and write the calibration file."""
     err = Console(stderr=True)
     if from_store:
-        _calibrate_from_store(err, store, config, out, quantile, dry_run)
+        trusted = TRUSTED_MEASUREMENTS | {"file"} if trust_job_files else TRUSTED_MEASUREMENTS
+        _calibrate_from_store(err, store, config, out, quantile, dry_run,
+                              StoreRules(trusted, min_users, max_move_mib * MIB))
         return
     if data is None or estimates is None:
         err.print("[red]error:[/] give --data and --estimates (a benchmark's runs), or --from-store")
@@ -131,13 +142,22 @@ def calibrate_command(
     err.print(f"wrote {out}")
 
 
+@dataclass(frozen=True)
+class StoreRules:
+    """What keeps one user's records from moving the site's calibration (xmem.slurm.store_fit)."""
+
+    trusted: frozenset[str]
+    min_users: int
+    max_move_bytes: int
+
+
 def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[str], out: Path, quantile: float,
-                          dry_run: bool) -> None:
+                          dry_run: bool, rules: StoreRules) -> None:
     """The fit on the site's own jobs; GPU types the store has no usable record of keep their calibration."""
     from xmem.config import ConfigError, load_site_config
     from xmem.slurm.node import NodeSettings
     from xmem.slurm.store import read_records
-    from xmem.slurm.store_fit import kept_tables, store_samples
+    from xmem.slurm.store_fit import bounded, kept_tables, store_samples
 
     store = NodeSettings.read(os.environ, store=store).store
     if not os.path.exists(store):
@@ -148,20 +168,28 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
     except ConfigError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    found = store_samples(read_records(store), site.catalog(), site.mig.parent_of)
+    catalog = site.catalog()
+    found = store_samples(read_records(store), catalog, site.mig.parent_of, trusted=rules.trusted,
+                          min_users=rules.min_users)
     left_out = ", ".join(f"{n} {why}" for why, n in sorted(found.skipped.items()))
     if not found.samples:
-        err.print(f"[red]error:[/] no usable record in {store} (a record needs an estimate and a measured peak of "
-                  f"a job that ended well){': ' + left_out if left_out else ''}")
+        err.print(f"[red]error:[/] no usable record in {store} (a record needs an estimate and a peak measured by "
+                  f"{' or '.join(sorted(rules.trusted))} of a job that ended well, on a GPU type at least "
+                  f"{rules.min_users} users ran){': ' + left_out if left_out else ''}")
         raise typer.Exit(2)
-    fits = fit_overheads(found.samples, quantile)
+    fits, held = bounded(fit_overheads(found.samples, quantile), catalog, rules.max_move_bytes)
     provenance = (f"fitted on the job records of {store} by `xmem-slurm calibrate --from-store --store {store} "
-                  f"--quantile {quantile}` on {datetime.date.today().isoformat()}")
+                  f"--quantile {quantile} --min-users {rules.min_users} --max-move-mib "
+                  f"{rules.max_move_bytes // MIB}{' --trust-job-files' if 'file' in rules.trusted else ''}` on "
+                  f"{datetime.date.today().isoformat()}, one run per user (the median of their jobs)")
     kept = kept_tables(out.read_text(), fits) if out.exists() else ""
     text = calibration_toml(fits, provenance) + (f"\n{kept}" if kept else "")
     show_fits(Console(stderr=True, width=120), fits)
     if left_out:
         err.print(f"records left out: {left_out}")
+    if held:
+        err.print(f"held to a step of {rules.max_move_bytes // MIB} MiB from the calibration in effect: "
+                  f"{', '.join(held)} (calibrate again on new records to go further)")
     if dry_run:
         typer.echo(text)
         return

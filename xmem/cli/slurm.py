@@ -1,4 +1,5 @@
-"""Slurm glue commands: `filter` (for cli_filter.lua), `prolog` (TaskProlog), `epilog` (Epilog), `report`.
+"""Slurm glue commands: `filter` (for cli_filter.lua), `prolog` (TaskProlog), `root-prolog` (Prolog), `epilog`
+(Epilog), `report`.
 
 Owns only the I/O: reading stdin and the environment, printing, exit codes, the site config's path. The logic
 is in xmem.slurm (filter, deferred, node, store). Nothing heavy is imported at module level:
@@ -79,6 +80,41 @@ def prolog_command(
         print(f"xmem-slurm prolog: {type(e).__name__}: {e}", file=sys.stderr)
 
 
+@app.command("root-prolog")
+def root_prolog_command(
+    measure_dir: Optional[str] = MeasureDirOption,
+    mps_control: str = typer.Option("nvidia-cuda-mps-control", "--mps-control",
+                                    help="The MPS control program; absent from PATH: the site runs no MPS."),
+) -> None:
+    """For Prolog (root, on the node, before the job): the job's measure file, and for an MPS job the control
+    daemon's memory limit from the share Slurm allocated. Never fails the job: errors go to stderr, exit 0."""
+    import shutil
+
+    from xmem.slurm.node import NodeSettings, enforce_mps_share, gpu_total_mib, job_uid, prepare_measure_file
+
+    env, uid = os.environ, job_uid(os.environ)
+    job_id = env.get("SLURM_JOB_ID", "")
+    settings = NodeSettings.read(env, measure_dir=measure_dir)
+    if settings.measure_dir and uid >= 0:
+        try:
+            gid = int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else _gid_of(uid)
+            prepare_measure_file(settings.measure_dir, uid, gid, job_id)
+        except Exception as e:
+            print(f"xmem-slurm root-prolog: job {job_id}: no measure file: {e}", file=sys.stderr)
+    control = shutil.which(mps_control)
+    if control and uid >= 0:
+        try:
+            enforce_mps_share(env, uid, control=control, total_mib_of=gpu_total_mib)
+        except Exception as e:
+            print(f"xmem-slurm root-prolog: job {job_id}: MPS memory limit not set: {e}", file=sys.stderr)
+
+
+def _gid_of(uid: int) -> int:
+    import pwd
+
+    return pwd.getpwuid(uid).pw_gid
+
+
 @app.command("epilog")
 def epilog_command(
     store: Optional[str] = StoreOption,
@@ -152,7 +188,7 @@ def _plot_store(records: list, path: str, config: Optional[str], store: str) -> 
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    points = store_samples(records, site.catalog(), site.mig.parent_of).points
+    points = store_samples(records, site.catalog(), site.mig.parent_of, trusted=None).points
     if not points:
         typer.echo(f"error: no record in {store} has both an estimate and a measured peak: nothing to draw", err=True)
         raise typer.Exit(2)

@@ -1,11 +1,12 @@
 """What xmem-slurm does on the compute node: the TaskProlog's exports and the Epilog's record.
 
-Owns the MPS memory limit derived from the job stamp (xmem.slurm.stamp: the TaskProlog sees the stamp's `XMEM_*`
-variables, else asks slurmctld for the job's comment; the Epilog sees the comment), and reading a job's measured
-peak (a file the job wrote, or NVML accounting), and the node's settings (`NodeSettings`: the record store and
-the measure directory, read from the environment when a command runs, never at import). Functions take the
-environment as a mapping and return data; the CLI does the printing and the store writing. Nothing here may fail
-a job: callers catch everything.
+Owns the root Prolog's work (the job's measure file, made for its user in a directory only that user and root
+reach; the MPS control daemon's memory limit, from what Slurm allocated), the advisory MPS memory limit derived from
+the job stamp (xmem.slurm.stamp: the TaskProlog sees the stamp's `XMEM_*` variables, else asks slurmctld for the
+job's comment; the Epilog sees the comment), reading a job's measured peak (NVML accounting, else the file the job
+wrote), and the node's settings (`NodeSettings`: the record store and the measure directory, read from the
+environment when a command runs, never at import). Functions take the environment as a mapping and return data;
+the CLI does the printing and the store writing. Nothing here may fail a job: callers catch everything.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int |
     return ",".join(f"{i}={mib}M" for i in range(len(devices)))
 
 
-def measure_file_path(measure_dir: str | None, job_id: str | None) -> str | None:
-    if not measure_dir or not job_id:
+def measure_file_path(measure_dir: str | None, uid: int, job_id: str | None) -> str | None:
+    """`<measure_dir>/<uid>/xmem-measure-<job>.json`: the root Prolog makes it (`prepare_measure_file`)."""
+    if not measure_dir or not job_id or not job_id.isdigit() or uid < 0:
         return None
-    return os.path.join(measure_dir, f"xmem-measure-{job_id}.json")
+    return os.path.join(measure_dir, str(uid), f"xmem-measure-{job_id}.json")
 
 
 def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], int | None],
@@ -101,14 +103,153 @@ def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], in
     if stamp.is_empty():
         return []
     exports = list(stamp.env().items())
-    measure = measure_file_path(measure_dir, env.get("SLURM_JOB_ID"))
-    if measure:
+    measure = measure_file_path(measure_dir, os.geteuid(), env.get("SLURM_JOB_ID"))
+    if measure and _own_regular_file(measure):
         exports.append(("XMEM_MEASURE_FILE", measure))
     total = total_bytes_of(stamp.gpu_type) if stamp.gpu_type else None
     limit = mps_memory_limit(env, stamp, total)
     if limit:
         exports.append(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit))
     return exports
+
+
+def _own_regular_file(path: str) -> bool:
+    """The root Prolog made it for us: a regular file (not a link) of the caller's."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
+# --- root Prolog -----------------------------------------------------------------------------------------------
+
+class MeasureDirRefused(Exception):
+    """The measure directory is not one only root can write: no file is made in it."""
+
+
+def prepare_measure_file(measure_dir: str, uid: int, gid: int, job_id: str) -> str:
+    """As root, before the job: make `<measure_dir>/<uid>/xmem-measure-<job>.json`, empty, owned by the job's user.
+
+    Only root can add names to `measure_dir` (owned by the caller, not group- or world-writable: else
+    MeasureDirRefused), so no other user can plant a link where a job writes; `<uid>` is the user's own 0700
+    directory, made or re-owned here. The file is created exclusively without following links; a name the user
+    left there (a link, an old file) is removed first. Every step goes through directory descriptors, so no path is
+    resolved twice."""
+    path = measure_file_path(measure_dir, uid, job_id)
+    if path is None:
+        raise MeasureDirRefused(f"no measure file for job {job_id!r} of uid {uid}")
+    top = os.open(measure_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(top)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise MeasureDirRefused(f"{measure_dir} must be root's and writable by root only "
+                                    f"(it is uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o})")
+        own = _user_dir(top, str(uid), uid, gid)
+    finally:
+        os.close(top)
+    try:
+        name = os.path.basename(path)
+        for _ in range(2):
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=own)
+                break
+            except FileExistsError:
+                os.unlink(name, dir_fd=own)  # unlinkat: never follows; the user's own leftover or link
+        else:
+            raise MeasureDirRefused(f"{path} keeps coming back")
+        try:
+            os.fchown(fd, uid, gid)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(own)
+    return path
+
+
+def _user_dir(top: int, name: str, uid: int, gid: int) -> int:
+    """The user's 0700 directory under `top`, as an open descriptor (made here when missing)."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=top)
+    except FileExistsError:
+        pass
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+    info = os.fstat(fd)
+    if (info.st_uid, info.st_gid) != (uid, gid):
+        os.fchown(fd, uid, gid)
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def mps_share_mib(env: Mapping[str, str], total_mib_of: Callable[[int], int | None]) -> dict[int, int]:
+    """Device index -> the MPS share's memory in MiB, from what Slurm allocated: the Prolog's
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the job's mps count over the GPU's) of each allocated GPU's memory. Never
+    from the job's comment or environment, which the user writes."""
+    percentage = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    if not percentage.isdigit() or not 0 < int(percentage) <= 100:
+        return {}
+    gpus = env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES") or ""
+    shares = {}
+    for index in (int(g) for g in gpus.split(",") if g.strip().isdigit()):
+        total = total_mib_of(index)
+        if total:
+            shares[index] = total * int(percentage) // 100
+    return shares
+
+
+def mps_limit_commands(shares: Mapping[int, int], user_servers: list[str]) -> list[str]:
+    """The control daemon's commands that cap each client's pinned device memory at the share (NVIDIA's
+    nvidia-cuda-mps-control grammar): the default, for the server the job's first CUDA call will start, and the
+    user's servers already running (a default reaches only servers started after it)."""
+    commands = [f"set_default_device_pinned_mem_limit {dev} {mib}M" for dev, mib in sorted(shares.items())]
+    commands += [f"set_device_pinned_mem_limit {pid} {dev} {mib}M"
+                 for pid in user_servers for dev, mib in sorted(shares.items())]
+    return commands
+
+
+def enforce_mps_share(env: Mapping[str, str], uid: int, *, control: str,
+                      total_mib_of: Callable[[int], int | None]) -> list[str]:
+    """As root, before an MPS job: send `mps_limit_commands` to the control daemon, one per call (as
+    `echo CMD | nvidia-cuda-mps-control`). Returns the commands sent; raises when the daemon refuses one."""
+    shares = mps_share_mib(env, total_mib_of)
+    if not shares:
+        return []
+    servers = [pid for pid in _mps_control(control, "get_server_list").split() if pid.isdigit()
+               and _uid_of_process(pid) == uid]
+    commands = mps_limit_commands(shares, servers)
+    for command in commands:
+        _mps_control(control, command)
+    return commands
+
+
+def _mps_control(control: str, command: str) -> str:
+    done = subprocess.run([control], input=command + "\n", capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise RuntimeError(f"{control}: {command!r} exited {done.returncode}: {done.stderr.strip()[:200]}")
+    return done.stdout
+
+
+def _uid_of_process(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def gpu_total_mib(index: int, nvidia_smi: str = "nvidia-smi") -> int | None:
+    """The GPU's memory as the driver reports it (root Prolog: the node's truth, not the job's GPU type)."""
+    try:
+        done = subprocess.run([nvidia_smi, f"--id={index}", "--query-gpu=memory.total",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    value = done.stdout.strip()
+    return int(value) if done.returncode == 0 and value.isdigit() else None
 
 
 # --- Epilog ----------------------------------------------------------------------------------------------------
@@ -208,20 +349,21 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
     if not job_id:
         return None
     stamp = JobStamp.from_comment(env.get("SLURM_JOB_COMMENT"))
-    measured, measured_by = None, None
-    path = measure_file_path(measure_dir, job_id)
+    # NVML, read here as root, first: the job cannot write it. The job's own file only where NVML has nothing;
+    # it is kept as "file", which calibration does not trust (xmem.slurm.store_fit.TRUSTED_MEASUREMENTS).
+    gpus = [int(g) for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
+    start = env.get("SLURM_JOB_START_TIME", "")
+    measured = nvml(gpus, float(start) if start.isdigit() else None) if gpus else None
+    measured_by = "nvml" if measured else None
+    path = measure_file_path(measure_dir, job_uid(env), job_id)
     if path:
-        measured = read_measure_file(path, job_uid(env))
-        measured_by = "file" if measured else None
+        from_file = read_measure_file(path, job_uid(env))
+        if measured is None and from_file:
+            measured, measured_by = from_file, "file"
         try:
             os.unlink(path)
         except OSError:
             pass
-    if measured is None:
-        gpus = [int(g) for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
-        start = env.get("SLURM_JOB_START_TIME", "")
-        measured = nvml(gpus, float(start) if start.isdigit() else None) if gpus else None
-        measured_by = "nvml" if measured else None
     deferred = comment_fields(env.get("SLURM_JOB_COMMENT"))
     if stamp.is_empty() and measured is None and "state" not in deferred:
         return None
