@@ -28,6 +28,7 @@ from xmem.config import ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
 from xmem.policy.options import OptionTable
 from xmem.text import one_line
+from xmem.trace import privileges
 from xmem.units import MIB, gib_text, size_text
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ def check_command(
     err = Console(stderr=True)
     if (script is None) == (wrap is None):
         fail(as_json, EXIT_USAGE, "bad_option", "give a batch script or --wrap COMMAND (one of them)", verb="check")
+    # issue 21: root never runs another user's program: this same check runs as them, or is refused
+    privileges.rerun_cli_as_owner([script or ""], lambda why: fail(as_json, EXIT_USAGE, "not_as_root", why,
+                                                                  verb="check"))
     try:
         site = load_site_config(config)
     except ConfigError as e:

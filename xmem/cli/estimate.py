@@ -28,7 +28,7 @@ from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_g
 from xmem.gpus import CatalogError, UnknownGpuError
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
-from xmem.trace import TraceError
+from xmem.trace import TraceError, privileges
 from xmem.text import one_line
 from xmem.units import size_text
 
@@ -85,6 +85,8 @@ def estimate_command(
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
     err = Console(stderr=True)
+    # issue 21: root never runs another user's program: this same estimate runs as them, or is refused
+    privileges.rerun_cli_as_owner(command, lambda why: fail(as_json, EXIT_USAGE, "not_as_root", why))
     try:
         site = load_site_config(config)
         settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python,

@@ -7,12 +7,17 @@ is not root's alone) is not estimated and keeps its request, with a one-line not
 Root's own job, all of whose files only root can write, is estimated as before: it is root's code, and it will
 run as root anyway. The filter passes `guarded_estimator` to the analysis, so a job that needs no trace (a CPU
 job, one that is not understood) is answered as before; only the step that would start the program is checked.
+
+`xmem-slurm check` and `estimate` run by root on another user's script or program (issue 21) are run again as that
+user (`rerun_as`: their groups, uid and a clean environment set before exec, as login does), so the program runs
+as its owner; where that cannot be done (no such user, xmem's interpreter not reachable by them) they refuse.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -98,3 +103,69 @@ def kept_decision(errors: Sequence[Any]) -> dict[str, Any] | None:
     """The policy's "keep" decision when a trace was refused as root (its notice is the reason), else None."""
     refused = [e for e in errors if getattr(e, "kind", None) == KIND]
     return {"action": "keep", "reason": refused[0].message} if refused else None
+
+
+# --- issue 21: the CLI as root on another user's files -------------------------------------------------------------
+
+XMEM_PARENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFUSED_EXIT = 2  # as a bad option: nothing was run
+
+
+def login_env(entry: pwd.struct_passwd) -> dict[str, str]:
+    """What a login gives the user, and nothing of root's environment; xmem on the path of its interpreter."""
+    env = {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name, "SHELL": entry.pw_shell or "/bin/sh",
+           "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": XMEM_PARENT_DIR}
+    return {**env, **{k: os.environ[k] for k in ("TERM", "XMEM_CONFIG") if k in os.environ}}
+
+
+def rerun_as(who: str, argv: Sequence[str], refuse: Callable[[str], None]) -> int:
+    """As root: run `argv` as user `who` (initgroups, setgid, setuid, then exec with `login_env`), wait, return its
+    exit status. When that cannot be done, `refuse(message)` is called (in the child, which then exits
+    REFUSED_EXIT) and nothing of the user's runs."""
+    try:
+        entry = pwd.getpwnam(who)
+    except KeyError:
+        refuse(notice_cli(who, "there is no such user to run it as"))
+        return REFUSED_EXIT
+    if entry.pw_uid == 0:
+        refuse(notice_cli(who, "it is root's"))
+        return REFUSED_EXIT
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups(os.getgrouplist(entry.pw_name, entry.pw_gid))
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)  # all three ids: root cannot be regained
+            if 0 in (os.getuid(), os.geteuid(), os.getgid()) or os.getgroups().count(0):
+                raise PermissionError("root's ids were not all dropped")
+            os.execve(argv[0], list(argv), login_env(entry))
+        except OSError as error:
+            refuse(notice_cli(who, f"running it as {who} failed ({error.strerror or error}: {argv[0]})"))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(REFUSED_EXIT)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def notice_cli(who: str, why: str) -> str:
+    return (f"these are {who}'s files and xmem-slurm never runs a user's program as root; {why}: run it as {who}, "
+            "or install xmem where every user can run it (scripts/install.sh --prefix /opt/xmem)")
+
+
+def cli_owner(paths: Sequence[str], cwd: str) -> str | None:
+    """As root, whose code `check`/`estimate` would run (the script, the program's files, the directory), when not
+    root's alone; None otherwise."""
+    return foreign_owner({}, None, [p for p in paths if p], cwd) if as_root() else None
+
+
+def rerun_cli_as_owner(paths: Sequence[str], refuse: Callable[[str], None]) -> None:
+    """The CLI's guard: as root on another user's files, run this same command as them and exit with its status;
+    otherwise return (run here)."""
+    who = cli_owner(paths, os.getcwd())
+    if who is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(rerun_as(who, [sys.executable, "-m", "xmem.cli", *sys.argv[1:]], refuse))

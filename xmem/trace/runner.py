@@ -68,6 +68,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     if interpreter is None:
         raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
     remove_stale_scratch()
+    shim.prepare(interpreter)  # -- issue 21: built outside the sandbox, where its cache is read-only
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
@@ -124,7 +125,7 @@ def _cpu_seconds(timeout: float | None) -> int:
 
 
 def _shim_dirs() -> list[str]:
-    """Where the native shim is cached: kept writable inside the sandbox, so that it is compiled once."""
+    """Where the native shim is cached: read-only inside the sandbox (the warm tracer loads it outside)."""
     cache = shim.cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -140,6 +141,7 @@ def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     return child_env
+    child_env[shim.DIR_ENV] = str(shim.cache_dir())  # -- issue 21: ours, never the job's (it could name /dev/shm)
 
 
 @dataclass
@@ -162,8 +164,10 @@ Start = Callable[[Any, int], "Started | None"]
 def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
     def start(log: Any, progress_fd: int) -> subprocess.Popen:
         command = warm.with_option(argv, "--progress-fd", str(progress_fd))
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=cwd, pass_fds=(progress_fd,), start_new_session=True)
+        # -- issue 21: the helper starts clean; the program's environment is applied inside, to the tracer
+        sandbox.write_program_env(Path(argv[argv.index("--scratch") + 1]), env)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=sandbox.HELPER_ENV, cwd=cwd, pass_fds=(progress_fd,), start_new_session=True)
     return start
 
 

@@ -55,19 +55,28 @@ import signal
 import stat as stat_module
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+# Where services listen (munge, databases, the user's session bus): an empty tmpfs covers it in the sandbox.
+SERVICES_DIR = "/run"
 
 RESULT_FILE = "sandbox.json"
 COW_DIR = "cow"  # under the scratch: the copy-on-write layers
 # Set for the tracer when Python's writes are redirected (see _redirecting_env), read by install_in_child().
 COW_ENV = "XMEM_SANDBOX_COW"
 # "fallback" forces the fallback (tests, or a site that wants no namespaces); "read-only" namespaces without
-# overlays, as on kernels before 5.11 (tests).
+# overlays, as on kernels before 5.11 (tests). Read by the caller (helper_command), handed to the helper as --mode:
+# the helper runs in a clean environment.
 MODE_ENV = "XMEM_SANDBOX"
+_mode = ""  # the helper's --mode
 # Kernel and runtime state, not the user's files: left as they are.
 SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/run")
 PSEUDO_FILESYSTEMS = frozenset({
@@ -104,8 +113,9 @@ def _prctl(option: int, value: int) -> None:
 
 # ---- namespaces -------------------------------------------------------------------------------------------------
 
-def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) -> tuple[str, list[str]]:
-    """Move this process into new user, mount and pid namespaces and cover the filesystems with overlays.
+def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tuple[str, list[str]]:
+    """Move this process into new user, mount, pid and network namespaces and cover the filesystems with overlays;
+    `protected` (the shim cache: what runs outside the sandbox later) is bound back read-only, the scratch writable.
 
     Returns a description of what now protects the user's files, and the directories made read-only instead of
     overlaid (all of them where overlayfs is not allowed in a user namespace, before Linux 5.11: Python's writes
@@ -113,17 +123,21 @@ def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) ->
     the namespaces (nothing has changed then), SandboxError if a later step fails (no fallback is possible then).
     """
     uid, gid = os.getuid(), os.getgid()
-    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
+    # A network namespace of its own: loopback only (what a fake process group's TCPStore needs), no route out.
+    network = _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET) == 0
+    if not network and _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
         raise NamespacesRefused(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
     Path("/proc/self/setgroups").write_text("deny")  # needed before an unprivileged gid_map
     Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
     Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    if network:
+        _loopback_up()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the host
     targets = [path for path, writable in overlay_targets(scratch).items() if writable]
     # Handles on the real directories, taken before any overlay hides them (fds from after the unshare: a mount of
     # the host's namespace cannot be the source of one in ours).
     # A mount point may be a file (a container's /etc/hosts): overlayfs refuses it, so it is made read-only.
-    real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *keep_writable]}
+    real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *protected]}
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
     _mount("xmem-cow", str(cow), "tmpfs", MS_NOSUID | MS_NODEV, f"size={cow_bytes},mode=700")
@@ -135,15 +149,44 @@ def enter_namespaces(scratch: Path, keep_writable: list[str], cow_bytes: int) ->
         else:  # e.g. it has mounts below it, which a user namespace may not hide: its own writes fail instead
             _bind(real[path], path, read_only=True)
             read_only.append(path)
-    for path in [str(scratch), *keep_writable]:
-        _bind(real[path], path, read_only=False)
+    services = _hide_services(uid)
+    for path in [str(scratch), *protected]:
+        if _under(path, (SERVICES_DIR,)):  # a TMPDIR under /run/user: its mount point, in the new tmpfs
+            os.makedirs(path, exist_ok=True)
+        _bind(real[path], path, read_only=path != str(scratch))
     for fd in real.values():
         os.close(fd)
     os.chdir(os.getcwd())  # the working directory still points into the real tree: enter its overlay
     text = f"namespaces: writes go to a private copy-on-write overlay of {', '.join(covered) or 'nothing'}"
     if read_only:
         text += f"; read-only, Python's writes there redirected: {', '.join(read_only)}"
-    return text, read_only
+    text += "; network: loopback only" if network else "; network NOT isolated (the kernel refused a namespace)"
+    return text + f"; {services}", read_only
+
+
+def _loopback_up() -> None:
+    """Bring up the new network namespace's loopback (it starts down): 127.0.0.1 for a fake process group."""
+    import fcntl
+    import socket
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as handle:
+        request = struct.pack("16sh22x", b"lo", 0)
+        flags = struct.unpack("16sh22x", fcntl.ioctl(handle, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(handle, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+
+
+def _hide_services(uid: int) -> str:
+    """An empty tmpfs over /run: the unix sockets of the host's services (munge, and so Slurm; databases; the
+    user's session bus, which could start processes outside) are not reachable by path. (Sockets in the other
+    directories are behind their overlay, through which a connect is refused; abstract ones are per network
+    namespace.) $XDG_RUNTIME_DIR is made again, empty."""
+    try:
+        _mount("xmem-run", SERVICES_DIR, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=755")
+    except SandboxError as error:
+        return f"{SERVICES_DIR} NOT hidden ({error.strerror})"
+    runtime = Path(SERVICES_DIR) / "user" / str(uid)
+    runtime.mkdir(parents=True, mode=0o700)
+    return f"{SERVICES_DIR} replaced by an empty tmpfs (no service's socket)"
 
 
 def overlay_targets(scratch: Path) -> dict[str, bool]:
@@ -184,7 +227,7 @@ def _under(path: str, parents: tuple[str, ...]) -> bool:
 
 
 def _overlay(path: str, lower_fd: int, layer: Path) -> bool:
-    if os.environ.get(MODE_ENV) == "read-only":
+    if _mode == "read-only":
         return False
     upper, work = layer / "upper", layer / "work"
     upper.mkdir(parents=True)
@@ -207,7 +250,7 @@ def _bind(source_fd: int, path: str, read_only: bool) -> None:
         _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
-def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict | None) -> None:
+def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict) -> None:
     """Pid 1 of the new pid namespace: mount its /proc, run the tracer, reap orphans, leave when the tracer ends
     (the kernel then kills whatever the program left running)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -223,22 +266,24 @@ def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict | None) -
 
 # ---- fallback -------------------------------------------------------------------------------------------------
 
-def run_fallback(argv: list[str], limits: Limits, scratch: Path, keep_writable: list[str], refused: str) -> dict:
-    """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant."""
+def run_fallback(argv: list[str], limits: Limits, scratch: Path, protected: list[str], refused: str,
+                 program_env: dict) -> dict:
+    """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant.
+    `protected` (the shim cache) is passed through unredirected, so that Landlock refuses a write there."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
-    env = _redirecting_env(cow, scratch, keep_writable, only_under=None)
+    env = _redirecting_env(program_env, cow, scratch, protected, only_under=None)
     landlock = landlock_abi()
-    tracer = _start_tracer(_redirected(argv), limits, env,
-                           writable=[str(scratch), *keep_writable] if landlock else None)
+    tracer = _start_tracer(_redirected(argv), limits, env, writable=[str(scratch)] if landlock else None)
     _stop_descendants_on_signal()
     status = _wait_for(tracer)
     kill_descendants()
-    backstop = f"Landlock (ABI {landlock}) refuses other writes" if landlock else "no Landlock: C-level writes land"
+    backstop = f"Landlock (ABI {landlock}) refuses other writes" if landlock else \
+        "no Landlock: C-level writes land, the shim cache is not protected"
     return {"status": status, "protection": f"fallback ({refused}): Python's file APIs redirected to a copy-on-write "
                                             f"directory; {backstop}; the program's processes killed at the end "
-                                            "(subreaper)"}
+                                            "(subreaper); network NOT isolated"}
 
 
 # Runs `python -m MODULE ARGS` with Python's file APIs redirected first (before the module imports anything).
@@ -246,14 +291,15 @@ BOOTSTRAP = ("import runpy, sys; from xmem.trace.sandbox import install_in_child
              "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
 
-def _redirecting_env(cow: Path, scratch: Path, keep_writable: list[str], only_under: list[str] | None) -> dict:
+def _redirecting_env(program_env: dict, cow: Path, scratch: Path, passthrough: list[str],
+                     only_under: list[str] | None) -> dict:
     """The tracer's environment that makes install_in_child() redirect: writes under `only_under` (None: anywhere)
-    but not in the scratch or `keep_writable` go to `cow`. TMPDIR points into the scratch, so that what writes
+    but not in the scratch or `passthrough` go to `cow`. TMPDIR points into the scratch, so that what writes
     temporary files past Python (g++ building the shim, a subprocess) can."""
-    spec = {"cow": str(cow), "passthrough": [str(scratch), *keep_writable], "only_under": only_under}
+    spec = {"cow": str(cow), "passthrough": [str(scratch), *passthrough], "only_under": only_under}
     temporary = scratch / "tmp"
     temporary.mkdir(mode=0o700)
-    return dict(os.environ, **{COW_ENV: json.dumps(spec), "TMPDIR": str(temporary)})
+    return dict(program_env, **{COW_ENV: json.dumps(spec), "TMPDIR": str(temporary)})
 
 
 def _redirected(argv: list[str]) -> list[str]:
@@ -390,7 +436,7 @@ def become_tracer(argv: list[str], env: dict) -> None:
     os.execvpe(argv[0], argv, env)
 
 
-def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: list[str] | None = None) -> int:
+def _start_tracer(argv: list[str], limits: Limits, env: dict, writable: list[str] | None = None) -> int:
     pid = os.fork()
     if pid:
         return pid
@@ -399,10 +445,43 @@ def _start_tracer(argv: list[str], limits: Limits, env: dict | None, writable: l
         limits.apply()
         if writable is not None:
             restrict_writes(writable, landlock_abi())
-        become_tracer(argv, os.environ if env is None else env)
+        drop_privileges()
+        become_tracer(argv, env)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the helper's code
         sys.stderr.write(f"xmem sandbox: cannot start the tracer: {error}\n")
     os._exit(127)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges() -> None:
+    """The tracer holds no capability and can gain none, whoever runs it, warm or cold: in the user namespace the
+    helper has all of them (umount2 of an overlay would uncover the user's files), root keeps them across exec,
+    and the warm tracer does not exec at all. no_new_privs (no setuid or file capabilities at exec), the bounding
+    set emptied (what exec as uid 0 would grant), the ambient set cleared, then capset to nothing. Checked: a
+    tracer left with any capability is not started."""
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+        _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0)  # EPERM: no CAP_SETPCAP, so none to drop
+    _libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), 0, 0, 0)  # EINVAL before Linux 4.3
+    _check(_libc.capset(ctypes.byref(_CapHeader(LINUX_CAPABILITY_VERSION_3, 0)), (_CapData * 2)()), "capset")
+    held = capabilities()
+    if held["NoNewPrivs"] != 1 or any(held[name] for name in ("CapInh", "CapPrm", "CapEff", "CapAmb")) or \
+            (os.geteuid() == 0 and held["CapBnd"]):
+        raise SandboxError(errno.EPERM, f"the tracer would keep privileges: {held}")
+
+
+def capabilities() -> dict[str, int]:
+    """This process's capability sets and no_new_privs, as /proc/self/status shows them."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {name: int(fields[name], 16 if name.startswith("Cap") else 10)
+            for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")}
 
 
 def _wait_for(pid: int) -> dict:
@@ -434,47 +513,80 @@ def read_result(scratch: Path) -> dict:
 
 # ---- the helper -------------------------------------------------------------------------------------------------
 
+PROGRAM_ENV_FILE = "program-env.json"  # in the scratch: the program's environment, read and removed by the helper
+# The helper's own environment: nothing of the job's (an LD_PRELOAD there would run outside the sandbox).
+HELPER_ENV = {"PATH": os.defpath, "LC_ALL": "C.UTF-8"}
+
+
 def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: int,
-                   keep_writable: list[str]) -> list[str]:
-    """The command line that runs `sandbox.py` (isolated from the user's PYTHONPATH) in front of the tracer."""
+                   protected: list[str]) -> list[str]:
+    """The command line that runs `sandbox.py` (isolated from the user's PYTHONPATH) in front of the tracer; start
+    it with HELPER_ENV, after `write_program_env`. `protected` directories are read-only in the sandbox."""
     command = [python, "-I", str(Path(__file__).resolve()), "--scratch", str(scratch), "--parent", str(os.getpid()),
-               "--memory-bytes", str(memory_bytes), "--cpu-seconds", str(cpu_seconds)]
-    for path in keep_writable:
-        command += ["--keep-writable", path]
+               "--memory-bytes", str(memory_bytes), "--cpu-seconds", str(cpu_seconds),
+               "--mode", os.environ.get(MODE_ENV, ""), "--program-env", str(scratch / PROGRAM_ENV_FILE)]
+    for path in protected:
+        command += ["--protect", path]
     return [*command, "--"]
 
 
-def main(argv: list[str]) -> None:
+def write_program_env(scratch: Path, env: Mapping[str, str]) -> None:
+    """Hand the program's environment to the helper through the scratch (private to the user): the helper starts
+    in a clean one and applies this one only when it starts the tracer, inside the sandbox."""
+    path = scratch / PROGRAM_ENV_FILE
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as out:
+        json.dump(dict(env), out)
+
+
+def _read_program_env(path: Path | None) -> dict[str, str]:
+    """The program's environment from the caller's file (removed once read), else this process's own."""
+    if path is None:
+        return dict(os.environ)
+    env = json.loads(path.read_text())
+    path.unlink()
+    return env
+
+
+def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
+    """Run the helper. `program_env`: the tracer's environment when the caller has it at hand (the warm tracer),
+    else read from --program-env."""
     parser = argparse.ArgumentParser(description="run a command in xmem's sandbox")
     parser.add_argument("--scratch", type=Path, required=True)
     parser.add_argument("--parent", type=int, required=True, help="pid of the caller: we die with it")
     parser.add_argument("--memory-bytes", type=int, default=0)
     parser.add_argument("--cpu-seconds", type=int, default=0)
-    parser.add_argument("--keep-writable", action="append", default=[])
+    parser.add_argument("--protect", action="append", default=[], help="a directory read-only in the sandbox")
+    parser.add_argument("--mode", default="", help=f"as ${MODE_ENV}")
+    parser.add_argument("--program-env", type=Path, help="JSON file of the program's environment (then removed)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent:  # the caller died before the line above took effect
         os._exit(1)
+    global _mode
+    _mode = args.mode
+    if program_env is None:
+        program_env = _read_program_env(args.program_env)
     limits = Limits(args.memory_bytes, args.cpu_seconds)
-    keep = [path for path in args.keep_writable if os.path.isdir(path)]
+    keep = [path for path in args.protect if os.path.isdir(path)]
     try:
-        if os.environ.get(MODE_ENV) == "fallback":
+        if _mode == "fallback":
             raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
         protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
     except NamespacesRefused as refused:
-        _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}"))
+        _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}",
+                                                 program_env))
         os._exit(0)
     except OSError as error:  # half-way into the namespaces: the user's files cannot be promised safe
         _write_result(args.scratch, {"failed": f"the sandbox could not be set up: {error}"})
         os._exit(1)
     _write_result(args.scratch, {"protection": protection + "; the program's processes end with it (pid namespace)"})
-    env = None
+    env = program_env
     if read_only:
         cow = args.scratch / COW_DIR / "python"
         cow.mkdir()
-        env = _redirecting_env(cow, args.scratch, keep, only_under=read_only)
+        env = _redirecting_env(program_env, cow, args.scratch, keep, only_under=read_only)
         command = _redirected(command)
     init = os.fork()
     if init == 0:

@@ -1,8 +1,12 @@
 """The native fake-CUDA shim: find torch without importing it, build the right shim with g++, load it.
 
-Owns the C++ sources' build and cache (`$XDG_CACHE_HOME/xmem-slurm/native/`, else `~/.cache/...`, else a private
-directory under the temporary one), keyed by torch version, build kind and source hash, and the rule that only a
-library this user built is loaded. Must never import torch: the shim has to be loaded before torch is.
+Owns the C++ sources' build and cache (`$XMEM_SHIM_DIR`, which the runner sets from its own environment, else
+`$XDG_CACHE_HOME/xmem-slurm/native/`, else `~/.cache/...`, else a private directory under the temporary one), keyed
+by torch version, build kind and source hash, and the rule that only a library this user built is loaded, and only
+with the content its builder recorded: the warm tracer loads it outside the sandbox, so nothing a traced program
+wrote may pass (the cache is read-only in the sandbox; the digest catches what the sandbox could not stop, such as
+a shim replaced before this rule). The runner builds it before a trace starts (`prepare`), outside the sandbox.
+Must never import torch: the shim has to be loaded before torch is.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +26,8 @@ from pathlib import Path
 from xmem.userfiles import open_own, private_dir
 
 NATIVE_DIR = Path(__file__).with_name("native")
+DIR_ENV = "XMEM_SHIM_DIR"  # the cache the runner chose (a job's own HOME or XDG_CACHE_HOME never decides it)
+DIGEST_SUFFIX = ".sha256"  # beside each shim: the digest of the bytes its builder wrote
 SOURCES = {"cuda": NATIVE_DIR / "cuda_build_hooks.cpp", "cpu": NATIVE_DIR / "cpu_build_shim.cpp"}
 
 
@@ -40,7 +47,10 @@ def find_torch() -> TorchInstall:
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         raise ShimError("torch is not installed for this Python interpreter")
-    root = Path(spec.origin).parent
+    return _install_at(Path(spec.origin).parent)
+
+
+def _install_at(root: Path) -> TorchInstall:
     build = "cuda" if (root / "lib" / "libtorch_cuda.so").exists() else "cpu"
     return TorchInstall(root, _read_version(root), build)
 
@@ -51,6 +61,8 @@ def _read_version(root: Path) -> str:
 
 
 def cache_dir() -> Path:
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "xmem-slurm" / "native"
 
@@ -101,11 +113,29 @@ def _compiler() -> str:
 
 
 def _own_file(path: Path) -> bool:
+    """A file of this user's whose content is what its builder recorded."""
     fd = open_own(path)
     if fd is None:
         return False
-    os.close(fd)
-    return True
+    try:
+        return _as_built(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _as_built(path: Path, fd: int) -> bool:
+    """Whether the open shim `fd` holds the bytes recorded beside `path` when it was built (no record: no)."""
+    record = open_own(str(path) + DIGEST_SUFFIX)
+    if record is None:
+        return False
+    with os.fdopen(record) as text:
+        recorded = text.read().strip()
+    digest = hashlib.sha256()
+    with open(os.dup(fd), "rb") as data:
+        data.seek(0)
+        for block in iter(lambda: data.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest() == recorded
 
 
 def _writable(directory: Path) -> bool:
@@ -129,11 +159,42 @@ def _compile(torch: TorchInstall, target: Path) -> Path:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or ["no error text"]
             raise ShimError(f"building the fake-CUDA shim with {compiler} failed: {errors[0].strip()}")
         os.chmod(tmp, 0o755)  # the linker keeps mkstemp's 0600 or applies the umask: state the mode once
+        _record_digest(Path(tmp), target)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _record_digest(built: Path, target: Path) -> None:
+    """Write the digest of the built bytes beside where they go (before they are moved there: a reader never
+    sees a shim without its record)."""
+    fd, tmp = tempfile.mkstemp(suffix=DIGEST_SUFFIX, dir=target.parent)
+    with os.fdopen(fd, "w") as out:
+        out.write(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
+    os.replace(tmp, str(target) + DIGEST_SUFFIX)
+
+
+# Run by the job's interpreter, isolated (-I: no PYTHONPATH, user site or current directory): where its torch is.
+FIND_TORCH = "import importlib.util; s = importlib.util.find_spec('torch'); print(s.origin if s and s.origin else '')"
+
+
+def prepare(interpreter: str) -> None:
+    """Build the shim of `interpreter`'s torch now, outside the sandbox (where the cache is read-only), so that the
+    trace finds it built. Best effort: a tracer that still finds none builds a private copy for itself."""
+    try:
+        if os.path.realpath(interpreter) == os.path.realpath(sys.executable):
+            torch = find_torch()
+        else:  # another interpreter (the job's venv): asked in a clean environment, isolated
+            done = subprocess.run([interpreter, "-I", "-c", FIND_TORCH], capture_output=True, text=True, timeout=60,
+                                  env={"PATH": os.defpath}, stdin=subprocess.DEVNULL)
+            if not done.stdout.strip():
+                return
+            torch = _install_at(Path(done.stdout.strip()).parent)
+        build_shim(torch)
+    except (ShimError, OSError, ValueError, subprocess.TimeoutExpired):
+        pass
 
 
 def load_shim() -> ctypes.CDLL:
@@ -144,8 +205,12 @@ def load_shim() -> ctypes.CDLL:
         raise ShimError("the fake-CUDA shim must be loaded before torch is imported")
     path = build_shim(find_torch())
     fd = open_own(path)
+    if fd is not None and not _as_built(path, fd):
+        os.close(fd)
+        fd = None
     if fd is None:
-        raise ShimError(f"refusing to load {path}: it is not a file of this user's that only they can write")
+        raise ShimError(f"refusing to load {path}: it is not a file of this user's that only they can write, "
+                        "with the content its build recorded")
     through = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)  # no /proc: by name
     try:
         return ctypes.CDLL(through, mode=ctypes.RTLD_GLOBAL)

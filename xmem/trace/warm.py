@@ -57,6 +57,12 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
                        "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
                        "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
+# The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
+# at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
+# these settings pass. A job that sets anything else of that kind is traced cold, where its environment is applied
+# inside the sandbox only.
+SERVER_PYTHON_ENV = ("PYTHONHASHSEED", "PYTHONNOUSERSITE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE",
+                     "PYTHONUNBUFFERED", "PYTHONPATH")
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
 # server's path). A library a job would import from another place is not used warm (`_shadowed`). transformers
 # loads lazily: its model base (modeling_utils, 1.3 s) and Trainer (2.8 s more) are what every HF job imports; a
@@ -96,16 +102,30 @@ def socket_path(interpreter: str, env: dict[str, str]) -> Path | None:
     directory = socket_dir()
     if directory is None:
         return None
-    imports = sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and
-                     (k.startswith(IMPORT_ENV_PREFIXES) or k in IMPORT_ENV_NAMES))
+    if any(_runs_code_at_start(name) for name in env):
+        return None  # cold: such a variable is applied inside the sandbox only
+    imports = sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and _shapes_imports(k))
     key = json.dumps([os.path.abspath(interpreter), os.geteuid(), os.getegid(), sorted(os.getgroups()), imports])
     path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.sock"
     return path if len(str(path)) <= MAX_SOCKET_PATH else None
 
 
+def _shapes_imports(name: str) -> bool:
+    return name.startswith(IMPORT_ENV_PREFIXES) or name in IMPORT_ENV_NAMES
+
+
+def _runs_code_at_start(name: str) -> bool:
+    return name.startswith("LD_") or (name.startswith("PYTHON") and name not in SERVER_PYTHON_ENV)
+
+
 def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
-    """The server's environment: the job's, with xmem alone on PYTHONPATH (a job's own path is its own)."""
-    return {**env, "PYTHONPATH": xmem_parent}
+    """The server's environment (it runs outside the sandbox): of the job's, only what shapes its imports (the key
+    of its socket), nothing that runs code at start, the shim cache the runner chose, and xmem alone on
+    PYTHONPATH. The job's whole environment is applied inside its sandbox (`_trace_in_process`)."""
+    from xmem.trace import shim
+    kept = {k: v for k, v in env.items() if _shapes_imports(k) and not _runs_code_at_start(k)}
+    return {"PATH": os.defpath, **kept, **{k: env[k] for k in (shim.DIR_ENV,) if k in env},
+            "PYTHONPATH": xmem_parent}
 
 
 def start_server(interpreter: str, path: Path, env: dict[str, str],
@@ -115,7 +135,8 @@ def start_server(interpreter: str, path: Path, env: dict[str, str],
     idle = os.environ.get(IDLE_ENV, str(DEFAULT_IDLE_S))
     wait = ["--after", str(after), "--caller", str(os.getpid())] if after is not None else []
     try:
-        return subprocess.Popen([interpreter, "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle, *wait],
+        # -s: no user site-packages outside the sandbox (a job that has one is declined, `_declined`)
+        return subprocess.Popen([interpreter, "-s", "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle, *wait],
                                 env=env, cwd=str(path.parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:  # no warm tracer this time: estimates go on cold
@@ -480,6 +501,8 @@ def _shadowed(preloaded: dict[str, str], path: list[str]) -> str:
     """A preloaded module that the job's path would import from another file (a local `transformers/`)."""
     stdlib = sysconfig.get_paths()["stdlib"]  # once: it expands every install scheme's paths
     for name, origin in preloaded.items():
+        if name == "xmem":  # the job's start-up (trace/boot) takes it from where it lies, whatever the path
+            continue
         if name not in sys.builtin_module_names and not origin.startswith(stdlib):
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             found = spec.origin if spec is not None else None
@@ -526,9 +549,7 @@ def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None
         for name, value in request["limits"].items():
             resource.setrlimit(getattr(resource, name), tuple(value))
         env, cwd = request["env"], request["cwd"]
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
+        os.chdir(cwd)  # the environment stays the server's clean one: the job's is applied inside the sandbox
         for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(number, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -541,7 +562,7 @@ def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None
         helper = with_option(with_option(helper, "--parent", str(os.getppid())), "--progress-fd", str(progress))
         helper = _memory_for_libraries(helper, loaded.library_bytes)
         sandbox.become_tracer = _trace_in_process
-        sandbox.main(helper)
+        sandbox.main(helper, program_env=env)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the server's code
         sys.stderr.write(f"xmem warm tracer: cannot start the job: {error}\n")
     os._exit(127)
