@@ -9,11 +9,13 @@ non-root side is the dev cluster's: tests/integration/test_multiuser.py submits 
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.throwaway_users import scratch, users_fixture  # noqa: F401 (scratch is a fixture)
+from tests.throwaway_users import SYSTEM_PYTHON, scratch, users_fixture  # noqa: F401 (scratch is a fixture)
 from xmem.slurm.filter import filter_main
 from xmem.trace import privileges
 
@@ -73,3 +75,51 @@ def test_as_root_the_estimator_refuses_before_anything_starts(tmp_path):
     with pytest.raises(privileges.RootTraceRefused, match="for alice"):
         refuse(["python", "train.py"], gpus=["a100"], cwd=str(tmp_path))
     assert privileges.kept_decision([]) is None  # nothing refused: the analysis' own answer stands
+
+
+# --- issue 21: `check` / `estimate` run by root on a user's files -----------------------------------------------------
+
+MARKS_ITS_UID = "import os, sys\nopen(sys.argv[1], 'w').write(str(os.getuid()))\n"
+
+
+def test_root_checking_a_users_script_runs_it_as_them_or_refuses(scratch, users):
+    """The CLI reruns itself as the script's owner; here xmem's interpreter lives under /root (0700), so it cannot
+    run as them: it refuses, naming them, and their program never runs (as root or anyone)."""
+    (owner,) = users
+    marker = scratch / "ran-as.txt"
+    (scratch / "train.py").write_text(MARKS_ITS_UID)
+    (scratch / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py {marker}\n")
+    for path in (scratch, scratch / "train.py", scratch / "job.sh"):
+        os.chown(path, owner.uid, owner.gid)
+    done = subprocess.run([sys.executable, "-m", "xmem.cli", "check", "--json", "job.sh"], cwd=scratch,
+                          capture_output=True, text=True, timeout=300)
+    reply = json.loads(done.stdout.strip().splitlines()[-1])
+    if owner.run(sys.executable, "-c", "import xmem", check=False).returncode != 0:  # xmem not runnable by them
+        assert done.returncode == privileges.REFUSED_EXIT and reply["error"] == "not_as_root", done.stdout
+        assert owner.name in reply["message"] and "never runs a user's program as root" in reply["message"]
+    assert not marker.exists() or marker.read_text() == str(owner.uid)
+
+
+def test_rerun_as_drops_to_the_user_with_their_groups_and_a_clean_environment(users, monkeypatch):
+    (owner,) = users
+    monkeypatch.setenv("LD_PRELOAD", "/nonexistent/hook.so")
+    code = ("import os, json; print(json.dumps([os.getuid(), os.geteuid(), os.getgid(), os.getgroups(), "
+            "dict(os.environ)]))")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the rerun writes to stdout: capture it through a pipe in a child of ours
+        os.dup2(write, 1)
+        os._exit(privileges.rerun_as(owner.name, [SYSTEM_PYTHON, "-c", code], lambda why: None))
+    os.close(write)
+    with os.fdopen(read) as out:
+        uid, euid, gid, groups, env = json.loads(out.read())
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (uid, euid, gid) == (owner.uid, owner.uid, owner.gid) and 0 not in groups
+    assert env["HOME"] == str(owner.home) and env["USER"] == owner.name and "LD_PRELOAD" not in env
+
+
+def test_rerun_as_refuses_where_there_is_no_one_to_run_it_as():
+    said = []
+    assert privileges.rerun_as("other users", ["/bin/true"], said.append) == privileges.REFUSED_EXIT
+    assert "never runs a user's program as root" in said[0]

@@ -268,3 +268,32 @@ def test_the_servers_memory_in_huge_pages_forks_as_before():
     if done.stdout.strip() == "refused":
         pytest.skip("this kernel has no MADV_COLLAPSE")
     assert done.stdout.split() == ["child", "0", "huge", "True", "intact", "True"], done.stdout
+
+
+# issue 21: a warm job runs in the server's process, with no exec to shed what the sandbox's namespace gives
+ESCAPES_THEN_TRAINS = """
+import ctypes, os, sys, torch
+home = sys.argv[1]
+points = [line.split()[4] for line in open("/proc/self/mountinfo")]
+point = max((p for p in points if (home + "/").startswith(p.rstrip("/") + "/")), key=len)
+if ctypes.CDLL(None, use_errno=True).umount2(point.encode(), 2) == 0:
+    raise RuntimeError(f"umount2 of {point} was allowed")
+with open(os.path.join(home, "escaped.txt"), "w") as out:
+    out.write("escaped")
+model = torch.nn.Linear(8, 8).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_a_warm_job_holds_no_capability(warm_on, tmp_path):
+    home = Path(tempfile.mkdtemp(prefix="xmem-home-"))  # straight under /tmp: the overlay's copy takes the write
+    try:
+        (tmp_path / "escape.py").write_text(ESCAPES_THEN_TRAINS)
+        _, cpu = traced(["python", str(tmp_path / "escape.py"), str(home)], cwd=str(tmp_path))
+        assert cpu < COLD_CPU_S, "the job was not run warm"
+        assert not (home / "escaped.txt").exists()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
