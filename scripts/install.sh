@@ -18,8 +18,8 @@
 #                     system's python3), the packages, xmem-slurm; world-readable, nothing linking elsewhere
 #   DIR/var/cache     a shared estimate.cache_dir: sticky and world-writable like /tmp; each user's entries go to
 #                     a 0700 subdirectory they make themselves (xmem.cache.user_cache_dir)
-#   DIR/var/measure   the jobs' measure files (the TaskProlog's XMEM_MEASURE_FILE): 1777; the Epilog reads only
-#                     the job user's own regular file
+#   DIR/var/measure   the jobs' measure files (XMEM_MEASURE_FILE): root's, 0755; the root Prolog makes each job's
+#                     file in its user's own 0700 subdirectory, the Epilog reads only the job user's regular file
 #   DIR/var/lib       the Epilog's record store (root's, 0755): XMEM_STORE=DIR/var/lib/records.jsonl
 #   the estimate slots' directory (xmem.cache.SHARED_SLOTS_DIR, under /tmp): 1777, a 0700 subdirectory per user
 # --packages-from VENV: reuse the packages installed in VENV (torch...) and this working tree's xmem (editable)
@@ -103,9 +103,9 @@ site_install() {
     quiet_pip "$py" -m pip install -q --disable-pip-version-check $reqs "$REPO[$extras]"
   fi
   chmod -R a+rX "$PREFIX/venv"
-  install -d -m 0755 "$PREFIX/var" "$PREFIX/var/lib"
-  install -d -m 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"
-  chmod 1777 "$PREFIX/var/cache" "$PREFIX/var/measure"  # also when they existed with another mode
+  install -d -m 0755 "$PREFIX/var" "$PREFIX/var/lib" "$PREFIX/var/measure"
+  install -d -m 1777 "$PREFIX/var/cache"
+  chmod 1777 "$PREFIX/var/cache"; chmod 0755 "$PREFIX/var/measure"  # also when they existed with another mode
   local slots; slots=$("$py" -c 'from xmem.cache import SHARED_SLOTS_DIR; print(SHARED_SLOTS_DIR)')
   # Root's, or made again: one squatted by a user (or a symlink) would send everyone to their home's slots.
   if [ -L "$slots" ] || { [ -e "$slots" ] && [ "$(stat -c %u "$slots")" != 0 ]; }; then rm -rf "$slots"; fi

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/measure_gpu.py --plan modern --out bench-out/gpu
     .venv/bin/python scripts/measure_gpu.py --data benchmarks/data/xmem-dev.jsonl --out bench-out/gpu --limit 20
     .venv/bin/python scripts/bench_accuracy.py --data bench-out/gpu/measurements.jsonl --out bench-out/gpu-score
+    .venv/bin/python scripts/measure_gpu.py --check-mps-limit   # the root Prolog's MPS share holds (issue 21)
 
 Each job runs unchanged (benchmarks/jobs/*.py, via runpy) in its own fresh process, as the reference measurements
 did: a thread polls NVML `memory.used` of the device every millisecond from before the job starts; the NVML peak is
@@ -213,6 +214,63 @@ def measure(spec: JobSpec, out: Path, device_index: int, timeout: float) -> dict
     return json.loads(raw_path.read_text())
 
 
+# --- issue 21: the MPS share the root Prolog sets, on a real GPU -----------------------------------------------
+
+MPS_SHARE_PERCENT = 10
+# The client: ask the driver for more than the share in one piece, then for half the share. It sets the advisory
+# variable to the whole GPU first, as a job undoing the TaskProlog's export would.
+MPS_CLIENT = """
+import json, sys, torch
+share = int(sys.argv[1])
+def fits(n):
+    try:
+        torch.empty(n, dtype=torch.uint8, device="cuda"); return True
+    except torch.OutOfMemoryError:
+        return False
+print(json.dumps({"over_share": fits(share + (1 << 30)), "half_share": fits(share // 2)}))
+"""
+
+
+def check_mps_limit(device: int) -> dict:
+    """Start a private MPS control daemon, let xmem's root Prolog logic set the share of a 10 % MPS job on
+    `device`, and see whether a client that raised its own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT can allocate past it.
+    Without a GPU or the MPS control program it does nothing and says so."""
+    import shutil
+    import tempfile
+
+    from xmem.slurm.node import enforce_mps_share, gpu_total_mib
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    total = gpu_total_mib(device)
+    if control is None or total is None:
+        return {"skipped": "no GPU or no nvidia-cuda-mps-control here"}
+    private = Path(tempfile.mkdtemp(prefix="xmem-mps-"))
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(private / "pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(private / "log"), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    for name in ("pipe", "log"):
+        (private / name).mkdir()
+    saved = dict(os.environ)
+    os.environ.update(env)  # the Prolog logic calls the control program with this process's environment
+    try:
+        subprocess.run([control, "-d"], env=env, check=True, timeout=30)
+        sent = enforce_mps_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(MPS_SHARE_PERCENT),
+                                  "SLURM_JOB_GPUS": str(device)}, os.getuid(), control=control,
+                                 total_mib_of=gpu_total_mib)
+        share = total * MPS_SHARE_PERCENT // 100 << 20
+        client = subprocess.run([sys.executable, "-c", MPS_CLIENT, str(share)], capture_output=True, text=True,
+                                timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": str(device),
+                                                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={total}M"})
+        result = json.loads(client.stdout.strip().splitlines()[-1]) if client.returncode == 0 else \
+            {"client_failed": client.stderr.strip()[-500:]}
+        return {"commands": sent, "share_bytes": share, **result,
+                "enforced": result.get("over_share") is False and result.get("half_share") is True}
+    finally:
+        subprocess.run([control], input="quit\n", text=True, env=env, timeout=30)
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="directory for measurements.jsonl, raw/, snapshots/")
@@ -221,10 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="measure at most this many jobs")
     parser.add_argument("--device", type=int, default=0, help="GPU index (default 0)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per job (default 1800)")
+    parser.add_argument("--check-mps-limit", action="store_true",
+                        help="only check that the MPS control daemon's share (set as the root Prolog sets it) "
+                             "holds against a client that raises its own limit; does nothing without a GPU")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--raw", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--snapshot", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.check_mps_limit:
+        result = check_mps_limit(args.device)
+        print(json.dumps(result))
+        return 0 if result.get("enforced") or "skipped" in result else 1
 
     if args.child:  # in the fresh process: CUDA_VISIBLE_DEVICES already picks the device
         raw = run_child(JobSpec(**json.loads(args.child)), args.snapshot, args.device)

@@ -92,6 +92,7 @@ Waittime=0
 SlurmdParameters=config_overrides
 GresTypes=gpu,mps
 CliFilterPlugins=cli_filter/lua
+Prolog=$LAB/etc/prolog.sh
 TaskProlog=$LAB/etc/task_prolog.sh
 Epilog=$LAB/etc/epilog.sh
 NodeName=localhost CPUs=16 Sockets=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:a100:2,gpu:h100:1,gpu:1g.10gb:1,mps:200 State=UNKNOWN
@@ -142,15 +143,15 @@ install_xmem_files() {
 print(int(l('$LAB/etc/xmem.toml').estimate.timeout_s) + 30)" 2>/dev/null || echo 330)
   sed -e "s|@XMEM_PYTHON@|$XMEM_PYTHON|g" -e "s|@TIMEOUT_S@|$timeout_s|g" -e "s|@FAILURE@|open|g" \
       -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" "$REPO/slurm/cli_filter.lua" > "$LAB/etc/cli_filter.lua"
-  for f in task_prolog.sh epilog.sh; do
+  for f in prolog.sh task_prolog.sh epilog.sh; do
     sed -e "s|@XMEM_SLURM@|$XMEM_SLURM|g" -e "s|@XMEM_CONFIG@|$LAB/etc/xmem.toml|g" \
         -e "s|@XMEM_STORE@|$LAB/records.jsonl|g" -e "s|@XMEM_MEASURE_DIR@|$LAB/measure|g" \
         "$REPO/slurm/$f" > "$LAB/etc/$f"
     chmod 755 "$LAB/etc/$f"
   done
-  # Shared by every user, like /tmp: each user's cache entries go to a 0700 subdirectory of their own; the Epilog
-  # trusts a measure file only when it is the job user's own.
-  mkdir -p "$LAB/measure" "$LAB/cache"; chmod 1777 "$LAB/measure" "$LAB/cache"
+  # The cache is shared by every user, like /tmp: each user's entries go to a 0700 subdirectory of their own.
+  # The measure directory is root's: the Prolog makes each job's file in its user's 0700 subdirectory.
+  mkdir -p "$LAB/measure" "$LAB/cache"; chmod 1777 "$LAB/cache"; chmod 755 "$LAB/measure"
 }
 
 # sbatch runs the filter (and the TaskProlog runs xmem-slurm) as the submitting user: say so when only root can.

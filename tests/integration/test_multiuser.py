@@ -75,18 +75,19 @@ def test_root_submitting_for_the_user_keeps_their_request_and_runs_nothing(clust
     cluster.run("scancel", sub.job_id)
 
 
-def test_a_measure_file_planted_by_another_user_is_refused_by_the_epilog(cluster, submitter, home):
+def test_another_user_can_plant_no_measure_file_for_a_job(cluster, submitter, home):
     with throwaway_users("planter") as (planter,):
         path = job_script(submitter, home, "cpu.sh", "#!/bin/bash\ntrue\n")
         sub = cluster.sbatch(path, "--hold", user=submitter)
         assert sub.returncode == 0, sub.stderr
-        planted = cluster.lab / "measure" / f"xmem-measure-{sub.job_id}.json"
-        planter.run("/bin/sh", "-c", f"echo '{{\"peak_bytes\": 12345}}' > {planted}")
+        for planted in (cluster.lab / "measure" / f"xmem-measure-{sub.job_id}.json",
+                        cluster.lab / "measure" / str(submitter.uid) / f"xmem-measure-{sub.job_id}.json"):
+            tried = planter.run("/bin/sh", "-c", f"echo '{{\"peak_bytes\": 12345}}' > {planted}", check=False)
+            assert tried.returncode != 0 and not planted.exists()  # root's directory, the submitter's 0700 one
         cluster.run("scontrol", "release", sub.job_id)
         cluster.wait(sub.job_id, timeout=60)
         records = {r.job_id: r for r in read_records(cluster.store)}
-        assert sub.job_id not in records  # a CPU job with nothing measured: no record, not the planted one
-        assert not planted.exists()
+        assert sub.job_id not in records  # a CPU job with nothing measured: no record
 
 
 def test_the_site_install_links_nowhere_private_and_runs_as_nobody(site_install):
@@ -98,8 +99,9 @@ def test_the_site_install_links_nowhere_private_and_runs_as_nobody(site_install)
     for link in (p for p in venv.rglob("*") if p.is_symlink()):
         target = link.resolve()
         assert all(os.stat(d).st_mode & 0o001 for d in target.parents), f"{link} -> {target}"
-    for name in ("cache", "measure"):
-        assert stat.S_IMODE((site_install / "var" / name).stat().st_mode) == 0o1777
+    assert stat.S_IMODE((site_install / "var" / "cache").stat().st_mode) == 0o1777
+    measure = (site_install / "var" / "measure").stat()  # root's: the Prolog makes a 0700 directory per user
+    assert (measure.st_uid, stat.S_IMODE(measure.st_mode)) == (0, 0o755)
     done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
                            str(venv / "bin" / "xmem-slurm"), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -76,15 +76,20 @@ def test_the_epilog_recorded_each_jobs_measured_peak(measured_jobs):
 def test_calibrate_from_store_fits_the_median_error_into_the_overhead(cluster, measured_jobs, tmp_path):
     _work, _job_ids, store, records = measured_jobs
     out = tmp_path / "calibration.toml"
+    # The jobs' own files and one user: what a site's calibration refuses by default (slurm/README.md), accepted
+    # here by the admin's options, so that the loop itself is what this test checks.
     run = cluster.run("xmem-slurm", "calibrate", "--from-store", "--store", str(store), "--config",
-                      str(cluster.config), "--out", str(out), timeout=120)
+                      str(cluster.config), "--out", str(out), "--trust-job-files", "--min-users", "1", timeout=120)
     assert run.returncode == 0, run.stderr
     site = load_site_config(cluster.config)
     (gres_type,) = {r["gpu_type"] for r in records}
     gpu = find_gpu(site.mig.parent_of(gres_type) or gres_type, load_catalog(site.catalog_overrides or None))
     fitted = tomllib.loads(out.read_text())["overhead"][gpu.name]
     assert fitted["context_bytes"] == overhead_bytes(gpu, {ALWAYS_LOADED}) + sorted(EXTRA_MIB)[1] * MIB
-    assert "3 runs" in fitted["provenance"]
+    assert "1 runs" in fitted["provenance"] and "one run per user" in fitted["provenance"]
+    refused = cluster.run("xmem-slurm", "calibrate", "--from-store", "--store", str(store), "--config",
+                          str(cluster.config), "--out", str(tmp_path / "refused.toml"), timeout=120)
+    assert refused.returncode == 2 and "3 measured by file, not trusted" in " ".join(refused.stderr.split())
 
 
 def test_report_plot_draws_the_jobs(cluster, measured_jobs, tmp_path):

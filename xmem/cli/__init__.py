@@ -34,7 +34,8 @@ def _root() -> None:
 COMMAND_MODULES: dict[str, str] = {
     "estimate": "estimate",
     "check": "check",
-    "filter": "slurm", "prolog": "slurm", "root-prolog": "slurm", "epilog": "slurm", "report": "slurm", "status": "slurm",
+    "filter": "slurm", "prolog": "slurm", "root-prolog": "slurm", "epilog": "slurm", "report": "slurm",
+    "status": "slurm",
     "calibrate": "calibrate",
     "fit": "fit",
 }
