@@ -95,6 +95,17 @@ def test_least_recently_used_entries_are_evicted(tmp_path):
     assert cache.get("mid") == {"n": 2} and cache.get("new") == {"n": 3}
 
 
+def test_entries_dated_in_the_future_do_not_evict_every_new_one(tmp_path):
+    cache = AnalysisCache(tmp_path, max_entries=5)
+    for i in range(5):
+        cache.put(f"future{i}", {"n": i})
+        os.utime(tmp_path / f"future{i}.json", (4e9, 4e9))  # the year 2096
+    cache.put("new", {"n": 5})
+    cache.put("newer", {"n": 6})
+    assert cache.get("new") == {"n": 5} and cache.get("newer") == {"n": 6}
+    assert len(list(tmp_path.glob("*.json"))) == 5
+
+
 def test_concurrent_writers_leave_a_whole_value(tmp_path):
     cache = AnalysisCache(tmp_path)
     value = {"peaks": {f"gpu{i}": i for i in range(2000)}}

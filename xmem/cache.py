@@ -25,6 +25,7 @@ from pathlib import Path
 from xmem.userfiles import open_own, private_dir, user_dir
 
 DEFAULT_MAX_ENTRIES = 500
+CLOCK_SLACK_S = 60.0  # a use time this far ahead of the clock is still believed (another host's clock on NFS)
 KEY_VERSION = "1"  # bump when the meaning of a cached value changes
 
 # Environment variables that change what the estimator sees or how the job allocates GPU memory.
@@ -196,10 +197,13 @@ class AnalysisCache:
         return True
 
     def _evict(self) -> None:
-        entries = []
+        """Keep the `max_entries` most recently used. A use time in the future (a clock set back, `touch -d`)
+        says nothing of use: such an entry counts as the oldest, or 500 of them would evict every new one."""
+        entries, now = [], time.time()
         for path in self.directory.glob("*.json"):
             with contextlib.suppress(OSError):
-                entries.append((path.stat().st_mtime, path))
+                mtime = path.stat().st_mtime
+                entries.append((mtime if mtime <= now + CLOCK_SLACK_S else 0.0, path))
         entries.sort()
         for _, path in entries[: max(0, len(entries) - self.max_entries)]:
             with contextlib.suppress(OSError):
