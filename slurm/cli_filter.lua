@@ -58,6 +58,36 @@ local function readable(path)
   return true
 end
 
+-- This sbatch's pid (Lua has no getpid): the first field of /proc/self/stat.
+local function own_pid()
+  local f = io.open("/proc/self/stat", "r")
+  local pid = f and string.match(f:read("*l") or "", "^(%d+) ")
+  if f then f:close() end
+  return pid
+end
+
+local GPU_OPTIONS = {gres = true, gpus = true, ["gpus-per-node"] = true, ["gpus-per-task"] = true}
+
+-- Sets the reply's options, the GPU request first. An option sbatch refuses to take (the setter raises) puts
+-- back what was set so far and sets nothing more: the job goes as the user wrote it. Returns the refused
+-- `name=value`, or nil when all were set.
+local function apply(options, set)
+  local before = {}
+  for _, gpu in ipairs({true, false}) do
+    for name, value in pairs(set) do
+      if (GPU_OPTIONS[name] ~= nil) == gpu then
+        local old = options[name]
+        if not pcall(function() options[name] = value end) then
+          for n, v in pairs(before) do pcall(function() options[n] = v end) end
+          return name .. "=" .. value
+        end
+        if old ~= nil then before[name] = old end
+      end
+    end
+  end
+  return nil
+end
+
 local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter"
 local DEFERRED = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.deferred"
 
@@ -196,22 +226,23 @@ function slurm_cli_pre_submit(options, pack_offset)
   if not readable(script) then script = nil end
   if script == nil and options["wrap"] == nil then return slurm.SUCCESS end  -- srun/salloc command, stdin
 
+  -- The request goes through a file the filter deletes as soon as it has read it, the reply through a pipe:
+  -- a sbatch killed meanwhile leaves no file behind. The filter watches this sbatch (its pid) and ends, with
+  -- its tracer, once nobody waits for the answer.
   local input = os.tmpname()
-  local output = os.tmpname()
   local f = io.open(input, "w")
   f:write('{"script":', json_string(script), ',"argv":', json_list(argv),
           ',"options":', slurm.json_cli_options(options) or "{}",
           ',"hetjob":', hetjob_on_command_line() and "true" or "false",
           ',"user":', json_string(os.getenv("USER")), ',"env":', slurm.json_env() or "{}", '}')
   f:close()
-  local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. FILTER ..
-              " < " .. shquote(input) .. " > " .. shquote(output) .. " 2>/dev/null"
-  local status = exit_code(os.execute(cmd))
-  local rf = io.open(output, "r")
-  local out = rf and rf:read("*a") or ""
-  if rf then rf:close() end
-  os.remove(input); os.remove(output)
-  if status == 124 then return fault("timed out after " .. TIMEOUT_S .. " s") end  -- `timeout` on expiry
+  local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. FILTER .. " --request " .. shquote(input) ..
+              (own_pid() and (" --sbatch-pid " .. own_pid()) or "") .. " </dev/null 2>/dev/null; echo \"exit=$?\""
+  local p = io.popen(cmd)
+  local out = p and p:read("*a") or ""
+  if p then p:close() end
+  os.remove(input)
+  if string.match(out, "exit=124%s*$") then return fault("timed out after " .. TIMEOUT_S .. " s") end
 
   local reply = parse_reply(out)
   if reply == nil then return fault("xmem-slurm filter gave no answer") end
@@ -221,7 +252,11 @@ function slurm_cli_pre_submit(options, pack_offset)
     return slurm.ERROR
   end
   local user_hold = options["hold"] ~= nil  -- read before the reply's own hold is set
-  for name, value in pairs(reply.set) do options[name] = value end
+  local refused = apply(options, reply.set)
+  if refused then
+    keep_for_post_submit("sbatch refused the request xmem chose (" .. refused .. "); submitted as written")
+    return slurm.SUCCESS
+  end
   local token = reply.defer
   if token ~= nil and not string.match(token, "^%x+$") then token = nil end
   keep_for_post_submit(reply.message, token, user_hold)

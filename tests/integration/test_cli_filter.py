@@ -5,6 +5,7 @@ switched off."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -136,3 +137,90 @@ def test_the_users_line_is_short_and_only_for_a_job_slurm_took(cluster, sbatch, 
     refused = sbatch(loud, "--partition=nosuch")  # Slurm refuses the job after the filter ran
     assert refused.returncode != 0 and "xmem-slurm" not in refused.stderr, refused.stderr
     cluster.run("scancel", sub.job_id)
+
+
+def users_processes(user) -> str:
+    import subprocess
+
+    return subprocess.run(["ps", "-u", user.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
+
+
+def test_sbatch_killed_mid_estimate_leaves_no_process_and_no_file(cluster, submitter, work):
+    """kill -9 of sbatch while its filter traces: the filter sees it gone and ends with its tracer within a
+    second or two; the request file is gone from the temporary directory (the reply came through a pipe)."""
+    import signal
+    import subprocess
+    import time
+
+    (work / "slow.py").write_text("import time\ntime.sleep(600)\n")
+    path = script(work, "slow.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1\npython slow.py\n")
+    os.chown(work / "slow.py", submitter.uid, submitter.gid)
+    mine = {"SLURM_CONF": cluster.env["SLURM_CONF"], "XMEM_CONFIG": cluster.env["XMEM_CONFIG"],
+            "PATH": cluster.env["PATH"]}
+    sbatch = subprocess.Popen(submitter.argv("sbatch", "--begin=now+3600", str(path)), cwd=work,
+                              env=submitter.env(mine), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while "slow.py" not in users_processes(submitter) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the traced program runs
+    requests = [p for p in Path("/tmp").glob("lua_*") if p.stat().st_uid == submitter.uid]
+    os.kill(sbatch.pid, signal.SIGKILL)
+    sbatch.wait()
+    killed = time.monotonic()
+    while "xmem" in users_processes(submitter) and time.monotonic() < killed + 10:
+        time.sleep(0.1)
+    print(f"\nfigure: the filter and its tracer ended {time.monotonic() - killed:.1f} s after kill -9 of sbatch")
+    assert "xmem" not in users_processes(submitter) and "slow.py" not in users_processes(submitter)
+    assert time.monotonic() - killed < 5
+    assert not requests and not [p for p in Path("/tmp").glob("lua_*") if p.stat().st_uid == submitter.uid]
+
+
+def test_an_edited_cache_entry_slurm_would_refuse_is_not_used(cluster, sbatch, work):
+    """An entry edited to gpu:8,mps:100 (well-formed; sbatch refuses it) is a miss: estimated again, the job
+    takes the policy's request. The user's own resubmission is never lost."""
+    path = script(work, "tamper.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1\n# tamper\npython train.py\n")
+    user = path.parent.owner()
+    before = cluster.analyses(user)
+    first = sbatch(path, "--begin=now+3600")
+    assert first.returncode == 0, first.stderr
+    want = cluster.job(first.job_id)["TresPerNode"]
+    (entry,) = cluster.analyses(user) - before
+    data = json.loads(entry.read_text())
+    assert data["decision"]["gres"] == want.removeprefix("gres:")
+    data["decision"]["gres"] = "gpu:8,mps:100"
+    entry.write_text(json.dumps(data))  # the user's own file, still theirs
+    again = sbatch(path, "--begin=now+3600")
+    assert again.returncode == 0, again.stderr
+    assert cluster.job(again.job_id)["TresPerNode"] == want and "cached" not in again.stderr
+    cluster.run("scancel", first.job_id, again.job_id)
+
+
+WIDE = """\
+import os
+import torch
+import torch.nn as nn
+
+width = 8192 * (1 + int(os.environ["SLURM_ARRAY_TASK_ID"]))
+model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)).cuda()
+opt = torch.optim.Adam(model.parameters())
+for step in range(2):
+    loss = model(torch.randn(4, width, device="cuda")).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_an_array_job_is_sized_for_its_widest_task(cluster, sbatch, work):
+    """Task t's model is (t + 1) times as wide (Adam: 1 GiB for task 0, 16 GiB for task 3): the request must hold
+    the last task, not only task 0's MIG slice."""
+    (work / "wide.py").write_text(WIDE)
+    os.chown(work / "wide.py", work.stat().st_uid, work.stat().st_gid)
+    single = sbatch(script(work, "wide1.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1 --array=3\npython wide.py\n"),
+                    "--begin=now+3600")
+    array = sbatch(script(work, "wide.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1 --array=0-3\npython wide.py\n"),
+                   "--begin=now+3600")
+    assert single.returncode == 0 and array.returncode == 0, single.stderr + array.stderr
+    assert cluster.job(array.job_id)["TresPerNode"] == cluster.job(single.job_id)["TresPerNode"]
+    assert "1g.10gb" not in cluster.job(array.job_id)["TresPerNode"]
+    assert re.search(r"needs (\S+) GiB", array.stderr)[1] == re.search(r"needs (\S+) GiB", single.stderr)[1]
+    cluster.run("scancel", single.job_id, array.job_id)

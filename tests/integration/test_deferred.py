@@ -317,3 +317,20 @@ def test_a_request_slurm_will_not_take_back_keeps_the_job_held_not_gpuless(defer
     assert (status["estimate"], status["fix"]) == (
         "stuck", f"scontrol update JobId={sub.job_id} TresPerNode=gres:gpu:1 && scontrol release {sub.job_id}")
     cluster.run("scancel", sub.job_id)
+
+
+def test_an_estimation_job_leaves_no_warm_tracer_behind(deferred_cluster, submitter, mine):
+    """With the warm tracer asked for (the user's XMEM_WARM_TRACER=1, handed on by --export=ALL), the estimation job
+    still traces cold: a server started there would hold 0.7 GiB of the CPU node for its idle time."""
+    import subprocess
+
+    cluster = deferred_cluster
+    sub = cluster.sbatch(users_script(submitter, mine, "warm.sh", "# warm\npython train.py\n"), "--begin=now+3600",
+                         env={"XMEM_WARM_TRACER": "1"}, user=submitter)
+    assert sub.returncode == 0, sub.stderr
+    info = wait_settled(cluster, sub.job_id)
+    assert xmem_state(info) == "done", info["Comment"]
+    time.sleep(2)  # the estimation job's own end
+    left = subprocess.run(["ps", "-u", submitter.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
+    assert "xmem" not in left, left
+    cluster.run("scancel", sub.job_id)

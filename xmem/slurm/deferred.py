@@ -190,7 +190,12 @@ def load_request(spool: Path) -> tuple[FilterRequest, str]:
 
 
 def run(spool: Path, job_id: str, config: Any) -> str:
-    """Runs as the estimation job. Returns what happened, one line (also in the job's comment)."""
+    """Runs as the estimation job. Returns what happened, one line (also in the job's comment). Always cold: a
+    warm tracer started here would outlive the job on the estimation node (0.7 GiB for its idle time), and no
+    later estimate of this user is sure to land on the same node to use it."""
+    from xmem.trace.warm import ENABLE_ENV
+
+    os.environ[ENABLE_ENV] = "0"  # wins over the site's [estimate] warm_tracer and the user's own setting
     request, original = load_request(spool)
     job = parse_job(request.script, request)
     analysis = cached_analysis(

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -148,13 +151,62 @@ def _emit(stdout: IO[str], reply: FilterReply) -> int:
     return 0
 
 
+def take_request(path: str) -> IO[str]:
+    """The request cli_filter.lua wrote to `path`, which is deleted once read: a sbatch killed meanwhile leaves
+    nothing behind in the temporary directory."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return io.StringIO(f.read())
+    except OSError:
+        return io.StringIO("")  # read as no request: a fault for the Lua side
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def watch_caller(pid: int, *, interval_s: float = 0.25, grace_s: float = 3.0) -> threading.Thread | None:
+    """End this filter once `pid` (the sbatch waiting for its answer) is gone: killed with -9, its terminal
+    closed. SIGTERM first, which a running trace turns into its own cleanup (xmem.trace.runner.sigterm_raises;
+    the tracer's processes die with their parent), then an exit after `grace_s`. A pid reused meanwhile is told
+    apart by its start time. None when nothing can be watched (no /proc)."""
+    born = _start_time(pid)
+    if born is None and not os.path.isdir("/proc/self"):
+        return None
+
+    def watch() -> None:
+        while born is not None and _start_time(pid) == born:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+    thread = threading.Thread(target=watch, name="xmem-watch-sbatch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (after the parenthesised name, which may hold spaces); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xmem.slurm.filter",
                                      description="xmem-slurm filter for cli_filter.lua (see slurm/README.md)")
     parser.add_argument("--failure-mode", action="store_true", help="print the site's failure mode")
     parser.add_argument("--config", default=None, help="site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml)")
+    parser.add_argument("--request", help="read the request from this file (deleted once read), not stdin")
+    parser.add_argument("--sbatch-pid", type=int, help="end when this process (the waiting sbatch) is gone")
     args = parser.parse_args(argv)
-    return filter_main(config_path=args.config, failure_mode=args.failure_mode)
+    if args.sbatch_pid:
+        watch_caller(args.sbatch_pid)
+    stdin = take_request(args.request) if args.request else sys.stdin
+    return filter_main(config_path=args.config, failure_mode=args.failure_mode, stdin=stdin)
 
 
 if __name__ == "__main__":
