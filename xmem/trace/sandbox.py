@@ -13,7 +13,12 @@ user namespaces; works here as root and as an ordinary user):
   reads of what the program wrote see its private copy, and nothing reaches the real files. A mount that overlayfs
   refuses is bound back read-only (its writes fail rather than land). The tmpfs lives only as long as the
   namespace: the copy-on-write view is gone when the estimate ends, also when everything is killed with SIGKILL;
-- the scratch directory (where the tracer writes its result) and the shim cache are bound back writable;
+- the scratch directory (where the tracer writes its result) is bound back writable, the shim cache read-only (the
+  warm tracer loads the shim outside the sandbox); an empty tmpfs covers /run (services' unix sockets: munge,
+  databases, the session bus; sockets elsewhere sit behind an overlay, through which a connect is refused);
+- a network namespace with loopback only (up: a fake process group's 127.0.0.1 store), no route anywhere else;
+- the tracer holds no capability and has no_new_privs (`drop_privileges`), also when it is not exec'ed (warm) or
+  runs as root; the helper runs in a clean environment, the program's is applied to the tracer only;
 - a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
   kills every process the program started (Popen children, setsid double forks, forks of the tracer).
 - where overlayfs is refused in a user namespace (Linux before 5.11, or the directory has mounts below it, which a
