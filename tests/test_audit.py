@@ -130,6 +130,15 @@ def test_a_trace_without_facts_is_not_audited_and_one_with_no_stepped_parameter_
     assert audit(Trace(events=[], iterations=0, used_cuda=False, facts=[])) == ()
 
 
+def test_forward_passes_only_are_suspect_when_the_program_made_an_optimizer_it_never_stepped():
+    events = [alloc(0, 800, "parameter"), alloc(1, 64, "activation")]
+    inference = Trace(events=events, used_cuda=True, facts=[], forward_only=True, forward_passes=1)
+    assert audit(inference) == ()  # an inference job: the peak of what it ran is its peak
+    (reason,) = audit(Trace(events=events, used_cuda=True, facts=[], forward_only=True, forward_passes=1,
+                            unstepped_optimizers=1))
+    assert reason.startswith("the program made an optimizer but the trace holds none of its steps")
+
+
 def test_held_at_answers_points_in_any_order():
     events = [alloc(0, 10, "parameter"), alloc(1, 20, "activation"), free(1, 20, "activation"),
               alloc(2, 0, "temporary"), MemEvent("empty_cache", -1, 0)]

@@ -57,9 +57,10 @@ def test_nonzero_exit_is_a_user_error(tmp_path):
     assert "bad config" in error.output
 
 
-def test_cuda_without_optimizer_step(python=sys.executable):  # this build only: keeps the suite short
-    error = trace_error(["python", str(SCRIPTS / "no_step.py")], python=python)
-    assert error.kind == "no_optimizer_step"
+def test_cuda_without_optimizer_step_is_the_peak_of_its_forward_pass(python=sys.executable):  # this build only
+    trace = run_trace(["python", str(SCRIPTS / "no_step.py")], python=python)
+    assert trace.forward_only and trace.forward_passes == 1 and trace.iterations == 0
+    assert any(e.action == "alloc" and e.nbytes == 4 * 1 * 4 and e.iteration == 0 for e in trace.events)  # output
 
 
 def test_timeout_stops_the_program(tmp_path):

@@ -45,6 +45,35 @@ def test_every_way_of_reading_a_cuda_value_warns_once_per_kind(host):
     assert len(host.warnings) == len(warnings)
 
 
+ROLLOUT = """import torch
+policy = torch.nn.Linear(8, 4).cuda()
+optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+while True:  # only the tracer's stop ends this loop
+    log_probs = []
+    for _ in range(110):  # each distribution validates its logits; more answers than MAX_TRUE_STAND_INS
+        action = torch.distributions.Categorical(logits=policy(torch.randn(1, 8, device="cuda")))
+        log_probs.append(action.log_prob(action.sample()))
+    alive = torch.ones(16, dtype=torch.bool, device="cuda")
+    while alive.any():  # ends only when a stand-in answers False
+        alive = alive & (torch.rand(16, device="cuda") > 0.5)
+    loss = -torch.stack(log_probs).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_validation_checks_keep_their_answer_while_data_dependent_while_loops_end(tmp_path):
+    """torch.distributions checks its arguments and samples on every construction (`constraint.check(value)`):
+    however often, they stay valid (they were told False after 100 and raised: the fake GPU's fault, not the
+    program's); the `while alive.any():` loop in the same iteration still ends."""
+    script = tmp_path / "rollout.py"
+    script.write_text(ROLLOUT)
+    result = run_trace([sys.executable, str(script)], iterations=1, timeout=300)
+    assert result.iterations == 1
+    assert any(w.startswith("a condition on tensor data was answered True 100 times") for w in result.warnings)
+
+
 def test_cpu_only_program_runs_for_real(tmp_path):
     """A CPU-only loop that stops on a real value ends by itself (a stand-in would never reach the threshold)."""
     script = tmp_path / "cpu_only.py"

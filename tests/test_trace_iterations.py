@@ -1,12 +1,14 @@
-"""Iteration boundaries without torch.optim (TrainingState): a hand-written update loop counts backward passes;
-a program with no training loop at all ends promptly with no_optimizer_step instead of running to the timeout."""
+"""Iteration boundaries (TrainingState): a hand-written update loop without torch.optim counts backward passes;
+evaluation before the first step and nn.Module transforms on host data never end a training trace; a program that
+only runs forward passes is traced as such, one pass per iteration, and ends promptly with its peak."""
 
 import sys
 import time
 
-import pytest
-
-from xmem.trace import TraceError, run_trace
+from xmem.estimate import estimate_traces, resolve_gpus
+from xmem.gpus import load_catalog
+from xmem.trace import run_trace
+from xmem.trace.recorder import FORWARD_ONLY_PASSES
 
 MANUAL = """import torch
 w = torch.zeros(256, 256, device="cuda", requires_grad=True)
@@ -21,10 +23,34 @@ while True:  # only the tracer's stop ends this loop
 """
 
 INFERENCE = """import torch
-model = torch.nn.Linear(64, 64).cuda()
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).cuda()
 with torch.no_grad():
-    while True:
+    while True:  # batch inference that never ends by itself
         model(torch.randn(4, 64, device="cuda"))
+"""
+
+# Before its first step the program runs 300 nn.Module transforms per sample on host data (torchvision style), then
+# evaluates 300 batches under no_grad, before it has an optimizer, with a batch larger than training's.
+EVAL_FIRST = """import torch
+from torch import nn
+
+class Jitter(nn.Module):
+    def forward(self, x):
+        return x + 0.01 * torch.randn_like(x)
+
+transform = nn.Sequential(Jitter(), Jitter())
+samples = [transform(torch.randn(64)) for _ in range(300)]
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+with torch.no_grad():
+    for _ in range(300):
+        model(torch.randn(2048, 64, device="cuda"))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+while True:
+    batch = torch.stack([transform(s) for s in samples[:8]]).cuda()
+    loss = model(batch).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 """
 
 
@@ -37,12 +63,36 @@ def test_a_loop_without_an_optimizer_ends_after_n_backward_passes(tmp_path):
     assert len(grads) == 3  # one gradient of w per backward pass, freed by the hand-written update
 
 
-def test_a_program_without_a_training_loop_ends_promptly(tmp_path):
+def test_evaluation_and_host_transforms_before_the_first_step_are_part_of_the_training_trace(tmp_path):
+    script = tmp_path / "eval_first.py"
+    script.write_text(EVAL_FIRST)
+    result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    assert result.iterations == 2 and not result.forward_only
+    evaluated = [e for e in result.events if e.action == "alloc" and e.nbytes == 2048 * 256 * 4]
+    assert len(evaluated) == 2 * 300 and {e.iteration for e in evaluated} == {0}  # the job's peak sees them
+
+
+def test_a_forward_only_program_is_traced_pass_by_pass_and_ends_promptly(tmp_path):
     script = tmp_path / "inference.py"
     script.write_text(INFERENCE)
     started = time.monotonic()
-    with pytest.raises(TraceError) as raised:
-        run_trace([sys.executable, str(script)], iterations=3, timeout=300)
-    assert raised.value.kind == "no_optimizer_step"
-    assert "forward passes without a backward pass" in raised.value.message
+    result = run_trace([sys.executable, str(script)], iterations=3, timeout=300)
     assert time.monotonic() - started < 120  # well before the timeout
+    assert result.forward_only and result.iterations == 0 and not result.unstepped_optimizers
+    assert result.forward_passes == FORWARD_ONLY_PASSES
+    assert any(w.startswith("traced forward passes only (1000 on the GPU") for w in result.warnings)
+    passes = [e for e in result.events if e.iteration >= 0]
+    assert sorted({e.iteration for e in passes}) == list(range(FORWARD_ONLY_PASSES))
+    peaks = per_iteration_peaks(result.events)
+    assert len(set(peaks.values())) == 1  # every pass reaches the same peak: no pass keeps memory of another
+    estimated = estimate_traces(["python", str(script)], {"sm80+": result}, resolve_gpus(["a100-40gb"], load_catalog()))
+    assert estimated.forward_only and estimated.to_json()["forward_only"] and not estimated.suspect
+
+
+def per_iteration_peaks(events):
+    live, peaks = 0, {}
+    for event in events:
+        live += event.nbytes if event.action == "alloc" else -event.nbytes if event.action == "free" else 0
+        if event.iteration >= 0:
+            peaks[event.iteration] = max(peaks.get(event.iteration, 0), live)
+    return peaks

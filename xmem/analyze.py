@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     from xmem.gpus import GpuType
     from xmem.slurm.cluster import ClusterInfo
 
-# Estimator failures that mean "this command is not a GPU training step" rather than "the estimate failed".
-NOT_TRAINING_KINDS = ("no_optimizer_step",)
-
-
 @dataclass(frozen=True)
 class AnalysisError:
     """Why (part of) the analysis could not be made. kind: bad_input, not_understood, no_gpu_types, or an
@@ -51,7 +47,7 @@ class CommandEstimate:
     command: TrainCommand
     estimate: Estimate | None = None
     error: AnalysisError | None = None
-    skipped: str | None = None  # why the command does not count (not a training step)
+    skipped: str | None = None  # why the command does not count (it never used CUDA)
     no_cuda: bool = False  # the program never used CUDA under the trace: its GPU memory is unknown
     array_task: int | None = None  # the job array's task it was traced as (SLURM_ARRAY_TASK_ID)
 
@@ -280,8 +276,6 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
         message = getattr(e, "message", None) or str(e) or type(e).__name__
         error = AnalysisError(kind, f"line {command.line_no} ({' '.join(command.argv)}): {message}",
                               getattr(e, "user_traceback", "") or "", command.line_no)
-        if kind in NOT_TRAINING_KINDS:
-            return CommandEstimate(command, skipped=error.message)
         if kind == "no_cuda":  # TensorFlow, JAX, an early exit: its GPU memory is unknown (see untrusted_estimate)
             return CommandEstimate(command, skipped=error.message, no_cuda=True)
         return CommandEstimate(command, error=error)

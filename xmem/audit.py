@@ -31,6 +31,9 @@ def audit(trace: Trace) -> tuple[str, ...]:
     if trace.used_cuda and trace.iterations > 0 and not any(f.what == FACT_STEPPED for f in trace.facts):
         reasons.append("no parameter on the GPU was stepped by an optimizer, although the trace completed "
                        f"{trace.iterations} step(s) on the GPU")
+    if trace.forward_only and trace.unstepped_optimizers:
+        reasons.append("the program made an optimizer but the trace holds none of its steps (forward passes only): "
+                       "its training would need more")
     return tuple(dict.fromkeys(reasons))
 
 

@@ -107,6 +107,7 @@ class Estimate:
     torch_version: str
     suspect_reasons: tuple[str, ...] = ()
     sandbox: str = ""  # what kept the traced program's writes out of the user's files
+    forward_only: bool = False  # no training step was traced: the peak of what the program ran (Trace.forward_only)
 
     @property
     def suspect(self) -> bool:
@@ -127,6 +128,7 @@ class Estimate:
             "suspect": self.suspect,
             "suspect_reasons": list(self.suspect_reasons),
             "sandbox": self.sandbox,
+            "forward_only": self.forward_only,
         }
 
     @classmethod
@@ -137,7 +139,8 @@ class Estimate:
                    breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
                    iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
-                   suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""))
+                   suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
+                   forward_only=d.get("forward_only", False))
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
@@ -218,6 +221,7 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
         torch_version=first.torch_version,
         suspect_reasons=_audit(traces),
         sandbox=first.sandbox,
+        forward_only=any(t.forward_only for t in traces.values()),
     )
 
 

@@ -151,16 +151,21 @@ def test_user_code_raising_exits_5_with_its_traceback(tmp_path):
     assert data["error"] == "user_error" and "load_data" in data["traceback"]
 
 
-def test_no_optimizer_step_exits_6(tmp_path):
-    script = write(tmp_path, "infer.py", """
+def test_no_optimizer_step_within_the_time_limit_exits_6(tmp_path):
+    """A program that made an optimizer is heading for a step however long it evaluates: only the trace's own time
+    limit ends it, and then no step was reached (an inference job without one gets its forward passes' peak)."""
+    script = write(tmp_path, "evaluates.py", """
         import torch
         model = torch.nn.Linear(8, 8).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with torch.no_grad():
-            model(torch.randn(4, 8, device="cuda"))
+            while True:
+                model(torch.randn(4, 8, device="cuda"))
     """)
-    run = xmem("--json", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
+    run = xmem("--json", "--timeout", "30", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
     assert run.returncode == 6, run.stderr
-    assert json_stdout(run)["error"] == "no_optimizer_step"
+    data = json_stdout(run)
+    assert data["error"] == "no_optimizer_step" and "had not stepped it when the trace's time limit" in data["message"]
 
 
 def test_timeout_exits_7(tmp_path):

@@ -188,7 +188,9 @@ def show_estimate(console: Console, result: Estimate) -> None:
                       highlight=False)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    console.print(f"{result.iterations} iteration(s) traced in {result.seconds:.1f} s"
+    traced = "forward passes only (no training step)" if result.forward_only else \
+        f"{result.iterations} iteration(s)"
+    console.print(f"{traced} traced in {result.seconds:.1f} s"
                   f" (torch {result.torch_version or 'unknown'}).", highlight=False)
 
 

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 XMEM_DIR = str(Path(__file__).resolve().parent.parent)  # the xmem package directory
+# The share of the caller's time limit after which a program short of its first step is decided on what it ran
+# (TrainingState.deadline), leaving the rest for writing and simulating the trace.
+TIME_LIMIT_SHARE = 0.8
 
 
 class ChildFailure(Exception):
@@ -41,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
     parser.add_argument("--device-count", type=int, default=1)
     parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds the caller waits for the trace (a program still short of its first step "
+                             "at TIME_LIMIT_SHARE of it is decided on what it ran)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program: script.py ARGS or -m mod ARGS")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -58,9 +64,10 @@ def parse_capability(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     progress = _progress_writer(args.progress_fd)
+    deadline = time.monotonic() + TIME_LIMIT_SHARE * args.time_limit if args.time_limit else None
     try:
         result = trace_program(args.command, args.iterations, parse_capability(args.capability),
-                               args.device_count, progress)
+                               args.device_count, progress, deadline)
         payload = result.to_json()
     except ChildFailure as failure:
         payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
@@ -75,20 +82,20 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 def trace_program(command: list[str], iterations: int, capability: tuple[int, int], device_count: int,
-                  progress: Callable[[str], None]):
-    """Run the program under fake CUDA and return its Trace; raise ChildFailure for the error contract."""
+                  progress: Callable[[str], None], deadline: float | None = None):
+    """Run the program under fake CUDA and return its Trace; raise ChildFailure for the error contract.
+    `deadline` (time.monotonic()): the trace's own time limit for a program short of its first step."""
     os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
     preload()
     from xmem.trace import fakecuda, shortcuts
-    from xmem.trace.recorder import MAX_FORWARDS_WITHOUT_TRAINING, AllocationRecorder, NoTrainingLoop, StopTracing, \
-        TrainingState
+    from xmem.trace.recorder import AllocationRecorder, NoStepInTime, StopTracing, TrainingState
 
     fake = fakecuda.FakeCuda(capability, device_count)
     fakecuda.install(fake)
     from xmem.trace.facts import FactCollector
-    state = TrainingState(iterations, progress, fake.optimizers)
+    state = TrainingState(iterations, progress, fake.optimizers, deadline)
     modules = ModulePaths()
     recorder = AllocationRecorder(fake, state, modules.innermost)
     facts = FactCollector(lambda: len(recorder.rows))  # each fact points at the number of events so far
@@ -108,10 +115,10 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
             _run_user_program(command)
     except StopTracing:
         pass
-    except NoTrainingLoop:
-        raise ChildFailure("no_optimizer_step", f"the program ran {MAX_FORWARDS_WITHOUT_TRAINING} forward passes "
-                                                "without a backward pass or optimizer step: xmem traces training, "
-                                                "not inference") from None
+    except NoStepInTime:
+        raise ChildFailure("no_optimizer_step", f"the program created an optimizer but had not stepped it when the "
+                                                f"trace's time limit came ({state.forward_passes} forward passes on "
+                                                "the GPU before it): raise the timeout") from None
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             outcome = exit_
@@ -123,9 +130,18 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
     if trace.used_cuda and trace.iterations == 0:
-        raise ChildFailure("no_optimizer_step", "the program ended before its first optimizer step although it "
-                                                "used CUDA; xmem traces training loops that call optimizer.step()")
+        _without_training(trace, state, len(fake.optimizers))
     return trace
+
+
+def _without_training(trace: Any, state: Any, optimizers: int) -> None:
+    """A trace with no training iteration is the peak of what the program ran (evaluation, batch inference,
+    embedding extraction), said as such; one whose program made an optimizer it never stepped is suspect too."""
+    trace.forward_only, trace.forward_passes, trace.unstepped_optimizers = True, state.forward_passes, optimizers
+    how = "the trace's limit for a program without an optimizer" if state.forward_only else "the program's end"
+    what = "a backward pass but no optimizer step" if state.trained else "no backward pass or optimizer step"
+    trace.warnings.append(f"traced forward passes only ({state.forward_passes} on the GPU, {what}, up to {how}): "
+                          "the estimate is the peak of what the program ran")
 
 
 _preloaded = False  # the shim and torch are loaded in this process (the warm tracer forks after loading them)

@@ -128,6 +128,11 @@ class Trace:
     torch_version: str = ""
     sandbox: str = ""  # what kept the program's writes out of the user's files (xmem.trace.sandbox)
     facts: list[Fact] | None = None  # for the self-audit (xmem.audit); None: not collected
+    # no training iteration: the peak of the forward passes (top-level module forwards on the GPU) and whatever else
+    # the program ran before it ended or the tracer ended it (xmem.trace.recorder.TrainingState)
+    forward_only: bool = False
+    forward_passes: int = 0
+    unstepped_optimizers: int = 0  # optimizers the program made but never stepped, in a forward-only trace
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}

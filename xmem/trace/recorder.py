@@ -13,6 +13,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -56,11 +57,15 @@ _LIBRARY_OPS = {
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
 _RANDOM_INPUT_OPS = {"randn", "rand", "randint", "randperm", "normal"}
 
-class NoTrainingLoop(BaseException):
-    """Raised when the program shows no training loop (see TrainingState)."""
+class NoStepInTime(BaseException):
+    """Raised at the trace's own time limit when the program, which created an optimizer, has run forward passes
+    but not stepped it yet (see TrainingState)."""
 
 
-MAX_FORWARDS_WITHOUT_TRAINING = 256
+# A program without an optimizer that has run at least the iterations asked of forward passes on the GPU, and this
+# many of them or for this long since the first, without any backward pass or step, is traced as forward-only.
+FORWARD_ONLY_PASSES = 1000
+FORWARD_ONLY_SECONDS = 20.0
 
 
 class TrainingState:
@@ -74,19 +79,31 @@ class TrainingState:
     A program with no optimizer at all (parameters updated by hand) completes an iteration with each backward pass
     from a GPU tensor (`loss.backward()` / `torch.autograd.grad`). Events before the first forward or backward are
     setup: iteration -1.
-    A program that runs `MAX_FORWARDS_WITHOUT_TRAINING` top-level module forwards before any backward or step is not
-    training (inference, evaluation): it ends at once with NoTrainingLoop instead of running to the timeout.
+    Forward passes: a top-level module forward that makes GPU storages before any backward or step (evaluation,
+    inference; an nn.Module transform run on host data makes none and is no pass). A program holding an optimizer is
+    heading for a step, however long it evaluates first: its passes never end the trace; if the trace's own time
+    limit (`deadline`) comes first, NoStepInTime. A program without one ends as forward-only (StopTracing with
+    `forward_only` set) once it ran `target` passes and `FORWARD_ONLY_PASSES` of them or for `FORWARD_ONLY_SECONDS`
+    (or the deadline came): a long inference loop ends soon, an evaluation of a few hundred batches before the
+    optimizer is made does not. The check runs as the next top-level forward starts, between two passes.
     """
 
-    def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet) -> None:
+    def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet,
+                 deadline: float | None = None) -> None:
         self.target = iterations
+        self.deadline = deadline  # time.monotonic() of the trace's own time limit
+        self.forward_passes = 0  # top-level forwards on the GPU before training
+        self.pass_starts: list[int] = []  # the recorder's event count as each of them started
+        self.forward_only = False  # the trace ended on forward passes (see the class docstring)
+        self._first_pass_at = 0.0
+        self._events_before = 0
+        self.gpu_events: Callable[[], int] = lambda: 0  # the recorder's count of alloc/free events so far
         self.on_progress = on_progress
         self.phase = Phase.OTHER
         self.completed = 0
         self.started = False
         self.trained = False  # a backward pass or an optimizer step happened
         self._forward_depth = 0
-        self._top_forwards = 0
         self.stopped = False
         self._optimizers = optimizers  # every optimizer the program created (kept by FakeCuda)
         self._not_awaited: set[int] = set()
@@ -114,9 +131,9 @@ class TrainingState:
     def _before_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         self.on_module_forward(module)
         if self._forward_depth == 0 and not self.trained:
-            self._top_forwards += 1
-            if self._top_forwards > MAX_FORWARDS_WITHOUT_TRAINING:
-                raise NoTrainingLoop
+            if self.forward_passes:
+                self._end_if_forward_only()
+            self._events_before = self.gpu_events()
         self._forward_depth += 1
         if self.phase == Phase.OTHER:
             self.phase = Phase.FORWARD
@@ -126,6 +143,22 @@ class TrainingState:
 
     def _after_module_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
+        if self._forward_depth == 0 and not self.trained and self.gpu_events() > self._events_before:
+            self.forward_passes += 1
+            self.pass_starts.append(self._events_before)
+            if self.forward_passes == 1:
+                self._first_pass_at = time.monotonic()
+
+    def _end_if_forward_only(self) -> None:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline and len(self._optimizers):
+            raise NoStepInTime
+        if (self.deadline is not None and now >= self.deadline) or (
+                not len(self._optimizers) and self.forward_passes >= self.target and (
+                self.forward_passes >= FORWARD_ONLY_PASSES or now - self._first_pass_at >= FORWARD_ONLY_SECONDS)):
+            self.forward_only = self.stopped = True
+            self.on_progress(f"forward passes only: {self.forward_passes}")
+            raise StopTracing
 
     def _in_backward(self, run: Callable) -> Callable:
         def run_in_backward_phase(*args: Any, **kwargs: Any) -> Any:
@@ -225,6 +258,7 @@ class AllocationRecorder(TorchDispatchMode):
         state.on_step_end = self._label_optimizer_state
         state.on_module_forward = self._label_module_tensors
         state.on_backward_end = self._label_module_gradients
+        state.gpu_events = lambda: len(self.rows)  # a top-level forward that adds none ran on the host
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)
@@ -487,11 +521,23 @@ class AllocationRecorder(TorchDispatchMode):
 
     # ---- the result -------------------------------------------------------------------------------------------
     def to_trace(self, capability: tuple[int, int], seconds: float) -> Trace:
+        if not self.state.completed:
+            self._number_forward_passes()
         events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER)) for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
                      alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__)
+
+
+    def _number_forward_passes(self) -> None:
+        """With no training iteration, each forward pass is one: the events from its start on carry its number."""
+        starts, number = self.state.pass_starts, -1
+        for index, row in enumerate(self.rows):
+            while number + 1 < len(starts) and starts[number + 1] <= index:
+                number += 1
+            if number >= 0:
+                row[8] = number
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:

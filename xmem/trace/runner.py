@@ -74,7 +74,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
                                         _cpu_seconds(timeout), _shim_dirs())
         child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
-                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus)]
+                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
+                 *(["--time-limit", f"{timeout:g}"] if timeout else [])]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \

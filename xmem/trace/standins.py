@@ -8,8 +8,11 @@ plausibly and is reported once as a warning, so an estimate says which of the pr
 The rules, chosen so that a memory estimate errs on the large side and loops end:
 - numbers: 1 (1.0 for floats), so `loss.item() < 1e-3` never stops a loop early and divisions stay finite;
 - truth: what the op that made the boolean most plausibly holds (`isnan` -> False, `isfinite` -> True, kept through
-  `any`/`all`/views, flipped by `logical_not`); otherwise True, and False after `MAX_TRUE_STAND_INS` answers at one
-  call site in one (iteration, phase), so `while mask.any():` ends;
+  `any`/`all`/views, flipped by `logical_not`); otherwise True. A test asked inside a `while` loop of the function
+  that asks it (the loop's condition, an `if ...: break` in its body) turns False after `MAX_TRUE_STAND_INS`
+  answers at one place in one (iteration, phase), so `while mask.any():` ends; every other test (a library's
+  argument validation, `constraint.check(value)` on every torch.distributions object, run anew in each call) keeps
+  its answer however often it is asked;
 - data-dependent sizes: every element selected (`nonzero`, `masked_select`, boolean-mask indexing), every value
   distinct (`unique`), `bincount` as long as its input (or `minlength` when larger), tensor-valued
   `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says.
@@ -18,8 +21,11 @@ Import only in the tracing child, after `xmem.trace.fakecuda`.
 
 from __future__ import annotations
 
+import dis
+import functools
 import os
 import sys
+from types import CodeType, FrameType
 from typing import Any, Callable
 
 import torch
@@ -66,7 +72,10 @@ class StandIns:
         return 1
 
     def unknown_truth(self) -> bool:
-        key = (_caller_site(), *self.where())
+        frame = _caller_frame()
+        if frame is None or not _in_while_loop(frame.f_code, frame.f_lasti):
+            return True  # no loop waits on it here: the same answer every time
+        key = (frame.f_code.co_filename, frame.f_lineno, *self.where())
         self._true_answers[key] = count = self._true_answers.get(key, 0) + 1
         if count <= MAX_TRUE_STAND_INS:
             return True
@@ -184,9 +193,30 @@ def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -
     return values, inverse, counts
 
 
-def _caller_site() -> tuple[str, int]:
-    """File and line of the innermost frame outside the tracer and torch's dispatch machinery."""
+def _caller_frame() -> FrameType | None:
+    """The innermost frame outside the tracer and torch's dispatch machinery: the code that asked."""
     frame = sys._getframe(1)
     while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL_FILES):
         frame = frame.f_back
-    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("", 0)
+    return frame
+
+
+def _in_while_loop(code: CodeType, offset: int) -> bool:
+    """Whether the instruction at `offset` lies inside a `while` loop of `code`."""
+    return any(start <= offset <= end for start, end in _while_loops(code))
+
+
+@functools.lru_cache(maxsize=1024)
+def _while_loops(code: CodeType) -> tuple[tuple[int, int], ...]:
+    """The (first, last) offsets of the loops in `code` that are not `for` loops: each backward jump and its target,
+    less those that go back to a `for` loop's FOR_ITER (which ends with its iterable) or an await's SEND. Read from
+    the bytecode of the interpreter that runs it, so a multi-line condition or `while True: ... break` counts too."""
+    instructions = list(dis.get_instructions(code))
+    names = {instruction.offset: instruction.opname for instruction in instructions}
+    return tuple((instruction.argval, instruction.offset) for instruction in instructions
+                 if instruction.opcode in _JUMPS and isinstance(instruction.argval, int)
+                 and instruction.argval <= instruction.offset and names.get(instruction.argval) not in _NOT_WHILE)
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_NOT_WHILE = ("FOR_ITER", "SEND")
