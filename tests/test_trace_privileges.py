@@ -123,3 +123,15 @@ def test_rerun_as_refuses_where_there_is_no_one_to_run_it_as():
     said = []
     assert privileges.rerun_as("other users", ["/bin/true"], said.append) == privileges.REFUSED_EXIT
     assert "never runs a user's program as root" in said[0]
+
+
+def test_as_root_no_trace_starts_another_users_program(scratch, users):
+    """The guard where every trace starts (fit, check's commands, the library): a refusal, nothing run."""
+    from xmem.trace import run_trace
+    (owner,) = users
+    marker = scratch / "ran.txt"
+    (scratch / "train.py").write_text(MARKS_ITS_UID)
+    os.chown(scratch / "train.py", owner.uid, owner.gid)
+    with pytest.raises(privileges.RootTraceRefused, match=owner.name):
+        run_trace(["python", str(scratch / "train.py"), str(marker)])
+    assert not marker.exists()

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_NOT_UNDERSTOOD = 0, 8
 # The estimator's codes are `xmem-slurm estimate`'s; the analysis adds its own kinds.
 ANALYSIS_EXIT_CODES = {**TRACE_EXIT_CODES, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
-                       "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD}
+                       "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD, "not_as_root": EXIT_USAGE}
 
 
 @app.command("check")

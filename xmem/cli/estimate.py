@@ -120,6 +120,8 @@ def fail_on_error(as_json: bool, e: Exception, verb: str = "estimate") -> NoRetu
         fail(as_json, EXIT_USAGE, "unknown_gpu", str(e), verb=verb)
     if isinstance(e, (ConfigError, CatalogError, BadJobSettingError)):
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
+    if isinstance(e, privileges.RootTraceRefused):  # nothing was run
+        fail(as_json, EXIT_USAGE, privileges.KIND, e.message, verb=verb)
     if isinstance(e, TraceError):
         fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
              e.last_lines(), verb=verb)

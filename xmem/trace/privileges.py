@@ -154,6 +154,14 @@ def notice_cli(who: str, why: str) -> str:
             "or install xmem where every user can run it (scripts/install.sh --prefix /opt/xmem)")
 
 
+def refuse_as_root(command: Sequence[str], cwd: str | None) -> None:
+    """The last guard, where a trace starts (every door: check, estimate, fit, the library): as root, a program
+    whose files or directory are another user's is not started (RootTraceRefused)."""
+    who = foreign_owner({}, None, command, cwd or os.getcwd()) if as_root() else None
+    if who:
+        raise RootTraceRefused(notice_cli(who, "it is not started"))
+
+
 def cli_owner(paths: Sequence[str], cwd: str) -> str | None:
     """As root, whose code `check`/`estimate` would run (the script, the program's files, the directory), when not
     root's alone; None otherwise."""

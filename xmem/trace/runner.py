@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
-from xmem.trace import sandbox, shim, warm
-from xmem.trace.command import Target, gpus_per_node, launcher_env, named_interpreter, parse_command
+from xmem.launchers import Target, gpus_per_node, launcher_env, named_interpreter
+from xmem.trace import privileges, sandbox, shim, warm  # -- issue 21: privileges
+from xmem.trace.command import parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.text import one_line
@@ -61,6 +62,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer
     (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the trace: TraceCancelled.
     """
+    privileges.refuse_as_root(list(command), cwd)  # -- issue 21: root never starts another user's program
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
     wanted = python or named_interpreter(list(command), cwd) or sys.executable
