@@ -35,3 +35,22 @@ class TraceError(Exception):
         """The last `count` lines the program printed (what a user looks at first when a run fails)."""
         lines = self.output.rstrip("\n").splitlines()[-count:]
         return "\n".join(lines) + "\n" if lines else ""
+
+
+class NotModelled(Exception):
+    """Raised inside the traced program where the fake GPU knows it lacks something: the trace ends as
+    "not_modelled" with this message (what is missing, in one line; `xmem.trace.attribution` adds where)."""
+
+
+_GPU_WOULD_RAISE = "_xmem_gpu_would_raise"
+
+
+def as_on_a_gpu(error: BaseException) -> BaseException:
+    """Mark an exception raised by xmem's own code because a real GPU would raise it too (a Triton launch given a
+    host tensor): the program's error, not the fake GPU's. Returns `error`, for `raise as_on_a_gpu(...)`."""
+    setattr(error, _GPU_WOULD_RAISE, True)
+    return error
+
+
+def raised_as_on_a_gpu(error: BaseException) -> bool:
+    return getattr(error, _GPU_WOULD_RAISE, False)

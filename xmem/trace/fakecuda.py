@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
-from xmem.trace import attention, distributed
+from xmem.trace import attention, cuda_driver, distributed, triton_launch
 from xmem.trace.events import Category
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
@@ -206,6 +206,8 @@ def install(fake: FakeCuda) -> None:
     _patch_module_registration(fake)
     _patch_recurrent_layers()
     _patch_nvml(fake)
+    cuda_driver.install()  # a library's own load of libcuda: not modelled, named
+    _patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
 
 
 def _install_device_guard() -> None:
