@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from xmem.trace.errors import as_on_a_gpu
+
 FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
 DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)  # Context.h sdp_priority_order
 CUDNN_FIRST = (CUDNN, FLASH, EFFICIENT, MATH)  # priority_order() when check_prefer_cudnn_attention()
@@ -342,8 +344,8 @@ def install(fake: Any) -> None:
         if depends_on_arch:
             fake.on_arch_question()
         if backend is None:
-            raise RuntimeError("No available kernel. Aborting execution. (scaled_dot_product_attention: every "
-                               "backend the program left enabled refuses this call on this GPU)")
+            raise as_on_a_gpu(RuntimeError("No available kernel. Aborting execution. (scaled_dot_product_attention: "
+                                            "every backend the program left enabled refuses this call on this GPU)"))
         if backend == MATH:
             return math_attention(*args, **kwargs)
         unbatched = q.dim() == 3 and runtime.batches_unbatched_input

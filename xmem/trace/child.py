@@ -16,7 +16,6 @@ import json
 import os
 import runpy
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -254,41 +253,15 @@ def _run_user_program(command: list[str]) -> None:
 
 
 def _failure_from(error: BaseException) -> ChildFailure:
-    """User code raised (or exited non-zero): the one-line message and the user's own frames."""
+    """User code raised (or exited non-zero): whose fault it is (xmem.trace.attribution), the one-line message and
+    the user's own frames."""
     if isinstance(error, ChildFailure):
         return error
     if isinstance(error, SystemExit):
         return ChildFailure("user_error", f"the program exited with status {error.code}")
-    from torch._subclasses import fake_tensor
-    fake_limits = (fake_tensor.UnsupportedOperatorException, fake_tensor.DynamicOutputShapeException,
-                   fake_tensor.DataDependentOutputException, fake_tensor.UnsupportedFakeTensorException)
-    frames = _user_frames(error)
-    text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
-                    *traceback.format_exception_only(type(error), error)])
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    if isinstance(error, fake_limits):
-        return ChildFailure("not_modelled", f"not modelled: {type(error).__name__}: {_first_line(error)}{where}",
-                            text)
-    if _reached_real_cuda(error):
-        return ChildFailure("not_modelled", f"not modelled: this reached the real CUDA runtime "
-                                            f"({_first_line(error)}){where}", text)
-    return ChildFailure("user_error", f"{type(error).__name__}: {_first_line(error)}{where}", text)
-
-
-def _reached_real_cuda(error: BaseException) -> bool:
-    """The messages torch gives when a call goes to the CUDA runtime, which has no device here."""
-    from xmem.trace.errors import REAL_CUDA_SIGNS
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(sign in text for sign in REAL_CUDA_SIGNS)
-
-
-def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
-    """The traceback frames of the user's own files: not ours, not torch's, not the stdlib's or site-packages'."""
-    import torch
-    not_user = tuple({XMEM_DIR + os.sep, os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
-                      sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], "<frozen"})
-    frames = traceback.extract_tb(error.__traceback__)
-    return [frame for frame in frames if not frame.filename.startswith(not_user)]
+    from xmem.trace.attribution import attribute
+    found = attribute(error)
+    return ChildFailure(found.kind, found.message, found.user_traceback)
 
 
 def _first_line(error: BaseException) -> str:

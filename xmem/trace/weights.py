@@ -35,6 +35,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
+from xmem.trace.errors import as_on_a_gpu  # a corrupt checkpoint fails on a GPU too: the program's error
+
 FakeContext = Callable[[], AbstractContextManager]
 
 # safetensors' dtype names (the format's spec) -> torch dtypes
@@ -101,10 +103,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as file:
         prefix = file.read(8)
         if len(prefix) != 8:
-            raise OSError(f"{path}: not a safetensors file (shorter than its header length)")
+            raise as_on_a_gpu(OSError(f"{path}: not a safetensors file (shorter than its header length)"))
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES:
-            raise OSError(f"{path}: not a safetensors file (header of {length} bytes)")
+            raise as_on_a_gpu(OSError(f"{path}: not a safetensors file (header of {length} bytes)"))
         return json.loads(file.read(length))
 
 

@@ -1,0 +1,112 @@
+"""Whose fault a failure is (xmem.trace.attribution): each kind of exception that comes from the fake GPU is "not
+modelled" with a one-line message naming what is missing and the program's line; what a real GPU would raise too is
+the user's. The exceptions are real ones, raised by torch's fake tensor mode, torch's C++, ctypes and xmem's code in
+this process; the end-to-end tests trace small programs that fail each way."""
+
+import ctypes
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torch_builds import SCRIPTS
+from xmem.trace import TraceError, run_trace, triton_launch
+from xmem.trace.attribution import attribute
+from xmem.trace.errors import NotModelled
+
+HERE = "test_trace_attribution.py"
+
+
+def raised(action) -> BaseException:
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - the exception under test
+        return error
+    raise AssertionError("nothing raised")
+
+
+def under_fake_mode(action):
+    def run():
+        with FakeTensorMode():
+            action()
+    return run
+
+
+def test_what_a_gpu_refuses_too_is_the_users():
+    found = attribute(raised(under_fake_mode(lambda: torch.empty(3, 4) @ torch.empty(5, 6))))
+    assert found.kind == "user_error" and found.message.startswith("RuntimeError: ")
+    assert f"(at {HERE}:" in found.message
+
+
+def test_the_fake_modes_own_device_check_is_the_users():
+    # FakeTensorDeviceMismatchError restates the check every real op makes: two devices in one op.
+    error = raised(under_fake_mode(lambda: torch.ones(3, device="cuda") + torch.ones(3)))
+    assert type(error).__name__ == "FakeTensorDeviceMismatchError"
+    assert attribute(error).kind == "user_error"
+
+
+@pytest.mark.parametrize("action", [lambda: torch.ones(2).sum().item(), lambda: torch.nonzero(torch.ones(3))],
+                         ids=["data-dependent", "dynamic-shape"])
+def test_a_limit_of_the_fake_tensor_mode_is_not_modelled(action):
+    error = raised(under_fake_mode(action))
+    found = attribute(error)
+    assert found.kind == "not_modelled"
+    assert found.message.startswith(f"not modelled: {type(error).__name__}: aten.") and f"(at {HERE}:" in found.message
+
+
+@pytest.mark.parametrize("action", [
+    under_fake_mode(lambda: torch.ones(3).untyped_storage().tolist()),  # the storage a fake tensor does not have
+    lambda: torch.empty(0).set_(torch.empty(4, device="meta").untyped_storage()),  # a meta storage set on the host
+], ids=["storage", "set-meta-storage"])
+def test_the_fake_representation_seen_through_is_not_modelled(action):
+    found = attribute(raised(action))
+    assert found.kind == "not_modelled"
+    assert found.message.startswith("not modelled: a GPU tensor's data or storage, which the fake GPU does not hold")
+
+
+def test_the_programs_own_raise_keeps_its_words_whatever_they_say():
+    def own():
+        raise RuntimeError("the meta file of shard 3 is missing")
+    assert attribute(raised(own)).kind == "user_error"
+
+
+def test_a_cuda_library_that_cannot_load_is_not_modelled():
+    found = attribute(raised(lambda: ctypes.CDLL("libcudart.so.999")))
+    assert found.kind == "not_modelled"
+    assert found.message.startswith("not modelled: the program loads a CUDA library that is not here (OSError: ")
+
+
+def test_a_failure_in_xmems_code_is_not_modelled_and_names_it():
+    found = attribute(raised(lambda: triton_launch._bind(object(), (), {})))
+    assert found.kind == "not_modelled"
+    assert found.message.startswith("not modelled: the fake GPU's triton_launch._bind failed (AttributeError: ")
+
+
+def test_what_xmem_raises_as_a_gpu_would_is_the_users():
+    found = attribute(raised(lambda: triton_launch._grid(4, {})))  # a grid that is not a tuple
+    assert found.kind == "user_error" and found.message.startswith("TypeError: ")
+
+
+def test_not_modelled_wrapped_by_a_library_is_still_ours():
+    def library_call():
+        try:
+            triton_launch.SkippedKernel(library_call).n_regs  # noqa: B018
+        except NotModelled as error:
+            raise RuntimeError("kernel set-up failed") from error
+    found = attribute(raised(library_call))
+    assert found.kind == "not_modelled"
+    assert found.message.startswith("not modelled: the compiled form of Triton kernel library_call (.n_regs)")
+
+
+# ---- end to end: the kind and message a traced program gets --------------------------------------------------------
+@pytest.mark.parametrize("how, kind, message", [
+    ("shape", "user_error", "RuntimeError: "),
+    ("storage", "not_modelled", "not modelled: a GPU tensor's data or storage, which the fake GPU does not hold"),
+    ("driver", "not_modelled", "not modelled: fails_on_fake.py calls the CUDA driver directly (loads libcuda.so.1)"),
+])
+def test_a_traced_program_is_told_whose_fault_it_is(how, kind, message):
+    with pytest.raises(TraceError) as caught:
+        run_trace([sys.executable, str(SCRIPTS / "fails_on_fake.py"), how], iterations=1, timeout=120)
+    assert (caught.value.kind, caught.value.message[:len(message)]) == (kind, message)
+    assert "(at fails_on_fake.py:" in caught.value.message and "\n" not in caught.value.message

@@ -1,0 +1,151 @@
+"""Whose fault the exception that ended a traced program is: the fake GPU's ("not_modelled", exit 11) or the
+program's own ("user_error", exit 5: what a real GPU would raise too).
+
+Decided from the exception itself (its class, where it was raised) and the exceptions it was raised from, never from
+what the program printed. It is the fake GPU's when any exception of the chain is
+- NotModelled: raised where the fake world knows what it lacks; its message names it;
+- raised by xmem's own code (its innermost frame is in the xmem package), unless marked `errors.as_on_a_gpu`;
+- a limit of torch's fake tensor mode: an exception class defined by its modules (UnsupportedOperatorException,
+  DataDependentOutputException, ...), except the one that restates a real op's check (FAKE_MODE_AS_ON_A_GPU);
+- the CUDA driver or runtime: an exception class of a CUDA binding package (CUDA_BINDINGS);
+and, unless the program's own `raise` statement made it (its words are then its own):
+- a CUDA library's file named in the error (a failed load: this machine has no driver, and the fake GPU none);
+- torch's answers from its real runtime, which has no device here (REAL_CUDA_SIGNS);
+- the fake representation seen through: torch's C++ refusing to hand out a storage or data pointer, or finding a
+  tensor on `meta` (every GPU tensor here is a FakeTensor over a meta tensor); C++ errors carry no Python origin,
+  so these few are known by their words (FAKE_REPRESENTATION).
+The message is one line: what is missing, and where the program reached it (its innermost own frame; the library
+in between, when the failure came from one).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from xmem.trace.errors import REAL_CUDA_SIGNS, NotModelled, raised_as_on_a_gpu
+
+XMEM_DIR = str(Path(__file__).resolve().parent.parent) + os.sep  # the xmem package directory
+# Modules whose exception classes are limits of the fake tensor mode, not of the program.
+FAKE_MODE_MODULES = ("torch._subclasses.fake_", "torch.fx.experimental.symbolic_shapes")
+# ...but for these, which restate a check the real op makes on a GPU too (tensors of one op on two devices).
+FAKE_MODE_AS_ON_A_GPU = ("FakeTensorDeviceMismatchError",)
+# Packages that bind the CUDA driver or runtime themselves: their own exceptions mean the driver answered.
+CUDA_BINDINGS = ("cupy", "cupy_backends", "pycuda", "cuda.bindings", "cuda.cuda", "cuda.cudart", "numba.cuda")
+# A CUDA library's file name in a failed load ("libcudart.so.12: cannot open shared object file").
+CUDA_LIBRARY = re.compile(r"\blib(cuda|cudart|nvrtc|cublas\w*|cudnn\w*|nvJitLink|cufft|curand|cusparse)\b[\w.]*")
+# What torch's C++ says when it meets a FakeTensor's missing storage or its meta inner tensor.
+FAKE_REPRESENTATION = re.compile(r"Cannot access (storage|data pointer)|doesn't have storage|\bmeta\b")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    kind: str  # "not_modelled" or "user_error"
+    message: str  # one line
+    user_traceback: str  # the user's own frames and the exception line
+
+
+def attribute(error: BaseException) -> Attribution:
+    """The kind and one-line message of `error`, which ended the program (not SystemExit)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [frame for frame in frames if _is_users(frame.filename)]
+    text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(own),
+                    *traceback.format_exception_only(type(error), error)])
+    for link in _chain(error):
+        lack = _what_we_lack(link)
+        if lack is not None:
+            return Attribution("not_modelled", f"not modelled: {lack}{_where(own, frames)}", text)
+    where = f" (at {Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
+    return Attribution("user_error", f"{type(error).__name__}: {first_line(error)}{where}", text)
+
+
+def _what_we_lack(error: BaseException) -> str | None:
+    """What the fake GPU lacks, if `error` (one exception of the chain) comes from it; else None."""
+    if isinstance(error, NotModelled):
+        return first_line(error)
+    if raised_as_on_a_gpu(error):
+        return None
+    said = f"{type(error).__name__}: {first_line(error)}"
+    origin = _origin(error)
+    if origin is not None and origin.filename.startswith(XMEM_DIR):
+        return f"the fake GPU's {Path(origin.filename).stem}.{origin.name} failed ({said})"
+    module = type(error).__module__
+    if module.startswith(FAKE_MODE_MODULES) and type(error).__name__ not in FAKE_MODE_AS_ON_A_GPU:
+        return said
+    if module.startswith(CUDA_BINDINGS):
+        return f"{module.split('.')[0]} calls the CUDA driver directly ({said})"
+    if origin is not None and _is_users(origin.filename) and origin.line.lstrip().startswith("raise"):
+        return None  # the program's own raise: its words are its own, whatever they say
+    text = str(error)
+    if CUDA_LIBRARY.search(text):
+        return f"{_library(error) or 'the program'} loads a CUDA library that is not here ({said})"
+    if isinstance(error, RuntimeError) and any(sign in text for sign in REAL_CUDA_SIGNS):
+        return f"this reached the real CUDA runtime ({first_line(error)})"
+    if isinstance(error, (RuntimeError, NotImplementedError)) and FAKE_REPRESENTATION.search(text):
+        return f"a GPU tensor's data or storage, which the fake GPU does not hold ({said})"
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it was raised from or while handling (once each)."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+
+
+def _origin(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost Python frame of the exception: where it was raised (or the call into C++ that raised it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return frames[-1] if frames else None
+
+
+def _library(error: BaseException) -> str | None:
+    """The top-level package of the innermost frame in site-packages: the library that failed."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        package = _package(frame.filename)
+        if package is not None:
+            return package
+    return None
+
+
+def _where(own: list[traceback.FrameSummary], frames: list[traceback.FrameSummary]) -> str:
+    """Where the program reached it: its innermost own frame, and the library it called there."""
+    if not own:
+        return ""
+    at = f"{Path(own[-1].filename).name}:{own[-1].lineno}"
+    after = frames[[id(frame) for frame in frames].index(id(own[-1])) + 1:]
+    library = next((name for name in map(_package, (frame.filename for frame in after)) if name), None)
+    library = None if library == "torch" else library  # every GPU op goes through torch: naming it adds nothing
+    return f" (in {library}, called at {at})" if library else f" (at {at})"
+
+
+def _package(filename: str) -> str | None:
+    for root in _library_roots():
+        if filename.startswith(root):
+            return filename[len(root):].split(os.sep, 1)[0].removesuffix(".py")
+    return None
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(dict.fromkeys(path + os.sep for path in (paths["purelib"], paths["platlib"])))
+
+
+def _is_users(filename: str) -> bool:
+    """A frame of the user's own files: not ours, not the stdlib's or an installed library's (torch included)."""
+    paths = sysconfig.get_paths()
+    not_users = (XMEM_DIR, paths["stdlib"] + os.sep, *_library_roots(), "<frozen")
+    return not filename.startswith(not_users)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
