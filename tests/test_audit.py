@@ -137,6 +137,9 @@ def test_forward_passes_only_are_suspect_when_the_program_made_an_optimizer_it_n
     (reason,) = audit(Trace(events=events, used_cuda=True, facts=[], forward_only=True, forward_passes=1,
                             unstepped_optimizers=1))
     assert reason.startswith("the program made an optimizer but the trace holds none of its steps")
+    (reason,) = audit(Trace(events=events, used_cuda=True, facts=[], forward_only=True, forward_passes=9,
+                            peak_rising=True))
+    assert reason.startswith("the GPU's peak still rose in the last forward passes")
 
 
 def test_held_at_answers_points_in_any_order():

@@ -34,6 +34,9 @@ def audit(trace: Trace) -> tuple[str, ...]:
     if trace.forward_only and trace.unstepped_optimizers:
         reasons.append("the program made an optimizer but the trace holds none of its steps (forward passes only): "
                        "its training would need more")
+    if trace.forward_only and trace.peak_rising:
+        reasons.append("the GPU's peak still rose in the last forward passes when the trace's time limit ended them: "
+                       "the job's may be higher")
     return tuple(dict.fromkeys(reasons))
 
 

@@ -137,7 +137,9 @@ def _without_training(trace: Any, state: Any, optimizers: int) -> None:
     """A trace with no training iteration is the peak of what the program ran (evaluation, batch inference,
     embedding extraction), said as such; one whose program made an optimizer it never stepped is suspect too."""
     trace.forward_only, trace.forward_passes, trace.unstepped_optimizers = True, state.forward_passes, optimizers
-    how = "the trace's limit for a program without an optimizer" if state.forward_only else "the program's end"
+    trace.peak_rising = state.peak_rising
+    how = "the trace's time limit, the peak still rising" if state.peak_rising else \
+        "the trace's limit for a program without an optimizer" if state.forward_only else "the program's end"
     what = "a backward pass but no optimizer step" if state.trained else "no backward pass or optimizer step"
     trace.warnings.append(f"traced forward passes only ({state.forward_passes} on the GPU, {what}, up to {how}): "
                           "the estimate is the peak of what the program ran")

@@ -133,6 +133,7 @@ class Trace:
     forward_only: bool = False
     forward_passes: int = 0
     unstepped_optimizers: int = 0  # optimizers the program made but never stepped, in a forward-only trace
+    peak_rising: bool = False  # a forward-only trace ended by its time limit while the GPU's peak still rose
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}

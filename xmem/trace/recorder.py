@@ -63,7 +63,8 @@ class NoStepInTime(BaseException):
 
 
 # A program without an optimizer that has run at least the iterations asked of forward passes on the GPU, and this
-# many of them or for this long since the first, without any backward pass or step, is traced as forward-only.
+# many of them or for this long since the first, without any backward pass or step, is traced as forward-only once
+# its peak held through the last half of its passes.
 FORWARD_ONLY_PASSES = 1000
 FORWARD_ONLY_SECONDS = 20.0
 
@@ -83,9 +84,11 @@ class TrainingState:
     inference; an nn.Module transform run on host data makes none and is no pass). A program holding an optimizer is
     heading for a step, however long it evaluates first: its passes never end the trace; if the trace's own time
     limit (`deadline`) comes first, NoStepInTime. A program without one ends as forward-only (StopTracing with
-    `forward_only` set) once it ran `target` passes and `FORWARD_ONLY_PASSES` of them or for `FORWARD_ONLY_SECONDS`
-    (or the deadline came): a long inference loop ends soon, an evaluation of a few hundred batches before the
-    optimizer is made does not. The check runs as the next top-level forward starts, between two passes.
+    `forward_only` set) once it ran `target` passes and `FORWARD_ONLY_PASSES` of them or for `FORWARD_ONLY_SECONDS`,
+    and the GPU's peak has not risen in the last half of its passes (a generation loop's key/value cache grows
+    with every pass: its peak is reached at its longest sequence), or when the deadline comes (`peak_rising` says
+    if the peak still rose then). A long inference loop ends soon; an evaluation of a few hundred batches before
+    the optimizer is made does not. The check runs as the next top-level forward starts, between two passes.
     """
 
     def __init__(self, iterations: int, on_progress: Callable[[str], None], optimizers: weakref.WeakSet,
@@ -95,9 +98,12 @@ class TrainingState:
         self.forward_passes = 0  # top-level forwards on the GPU before training
         self.pass_starts: list[int] = []  # the recorder's event count as each of them started
         self.forward_only = False  # the trace ended on forward passes (see the class docstring)
+        self.peak_rising = False  # ... at the deadline, with the GPU's peak still rising in its last half
         self._first_pass_at = 0.0
         self._events_before = 0
+        self._peak = self._peak_rose_at = 0  # the GPU's peak after the last pass, the pass it last rose in
         self.gpu_events: Callable[[], int] = lambda: 0  # the recorder's count of alloc/free events so far
+        self.gpu_peak: Callable[[], int] = lambda: 0  # the recorder's peak of live GPU bytes
         self.on_progress = on_progress
         self.phase = Phase.OTHER
         self.completed = 0
@@ -148,15 +154,20 @@ class TrainingState:
             self.pass_starts.append(self._events_before)
             if self.forward_passes == 1:
                 self._first_pass_at = time.monotonic()
+            if self.gpu_peak() > self._peak:
+                self._peak, self._peak_rose_at = self.gpu_peak(), self.forward_passes
 
     def _end_if_forward_only(self) -> None:
         now = time.monotonic()
-        if self.deadline is not None and now >= self.deadline and len(self._optimizers):
+        late = self.deadline is not None and now >= self.deadline
+        if late and len(self._optimizers):
             raise NoStepInTime
-        if (self.deadline is not None and now >= self.deadline) or (
-                not len(self._optimizers) and self.forward_passes >= self.target and (
-                self.forward_passes >= FORWARD_ONLY_PASSES or now - self._first_pass_at >= FORWARD_ONLY_SECONDS)):
+        settled = self.forward_passes >= 2 * self._peak_rose_at
+        enough = self.forward_passes >= self.target and (
+            self.forward_passes >= FORWARD_ONLY_PASSES or now - self._first_pass_at >= FORWARD_ONLY_SECONDS)
+        if late or (enough and settled and not len(self._optimizers)):
             self.forward_only = self.stopped = True
+            self.peak_rising = not settled
             self.on_progress(f"forward passes only: {self.forward_passes}")
             raise StopTracing
 
@@ -259,6 +270,7 @@ class AllocationRecorder(TorchDispatchMode):
         state.on_module_forward = self._label_module_tensors
         state.on_backward_end = self._label_module_gradients
         state.gpu_events = lambda: len(self.rows)  # a top-level forward that adds none ran on the host
+        state.gpu_peak = lambda: self.peak_bytes
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)

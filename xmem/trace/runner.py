@@ -77,7 +77,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                                         _cpu_seconds(timeout), _shim_dirs())
         child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
-                 *(["--time-limit", f"{timeout:g}"] if timeout else [])]
+                 "--time-limit", f"{timeout or MAX_TRACE_SECONDS:g}"]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
