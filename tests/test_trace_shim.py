@@ -4,6 +4,7 @@ and a clear error when g++ is missing."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,8 @@ def test_builds_once_then_reuses_the_cached_library(tmp_path, monkeypatch):
     assert built.exists() and built == shim.shim_path(torch_install)
     stamp = built.stat().st_mtime_ns
     assert shim.build_shim(torch_install).stat().st_mtime_ns == stamp
-    assert list(built.parent.iterdir()) == [built]  # no temporary file left behind
+    record = Path(str(built) + shim.DIGEST_SUFFIX)  # the builder's digest, checked at every reuse and load
+    assert sorted(built.parent.iterdir()) == sorted([built, record])  # no temporary file left behind
 
 
 def test_loading_after_torch_is_refused():
