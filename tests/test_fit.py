@@ -245,3 +245,23 @@ def test_the_peak_moving_from_the_optimizer_step_to_the_backward_pass_is_predict
     result = find_limits(Vary("b", 1, 1000), options, trace, lambda peak: peak)
     assert result.limits == {"g": {"whole": 300, "half": 100, "3g": 50}}
     assert sorted(traced) == [1, 2, 4, 50, 51, 100, 101, 300, 301]
+
+
+def test_a_huge_range_ends_at_the_largest_offers_memory_and_says_so():
+    """1..10^24: no value above the largest offer's bytes can fit a job that grows with it, and a job that does
+    not grow fits at any value; the search ends there either way, in few traces, and the answer says where."""
+    options = [FixedOption("g", "whole", 800 * MIB), FixedOption("g", "half", 400 * MIB)]
+    for grows in (True, False):
+        traced = []
+
+        def trace(value: int) -> Point:
+            traced.append(value)
+            return point(value, {"parameter": 100 * MIB, "activation": value * 1024 if grows else 0})
+
+        result = find_limits(Vary("b", 1, 10**24), options, trace, lambda peak: peak)
+        assert result.searched_high == 800 * MIB and max(traced) <= 800 * MIB and len(traced) < 20
+        assert "searched up to b=838860800" in result.to_json()["note"]
+        assert result.limits == ({"g": {"whole": 700 * 1024, "half": 300 * 1024}} if grows
+                                 else {"g": {"whole": 800 * MIB, "half": 800 * MIB}})
+    small = find_limits(Vary("b", 1, 5000), options, trace, lambda peak: peak)
+    assert small.searched_high is None and small.to_json()["note"] is None

@@ -20,7 +20,7 @@ import itertools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,12 @@ class Vary:
         for _ in range(2):
             values.append(max(values[-1] + 1, 2 * values[-1]))
         return [v for v in dict.fromkeys(values) if v <= self.high]
+
+    def within(self, most_bytes: int) -> Vary:
+        """The range cut at `most_bytes`, the memory of the largest offer: a value that adds memory adds at least
+        a byte per unit, so none above it fits there; one that adds none fits at any value, and the search stops
+        there all the same (`FitResult.searched_high` says so)."""
+        return replace(self, high=min(self.high, max(self.low, most_bytes)))
 
 
 def parse_vary(text: str) -> Vary:
@@ -222,6 +228,16 @@ class FitResult:
     points: tuple[Point, ...]
     seconds: float
     degrees: Mapping[str, int] = field(default_factory=dict)  # the growth model's last fit, per category
+    searched_high: int | None = None  # where the search ended below HIGH: the largest offer's bytes (Vary.within)
+
+    @property
+    def bound_note(self) -> str | None:
+        """The answer's caveat when the range was cut: a limit equal to the cut means "at least this"."""
+        if self.searched_high is None:
+            return None
+        return (f"searched up to {self.vary.name}={self.searched_high}, the largest offer's memory in bytes: a value "
+                f"that adds memory adds at least a byte, so none above fits; a limit there means {self.vary.name} "
+                "does not change the memory the job needs (any value fits)")
 
     @property
     def traces(self) -> int:
@@ -231,7 +247,8 @@ class FitResult:
         return {"vary": self.vary.name, "low": self.vary.low, "high": self.vary.high,
                 "limits": {gpu: dict(options) for gpu, options in self.limits.items()},
                 "traces": self.traces, "traced_values": sorted(p.value for p in self.points),
-                "seconds": round(self.seconds, 3), "growth": dict(self.degrees)}
+                "seconds": round(self.seconds, 3), "growth": dict(self.degrees), "searched_high": self.searched_high,
+                "note": self.bound_note}
 
 
 Tracer = Callable[[int], Point]  # the job traced at one value of the knob
@@ -242,15 +259,17 @@ def find_limits(vary: Vary, options: Sequence[FixedOption], trace: Tracer,
     """The largest value in `vary`'s range that fits each option: `needed(peak)` (the site margin) at most the
     option's usable bytes, on traces (`trace(value)`), with the growth model choosing which values to trace."""
     started = time.perf_counter()
-    search = _Search(vary, trace, needed)
-    for value in vary.first_values():
+    searched = vary.within(max((o.usable_bytes for o in options), default=vary.high))
+    search = _Search(searched, trace, needed)
+    for value in searched.first_values():
         search.point(value)
     limits: dict[str, dict[str, int | None]] = {}
     for option in sorted(options, key=lambda o: -o.usable_bytes):
         limits.setdefault(option.gpu_type, {})[option.name] = search.limit(option)
     degrees = fit_growth(list(search.points.values())).degrees()
     return FitResult(vary, limits, tuple(search.points[v] for v in sorted(search.points)),
-                     time.perf_counter() - started, degrees)
+                     time.perf_counter() - started, degrees,
+                     searched.high if searched.high < vary.high else None)
 
 
 class _Search:

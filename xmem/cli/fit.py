@@ -143,6 +143,8 @@ def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str
     values = ", ".join(str(p.value) for p in result.points)
     console.print(f"{result.traces} traces ({vary.name} = {values}) in {result.seconds:.1f} s; growth: {growth}",
                   highlight=False)
+    if result.bound_note:
+        console.print(result.bound_note, highlight=False)
 
 
 def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | None, site: SiteConfig,
