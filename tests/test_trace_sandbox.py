@@ -77,15 +77,16 @@ def test_fallback_refuses_a_write_it_cannot_redirect(tmp_path, monkeypatch):
     assert snapshot(tmp_path) == before
 
 
-def test_the_shim_is_built_and_kept_from_inside_the_sandbox(tmp_path, monkeypatch):
-    """Under the strictest mode (the fallback: Landlock), a first trace still compiles the shim (g++ writes its
-    temporaries past Python) and keeps it in the user's cache for the next one."""
+def test_the_shim_is_built_outside_the_sandbox_and_kept(tmp_path, monkeypatch):
+    """Under the strictest mode (the fallback: Landlock), a first trace finds the shim built (by the runner, before
+    the sandbox: the cache is read-only inside) and kept in the user's cache for the next one, with its digest."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
     trace = run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
     assert trace.iterations == 1
     assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so"))
 
+    assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so.sha256"))
 
 HELPER_PROGRAM = """
 import os, subprocess, sys
