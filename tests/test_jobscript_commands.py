@@ -211,9 +211,23 @@ def test_cd_to_unknown_directory_makes_later_commands_problems():
 
 
 def test_unsupported_launchers_are_problems():
-    job = parse("deepspeed train.py\nsingularity exec img.sif python t.py\nmpirun -np 2 python t.py\n")
+    job = parse("singularity exec img.sif python t.py\nmpirun -np 2 python t.py\n")
     assert not job.commands
-    assert [p.line_no for p in job.problems] == [3, 4, 5]
+    assert [p.line_no for p in job.problems] == [3, 4]
+
+
+def test_launchers_read_as_the_tracer_reads_them():
+    """One grammar (xmem.launchers): deepspeed and accelerate's module too, and an unknown count is one per GPU."""
+    job = parse("deepspeed --num_gpus=2 train.py --deepspeed_config ds.json\n"
+                "python -m accelerate.commands.launch --num_processes=2 -m pkg.train\n"
+                "torchrun --nproc_per_node=$(nvidia-smi -L | wc -l) t.py\n"
+                "torchrun --no-python t.sh\n")
+    deepspeed, accelerate, every_gpu = job.commands
+    assert deepspeed.argv == ("python", "train.py", "--deepspeed_config", "ds.json")
+    assert (deepspeed.launcher, deepspeed.ranks, deepspeed.env["WORLD_SIZE"]) == ("deepspeed", 2, "2")
+    assert (accelerate.argv, accelerate.launcher, accelerate.ranks) == (("python", "-m", "pkg.train"), "accelerate", 2)
+    assert (every_gpu.ranks, every_gpu.env["WORLD_SIZE"]) == (None, "1")  # the job's node has one GPU
+    assert [(p.line_no, p.reason.split(":")[0]) for p in job.problems] == [(6, "torchrun")]
 
 
 def test_script_without_any_command_says_so():
@@ -307,3 +321,11 @@ def test_export_of_a_value_with_spaces_is_one_assignment():
     c = only_command('A="x y"\nexport B=$A\ndeclare C=$A\npython t.py "$B" "$C"\n')
     assert c.argv == ("python", "t.py", "x y", "x y")
     assert c.env == {"B": "x y"}
+
+
+def test_the_batch_script_reader_does_not_import_the_tracer():
+    import subprocess
+    import sys
+    code = "import sys, xmem.jobscript; print(*sorted(m for m in sys.modules if m.startswith('xmem.trace')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == ""

@@ -5,7 +5,8 @@ import stat
 
 import pytest
 
-from xmem.trace.command import Target, named_interpreter, parse_command
+from xmem.launchers import Target, named_interpreter
+from xmem.trace.command import parse_command
 from xmem.trace.errors import TraceError
 
 

@@ -10,7 +10,8 @@ from xmem.estimate import device_name, estimate
 from xmem.gpus import find_gpu, load_catalog
 from xmem.jobscript import parse_jobscript, slurm_runtime_env
 from xmem.trace import TraceError, run_trace
-from xmem.trace.command import Target, gpus_per_node, launcher_env, parse_command
+from xmem.launchers import Target, gpus_per_node, launcher_env
+from xmem.trace.command import parse_command
 
 # The FSDP2 example pattern: a script that needs two GPUs says so and leaves (exit 0) on a smaller machine.
 FSDP2_EXAMPLE = """

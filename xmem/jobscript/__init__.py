@@ -12,10 +12,11 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand, _is_python
+from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand
 from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, array_task_ids, build_request,
                                        directive_arguments, parse_gpus, parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
+from xmem.launchers import is_python
 
 __all__ = ["JobScript", "SbatchRequest", "GresItem", "TrainCommand", "Problem", "parse_jobscript", "parse_gres",
            "parse_gpus", "DirectiveError", "slurm_runtime_env",
@@ -191,6 +192,6 @@ def _python_shebang(lines: list[str]) -> str | None:
     if not words:
         return None
     program = words[1] if posixpath.basename(words[0]) == "env" and len(words) > 1 else words[0]
-    if _is_python(posixpath.basename(program)):
+    if is_python(posixpath.basename(program)):
         return program if "/" in program else ""
     return None

@@ -1,10 +1,11 @@
 """Find the training command(s) of a batch script by a static read of its shell text.
 
 Owns: following `cd`/`pushd`, `export`/assignments/`unset`, `source X/bin/activate` and `conda activate`, command
-wrappers (`exec`, `time`, `nohup`, `env`, `stdbuf`), and the launchers xmem understands: `python`/`python3`
-(script or `-m`), `torchrun` / `python -m torch.distributed.run` (one rank is estimated), `srun` and
-`accelerate launch`. Whatever a static read cannot settle (a launcher inside a loop or conditional, an argument
-that needs command output, an unsupported launcher) becomes a `Problem` naming the line: never a guess.
+wrappers (`exec`, `time`, `nohup`, `env`, `stdbuf`), `srun`, and the commands that start Python, read through
+the one launcher grammar (`xmem.launchers`: `python`, `torchrun`, `accelerate launch`, `deepspeed`; one rank is
+estimated, in its launcher's world). Whatever a static read cannot settle (a launcher inside a loop or
+conditional, an argument that needs command output, an unsupported launcher) becomes a `Problem` naming the line:
+never a guess.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from xmem.jobscript.shell import REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand
-from xmem.trace.command import Target, gpus_per_node, launcher_variables
+from xmem.launchers import LAUNCHER_NAMES, LaunchError, Target, gpus_per_node, is_python, launcher_variables, \
+    parse_launch
 
 
 @dataclass(frozen=True)
@@ -64,18 +66,10 @@ Item = str | Opaque
 _WRAPPERS = {"exec", "time", "nohup", "command", "builtin", "nice", "ionice", "taskset", "numactl", "stdbuf"}
 _TEXT_COMMANDS = {"echo", "printf", "which", "type", "whereis", "module", "ml", "pip", "pip3", "hash", "alias",
                   "conda", "mamba", "micromamba", "nvidia-smi", "cat", "tee", "grep", "read"}
-_UNSUPPORTED_LAUNCHERS = {"deepspeed", "mpirun", "mpiexec", "horovodrun", "singularity", "apptainer", "docker",
+_UNSUPPORTED_LAUNCHERS = {"mpirun", "mpiexec", "horovodrun", "singularity", "apptainer", "docker",
                           "podman", "enroot", "charliecloud", "parallel", "xargs"}
 _NOT_TRAINING_MODULES = {"pip", "venv", "ensurepip", "site", "json.tool", "http.server", "pytest",
                          "torch.utils.collect_env", "sysconfig", "platform"}
-_TORCHRUN_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
-_ACCELERATE_MODULES = {"accelerate.commands.launch"}
-_PYTHON_VALUE_FLAGS = {"-W", "-X", "--check-hash-based-pycs"}
-_PYTHON_NO_SCRIPT = {"-c", "-V", "--version", "-h", "--help", "-", "-i"}
-_TORCHRUN_FLAGS = {"standalone", "module", "no_python", "run_path", "use_env", "m"}
-_ACCELERATE_FLAGS = {"multi_gpu", "cpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "use_xpu", "debug",
-                     "module", "m", "no_python", "quiet", "q", "same_network", "tpu", "tpu_use_cluster",
-                     "tpu_use_sudo", "downcast_bf16", "enable_cpu_affinity", "h", "help"}
 _SRUN_SHORT_VALUE = set("AbBcCdDeGiJLmMnNopqrStTwWx")
 _SRUN_LONG_FLAGS = {"contiguous", "exact", "help", "hold", "label", "multi-prog", "no-allocate", "no-kill",
                     "overcommit", "overlap", "oversubscribe", "preserve-env", "pty", "quiet", "quit-on-interrupt",
@@ -269,7 +263,7 @@ class Finder:
         elif name == "srun":
             self._srun(items[1:], prefix_env, line_no, sources)
         elif name in _UNSUPPORTED_LAUNCHERS:
-            if _mentions_launcher(sources) or name in ("deepspeed", "horovodrun"):
+            if _mentions_launcher(sources) or name == "horovodrun":
                 self.problem(line_no, f"'{name}' launches the training in a way xmem does not follow")
         elif name not in _TEXT_COMMANDS and _mentions_launcher(sources[1:]):
             self.problem(line_no, f"python is started through '{name}', which xmem does not follow")
@@ -372,69 +366,8 @@ class Finder:
         return posixpath.normpath(posixpath.join(self.state.cwd, path))
 
     # -- launchers -----------------------------------------------------------------------------------------------
-    def _python(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, launcher: str,
-                ranks: int | None, interpreter: str | None = None) -> None:
-        python = interpreter or self._interpreter(items[0])
-        args = items[1:]
-        while args and isinstance(args[0], str) and args[0].startswith("-") and args[0] != "-m":
-            flag = args.pop(0)
-            if flag in _PYTHON_NO_SCRIPT:
-                return  # `python -c ...`, `python --version`: not a training script
-            if flag in _PYTHON_VALUE_FLAGS and args:
-                args.pop(0)
-        if not args:
-            return
-        if args[0] == "-m":
-            if len(args) < 2:
-                return
-            module = args[1]
-            if isinstance(module, str) and module in _TORCHRUN_MODULES:
-                self._torchrun(args[2:], prefix_env, line_no, python, "torchrun")
-                return
-            if isinstance(module, str) and module in _ACCELERATE_MODULES:
-                self._accelerate(args[2:], prefix_env, line_no, python)
-                return
-            if isinstance(module, str) and module in _NOT_TRAINING_MODULES:
-                return
-            self._emit(["python", "-m", *args[1:]], prefix_env, line_no, python, launcher, ranks)
-            return
-        self._emit(["python", *args], prefix_env, line_no, python, launcher, ranks)
-
-    def _torchrun(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None,
-                  launcher: str) -> None:
-        options, rest = _launcher_options(args, _TORCHRUN_FLAGS)
-        if "no_python" in options:
-            self.problem(line_no, "torchrun --no-python runs a program that is not Python")
-            return
-        ranks = _rank_count(options.get("nproc_per_node"))
-        if not rest:
-            self.problem(line_no, "torchrun without a training script")
-            return
-        module = "module" in options or "m" in options
-        env = {**prefix_env, **self._rank_zero_env("torchrun", ranks, _rank_count(options.get("nnodes")))}
-        self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, launcher, ranks)
-
-    def _accelerate(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, python: str | None) -> None:
-        options, rest = _launcher_options(args, _ACCELERATE_FLAGS)
-        if "no_python" in options:
-            self.problem(line_no, "accelerate launch --no_python runs a program that is not Python")
-            return
-        if not rest:
-            self.problem(line_no, "accelerate launch without a training script")
-            return
-        env = dict(prefix_env)
-        precision = options.get("mixed_precision")
-        if precision is not None:
-            env["ACCELERATE_MIXED_PRECISION"] = precision  # what `accelerate launch` hands the script's Accelerator
-        ranks = _rank_count(options.get("num_processes"))
-        machines = _rank_count(options.get("num_machines")) or 1  # accelerate counts the processes of all of them
-        env.update(self._rank_zero_env("accelerate", max(1, (ranks or 1) // machines), machines))
-        module = "module" in options or "m" in options
-        self._emit(["python", *(["-m"] if module else []), *rest], env, line_no, python, "accelerate", ranks)
-
-    def _rank_zero_env(self, launcher: str, per_node: int | None, nodes: int | None) -> dict[str, str]:
-        """What the launcher gives the rank estimated (rank 0); None per node: one per GPU of the job's node."""
-        target = Target(None, None, (), launcher, per_node, nodes or 1)
+    def _rank_zero_env(self, target: Target) -> dict[str, str]:
+        """What the launcher gives the rank estimated (rank 0) on the job's node."""
         return launcher_variables(target, gpus_per_node(target, self.state.base_env))
 
     def _srun(self, args: list[Item], prefix_env: dict[str, Item], line_no: int, sources: list[str]) -> None:
@@ -470,20 +403,34 @@ class Finder:
 
     def _launch(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, via: str | None,
                 ranks: int | None) -> bool:
-        """Record a python, torchrun or `accelerate launch` command; False when `items` is none of these.
-        `via` is an outer launcher (srun) recorded in place of the program's own name."""
+        """Record a command that starts a Python program (a python interpreter or a launcher, read by
+        `xmem.launchers`); False when `items` is none of these. `via` is an outer launcher (srun) recorded in place of
+        the program's own; `ranks` are its processes per node."""
         head = items[0]
         name = posixpath.basename(head) if isinstance(head, str) else ""
-        if _is_python(name):
-            self._python(items, prefix_env, line_no, launcher=via or "python", ranks=ranks)
-        elif name == "torchrun":
-            self._torchrun(items[1:], prefix_env, line_no, _sibling_python(head, self.state), via or "torchrun")
-        elif name == "accelerate" and len(items) > 1 and items[1] == "launch":
-            self._accelerate(items[2:], prefix_env, line_no, _sibling_python(head, self.state))
-        else:
+        if not is_python(name) and name not in LAUNCHER_NAMES:
             return False
-        return True
+        words = [item if isinstance(item, str) else _marked(item, i) for i, item in enumerate(items)]
+        opaque = {_marker(i): item for i, item in enumerate(items) if isinstance(item, Opaque)}
 
+        def known(word: str) -> Item:  # a word that holds a value known only at run time is that value
+            return next((item for marker, item in opaque.items() if marker in word), word)
+        try:
+            target = parse_launch(words)
+        except LaunchError as error:
+            if not is_python(name):  # `python -c`, `python --version`: not a training command
+                self.problem(line_no, f"{name}: {error.message}")
+            return True
+        if target is None:
+            return False
+        if target.module in _NOT_TRAINING_MODULES:
+            return True
+        argv = ["python", *map(known, target.child_argv())]
+        env = {**prefix_env, **{name: known(value) for name, value in self._rank_zero_env(target).items()}}
+        python = self._interpreter(head) if is_python(name) else _sibling_python(head, self.state)
+        self._emit(argv, env, line_no, python, via or target.launcher or "python",
+                   target.nproc_per_node if target.distributed else ranks)
+        return True
 
     def _interpreter(self, head: Item) -> str | None:
         if not isinstance(head, str):
@@ -516,9 +463,19 @@ class Finder:
             line_no=line_no))
 
 
+def _marker(index: int) -> str:
+    return f"\0{index}\0"
+
+
+def _marked(item: Opaque, index: int) -> str:
+    """A word known only at run time, for the launcher grammar: its literal start (`--nproc_per_node=`, so that the
+    launcher's option is still read as one, with a value that is no number) and a marker of the word."""
+    start = item.source.split("$", 1)[0] if item.source.startswith("-") else ""
+    return start + _marker(index)
+
+
 def _rank_count(value: Item | None) -> int | None:
-    """Processes per node when a launcher gives a number; "gpu", "auto" or a run-time value say nothing (the
-    estimate is per rank either way)."""
+    """srun's tasks per node when given as a number; a run-time value says nothing (the estimate is per rank)."""
     if isinstance(value, str) and value.isdigit():
         return int(value)
     return None
@@ -559,12 +516,8 @@ def _assignment_name(word: Word) -> str | None:
     return name if name.isidentifier() else None
 
 
-def _is_python(name: str) -> bool:
-    return name == "python" or (name.startswith("python") and name[6:].replace(".", "").isdigit())
-
-
 def _mentions_launcher(sources: list[str]) -> bool:
-    return any(_is_python(posixpath.basename(s)) or posixpath.basename(s) in ("torchrun", "accelerate")
+    return any(is_python(posixpath.basename(s)) or posixpath.basename(s) in LAUNCHER_NAMES
                or s.endswith(".py") for s in sources)
 
 
@@ -573,26 +526,6 @@ def _sibling_python(launcher_path: Item, state: ShellState) -> str | None:
     if isinstance(launcher_path, str) and "/" in launcher_path:
         return posixpath.join(posixpath.dirname(launcher_path), "python")
     return state.python
-
-
-def _launcher_options(args: list[Item], flags: set[str]) -> tuple[dict[str, str | None], list[Item]]:
-    """Parse argparse-style options before the script: `--name value`, `--name=value`, flags; `-`/`_` alike."""
-    options: dict[str, str | None] = {}
-    rest = list(args)
-    while rest and isinstance(rest[0], str) and rest[0].startswith("-") and rest[0] != "-":
-        arg = rest.pop(0)
-        if arg == "--":
-            break
-        name, eq, value = arg.lstrip("-").partition("=")
-        name = name.replace("-", "_")
-        if eq:
-            options[name] = value
-        elif name in flags:
-            options[name] = None
-        elif rest:
-            nxt = rest.pop(0)
-            options[name] = nxt if isinstance(nxt, str) else None
-    return options, rest
 
 
 def _conda_prefix(name: str, env: Mapping[str, str]) -> str | None:
