@@ -118,7 +118,7 @@ def server():
         path = socket_for(MLP)
         process = warm.start_server(shutil.which(sys.executable), path,
                                     warm.server_env(runner._child_env(None, parse_command(MLP, None), 1),
-                                                    runner.XMEM_PARENT_DIR))
+                                                    runner.BOOT_DIR))
         assert process is not None
         try:
             ready = wait_for(lambda: process.poll() is not None or warm.connect(path) is not None, SERVER_START_S, 0.5)

@@ -17,7 +17,9 @@ tensor get stand-ins (`standins.py`), each kind warned once.
 Modules: `runner` (parent side: the child process, its sandbox and limits), `child` (the child's life),
 `fakecuda` (every patch of torch that makes a GPU appear), `recorder` (routing, allocations, training phases),
 `standins`, `attention` (SDPA backend choice), `distributed` (one rank of a launcher's world), `sandbox`,
-`command` (launchers), `shim` (the native part), `events` (the Trace record), `facts` (the self-audit's facts).
+`command` (the command's program, read by `xmem.launchers`), `follow` and `boot/` (every Python process the
+program starts, traced the same way), `shim` (the native part), `events` (the Trace record), `facts` (the
+self-audit's facts).
 """
 
 from xmem.trace.errors import TraceError

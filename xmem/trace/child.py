@@ -3,8 +3,9 @@
 Owns the life of one traced run: load the native shim, import torch, install the fake-CUDA world, run the user's
 unmodified program (a script path or `-m module`, as `xmem.trace.command` prepared it) under FakeTensorMode with the
 recorder above it, stop after N iterations, and write the Trace JSON or an error JSON
-`{"error": kind, "message": ..., "traceback": ...}` to FILE. The program's stdout/stderr stay its own (the parent
-captures them); progress lines go to `--progress-fd`.
+`{"error": kind, "message": ..., "traceback": ...}` to FILE. Each Python process the program starts runs the same
+life (`xmem.trace.follow`), and what it made may be the job's result. The program's stdout/stderr stay its own
+(the parent captures them); progress lines go to `--progress-fd`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import runpy
 import sys
@@ -62,6 +62,9 @@ def parse_capability(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from xmem.trace import follow  # the processes the program starts are traced too
+    follow.hand_down(args.out, args.iterations, args.capability, args.device_count, args.progress_fd,
+                     args.time_limit)
     progress = _progress_writer(args.progress_fd)
     deadline = time.monotonic() + TIME_LIMIT_SHARE * args.time_limit if args.time_limit else None
     try:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except BaseException as error:  # our own bug: say so, with our traceback
         payload = {"error": "internal", "message": f"{type(error).__name__}: {_first_line(error)}",
                    "traceback": traceback.format_exc()}
-    args.out.write_text(json.dumps(payload))
+    follow.finish(args.out, payload)  # or what a process the program started made
     sys.stdout.flush()
     sys.stderr.flush()
     # The program may have left non-daemon threads or atexit work behind; the trace is written, so leave now.
@@ -247,6 +250,10 @@ def _run_user_program(command: list[str]) -> None:
         if found is None:
             raise ChildFailure("not_found", f"no module named {module} (from {os.getcwd()})")
         runpy.run_module(module, run_name="__main__", alter_sys=True)
+    elif command[0] == "-c":  # a process the program started (xmem.trace.follow): the runner refuses `python -c`
+        sys.argv = ["-c", *command[2:]]
+        sys.path.insert(0, "")
+        exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     else:
         script = command[0]
         sys.argv = [script, *command[1:]]

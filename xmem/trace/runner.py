@@ -31,10 +31,10 @@ from xmem.trace import privileges, sandbox, shim, warm  # -- issue 21: privilege
 from xmem.trace.command import parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
+from xmem.trace.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB
 
-XMEM_PARENT_DIR = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding the xmem package
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
 NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
                    "output lines say why")
@@ -140,11 +140,11 @@ def _shim_dirs() -> list[str]:
 def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict[str, str]:
     """The job's environment as its launcher makes it for rank 0 (collectives are fake), on a node of `gpus`."""
     child_env = launcher_env(target, os.environ if env is None else env, gpus)
-    paths = [XMEM_PARENT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [BOOT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    return child_env
     child_env[shim.DIR_ENV] = str(shim.cache_dir())  # -- issue 21: ours, never the job's (it could name /dev/shm)
+    return child_env
 
 
 @dataclass
@@ -184,7 +184,7 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
         return None
     connection = warm.connect(path)
     if connection is None:
-        warm.start_server(interpreter, path, warm.server_env(env, XMEM_PARENT_DIR), after=scratch)
+        warm.start_server(interpreter, path, warm.server_env(env, BOOT_DIR), after=scratch)
         return None
 
     def start(log: Any, progress_fd: int) -> warm.WarmJob | None:

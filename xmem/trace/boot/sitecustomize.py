@@ -1,0 +1,37 @@
+"""Start-up of every Python process of a traced job: this directory is first on the job's PYTHONPATH.
+
+Makes the `xmem` package importable from where it lies without putting the installation's other packages on the
+job's path (the job's own interpreter and libraries are what is traced, whatever their versions), runs the
+sitecustomize this file shadows (the interpreter's or the environment's own), then hands a process the traced
+program started to `xmem.trace.follow`, which traces it. Standard library only: it runs in the user's interpreter.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # the xmem package directory
+
+
+def _register_xmem() -> None:
+    if "xmem" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("xmem", os.path.join(_PACKAGE, "__init__.py"),
+                                                      submodule_search_locations=[_PACKAGE])
+        sys.modules["xmem"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["xmem"])
+
+
+def _run_shadowed() -> None:
+    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_register_xmem()
+_run_shadowed()
+from xmem.trace import follow  # noqa: E402 - xmem is importable from here on
+
+follow.main()
