@@ -123,3 +123,24 @@ def test_torch_distributed_run_in_a_subprocess_traces_rank_zero_in_its_world(tmp
     assert result.iterations == 2
     weight, bias = 512 * 512 * 4 // 2, 512 * 4 // 2  # rank 0 holds half of each parameter
     assert [n for n in parameter_bytes(result) if n in (weight, bias)] == sorted([weight, bias] * 2)
+
+
+def test_an_environments_console_script_runs_on_that_environments_python(tmp_path):
+    """`trl`, `tune`: an entry point pip wrote into an environment's bin/ runs on the python beside it, whose
+    libraries the program uses, not on the estimator's."""
+    venv = tmp_path / "env"  # a venv that sees this one's libraries through a path line, but not xmem
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    (Path(own) / "torch-beside.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    tool = venv / "bin" / "train-tool"
+    tool.write_text(f"#!{python}\n" + textwrap.dedent(f"""
+        import sys, torch
+        assert sys.executable == {str(python)!r}, sys.executable
+        model = torch.nn.Linear(4, 4).cuda()
+        model(torch.randn(2, 4, device="cuda")).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    """))
+    tool.chmod(0o755)
+    assert run_trace([str(tool)], iterations=1).iterations == 1

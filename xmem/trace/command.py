@@ -9,7 +9,7 @@ import dataclasses
 import os
 import shutil
 
-from xmem.launchers import LaunchError, Target, parse_launch
+from xmem.launchers import LaunchError, Target, is_python, parse_launch
 from xmem.trace.errors import TraceError
 
 
@@ -26,6 +26,19 @@ def parse_command(command: list[str], cwd: str | None = None) -> Target:
         return target
     found = _script_target(target.script or "", list(target.args), cwd, require_python=False)
     return dataclasses.replace(target, script=found.script)
+
+
+def console_script_interpreter(target: Target) -> str | None:
+    """The interpreter of an environment's own console script run by name or path (`trl`, `tune`, a `bin/` entry
+    point pip wrote): its shebang names the `python` beside it, the environment whose libraries the program uses.
+    None for anything else (a script whose shebang names another place runs on the caller's interpreter)."""
+    if not target.script or target.launcher is not None or target.script.endswith(".py") or \
+            os.path.isdir(target.script):
+        return None
+    words = _first_bytes(target.script).split(b"\n", 1)[0][2:].decode(errors="replace").split()
+    interpreter = words[0] if words else ""
+    beside = os.path.dirname(interpreter) == os.path.dirname(target.script)
+    return interpreter if beside and is_python(os.path.basename(interpreter)) else None
 
 
 def _script_target(program: str, args: list[str], cwd: str | None, require_python: bool = True) -> Target:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Protocol
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.launchers import Target, gpus_per_node, launcher_env, named_interpreter
 from xmem.trace import privileges, sandbox, shim, warm  # -- issue 21: privileges
-from xmem.trace.command import parse_command
+from xmem.trace.command import console_script_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.follow import BOOT_DIR
@@ -59,13 +59,13 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
-    (`command.named_interpreter`), else on this one. `warm_tracer`: the site's choice of the warm tracer
+    (`launchers.named_interpreter`) or its console script's shebang names, else on this one. `warm_tracer`: the site's choice of the warm tracer
     (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the trace: TraceCancelled.
     """
     privileges.refuse_as_root(list(command), cwd)  # -- issue 21: root never starts another user's program
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
-    wanted = python or named_interpreter(list(command), cwd) or sys.executable
+    wanted = python or named_interpreter(list(command), cwd) or console_script_interpreter(target) or sys.executable
     interpreter = shutil.which(wanted)
     if interpreter is None:
         raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
