@@ -59,8 +59,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
-    (`launchers.named_interpreter`) or its console script's shebang names, else on this one. `warm_tracer`: the site's choice of the warm tracer
-    (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the trace: TraceCancelled.
+    (`launchers.named_interpreter`) or its console script's shebang names, else on this one. `warm_tracer`: the
+    site's choice of the warm tracer (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the
+    trace: TraceCancelled.
     """
     privileges.refuse_as_root(list(command), cwd)  # -- issue 21: root never starts another user's program
     target = parse_command(list(command), cwd)
