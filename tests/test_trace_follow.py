@@ -98,7 +98,11 @@ TRAIN = """
 """
 
 
-@pytest.mark.parametrize("python", PYTHONS)
+# The other environment when there is one (the CPU build, torch 2.13), else this one: one trace either way.
+OTHER_PYTHON = os.environ.get("XMEM_TEST_CPU_PYTHON") or sys.executable
+
+
+@pytest.mark.parametrize("python", [OTHER_PYTHON])
 def test_training_run_by_subprocess_on_the_programs_interpreter_is_traced(python, tmp_path):
     write(tmp_path / "train.py", TRAIN)
     outer = write(tmp_path / "outer.py", """
