@@ -23,6 +23,10 @@ Figures (each over the cases where it applies):
   files changed    files under the users' homes and job directories that differ after the campaign, outside
                    xmem's own cache (~/.cache/xmem-*) and the estimator's scratch
   cross-user       cases where one user's planted files changed another user's outcome from its baseline
+
+Group "trust" (issue 21; `--only trust` runs it alone): jobs that run, measure files planted by another user or
+twisted by the job's own, and one user's forged records; its figures: files changed through a planted name,
+another user's plant that succeeded, calibration moved by one user's records, jobs or Epilogs that hung.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROOT = Path("/tmp/xmem-campaign")
-USERS = ("xmemcamp-a", "xmemcamp-b")
-PORTS = {"inline": 6917, "partition": 6957}
+ROOT = Path(os.environ.get("XMEM_CAMPAIGN_ROOT", "/tmp/xmem-campaign"))  # another root and port offset: a second
+USERS = ("xmemcamp-a", "xmemcamp-b")                                      # campaign beside the first
+PORTS = {mode: port + int(os.environ.get("XMEM_CAMPAIGN_PORT_OFFSET", "0"))
+         for mode, port in {"inline": 6917, "partition": 6957}.items()}
 DEFERRED_SETTLE_S = 180
 PLANTED = ("/tmp/xmem-slurm-native-", "/tmp/xmem-slurm-slots")  # where cross-user cases plant (removed at the end)
 
@@ -388,10 +393,190 @@ def leftover_processes() -> list[str]:
     return found
 
 
+# === group "trust" (issue 21): measure files and forged records ===================================================
+# These jobs run (no --begin): the root Prolog makes each job's measure file, the Epilog records it. The attacker is
+# USERS[0], the victim USERS[1]; each case is a name and a check returning its problems. Figures: "files changed"
+# (a victim's file or a root file written through a planted name), "cross-user" (the attacker's plant succeeded),
+# "calibration moved" (one user's records changed what `calibrate --from-store` fits), "job hung".
+
+# Traced at submission (where SLURM_JOB_ID is the filter's stand-in "0"), not run: the job has no GPU.
+TRUST_TRAIN = "import os, sys\nif os.environ.get('SLURM_JOB_ID', '0') != '0':\n    sys.exit(0)\n" + TRAIN
+FORGED_PEAK = 60 << 30  # the campaign of issue 21: six jobs claiming 60 GiB moved the A100's context there
+FORGED_STAMP = "xmem:peak=1;need=1;type=a100;req=gpu:a100:1;act=rewrite"
+
+
+def trust_job(user: str, cluster: dict[str, str], venv: Path, body: str, options: tuple[str, ...] = (),
+              unfiltered: bool = False, hold: bool = False) -> str | None:
+    """Submit a job of `user` whose script trains (for the estimate) and then runs `body`; its id."""
+    work = Path(f"/home/{user}/campaign-trust")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "train.py").write_text(TRUST_TRAIN)
+    script = work / f"job-{abs(hash((body, options))) % 10**8}.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:a100:1\npython train.py\n{body}\n")
+    sh("chown", "-R", f"{user}:{user}", str(work))
+    prefix = user_env(user, cluster, venv, {}, work)
+    argv = [*prefix, *(["XMEM_NO_FILTER=1"] if unfiltered else []), "sbatch", "--parsable", "-o", "/dev/null",
+            *(["--hold"] if hold else []), *options, str(script)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=work, stdin=subprocess.DEVNULL)
+    return done.stdout.strip().split(";")[0] if done.returncode == 0 else None
+
+
+def trust_wait(job_id: str | None, cluster: dict[str, str], timeout: float = 240) -> bool:
+    """The job ended and the Epilog recorded it; False when that did not happen within `timeout`."""
+    deadline = time.monotonic() + timeout
+    lab = Path(cluster["SLURM_CONF"]).parents[1]
+    while job_id and time.monotonic() < deadline:
+        if job_fields(job_id, cluster).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") \
+                and trust_record(job_id, lab) is not None:
+            return True
+        time.sleep(1)
+    return False
+
+
+def trust_record(job_id: str | None, lab: Path) -> dict | None:
+    for line in (lab / "records.jsonl").read_text().splitlines() if (lab / "records.jsonl").exists() else []:
+        record = json.loads(line)
+        if record.get("job_id") == job_id:
+            return record
+    return None
+
+
+def next_job_ids(cluster: dict[str, str], count: int) -> list[int]:
+    """The ids the next submissions will get: Slurm hands them out in order (a held probe job shows where)."""
+    probe = sh("sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap=true", env={**os.environ, **cluster,
+                                                                                       "XMEM_NO_FILTER": "1"})
+    first = int(probe.stdout.strip().split(";")[0])
+    sh("scancel", str(first), env={**os.environ, **cluster})
+    return list(range(first + 1, first + 1 + count))
+
+
+def trust_cases(cluster: dict[str, str], venv: Path, lab: Path) -> list[tuple[str, list[str]]]:
+    attacker, victim = USERS
+    vuid = sh("id", "-u", victim).stdout.strip()
+    measure = lab / "measure"
+    precious = Path(f"/home/{victim}/precious.txt")
+    precious.write_text("the victim's own work\n")
+    sh("chown", f"{victim}:{victim}", str(precious))
+    root_file = ROOT / "root-only.txt"
+    root_file.write_text("root's\n")
+    as_attacker = ["runuser", "-u", attacker, "--", "sh", "-c"]
+    write_peak = 'echo \'{"peak_bytes": %d}\' > "$XMEM_MEASURE_FILE"'
+    results: list[tuple[str, list[str]]] = []
+
+    def victim_job(body: str = write_peak % (1 << 30)) -> tuple[str | None, bool]:
+        job = trust_job(victim, cluster, venv, body)
+        return job, trust_wait(job, cluster)
+
+    def untouched() -> list[str]:
+        bad = [] if precious.read_text() == "the victim's own work\n" else ["files changed"]
+        return bad + ([] if root_file.read_text() == "root's\n" else ["files changed"])
+
+    # 1-5: the attacker plants names where the victim's next jobs will write
+    plants = {
+        "symlink_next_ids": "ln -s {precious} {measure}/xmem-measure-{i}.json; "
+                            "ln -s {precious} {measure}/{vuid}/xmem-measure-{i}.json",
+        "squat_user_dir": "mkdir {measure}/{vuid}; ln -s /home/{attacker} {measure}/{vuid}",
+        "fifo_next_id": "mkfifo {measure}/xmem-measure-{i}.json {measure}/{vuid}/xmem-measure-{i}.json",
+        "hardlink_next_id": "ln {precious} {measure}/xmem-measure-{i}.json",
+        "symlink_to_root_file": "ln -s {root_file} {measure}/{vuid}/xmem-measure-{i}.json",
+    }
+    for name, command in plants.items():
+        ids = next_job_ids(cluster, 3)
+        for i in ids:
+            sh(*as_attacker, command.format(precious=precious, measure=measure, vuid=vuid, attacker=attacker, i=i,
+                                            root_file=root_file) + " 2>/dev/null; true")
+        job, ended = victim_job()
+        problems = untouched() + ([] if ended else [f"job hung ({job})"])
+        planted = [p for p in measure.rglob("*") if p.lstat().st_uid == int(sh("id", "-u", attacker).stdout)]
+        problems += ["cross-user"] * bool(planted)
+        record = trust_record(job, lab)
+        if not record or record.get("measured_bytes") != 1 << 30:  # the victim's own write landed where it should
+            problems.append(f"measurement lost ({job})")
+        results.append((f"measure/{name}", problems))
+    # 6-9: the job's user does odd things with their own file (the Epilog runs as root)
+    own = {
+        "own_leftover_symlink": None,  # planted by the victim before the job, at the job's own name
+        "job_links_file_to_root_file": f'ln -sf {root_file} "$XMEM_MEASURE_FILE"',
+        "job_writes_100_MiB": 'head -c 104857600 /dev/zero > "$XMEM_MEASURE_FILE"',
+        "job_makes_a_fifo": 'rm -f "$XMEM_MEASURE_FILE"; mkfifo "$XMEM_MEASURE_FILE"',
+    }
+    for name, body in own.items():
+        if body is None:
+            (i,) = next_job_ids(cluster, 1)
+            sh("runuser", "-u", victim, "--", "ln", "-s", str(precious), f"{measure}/{vuid}/xmem-measure-{i}.json")
+            job, ended = victim_job()
+        else:
+            job, ended = victim_job(body)
+        record = trust_record(job, lab)
+        problems = untouched() + ([] if ended and record else [f"job hung ({job})"])
+        if (body is not None) == bool(record and record.get("measured_bytes")):  # a bad file is never measured
+            problems.append(f"trusted a bad file ({job})" if body else f"measurement lost ({job})")
+        results.append((f"measure/{name}", problems))
+    # 10-13: one user's forged records, then the site's calibration on the store as it is
+    forged = {
+        "comment_without_filter": dict(options=("--comment", FORGED_STAMP), unfiltered=True),
+        "comment_after_submission": dict(hold=True),
+        "stamp_in_export": dict(options=("--export=ALL,XMEM_PEAK_BYTES=1,XMEM_NEEDED_BYTES=1",)),
+        "infinite_peak": dict(body='echo 1e400 > "$XMEM_MEASURE_FILE"'),
+    }
+    for name, how in forged.items():
+        body = how.pop("body", write_peak % FORGED_PEAK)
+        for _ in range(6):
+            job = trust_job(attacker, cluster, venv, body, **how)
+            if how.get("hold") and job:
+                sh("runuser", "-u", attacker, "--", "scontrol", "update", f"JobId={job}", f"Comment={FORGED_STAMP}",
+                   env={**os.environ, **cluster})
+                sh("runuser", "-u", attacker, "--", "scontrol", "release", job, env={**os.environ, **cluster})
+            trust_wait(job, cluster)
+        results.append((f"forged/{name}", calibration_moved(lab)))
+    return results
+
+
+def calibration_moved(lab: Path) -> list[str]:
+    """`calibrate --from-store` as a site runs it (and with the jobs' own files trusted) on the store so far:
+    whatever it fits must not be the forged 60 GiB."""
+    problems = []
+    for extra in ((), ("--trust-job-files",)):
+        done = sh(str(ROOT / "venv" / "bin" / "xmem-slurm"), "calibrate", "--from-store", "--store",
+                  str(lab / "records.jsonl"), "--config", str(lab / "etc" / "xmem.toml"), "--dry-run", *extra,
+                  timeout=120)
+        moved = [int(n) for n in re.findall(r"(?m)^context_bytes = (\d+)$", done.stdout)]
+        if any(n > 8 << 30 for n in moved):
+            problems.append("calibration moved")
+    return problems
+
+
+def run_trust_group(clusters: dict[str, dict[str, str]], venv: Path) -> list[tuple[str, list[str]]]:
+    results = trust_cases(clusters["inline"], venv, ROOT / "lab-inline")
+    for name, problems in results:
+        print(f"    trust {name:40s} {', '.join(problems) or 'ok'}", flush=True)
+    return results
+
+def trust_main(clusters: dict[str, dict[str, str]], venv: Path, keep: bool) -> int:
+    """`--only trust`: the group alone, its figures, the clusters down."""
+    started = time.monotonic()
+    results = run_trust_group(clusters, venv)
+    procs = leftover_processes()
+    print(f"\ntrust cases: {len(results)}, {time.monotonic() - started:.0f} s")
+    for label in ("files changed", "cross-user", "calibration moved", "job hung", "measurement lost",
+                  "trusted a bad file"):
+        print(f"{label + ':':48s} {sum(any(p.startswith(label) for p in ps) for _, ps in results)}")
+    print(f"{'leftover processes:':48s} {len(procs)}")
+    for line in procs[:10]:
+        print("  leftover:", line)
+    if not keep:
+        for mode in clusters:
+            sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "down", "--lab", str(ROOT / f"lab-{mode}"),
+               timeout=120)
+    return 0 if not any(problems for _, problems in results) and not procs else 1
+
+# === end of group "trust" ===========================================================================================
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only the cases of this kind (program, directive, shape, environment, "
-                                       "cross-user)")
+                                       "cross-user, trust)")
     parser.add_argument("--keep", action="store_true", help="leave the clusters up at the end")
     parser.add_argument("--workers", type=int, default=3, help="cases submitted side by side (default 3)")
     args = parser.parse_args()
@@ -399,6 +584,8 @@ def main() -> int:
         raise SystemExit("run as root: it makes users and starts Slurm daemons")
     ROOT.mkdir(parents=True, exist_ok=True)
     venv = setup_users_and_env()
+    if args.only == "trust":  # the inline cluster is enough
+        return trust_main({"inline": start_cluster("inline", venv)}, venv, args.keep)
     clusters = {mode: start_cluster(mode, venv) for mode in PORTS}
     todo = [c for c in cases() if not args.only or c.kind == args.only]
     homes = [Path(f"/home/{u}") for u in USERS]
@@ -426,6 +613,7 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         outcomes += pool.map(lambda ic: one(*ic), [(i, c) for i, c in enumerate(todo) if not c.plant])
     outcomes += [one(i, c) for i, c in enumerate(todo) if c.plant]
+    trust = run_trust_group(clusters, venv) if not args.only else []  # its own figures, below
     time.sleep(5)  # estimation jobs finishing
     after = snapshot(homes)
     campaign_dirs = {str(h / "campaign") for h in homes}
@@ -449,6 +637,11 @@ def main() -> int:
         print(f"{label + ':':48s} {value}")
     print(f"{'sbatch latency (accepted submissions):':48s} median {statistics.median(latencies):.2f} s, "
           f"p90 {p90:.2f} s, max {max(latencies):.2f} s")
+    if trust:
+        print(f"{'trust group (issue 21) cases:':48s} {len(trust)}")
+        for label in ("files changed", "cross-user", "calibration moved", "job hung", "measurement lost",
+                      "trusted a bad file"):
+            print(f"{'  trust: ' + label + ':':48s} {sum(any(p.startswith(label) for p in ps) for _, ps in trust)}")
     for p in procs[:10]:
         print("  leftover:", p)
     for p in changed[:10]:
@@ -467,7 +660,8 @@ def main() -> int:
         for mode in PORTS:
             sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "down", "--lab", str(ROOT / f"lab-{mode}"),
                timeout=120)
-    return 0 if not any(o.problems for o in outcomes) and not procs and not changed else 1
+    return 0 if not any(o.problems for o in outcomes) and not procs and not changed \
+        and not any(problems for _, problems in trust) else 1
 
 
 if __name__ == "__main__":
