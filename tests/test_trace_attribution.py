@@ -65,6 +65,17 @@ def test_the_fake_representation_seen_through_is_not_modelled(action):
     assert found.message.startswith("not modelled: a GPU tensor's data or storage, which the fake GPU does not hold")
 
 
+def test_an_op_error_met_while_the_fake_caches_control_flow_was_handled_is_the_users():
+    from torch._subclasses.fake_tensor import _BypassDispatchCache
+
+    def dispatched_in_the_handler():  # its __context__ is the cache's bypass, which says nothing of the program
+        try:
+            raise _BypassDispatchCache("unsupported")
+        except _BypassDispatchCache:
+            torch.empty(3, 4) @ torch.empty(5, 6)
+    assert attribute(raised(under_fake_mode(dispatched_in_the_handler))).kind == "user_error"
+
+
 def test_the_programs_own_raise_keeps_its_words_whatever_they_say():
     def own():
         raise RuntimeError("the meta file of shard 3 is missing")
@@ -97,6 +108,25 @@ def test_not_modelled_wrapped_by_a_library_is_still_ours():
     found = attribute(raised(library_call))
     assert found.kind == "not_modelled"
     assert found.message.startswith("not modelled: the compiled form of Triton kernel library_call (.n_regs)")
+
+
+def test_an_exit_while_handling_our_failure_is_ours_and_a_plain_exit_the_users():
+    def cli():  # a command-line framework prints the error and exits with status 1
+        try:
+            triton_launch.SkippedKernel(cli).n_regs  # noqa: B018
+        except NotModelled:
+            sys.exit(1)
+    assert attribute(raised_exit(cli)).kind == "not_modelled"
+    found = attribute(raised_exit(lambda: sys.exit(3)))
+    assert (found.kind, found.message) == ("user_error", "the program exited with status 3")
+
+
+def raised_exit(action) -> SystemExit:
+    try:
+        action()
+    except SystemExit as exit_:
+        return exit_
+    raise AssertionError("no exit")
 
 
 # ---- end to end: the kind and message a traced program gets --------------------------------------------------------

@@ -14,14 +14,17 @@ and, unless the program's own `raise` statement made it (its words are then its 
 - the fake representation seen through: torch's C++ refusing to hand out a storage or data pointer, or finding a
   tensor on `meta` (every GPU tensor here is a FakeTensor over a meta tensor); C++ errors carry no Python origin,
   so these few are known by their words (FAKE_REPRESENTATION).
-The message is one line: what is missing, and where the program reached it (its innermost own frame; the library
-in between, when the failure came from one).
+A non-zero sys.exit made while handling an exception (a command-line framework that prints the error and exits) is
+that exception's. The message is one line: what is missing, and where the program reached it (its innermost own
+frame; the library in between, when the failure came from one).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import site
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -51,7 +54,9 @@ class Attribution:
 
 
 def attribute(error: BaseException) -> Attribution:
-    """The kind and one-line message of `error`, which ended the program (not SystemExit)."""
+    """The kind and one-line message of `error`, which ended the program (a SystemExit: a non-zero status)."""
+    if isinstance(error, SystemExit):
+        return _attribute_exit(error)
     frames = traceback.extract_tb(error.__traceback__)
     own = [frame for frame in frames if _is_users(frame.filename)]
     text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(own),
@@ -62,6 +67,16 @@ def attribute(error: BaseException) -> Attribution:
             return Attribution("not_modelled", f"not modelled: {lack}{_where(own, frames)}", text)
     where = f" (at {Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
     return Attribution("user_error", f"{type(error).__name__}: {first_line(error)}{where}", text)
+
+
+def _attribute_exit(error: SystemExit) -> Attribution:
+    """sys.exit(N) while handling an exception (a CLI that prints the error and exits): that exception decides."""
+    handled = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if handled is not None:
+        found = attribute(handled)
+        if found.kind == "not_modelled":
+            return found
+    return Attribution("user_error", f"the program exited with status {error.code}", "")
 
 
 def _what_we_lack(error: BaseException) -> str | None:
@@ -75,11 +90,12 @@ def _what_we_lack(error: BaseException) -> str | None:
     if origin is not None and origin.filename.startswith(XMEM_DIR):
         return f"the fake GPU's {Path(origin.filename).stem}.{origin.name} failed ({said})"
     module = type(error).__module__
-    if module.startswith(FAKE_MODE_MODULES) and type(error).__name__ not in FAKE_MODE_AS_ON_A_GPU:
+    if module.startswith(FAKE_MODE_MODULES) and isinstance(error, RuntimeError) and \
+            type(error).__name__ not in FAKE_MODE_AS_ON_A_GPU:  # (not its cache's control flow, _BypassDispatchCache)
         return said
     if module.startswith(CUDA_BINDINGS):
         return f"{module.split('.')[0]} calls the CUDA driver directly ({said})"
-    if origin is not None and _is_users(origin.filename) and origin.line.lstrip().startswith("raise"):
+    if origin is not None and _is_users(origin.filename) and (origin.line or "").lstrip().startswith("raise"):
         return None  # the program's own raise: its words are its own, whatever they say
     text = str(error)
     if CUDA_LIBRARY.search(text):
@@ -134,9 +150,12 @@ def _package(filename: str) -> str | None:
     return None
 
 
+@functools.cache
 def _library_roots() -> tuple[str, ...]:
+    """Where installed libraries live: the interpreter's site-packages, a distribution's dist-packages, the user's."""
     paths = sysconfig.get_paths()
-    return tuple(dict.fromkeys(path + os.sep for path in (paths["purelib"], paths["platlib"])))
+    roots = [paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages()]
+    return tuple(dict.fromkeys(root.rstrip(os.sep) + os.sep for root in roots))
 
 
 def _is_users(filename: str) -> bool:

@@ -23,9 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 XMEM_DIR = str(Path(__file__).resolve().parent.parent)  # the xmem package directory
-# The share of the caller's time limit after which a program short of its first step is decided on what it ran
-# (TrainingState.deadline), leaving the rest for writing and simulating the trace.
-TIME_LIMIT_SHARE = 0.8
 
 
 class ChildFailure(Exception):
@@ -43,9 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
     parser.add_argument("--device-count", type=int, default=1)
     parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds the caller waits for the trace (a program still short of its first step "
-                             "at TIME_LIMIT_SHARE of it is decided on what it ran)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="time.monotonic() at which a program still short of its first step is decided on "
+                             "what it ran (the clock is the machine's: the caller sets it from its own timeout)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program: script.py ARGS or -m mod ARGS")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -64,12 +61,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from xmem.trace import follow  # the processes the program starts are traced too
     follow.hand_down(args.out, args.iterations, args.capability, args.device_count, args.progress_fd,
-                     args.time_limit)
+                     args.deadline)
     progress = _progress_writer(args.progress_fd)
-    deadline = time.monotonic() + TIME_LIMIT_SHARE * args.time_limit if args.time_limit else None
     try:
         result = trace_program(args.command, args.iterations, parse_capability(args.capability),
-                               args.device_count, progress, deadline)
+                               args.device_count, progress, args.deadline)
         payload = result.to_json()
     except ChildFailure as failure:
         payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
@@ -263,11 +259,9 @@ def _run_user_program(command: list[str]) -> None:
 
 def _failure_from(error: BaseException) -> ChildFailure:
     """User code raised (or exited non-zero): whose fault it is (xmem.trace.attribution), the one-line message and
-    the user's own frames."""
+    the user's own frames (a non-zero exit while handling an exception is that exception's)."""
     if isinstance(error, ChildFailure):
         return error
-    if isinstance(error, SystemExit):
-        return ChildFailure("user_error", f"the program exited with status {error.code}")
     from xmem.trace.attribution import attribute
     found = attribute(error)
     return ChildFailure(found.kind, found.message, found.user_traceback)

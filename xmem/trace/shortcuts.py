@@ -233,7 +233,8 @@ class QuickKeyCache:
             key = mode._cache_key(state, func, args, kwargs)
         except api.bypass as bypass:
             FakeTensorMode.cache_bypasses[bypass.reason] += 1
-            self.known[quick] = None
+            self.known[quick] = key = None
+        if key is None:  # dispatched outside the handler, as upstream does: an op's own error has no cache context
             return mode._dispatch_impl(func, types, args, kwargs)
         entry = cache.get(key)
         if entry is None:
