@@ -52,5 +52,5 @@ def test_a_host_tensor_given_to_a_kernel_is_the_users_error():
     with pytest.raises(TraceError) as caught:
         run_trace([sys.executable, SCRIPT, "--mistake"], iterations=1)
     assert caught.value.kind == "user_error"
-    assert caught.value.message.startswith("ValueError: Pointer argument (at 1) cannot be accessed from Triton")
+    assert caught.value.message.startswith("ValueError: Pointer argument out_ptr cannot be accessed from Triton")
     assert "(at triton_kernels.py:" in caught.value.message

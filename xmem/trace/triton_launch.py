@@ -105,10 +105,10 @@ def _checked_and_skipped(fake: Any) -> Callable:
         for hook in self.pre_run_hooks:
             hook(*args, **kwargs)
         bound = _bind(self, args, kwargs)
-        for position, value in enumerate(bound.values()):
+        for name, value in bound.items():
             for tensor in _pointers(value):
-                if tensor.device.type != "cuda":  # what the launcher's pointer check says, on a GPU too
-                    raise as_on_a_gpu(ValueError(f"Pointer argument (at {position}) cannot be accessed from Triton "
+                if tensor.device.type != "cuda":  # the launcher's pointer check (driver.c), on a GPU too
+                    raise as_on_a_gpu(ValueError(f"Pointer argument {name} cannot be accessed from Triton "
                                                  f"(cpu tensor?)"))
         if not warmup:
             _grid(grid, bound)
