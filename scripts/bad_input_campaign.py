@@ -573,10 +573,203 @@ def trust_main(clusters: dict[str, dict[str, str]], venv: Path, keep: bool) -> i
 # === end of group "trust" ===========================================================================================
 
 
+# === group "containment" (issue 21: the sandbox and root; `--only containment`, no cluster needed) ==================
+# Each case is a program of the campaign user's that tries one way out of the sandbox, traced by `xmem-slurm
+# check` of a batch script (cold, then through the warm tracer); afterwards the host is searched for its effect.
+
+CONTAIN_LISTEN_TCP = 6999  # a listener on every address: a connection from a traced program is an escape
+CONTAIN_ABSTRACT = b"\0xmem-campaign-contain"
+CONTAIN_RUN = Path("/run/xmem-campaign")  # a stand-in for /run/munge: a service's unix socket under /run
+CONTAIN_PRELUDE = """\
+import ctypes, glob, os, socket, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+home = os.environ["HOME"]
+def mounts():
+    return [line.split()[4] for line in open("/proc/self/mountinfo")]
+def covering(path):
+    return max((p for p in mounts() if (path + "/").startswith(p.rstrip("/") + "/")), key=len)
+def mark(name):
+    try:
+        open(os.path.join(home, name), "w").write("escaped")
+    except OSError:
+        pass
+"""
+CONTAIN_PROGRAMS = {
+    "umount_home": "libc.umount2(covering(home).encode(), 2)\nmark('escaped-umount')",
+    "umount_everything": "for p in reversed(mounts()):\n    libc.umount2(p.encode(), 2)\nmark('escaped-all')",
+    "remount_shim_cache_rw": "d = os.environ['XMEM_SHIM_DIR']\nlibc.mount(None, d.encode(), None, 32 | 4096, None)\n"
+                             "[open(f, 'ab').write(b'x') for f in glob.glob(d + '/*')]",
+    "nested_userns_umount": "libc.unshare(0x10000000 | 0x00020000)\nlibc.umount2(covering(home).encode(), 2)\n"
+                            "mark('escaped-nested')",
+    "setns_to_init": "fd = os.open('/proc/1/ns/mnt', os.O_RDONLY)\nlibc.setns(fd, 0)\nmark('escaped-setns')",
+    "chroot_out": "os.makedirs('/tmp/x', exist_ok=True)\ntry:\n    os.chroot('/tmp/x')\nexcept OSError:\n    pass\n"
+                  "mark('escaped-chroot')",
+    "ptrace_init": "print(libc.ptrace(16, 1, 0, 0))\ntry:\n    os.listdir('/proc/1/root/')\nexcept OSError:\n    pass\n"
+                   "mark('escaped-ptrace')",
+    "overwrite_shim": "[open(f, 'wb').write(b'planted') for f in glob.glob(os.environ['XMEM_SHIM_DIR'] + '/*')]",
+    "overwrite_home_cache": "[open(f, 'wb').write(b'planted') for f in "
+                            "glob.glob(home + '/.cache/xmem-slurm/native/*')]",
+    "replace_shim_by_rename": "d = os.environ['XMEM_SHIM_DIR']\nfor f in glob.glob(d + '/*.so'):\n"
+                              "    open(d + '/new', 'wb').write(b'planted')\n    os.replace(d + '/new', f)",
+    "service_socket_under_run": "s = socket.socket(socket.AF_UNIX)\ns.connect('/run/xmem-campaign/munge.socket.2')",
+    "munge_socket": "s = socket.socket(socket.AF_UNIX)\ns.connect('/run/munge/munge.socket.2')",
+    "abstract_socket": "s = socket.socket(socket.AF_UNIX)\ns.connect(b'\\0xmem-campaign-contain')",
+    "tcp_to_host": "a = [l.split()[1] for l in open('/proc/net/fib_trie')]\n"
+                   "s = socket.create_connection((os.environ['XMEM_CAMP_HOST'], 6999), timeout=3)",
+    "sbatch_from_inside": "subprocess.run(['sbatch', '--wrap', 'true'], timeout=30)",
+    "daemon_left_behind": "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time\n"
+                          "        time.sleep(300)\n        mark('escaped-daemon')\n    os._exit(0)",
+    "other_users_file": "open(os.environ['XMEM_CAMP_OTHER'], 'w').write('changed by another user')",
+    "scratch_symlinks": "argv = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
+                        "scratch = os.path.dirname(argv[argv.index(b'--out') + 1].decode())\n"
+                        "os.symlink(home + '/.profile', scratch + '/trace.json.tmp')\n"
+                        "os.symlink(home, scratch + '/cow-home')",
+    "dev_shm_plant_then_preload": "open('/dev/shm/xmem-campaign-hook.so', 'wb').write(open(os.environ['XMEM_CAMP_HOOK'],"
+                                  " 'rb').read())",
+}
+CONTAIN_HOOK = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void hook(void) {
+    const char *m = getenv("XMEM_CAMP_MARKER");
+    FILE *f = m ? fopen(m, "a") : NULL;
+    if (f) { fputs("ran\n", f); fclose(f); }
+}
+"""
+
+
+def contain_listeners() -> list:
+    import socket
+    CONTAIN_RUN.mkdir(exist_ok=True)
+    unix = socket.socket(socket.AF_UNIX)
+    (CONTAIN_RUN / "munge.socket.2").unlink(missing_ok=True)
+    unix.bind(str(CONTAIN_RUN / "munge.socket.2"))
+    os.chmod(CONTAIN_RUN / "munge.socket.2", 0o777)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(CONTAIN_ABSTRACT)
+    tcp = socket.create_server(("0.0.0.0", CONTAIN_LISTEN_TCP))
+    for s in (unix, abstract, tcp):
+        s.listen()
+        s.setblocking(False)
+    return [unix, abstract, tcp]
+
+
+def contain_connections(listeners: list) -> int:
+    count = 0
+    for s in listeners:
+        try:
+            while True:
+                s.accept()[0].close()
+                count += 1
+        except BlockingIOError:
+            pass
+    return count
+
+
+def contain_state(user: str) -> dict[str, str]:
+    home = Path(f"/home/{user}")
+    paths = [*home.glob("escaped-*"), *(home / ".cache" / "xmem-slurm" / "native").glob("*"), home / ".profile",
+             *Path("/tmp").glob(f"xmem-slurm-native-*/*"), home / "hook-ran.txt", ROOT / "other.txt"]
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.is_file()}
+
+
+def contain_cases(venv: Path) -> list[tuple[str, list[str]]]:
+    user, other = USERS
+    home = Path(f"/home/{user}")
+    job_dir = home / "contain"
+    shutil.rmtree(job_dir, ignore_errors=True)
+    job_dir.mkdir(parents=True)
+    (job_dir / "hook.c").write_text(CONTAIN_HOOK)
+    sh("gcc", "-shared", "-fPIC", str(job_dir / "hook.c"), "-o", str(job_dir / "hook.so"), check=True)
+    (ROOT / "other.txt").write_text("the other user's file\n")
+    os.chmod(ROOT / "other.txt", 0o666)
+    sh("chown", f"{other}:{other}", str(ROOT / "other.txt"))
+    sh("chown", "-R", f"{user}:{user}", str(job_dir))
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))
+        host = probe.getsockname()[0]
+    listeners = contain_listeners()
+    results = []
+    env = {"HOME": str(home), "USER": user, "LOGNAME": user, "PATH": f"{venv}/bin:/usr/bin:/bin",
+           "XMEM_WARM_IDLE_S": "60"}
+    try:
+        for name, body in CONTAIN_PROGRAMS.items():
+            for warm in ("0", "1"):
+                (job_dir / "escape.py").write_text(CONTAIN_PRELUDE + body + "\n")
+                preload = "export LD_PRELOAD=$PWD/hook.so\n" if name == "dev_shm_plant_then_preload" or warm == "0" \
+                    else ""
+                (job_dir / "job.sh").write_text(
+                    f"#!/bin/bash\n#SBATCH --gres=gpu:1\n{preload}export XMEM_CAMP_MARKER={home}/hook-ran.txt\n"
+                    f"export XMEM_CAMP_HOST={host} XMEM_CAMP_OTHER={ROOT}/other.txt XMEM_CAMP_HOOK=$PWD/hook.so\n"
+                    "python escape.py\n")
+                sh("chown", "-R", f"{user}:{user}", str(job_dir))
+                before = contain_state(user)
+                command = ["runuser", "-u", user, "--", "env", "-i",
+                           *(f"{k}={v}" for k, v in {**env, "XMEM_WARM_TRACER": warm}.items()),
+                           f"{venv}/bin/xmem-slurm", "check", "--json", "--gpu", "a100", "job.sh"]
+                done = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=300)
+                problems = [] if contain_ran(done) else ["not traced"]
+                if contain_state(user) != before:
+                    problems.append("user files changed")
+                if contain_connections(listeners):
+                    problems.append("network reached")
+                results.append((f"contain/{name}{'@warm' if warm == '1' else ''}", problems))
+                print(f"    contain {results[-1][0]:44s} {', '.join(problems) or 'ok'}", flush=True)
+        for verb in ("check", "estimate"):
+            results.append((f"contain/root_{verb}s_users_program", contain_root_case(venv, job_dir, user, verb)))
+            print(f"    contain {results[-1][0]:44s} {', '.join(results[-1][1]) or 'ok'}", flush=True)
+    finally:
+        for s in listeners:
+            s.close()
+        shutil.rmtree(CONTAIN_RUN, ignore_errors=True)
+        Path("/dev/shm/xmem-campaign-hook.so").unlink(missing_ok=True)
+    return results
+
+
+def contain_ran(done: subprocess.CompletedProcess) -> bool:
+    """The program ran to its end in the sandbox: no error, or its own (an escape that raised)."""
+    try:
+        reply = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False
+    ran = ("user_error", "not_modelled")  # its own exception, or one raised through a patched file API
+    return all(error["kind"] in ran for error in reply.get("errors", [])) and "job" in reply
+
+
+def contain_root_case(venv: Path, job_dir: Path, user: str, verb: str) -> list[str]:
+    """Root runs `check` on the user's script (or `estimate` on their program): it records its uid; never 0."""
+    marker = job_dir / "ran-as.txt"
+    (job_dir / "escape.py").write_text(f"import os\nopen({str(marker)!r}, 'w').write(str(os.getuid()))\n")
+    (job_dir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython escape.py\n")
+    sh("chown", "-R", f"{user}:{user}", str(job_dir))
+    marker.unlink(missing_ok=True)
+    what = ["job.sh"] if verb == "check" else ["--", "python", "escape.py"]
+    subprocess.run([f"{venv}/bin/xmem-slurm", verb, "--json", "--gpu", "a100", *what], cwd=job_dir, capture_output=True,
+                   text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "XMEM_CONFIG"})
+    return ["user code run as root"] if marker.exists() and marker.read_text() == "0" else []
+
+
+def contain_main(venv: Path) -> int:
+    """`--only containment`: the group alone and its figures (no cluster is started)."""
+    started = time.monotonic()
+    results = contain_cases(venv)
+    time.sleep(2)
+    servers = [line for line in leftover_processes() if "xmem.trace.warm import main" in line]  # idle, by design
+    procs = [line for line in leftover_processes() if line not in servers]
+    for line in servers:
+        sh("kill", line.split(": ", 1)[1].split()[0])
+    print(f"\ncontainment cases: {len(results)}, {time.monotonic() - started:.0f} s")
+    for label in ("user files changed", "network reached", "user code run as root", "not traced"):
+        print(f"{label + ':':48s} {sum(any(p.startswith(label) for p in ps) for _, ps in results)}")
+    print(f"{'leftover processes:':48s} {len(procs)}")
+    return 0 if not any(problems for _, problems in results) and not procs else 1
+
+# === end of group "containment" =====================================================================================
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only the cases of this kind (program, directive, shape, environment, "
-                                       "cross-user, trust)")
+                                       "cross-user, trust, containment)")
     parser.add_argument("--keep", action="store_true", help="leave the clusters up at the end")
     parser.add_argument("--workers", type=int, default=3, help="cases submitted side by side (default 3)")
     args = parser.parse_args()
@@ -666,3 +859,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    if args.only == "containment":  # issue 21's sandbox and root cases: no cluster needed
+        return contain_main(venv)
