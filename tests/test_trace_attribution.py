@@ -86,6 +86,8 @@ def test_a_cuda_library_that_cannot_load_is_not_modelled():
     found = attribute(raised(lambda: ctypes.CDLL("libcudart.so.999")))
     assert found.kind == "not_modelled"
     assert found.message.startswith("not modelled: the program loads a CUDA library that is not here (OSError: ")
+    driver = attribute(raised(lambda: ctypes.CDLL("libcuda.so.999")))  # (a driver's load outside the fake world)
+    assert driver.message.startswith("not modelled: the program calls the CUDA driver directly (OSError: ")
 
 
 def test_a_failure_in_xmems_code_is_not_modelled_and_names_it():

@@ -1,6 +1,7 @@
-"""A small language model whose norm is the user's own Triton kernel (autotuned, in a custom autograd.Function) and,
-with --liger, whose RMSNorm and loss are Liger's Triton kernels; --torch: the scale by torch instead (the reference). --mistake: the kernel's output is made on the host
-(`torch.empty(shape)`, the device forgotten), which Triton refuses on a GPU too."""
+"""A small language model whose activations are scaled by the user's own Triton kernel (autotuned, in a custom
+autograd.Function). --liger: its RMSNorm and loss are Liger's Triton kernels; --torch: the scale by torch instead
+(the reference); --mistake: the kernel's output is made on the host (`torch.empty(shape)`, the device forgotten),
+which Triton refuses on a GPU too."""
 import argparse
 import ctypes
 

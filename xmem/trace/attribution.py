@@ -98,8 +98,11 @@ def _what_we_lack(error: BaseException) -> str | None:
     if origin is not None and _is_users(origin.filename) and (origin.line or "").lstrip().startswith("raise"):
         return None  # the program's own raise: its words are its own, whatever they say
     text = str(error)
-    if CUDA_LIBRARY.search(text):
-        return f"{_library(error) or 'the program'} loads a CUDA library that is not here ({said})"
+    library = CUDA_LIBRARY.search(text)
+    if library is not None:
+        driver = library.group(1) == "cuda"
+        does = "calls the CUDA driver directly" if driver else "loads a CUDA library that is not here"
+        return f"{_library(error) or 'the program'} {does} ({said})"
     if isinstance(error, RuntimeError) and any(sign in text for sign in REAL_CUDA_SIGNS):
         return f"this reached the real CUDA runtime ({first_line(error)})"
     if isinstance(error, (RuntimeError, NotImplementedError)) and FAKE_REPRESENTATION.search(text):
