@@ -1,5 +1,5 @@
 """A training loop that writes into its run directory the way example scripts do: a sample image saved with PIL, a
-log file, a checkpoint every step with rotation (the oldest deleted, `latest.txt` replaced), an appended metrics
+log file, a checkpoint every step (loaded back) with rotation (the oldest deleted, `latest.txt` replaced), an appended metrics
 file (also touched and chmod-ed), `os.makedirs` of an output tree and an `os.replace` into place. After each write
 it reads the file back and exits 7 if it does not see what it wrote; it also checks that the user's input data
 reads as it was.
@@ -44,11 +44,17 @@ def save_checkpoint(step: int) -> None:
     """One directory per checkpoint (model weights and a trainer state), the newest only kept, as trainers do."""
     folder = f"checkpoints/checkpoint-{step}"
     os.makedirs(folder, exist_ok=True)
+    state = {"model": model.state_dict(), "step": torch.tensor([step]), "seen": torch.arange(float(step + 3))}
     if args.save_to_file_object:
         with open(f"{folder}/model.pt", "wb") as f:
-            torch.save(model.state_dict(), f)
+            torch.save(state, f)
     else:
-        torch.save(model.state_dict(), f"{folder}/model.pt")
+        torch.save(state, f"{folder}/model.pt")
+    loaded = torch.load(f"{folder}/model.pt")  # host tensors with their values, the GPU's as they were saved
+    expect(loaded["step"].tolist() == [step] and loaded["seen"].tolist() == [float(s) for s in range(step + 3)],
+           "the checkpoint's host tensors")
+    expect({name: (t.shape, t.device) for name, t in loaded["model"].items()} ==
+           {name: (t.shape, t.device) for name, t in model.state_dict().items()}, "the checkpoint's GPU tensors")
     with open(f"{folder}/trainer_state.json", "w") as f:
         json.dump({"global_step": step}, f)
     with open(f"{folder}/trainer_state.json") as f:

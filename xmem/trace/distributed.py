@@ -34,6 +34,7 @@ def install(fake: Any) -> None:
     if not dist.is_available():
         return
     _patch_init_process_group(fake, dist)
+    _patch_object_collectives(dist)
     _patch_spawn()
     _patch_data_parallel_transfers()
     _patch_device_mesh()
@@ -60,6 +61,61 @@ def _patch_init_process_group(fake: Any, dist: Any) -> None:
         original_init(backend="fake", store=FakeStore(), world_size=world_size, rank=rank, **extra, **kwargs)
 
     dist.init_process_group = init_fake_process_group
+
+
+def _patch_object_collectives(dist: Any) -> None:
+    """The object collectives (`broadcast_object_list`, `all_gather_object`, `gather_object`, `scatter_object_list`,
+    `send_object_list`, `recv_object_list`) answer as they would on the traced rank of a real world, without the
+    transfers: upstream pickles each object into a byte tensor on the collective's device and back, which the fake
+    GPU cannot (its tensors hold no bytes). What the traced rank would receive from another rank is stood in for by
+    what it has itself: its own object (or list entry), copied as unpickling would. The byte tensors upstream moves
+    live only within the call, a few KiB that the allocator's small pool serves: not recorded."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def root_is_me(group: Any, rank: Any, group_rank: Any) -> bool:
+        group = group or c10d._get_default_group()
+        if rank is None and group_rank is None:
+            rank = 0  # upstream's default root before `src`/`dst` became optional
+        return group.rank() == c10d._canonicalize_group_rank(group, rank, group_rank)
+
+    def broadcast_object_list(object_list: list, src: Any = None, group: Any = None, device: Any = None,
+                              group_src: Any = None, weights_only: bool = False) -> None:
+        root_is_me(group, src, group_src)  # the root is checked as upstream checks it; the list stays this rank's
+
+    def all_gather_object(object_list: list, obj: Any, group: Any = None, weights_only: bool = False) -> None:
+        object_list[:] = [_received(obj) for _ in object_list]
+
+    def gather_object(obj: Any, object_gather_list: list | None = None, dst: Any = None, group: Any = None,
+                      group_dst: Any = None, weights_only: bool = False) -> None:
+        if root_is_me(group, dst, group_dst) and object_gather_list is not None:
+            object_gather_list[:] = [_received(obj) for _ in object_gather_list]
+
+    def scatter_object_list(output_list: list, input_list: Any = None, src: Any = None, group: Any = None,
+                            group_src: Any = None, weights_only: bool = False) -> None:
+        root_is_me(group, src, group_src)
+        if input_list is not None:  # the root's list (or, elsewhere, a list this rank passed anyway)
+            output_list[0] = _received(input_list[(group or c10d._get_default_group()).rank()])
+
+    def send_object_list(object_list: Any, dst: Any = None, group: Any = None, device: Any = None,
+                         group_dst: Any = None, use_batch: bool = False, weights_only: bool = False) -> None: ...
+
+    def recv_object_list(object_list: list, src: Any = None, group: Any = None, device: Any = None,
+                         group_src: Any = None, use_batch: bool = False, weights_only: bool = False) -> int:
+        return src if src is not None else (group_src if group_src is not None else 0)  # the sender's rank
+
+    for function in (broadcast_object_list, all_gather_object, gather_object, scatter_object_list,
+                     send_object_list, recv_object_list):
+        setattr(dist, function.__name__, function)
+        setattr(c10d, function.__name__, function)
+
+
+def _received(obj: Any) -> Any:
+    """A copy of `obj` as unpickling another rank's bytes would make it (a GPU tensor in it: a new GPU tensor)."""
+    import copy
+    import warnings
+    with warnings.catch_warnings():  # deepcopy asks a tensor subclass for its data pointer: fakes warn of it
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return copy.deepcopy(obj)
 
 
 def _patch_spawn() -> None:

@@ -204,6 +204,7 @@ def install(fake: FakeCuda) -> None:
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
     _patch_module_registration(fake)
+    _rebuild_fake_parameters_by_type()
     _patch_recurrent_layers()
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
@@ -366,12 +367,7 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
     torch.Tensor.record_stream = lambda self, stream: None
 
     torch.Generator = HostGenerator
-
-    def save_nothing(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        # A trace must not overwrite the user's checkpoints with tensors that hold no data.
-        fake.on_warning("torch.save was skipped: a trace writes no checkpoints")
-
-    torch.save = save_nothing
+    # torch.save writes for real, into the sandbox: `xmem.trace.weights` saves fake tensors as metadata
 
     # Worker processes would receive fake tensors they cannot pickle back; load in the main process.
     loader_init = torch.utils.data.DataLoader.__init__
@@ -633,6 +629,28 @@ def _patch_module_registration(fake: FakeCuda) -> None:
 
     nn.Module.register_parameter = register_fake_parameter
     nn.Module.register_buffer = register_fake_buffer
+
+
+def _rebuild_fake_parameters_by_type() -> None:
+    """`type(param)(data, requires_grad=...)`, the idiom that rebuilds a parameter as its own class (accelerate's
+    `set_module_tensor_to_device`, under every `init_empty_weights`, `device_map` and diffusers load): a parameter
+    made on meta or born fake past the host budget is a FakeTensor marked as a parameter (nn.Parameter of a tensor
+    subclass keeps the subclass), so the idiom names FakeTensor, whose constructor wants a fake mode and a meta
+    tensor. Called so, with no fake mode, it makes the Parameter the idiom means, as it would on a GPU."""
+    make = FakeTensor.__new__
+
+    def new_fake_tensor_or_parameter(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is FakeTensor and _names_data_only(args, kwargs):
+            return nn.Parameter(*args, **kwargs)
+        return make(cls, *args, **kwargs)
+
+    FakeTensor.__new__ = staticmethod(new_fake_tensor_or_parameter)  # type: ignore[method-assign]
+
+
+def _names_data_only(args: tuple, kwargs: dict) -> bool:
+    """Whether a constructor call reads as nn.Parameter's (data, requires_grad), which no FakeTensor call does."""
+    return 1 <= len(args) <= 2 and isinstance(args[0], torch.Tensor) and set(kwargs) <= {"requires_grad"} and \
+        all(isinstance(flag, bool) for flag in (*args[1:], *kwargs.values()))
 
 
 def _memory_summary(fake: FakeCuda) -> str:

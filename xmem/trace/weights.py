@@ -16,6 +16,12 @@ which opens through it), `torch.load` and `nn.Module.load_state_dict`. The rule:
   module's tensors at the mapped data instead of copying it (the Parameter objects stay, so an optimizer built
   before keeps them), so that moving the module to the GPU afterwards reads nothing either.
 
+* `torch.save` writes for real, into the sandbox (never the user's files): host data round-trips, and what the GPU
+  holds (fake tensors) is written as metadata only (torch's own `skip_data` layout: each such storage a record of
+  its size with nothing written, a hole in the file), so that a later `torch.load` of it gives fakes of the same
+  shapes, dtypes and devices by the rule above. A path is opened through Python's `open`, as is the path a load
+  maps, so that the fallback sandbox, which redirects Python's file APIs, sees those writes and reads too.
+
 `install(fake_context)` applies the patches once per process (the tracing child); `fake_context()` must return a
 context in which new tensors are fake and recorded (the child's FakeTensorMode, with the recorder above it).
 Import only in the tracing child, after `xmem.trace.fakecuda`.
@@ -32,7 +38,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
 from xmem.trace.errors import as_on_a_gpu  # a corrupt checkpoint fails on a GPU too: the program's error
@@ -60,6 +66,8 @@ def install(fake_context: FakeContext) -> None:
         return
     _fake_context = fake_context
     torch.load = _make_load(torch.load)
+    torch.save = _make_save(torch.save)
+    torch.serialization._save = _fakes_as_metadata(torch.serialization._save)
     torch.nn.Module.load_state_dict = _make_load_state_dict(torch.nn.Module.load_state_dict)
     _patch_safetensors()
     # transformers materialises checkpoint tensors on a thread pool to overlap file reads; nothing is read here,
@@ -182,35 +190,62 @@ def _patch_safetensors() -> None:
 # ---- torch.load -----------------------------------------------------------------------------------------------------
 def _make_load(original: Callable) -> Callable:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if map_location == "meta" or not _is_checkpoint_file(f):
+        start = _checkpoint_start(f)
+        if map_location == "meta" or start is None:
             return original(f, map_location, *args, **kwargs)
         try:
             assert _fake_context is not None
             with _fake_context():  # torch's fake-aware loading: meta storages with their file offsets
                 fake = original(f, map_location, *args, **kwargs)
         except Exception:  # noqa: BLE001 - what torch would say (a bad file, weights_only) comes from the real load
+            _rewind(f, start)
             return original(f, map_location, *args, **kwargs)
         if _inside_from_pretrained() or _all_bound_for_cuda(fake):
             return fake
-        if kwargs.get("mmap") is None:
+        is_path = isinstance(f, (str, os.PathLike))
+        if kwargs.get("mmap") is None and is_path:
             kwargs["mmap"] = True
-        real = original(f, "cpu" if _any_bound_for_cuda(fake) else map_location, *args, **kwargs)
+        _rewind(f, start)
+        with unset_fake_temporarily():  # torch loads onto meta wherever a fake mode is active: the program's is
+            real = original(_opened_path(f) if kwargs.get("mmap") else f,
+                            "cpu" if _any_bound_for_cuda(fake) else map_location, *args, **kwargs)
         for leaf in pytree.tree_leaves(real):
-            if isinstance(leaf, torch.Tensor) and kwargs["mmap"]:
+            if isinstance(leaf, torch.Tensor) and kwargs.get("mmap"):
                 setattr(leaf, MAPPED, True)
         return _merge(fake, real)
     return load
 
 
-def _is_checkpoint_file(f: Any) -> bool:
-    """A path to a file in torch's zip format (the one torch.save writes; mmap needs a path)."""
-    if not isinstance(f, (str, os.PathLike)):
-        return False
+def _opened_path(f: Any) -> Any:
+    """The file a path names as Python's `open` finds it: the fallback sandbox redirects Python's file APIs into its
+    copy-on-write directory, and torch maps a checkpoint (mmap=True) by name, past them."""
     try:
         with open(f, "rb") as file:
-            return file.read(4) == b"PK\x03\x04"
+            return file.name
     except OSError:
-        return False
+        return f
+
+
+def _checkpoint_start(f: Any) -> int | None:
+    """Where a checkpoint in torch's zip format (the one torch.save writes) starts: 0 for a path to one, the position
+    of a seekable file object at one (loaded twice: fake, then real); None for anything else."""
+    try:
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "rb") as file:
+                return 0 if file.read(4) == b"PK\x03\x04" else None
+        if not (hasattr(f, "seekable") and f.seekable() and hasattr(f, "read")):
+            return None
+        start = f.tell()
+        magic = f.read(4)
+        f.seek(start)
+        return start if magic == b"PK\x03\x04" else None
+    except (OSError, ValueError):
+        return None
+
+
+def _rewind(f: Any, start: int) -> None:
+    if not isinstance(f, (str, os.PathLike)):
+        f.seek(start)
 
 
 def _bound_for_cuda(leaf: Any) -> bool:
@@ -242,6 +277,89 @@ def _merge(fake: Any, real: Any) -> Any:
         return fake
     return pytree.tree_unflatten([f if _bound_for_cuda(f) else r for f, r in zip(fake_leaves, real_leaves)],
                                  real_spec)
+
+
+# ---- torch.save -----------------------------------------------------------------------------------------------------
+def _make_save(original: Callable) -> Callable:
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(f, (str, os.PathLike)):
+            return original(obj, f, *args, **kwargs)
+        with open(f, "wb") as file:  # torch's writer would open a path from C++, past the fallback sandbox
+            return original(obj, file, *args, **kwargs)
+    return save
+
+
+def _fakes_as_metadata(save_records: Callable) -> Callable:
+    """torch.serialization._save (pickle `obj`, then one record per storage, "data/0", "data/1"...) that writes the
+    fake tensors' storages as metadata only and every other storage's bytes.
+
+    torch's `skip_data(materialize_fake_tensors=True)` pickles a FakeTensor as a plain tensor whose storage is saved
+    at the fake's device, and writes each storage's record without its bytes (`write_record_metadata`). It is
+    all-or-nothing; the records are written one by one in key order, reading the flag before each, so the flag is
+    set for each record from whether its storage is fake (a meta storage: only fake tensors have one that is saved).
+    """
+    from torch.serialization import _serialization_tls
+
+    def save_fake_storages_as_metadata(obj: Any, zip_file: Any, pickle_module: Any, pickle_protocol: Any,
+                                       *args: Any, **kwargs: Any) -> None:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            fake = [storage.device.type == "meta" for storage in _storages_in_key_order(obj, pickle_module,
+                                                                                        pickle_protocol)]
+            if not any(fake):
+                _serialization_tls.skip_data = False
+                return save_records(obj, zip_file, pickle_module, pickle_protocol, *args, **kwargs)
+            records = _RecordsBySkip(zip_file, fake, _serialization_tls)
+            return save_records(obj, records, pickle_module, pickle_protocol, *args, **kwargs)
+
+    return save_fake_storages_as_metadata
+
+
+def _storages_in_key_order(obj: Any, pickle_module: Any, protocol: Any) -> list[torch.UntypedStorage]:
+    """The storages `_save` will write, in the order of their keys: its pickler's `persistent_id` keys each storage
+    (a TypedStorage's untyped one) by its StorageImpl address, numbered as first met. Found by the same pickling,
+    its bytes thrown away."""
+    order: dict[int, torch.UntypedStorage] = {}
+
+    class StorageCollector(pickle_module.Pickler):  # type: ignore[name-defined, misc]
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value):
+                storage = value._untyped_storage if isinstance(value, torch.storage.TypedStorage) else value
+                order.setdefault(storage._cdata, storage)
+                return "storage"
+            return None
+
+    StorageCollector(_Discard(), protocol=protocol).dump(obj)
+    return list(order.values())
+
+
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+class _RecordsBySkip:
+    """The zip writer `_save` writes into, which sets torch's skip-data flag for each storage record before `_save`
+    reads it: on for a fake tensor's storage (its size, no bytes), off for a host one (its bytes)."""
+
+    def __init__(self, writer: Any, fake: list[bool], flags: Any) -> None:
+        self._writer, self._fake, self._flags, self._storages = writer, fake, flags, 0
+        flags.skip_data = True  # while pickling: fake tensors are pickled as tensors at their device
+
+    def write_record(self, name: str, *args: Any) -> None:
+        self._writer.write_record(name, *args)
+        self._next(name)
+
+    def write_record_metadata(self, name: str, *args: Any) -> None:
+        self._writer.write_record_metadata(name, *args)
+        self._next(name)
+
+    def _next(self, name: str) -> None:
+        if name.startswith("data/"):
+            self._storages += 1
+        self._flags.skip_data = self._storages < len(self._fake) and self._fake[self._storages]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
 
 
 # ---- load_state_dict --------------------------------------------------------------------------------------------
