@@ -44,7 +44,9 @@ def test_the_jobs_result_is_a_trace_of_gpu_use_wherever_it_was_made():
     ours = {"error": "not_modelled", "message": "not modelled: x"}
     theirs = {"error": "user_error", "message": "ValueError"}
     exited = {"error": "user_error", "message": "CalledProcessError"}
-    assert follow.choose(trace, [ours]) is trace  # the root's own GPU use first
+    assert follow.choose(trace, [ours, dict(trace)]) is trace  # the root's own training first
+    forward_only = {"used_cuda": True, "iterations": 3, "forward_only": True}
+    assert follow.choose(forward_only, [trace]) is trace  # then training wherever it ran
     assert follow.choose(no_gpu, [theirs, trace]) is trace
     assert follow.choose(no_gpu, [theirs, ours]) is ours  # a gap of the fake GPU is never the user's error
     assert follow.choose(exited, [theirs]) is theirs  # the root failed because its process did
@@ -63,7 +65,7 @@ def started(python: str, code: str, settings: dict | None, **env: str) -> subpro
 
 def test_a_rank_the_fake_process_group_stands_in_for_ends_at_once():
     settings = {"out": "/nonexistent/trace.json", "iterations": 1, "capability": "9.0", "device_count": 1,
-                "root": 1, "progress": None, "ends": None}
+                "root": 1, "progress": None, "deadline": None}
     for rank in ({"RANK": "1"}, {"LOCAL_RANK": "3", "RANK": "0"}):
         ended = started(sys.executable, "print('ran')", settings, **rank)
         assert (ended.returncode, ended.stdout, ended.stderr) == (0, "", "")

@@ -162,7 +162,7 @@ def test_no_optimizer_step_within_the_time_limit_exits_6(tmp_path):
             while True:
                 model(torch.randn(4, 8, device="cuda"))
     """)
-    run = xmem("--json", "--timeout", "30", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
+    run = xmem("--json", "--timeout", "45", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
     assert run.returncode == 6, run.stderr
     data = json_stdout(run)
     assert data["error"] == "no_optimizer_step" and "had not stepped it when the trace's time limit" in data["message"]

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from xmem.launchers import python_program
@@ -30,15 +29,14 @@ RANKS = ("RANK", "LOCAL_RANK")  # as torchrun, accelerate and deepspeed number t
 
 
 def hand_down(out: Path, iterations: int, capability: str, device_count: int, progress_fd: int | None,
-              time_limit: float | None) -> None:
+              deadline: float | None) -> None:
     """In the root: the settings every process the program starts is traced with (kept as they are in those)."""
     if ENV in os.environ and json.loads(os.environ[ENV])["root"] != os.getpid():
         return
     progress = f"/proc/{os.getpid()}/fd/{progress_fd}" if progress_fd is not None else None
-    ends = time.monotonic() + time_limit if time_limit else None  # the clock is the machine's, in every process
     os.environ[ENV] = json.dumps({"out": str(out), "iterations": iterations, "capability": capability,
                                   "device_count": device_count, "root": os.getpid(), "progress": progress,
-                                  "ends": ends})
+                                  "deadline": deadline})  # time.monotonic(): the machine's clock, in every process
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if BOOT_DIR not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *filter(None, paths)])
@@ -61,8 +59,8 @@ def main() -> None:
     progress = _root_progress(given["progress"])
     if progress is not None:
         argv += ["--progress-fd", str(progress)]
-    if given["ends"]:  # what is left of the caller's time limit
-        argv += ["--time-limit", str(max(given["ends"] - time.monotonic(), 1.0))]
+    if given["deadline"]:  # the trace's own time limit, the same in every process
+        argv += ["--deadline", str(given["deadline"])]
     from xmem.trace import child
     child.main([*argv, "--", *command])
 
@@ -84,7 +82,7 @@ def finish(out: Path, own: dict) -> None:
 
 
 def _finish_started(out: Path, own: dict, iterations: int, root: int) -> None:
-    if "error" not in own and own["iterations"] >= iterations:
+    if _trained(own) and own["iterations"] >= iterations:
         _write(out, own)
         os.kill(root, signal.SIGKILL)  # the job's trace is made: the sandbox ends the rest with the root
     elif "error" in own or own["used_cuda"]:
@@ -95,16 +93,21 @@ def _finish_started(out: Path, own: dict, iterations: int, root: int) -> None:
 
 
 def choose(own: dict, theirs: list[dict]) -> dict:
-    """The job's result from the root's own and those its processes left (in the order they ended): the root's own
-    trace of GPU use; else a process's trace; else a failure the fake GPU or the tracer caused, or a process that
-    used the GPU without stepping (never blamed on the user); else, when the root failed too, most likely because
-    its process did, that process's failure; else the root's own."""
-    if "error" not in own and own.get("used_cuda"):
-        return own
-    traces = [payload for payload in theirs if "error" not in payload]
+    """The job's result from the root's own and those its processes left (in the order they ended): a trace of
+    training (the root's first), else one of GPU use (forward passes only); else a failure the fake GPU or the
+    tracer caused, or a process that used the GPU without stepping (never blamed on the user); else, when the root
+    failed too, most likely because its process did, that process's failure; else the root's own."""
+    traces = [payload for payload in (own, *theirs) if "error" not in payload and payload.get("used_cuda")]
+    trained = [payload for payload in traces if _trained(payload)]
     ours = [payload for payload in theirs if payload.get("error") not in (None, "user_error")]
     failed = [payload for payload in theirs if "error" in payload] if "error" in own else []
-    return (traces or ours or failed or [own])[0]
+    return (trained or traces or ours or failed or [own])[0]
+
+
+def _trained(payload: dict) -> bool:
+    """A trace of training iterations (not of forward passes alone: an evaluation before the training is not the
+    job's estimate)."""
+    return "error" not in payload and payload["iterations"] > 0 and not payload.get("forward_only")
 
 
 def program(argv: list[str]) -> list[str] | None:

@@ -40,6 +40,9 @@ NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_c
                    "output lines say why")
 SCRATCH_PREFIX = "xmem-trace-"  # then the estimating process's pid: stale ones are found by it
 MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no timeout
+# The share of the timeout after which the tracer decides a program still short of its first step on what it ran
+# (TrainingState.deadline), leaving the rest for the tracer to write its result.
+DEADLINE_SHARE = 0.8
 LOADING_PROGRESS = "loading fake CUDA"  # the tracer's progress line before the program runs
 STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its group is killed
 
@@ -78,7 +81,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                                         _cpu_seconds(timeout), _shim_dirs())
         child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
-                 "--time-limit", f"{timeout or MAX_TRACE_SECONDS:g}"]
+                 "--deadline", f"{time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS):.3f}"]
         child_env = _child_env(env, target, gpus)
         argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
