@@ -259,11 +259,9 @@ def _run_user_program(command: list[str]) -> None:
 
 def _failure_from(error: BaseException) -> ChildFailure:
     """User code raised (or exited non-zero): whose fault it is (xmem.trace.attribution), the one-line message and
-    the user's own frames."""
+    the user's own frames (a non-zero exit while handling an exception is that exception's)."""
     if isinstance(error, ChildFailure):
         return error
-    if isinstance(error, SystemExit):
-        return ChildFailure("user_error", f"the program exited with status {error.code}")
     from xmem.trace.attribution import attribute
     found = attribute(error)
     return ChildFailure(found.kind, found.message, found.user_traceback)
