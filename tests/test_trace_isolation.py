@@ -281,3 +281,15 @@ def test_a_traced_program_cannot_leave_through_capabilities_the_shim_cache_or_th
     assert "hook lines seen inside:" in output and "hook lines seen inside: 0" not in output, output  # it ran inside
     assert not marker.exists(), marker.read_text()  # ... and never outside (where its write would have landed)
     assert not list((tmp_path / "w").glob("*.sock"))
+
+
+def test_the_shim_of_another_interpreters_torch_is_built_before_the_trace(tmp_path, monkeypatch):
+    """The job's own venv (its python links to the base interpreter, yet finds the venv's packages): the runner asks
+    it, isolated and in a clean environment, where its torch is, and builds that shim outside the sandbox."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    torch_site = Path(shim.find_torch().root).parent  # this venv's packages, through a .pth as a site might
+    next((venv / "lib").glob("python3*/site-packages")).joinpath("theirs.pth").write_text(f"{torch_site}\n")
+    monkeypatch.setenv(shim.DIR_ENV, str(tmp_path / "native"))
+    shim.prepare(str(venv / "bin" / "python"))
+    assert shim._own_file(shim.shim_path(shim.find_torch()))

@@ -12,6 +12,7 @@ Must never import torch: the shim has to be loaded before torch is.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import os
@@ -184,17 +185,26 @@ def prepare(interpreter: str) -> None:
     """Build the shim of `interpreter`'s torch now, outside the sandbox (where the cache is read-only), so that the
     trace finds it built. Best effort: a tracer that still finds none builds a private copy for itself."""
     try:
-        if os.path.realpath(interpreter) == os.path.realpath(sys.executable):
+        # not resolved: a venv's python links to its base interpreter, yet finds the venv's own packages
+        if os.path.abspath(interpreter) == os.path.abspath(sys.executable):
             torch = find_torch()
-        else:  # another interpreter (the job's venv): asked in a clean environment, isolated
-            done = subprocess.run([interpreter, "-I", "-c", FIND_TORCH], capture_output=True, text=True, timeout=60,
-                                  env={"PATH": os.defpath}, stdin=subprocess.DEVNULL)
-            if not done.stdout.strip():
+        else:
+            origin = _torch_of(os.path.abspath(interpreter))
+            if not origin:
                 return
-            torch = _install_at(Path(done.stdout.strip()).parent)
+            torch = _install_at(Path(origin).parent)
         build_shim(torch)
     except (ShimError, OSError, ValueError, subprocess.TimeoutExpired):
         pass
+
+
+@functools.lru_cache(maxsize=8)
+def _torch_of(interpreter: str) -> str:
+    """Where another interpreter (the job's venv) finds torch, asked in a clean environment, isolated; once per
+    process (an estimate traces up to twice per capability class)."""
+    done = subprocess.run([interpreter, "-I", "-c", FIND_TORCH], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.defpath}, stdin=subprocess.DEVNULL)
+    return done.stdout.strip()
 
 
 def load_shim() -> ctypes.CDLL:
