@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,26 @@ def test_cpu_job_is_untouched(cluster, work):
     info = cluster.wait(sub.job_id)
     assert info.get("TresPerNode", "(null)") == "(null)" and info.get("Comment", "(null)") == "(null)"
     assert "XMEM_" not in cluster.output(work, sub.job_id)
+
+
+def test_the_root_prolog_sets_the_mps_daemons_limit_from_the_allocation(cluster, work):
+    """Slurm 22.05 gives the Prolog the job's MPS percentage and GPU; the Prolog sends the control daemon the share.
+    A recording stand-in of nvidia-cuda-mps-control (and of nvidia-smi: a 40 GiB GPU) in bin/ beside prolog.sh;
+    the job asks for mps:50 past the filter with a forged stamp claiming 1 byte, which plays no part."""
+    bin_dir, log = cluster.lab / "etc" / "bin", cluster.lab / "mps-control.log"
+    bin_dir.mkdir(exist_ok=True)
+    try:
+        for name, body in (("nvidia-cuda-mps-control", f'read -r line; echo "$line" >> {log}; exit 0\n'),
+                           ("nvidia-smi", "echo 40960\n")):
+            (bin_dir / name).write_text("#!/bin/sh\n" + body)
+            (bin_dir / name).chmod(0o755)
+        path = script(work, "mps.sh", "#SBATCH --gres=mps:50", "true\n")
+        sub = cluster.sbatch(path, "--comment=xmem:peak=1;need=1;type=a100;req=mps:50", env={"XMEM_NO_FILTER": "1"})
+        assert sub.returncode == 0, sub.stderr
+        assert cluster.wait(sub.job_id, timeout=120)["JobState"] == "COMPLETED"
+        sent = log.read_text().splitlines()
+    finally:
+        shutil.rmtree(bin_dir, ignore_errors=True)
+        log.unlink(missing_ok=True)
+    device = int(sent[1].split()[1])  # the GPU Slurm gave the job (its SLURM_JOB_GPUS)
+    assert sent == ["get_server_list", f"set_default_device_pinned_mem_limit {device} 20480M"]
