@@ -4,7 +4,7 @@ import json
 import os
 
 from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_limit_commands, mps_memory_limit,
-                             mps_share_mib, prolog_exports, read_measure_file)
+                             mps_share_mib, prolog_exports, read_measure_file, sacct_gpumem)
 from xmem.slurm.stamp import JobStamp, add_to_comment
 from xmem.slurm.store import DEFAULT_STORE
 
@@ -189,3 +189,13 @@ def test_node_settings_come_from_the_option_else_the_environment_else_the_defaul
     assert NodeSettings.read(env, store="/mine.jsonl", measure_dir="/m") == NodeSettings("/mine.jsonl", "/m")
     assert NodeSettings.read({}) == NodeSettings(DEFAULT_STORE, None)
     assert NodeSettings.read({"XMEM_MEASURE_DIR": ""}).measure_dir is None  # empty: unset, as --measure-dir's was
+
+
+def test_sacct_gpumem_takes_each_jobs_largest_step_in_slurms_units(tmp_path):
+    sacct = tmp_path / "sacct"
+    sacct.write_text("#!/bin/sh\ncat <<'EOF'\n7|\n7.batch|cpu=00:00:01,gres/gpumem=1.5G,mem=10K\n"
+                     "7.0|cpu=00:00:02,gres/gpumem=2048M,gres/gpuutil=3\n8.batch|cpu=1,gres/gpumem=0,mem=1K\n"
+                     "9.batch|gres/gpumem=512\nEOF\n")
+    sacct.chmod(0o755)
+    assert sacct_gpumem(["7", "8", "9", "x;rm"], sacct=str(sacct)) == {"7": 2 * GIB, "9": 512}
+    assert sacct_gpumem(["7"], sacct=str(tmp_path / "absent")) == {}

@@ -1,5 +1,6 @@
 """`xmem-slurm calibrate --from-store` and `xmem-slurm report --plot` on a hand-made record store."""
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -21,9 +22,9 @@ h100 = ["1g.10gb"]
 """
 
 
-def xmem(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def xmem(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xmem.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def record(job_id: int, gpu_type: str | None, estimate: int | None, measured: int | None,
@@ -179,3 +180,29 @@ def test_a_fit_moves_the_overhead_by_one_bounded_step(tmp_path):
     assert run.returncode == 0, run.stderr
     assert context == overhead_now("a100") + 512 * MIB
     assert "held to a step of 512 MiB" in " ".join(run.stderr.split())
+
+
+def test_slurms_own_gpumem_accounting_replaces_the_jobs_claims(tmp_path):
+    """`--sacct`: sacct's TRESUsageInMax (a stand-in printing its real format: per step, binary units) gives each
+    job's peak; the jobs' own files claimed 60 GiB."""
+    store = tmp_path / "records.jsonl"
+    lines = []
+    for u in range(3):
+        append_record(store, record(u + 1, "a100", 4 * GIB, 60 * GIB, user=f"user{u}", measured_by="file"))
+        lines += [f"{u + 1}|", f"{u + 1}.batch|cpu=00:01:02,energy=0,gres/gpumem={4096 + 200 + 10 * u}M,"
+                               "gres/gpuutil=97,mem=1024K,pages=0,vmem=2048K",
+                  f"{u + 1}.extern|cpu=00:00:00,energy=0,gres/gpumem=0,gres/gpuutil=0,mem=0,pages=0,vmem=0"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "sacct.out").write_text("\n".join(lines) + "\n")
+    (bin_dir / "sacct").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/sacct.args\n'
+                                   f'cat {tmp_path}/sacct.out\n')
+    (bin_dir / "sacct").chmod(0o755)
+    out = tmp_path / "calibration.toml"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = xmem("calibrate", "--from-store", "--store", str(store), "--out", str(out), "--sacct", cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "sacct.args").read_text().split() == ["-n", "-P", "-j", "1,2,3", "-o",
+                                                             "JobIDRaw,TRESUsageInMax"]
+    context = tomllib.loads(out.read_text())["overhead"]["A100-SXM4-40GB"]["context_bytes"]
+    assert context == overhead_now("a100") + 210 * MIB  # the median user's +210 MiB, not the files' 56 GiB

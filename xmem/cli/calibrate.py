@@ -106,6 +106,9 @@ def calibrate_command(
                                   help="With --from-store: distinct users a GPU type's fit needs."),
     max_move_mib: int = typer.Option(MAX_MOVE_BYTES // MIB, "--max-move-mib", min=0,
                                      help="With --from-store: how far one fit may move a type's overhead (MiB)."),
+    sacct: bool = typer.Option(False, "--sacct",
+                               help="With --from-store: take each job's peak from Slurm's accounting (gres/gpumem "
+                                    "in sacct's TRESUsageInMax) where NVML gave none."),
     trust_job_files: bool = typer.Option(False, "--trust-job-files",
                                          help="With --from-store: also count peaks the jobs wrote themselves "
                                               "(XMEM_MEASURE_FILE), which their users control."),
@@ -115,7 +118,7 @@ def calibrate_command(
     if from_store:
         trusted = TRUSTED_MEASUREMENTS | {"file"} if trust_job_files else TRUSTED_MEASUREMENTS
         _calibrate_from_store(err, store, config, out, quantile, dry_run,
-                              StoreRules(trusted, min_users, max_move_mib * MIB))
+                              StoreRules(trusted, min_users, max_move_mib * MIB, sacct))
         return
     if data is None or estimates is None:
         err.print("[red]error:[/] give --data and --estimates (a benchmark's runs), or --from-store")
@@ -149,15 +152,16 @@ class StoreRules:
     trusted: frozenset[str]
     min_users: int
     max_move_bytes: int
+    sacct: bool = False  # ask Slurm's accounting for gres/gpumem
 
 
 def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[str], out: Path, quantile: float,
                           dry_run: bool, rules: StoreRules) -> None:
     """The fit on the site's own jobs; GPU types the store has no usable record of keep their calibration."""
     from xmem.config import ConfigError, load_site_config
-    from xmem.slurm.node import NodeSettings
+    from xmem.slurm.node import NodeSettings, sacct_gpumem
     from xmem.slurm.store import read_records
-    from xmem.slurm.store_fit import bounded, kept_tables, store_samples
+    from xmem.slurm.store_fit import bounded, kept_tables, store_samples, with_slurm_accounting
 
     store = NodeSettings.read(os.environ, store=store).store
     if not os.path.exists(store):
@@ -169,8 +173,10 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     catalog = site.catalog()
-    found = store_samples(read_records(store), catalog, site.mig.parent_of, trusted=rules.trusted,
-                          min_users=rules.min_users)
+    records = read_records(store)
+    if rules.sacct:
+        records = with_slurm_accounting(records, sacct_gpumem([r.job_id for r in records if r.measured_by != "nvml"]))
+    found = store_samples(records, catalog, site.mig.parent_of, trusted=rules.trusted, min_users=rules.min_users)
     left_out = ", ".join(f"{n} {why}" for why, n in sorted(found.skipped.items()))
     if not found.samples:
         err.print(f"[red]error:[/] no usable record in {store} (a record needs an estimate and a peak measured by "
@@ -180,7 +186,8 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
     fits, held = bounded(fit_overheads(found.samples, quantile), catalog, rules.max_move_bytes)
     provenance = (f"fitted on the job records of {store} by `xmem-slurm calibrate --from-store --store {store} "
                   f"--quantile {quantile} --min-users {rules.min_users} --max-move-mib "
-                  f"{rules.max_move_bytes // MIB}{' --trust-job-files' if 'file' in rules.trusted else ''}` on "
+                  f"{rules.max_move_bytes // MIB}{' --sacct' if rules.sacct else ''}"
+                  f"{' --trust-job-files' if 'file' in rules.trusted else ''}` on "
                   f"{datetime.date.today().isoformat()}, one run per user (the median of their jobs)")
     kept = kept_tables(out.read_text(), fits) if out.exists() else ""
     text = calibration_toml(fits, provenance) + (f"\n{kept}" if kept else "")

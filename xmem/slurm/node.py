@@ -330,6 +330,35 @@ def nvml_peak(gpu_indices: list[int], since: float | None) -> int | None:
         pynvml.nvmlShutdown()
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def sacct_gpumem(job_ids: list[str], sacct: str = "sacct", timeout_s: float = 60.0) -> dict[str, int]:
+    """Job id -> the largest `gres/gpumem` of its steps in Slurm's accounting (`TRESUsageInMax`: what slurmstepd
+    read from NVML, as root, while the steps ran; sites with `AccountingStorageTRES=gres/gpumem` and slurmdbd).
+    Jobs without it (no GPU step, no accounting of it, sacct absent) are left out. Slurm prints sizes in binary
+    units (`38888M`); a bare number is bytes."""
+    found: dict[str, int] = {}
+    for start in range(0, len(job_ids), 500):
+        chunk = [j for j in job_ids[start:start + 500] if j.isdigit()]
+        if not chunk:
+            continue
+        try:
+            done = subprocess.run([sacct, "-n", "-P", "-j", ",".join(chunk), "-o", "JobIDRaw,TRESUsageInMax"],
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.SubprocessError):
+            return found
+        for line in done.stdout.splitlines() if done.returncode == 0 else []:
+            step, _, tres = line.partition("|")
+            value = re.search(r"(?:^|,)gres/gpumem=(\d+(?:\.\d+)?)([KMGTP]?)(?:,|\||$)", tres)
+            if value:
+                job = step.split(".")[0]
+                size = int(float(value.group(1)) * _UNITS[value.group(2)])
+                if size > 0 and size <= MAX_MEASURED_BYTES:
+                    found[job] = max(found.get(job, 0), size)
+    return found
+
+
 def exit_code_of(env: Mapping[str, str]) -> int | None:
     """The job's exit status: SLURM_JOB_EXIT_CODE2 is "status:signal"; SLURM_JOB_EXIT_CODE a wait() status."""
     code2 = env.get("SLURM_JOB_EXIT_CODE2", "")

@@ -30,7 +30,9 @@ from xmem.gpus import GpuType, UnknownGpuError, find_gpu, overhead_bytes
 from xmem.slurm.store import JobRecord
 
 
-TRUSTED_MEASUREMENTS = frozenset({"nvml"})  # what the job cannot write; "file" is the job's own report
+# What the job cannot write: NVML read by the root Epilog, Slurm's own accounting of the steps (`gres/gpumem`,
+# xmem.slurm.node.sacct_gpumem, taken by `calibrate --sacct`); "file" is the job's own report.
+TRUSTED_MEASUREMENTS = frozenset({"nvml", "gpumem"})
 MIN_USERS = 3  # distinct users a GPU type's fit needs: the median over users then moves with none of them alone
 MAX_MOVE_BYTES = 512 << 20  # how far one fit may move a type's overhead from the calibration in effect
 
@@ -74,6 +76,13 @@ def store_samples(records: Iterable[JobRecord], catalog: Mapping[str, GpuType],
         samples += [OverheadSample(gpu_name, round(statistics.median(r)), frozenset({ALWAYS_LOADED}))
                     for r in by_user.values()]
     return StoreSamples(samples, points, skipped, users)
+
+
+def with_slurm_accounting(records: Iterable[JobRecord], gpumem: Mapping[str, int]) -> list[JobRecord]:
+    """The records, each measured by Slurm's `gres/gpumem` (`gpumem`: job id -> bytes) where it has that and
+    nothing NVML measured: Slurm's figure replaces the job's own file."""
+    return [dataclasses.replace(r, measured_bytes=gpumem[r.job_id], measured_by="gpumem")
+            if r.measured_by != "nvml" and gpumem.get(r.job_id) else r for r in records]
 
 
 def bounded(fits: Mapping[str, OverheadFit], catalog: Mapping[str, GpuType],
@@ -131,4 +140,4 @@ def kept_tables(existing: str, refitted: Iterable[str]) -> str:
 
 
 __all__ = ["MAX_MOVE_BYTES", "MIN_USERS", "TRUSTED_MEASUREMENTS", "StoreSamples", "bounded", "kept_tables",
-           "store_samples"]
+           "store_samples", "with_slurm_accounting"]
