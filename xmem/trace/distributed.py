@@ -39,6 +39,7 @@ def install(fake: Any) -> None:
     _patch_data_parallel_transfers()
     _patch_device_mesh()
     _patch_fsdp_module_move()
+    _patch_fsdp_storage_checks()
     _patch_lightning_launchers()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
@@ -187,6 +188,25 @@ def _patch_fsdp_module_move() -> None:
         init_utils._move_module_to_device = move_fake_aware
 
     _patch_on_import("torch.distributed.fsdp._init_utils", patch)
+
+
+def _patch_fsdp_storage_checks() -> None:
+    """FSDP1's FlatParamHandle asks storages' data pointers whether a storage is allocated
+    (`_data_ptr_allocated`: the writeback of a unit that skipped its sharded views, SHARD_GRAD_OP with
+    use_orig_params) and whether two tensors share one (`_same_storage`: which original parameters the program
+    replaced). A fake storage has no data pointer (0 for all), so both are asked of the storage itself: allocated
+    when it holds bytes (FSDP frees by resizing to 0), the same when it is the same StorageImpl."""
+    from xmem.trace.fakecuda import _patch_on_import
+
+    def storage_of(tensor: torch.Tensor) -> int:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own shard (SHARD_GRAD_OP with TP), as upstream
+        return local.untyped_storage()._cdata
+
+    def patch(flat_param: Any) -> None:
+        flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+        flat_param._same_storage = lambda a, b: storage_of(a) == storage_of(b)
+
+    _patch_on_import("torch.distributed.fsdp._flat_param", patch)
 
 
 # Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself

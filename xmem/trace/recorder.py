@@ -524,6 +524,11 @@ class AllocationRecorder(TorchDispatchMode):
             for param in group["params"]:
                 self.label(param, Category.PARAMETER)
                 self.label(param.grad, Category.GRADIENT)
+        for module in list(self._forward_modules.values()):  # sharded by now: FSDP resharded them after backward
+            flat = fsdp1_flat_parameter(module)
+            if flat is not None:
+                self.label(flat, Category.PARAMETER)
+                self.label(flat.grad, Category.GRADIENT)
 
     def _label_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         for per_param in optimizer.state.values():
@@ -550,6 +555,15 @@ class AllocationRecorder(TorchDispatchMode):
                 number += 1
             if number >= 0:
                 row[8] = number
+
+
+def fsdp1_flat_parameter(module: torch.nn.Module) -> torch.Tensor | None:
+    """The FlatParameter of an FSDP1 unit (`FullyShardedDataParallel._handle.flat_param`), None for any other
+    module. With use_orig_params it is registered on no module, and an optimizer steps only views of it (none at
+    all on a rank whose shard holds only frozen weights), yet it and its sharded gradient hold the unit's memory."""
+    handle = getattr(module, "_handle", None) if type(module).__name__ == "FullyShardedDataParallel" else None
+    flat = getattr(handle, "flat_param", None)
+    return flat if isinstance(flat, torch.Tensor) else None
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:

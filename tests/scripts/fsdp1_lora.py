@@ -1,0 +1,56 @@
+"""FSDP1 (FullyShardedDataParallel) fine-tuning of LoRA-like adapters, launched by torchrun: two blocks, each a
+frozen base Linear(256, 256) with a trainable rank-8 adapter beside it (down 256->8, up 8->256, no bias), each block
+one FSDP unit (frozen and trainable mixed in it), the root unit holding a trainable head Linear(256, 16). AdamW
+steps the trainable parameters only. Options (argv): --orig 0|1 (use_orig_params), --strategy FULL_SHARD |
+SHARD_GRAD_OP | NO_SHARD, --mp none|bf16 (MixedPrecision: bf16 params, fp32 or bf16 reduce by --reduce),
+--frozen 0 trains the base layers too (a full fine-tune: use_orig_params=False refuses a unit that mixes)."""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+WIDTH, RANK, CLASSES = 256, 8, 16
+
+
+class Adapted(nn.Module):
+    """A frozen base layer and a low-rank update beside it, registered base first (as peft's LoRA layers are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(WIDTH, WIDTH)
+        self.down = nn.Linear(WIDTH, RANK, bias=False)
+        self.up = nn.Linear(RANK, WIDTH, bias=False)
+        self.base.requires_grad_(not FROZEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.base(x) + self.up(self.down(x)))
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--orig", type=int, default=1)
+parser.add_argument("--strategy", default="FULL_SHARD")
+parser.add_argument("--mp", default="none")
+parser.add_argument("--reduce", default="fp32")
+parser.add_argument("--frozen", type=int, default=1)
+args = parser.parse_args()
+FROZEN = bool(args.frozen)
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES)).cuda()
+precision = None
+if args.mp == "bf16":
+    precision = MixedPrecision(param_dtype=torch.bfloat16,
+                               reduce_dtype=torch.float32 if args.reduce == "fp32" else torch.bfloat16)
+model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Adapted}), use_orig_params=bool(args.orig),
+             sharding_strategy=ShardingStrategy[args.strategy], mixed_precision=precision)
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+for step in range(3):
+    model(torch.randn(8, WIDTH, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
