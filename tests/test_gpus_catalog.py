@@ -52,9 +52,9 @@ def test_find_gpu_matches_aliases_case_insensitively(catalog, name, canonical):
 
 def test_unknown_gpu_error_lists_known_names(catalog):
     with pytest.raises(UnknownGpuError) as e:
-        find_gpu("B200", catalog)
+        find_gpu("MI300X", catalog)
     message = str(e.value)
-    assert "'B200'" in message and "A100-SXM4-40GB" in message and "\n" not in message
+    assert "'MI300X'" in message and "A100-SXM4-40GB" in message and "\n" not in message
 
 
 def test_totals_measured_on_real_gpus_are_exact(catalog):
@@ -126,13 +126,13 @@ def test_cublas_workspace_config_env_wins(catalog):
 def test_site_override_changes_a_type_and_adds_one():
     catalog = load_catalog({
         "gpus": {"tesla t4": {"total_bytes": 15_000 * MIB},
-                 "B200": {"total_bytes": 190 * GIB, "capability": [10, 0], "aliases": ["b200"]}},
-        "overhead": {"default": {"context_bytes": 500 * MIB}, "b200": {"context_bytes": 700 * MIB}},
+                 "GB300": {"total_bytes": 270 * GIB, "capability": [10, 3], "aliases": ["gb300"]}},
+        "overhead": {"default": {"context_bytes": 500 * MIB}, "gb300": {"context_bytes": 700 * MIB}},
     }, calibration_path=None)
     assert catalog["T4"].total_bytes == 15_000 * MIB
     assert catalog["T4"].context_bytes == 500 * MIB
-    assert find_gpu("b200", catalog).context_bytes == 700 * MIB
-    assert catalog["B200"].libraries["cublas"] == catalog["T4"].libraries["cublas"]  # defaults still apply
+    assert find_gpu("gb300", catalog).context_bytes == 700 * MIB
+    assert catalog["GB300"].libraries["cublas"] == catalog["T4"].libraries["cublas"]  # defaults still apply
 
 
 def test_calibration_file_overrides_defaults_and_keeps_provenance(tmp_path: Path):

@@ -6,6 +6,7 @@
                         xmem/cli/slurm.py      (Slurm glue)
 - `calibrate`           xmem/cli/calibrate.py  (per-GPU overhead fit)
 - `fit`                 xmem/cli/fit.py        (the largest value of one knob that fits each offer)
+- `gpus`                xmem/cli/gpus.py       (the GPU types, their memory, aliases and MIG profiles)
 """
 
 from __future__ import annotations
@@ -24,8 +25,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"xmem-slurm {version('xmem-slurm')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("xmem-slurm (not installed: version unknown)")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                        help="Print the version and exit.")) -> None:
     """Keep sub-command names even if only one command is registered (Typer drops a lone command's name)."""
 
 
@@ -38,10 +51,13 @@ COMMAND_MODULES: dict[str, str] = {
     "status": "slurm",
     "calibrate": "calibrate",
     "fit": "fit",
+    "gpus": "gpus",
 }
 
 
 def _load_commands(argv: list[str]) -> None:
+    if argv[:1] == ["--version"]:
+        return
     wanted = COMMAND_MODULES.get(argv[0]) if argv else None
     modules = [wanted] if wanted else sorted(set(COMMAND_MODULES.values()))  # help or an unknown verb: all
     for name in modules:

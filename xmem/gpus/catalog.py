@@ -9,6 +9,7 @@ Everything here is pure except `load_catalog`, which reads the two TOML files sh
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -69,12 +70,14 @@ class GpuType:
 
 
 def normalize_name(name: str) -> str:
-    """The form names are compared in: lower case, vendor prefix dropped, spaces and underscores as '-'."""
+    """The form names are compared in: lower case, vendor prefix dropped, spaces and underscores as '-', and a
+    trailing memory size written one way (`a100-80`, `a100-80g`, `a100_80gb` are all `a100-80gb`)."""
     text = re.sub(r"[\s_]+", "-", name.strip().lower())
     for prefix in ("nvidia-", "tesla-", "geforce-"):
         if text.startswith(prefix):
             text = text[len(prefix):]
-    return text
+    # one to three digits: a size in GB, not a model number such as rtx-4090
+    return re.sub(r"-(\d{1,3})(?:g|gb)?$", r"-\1gb", text)
 
 
 def load_catalog(overrides: Mapping[str, Any] | None = None, *,
@@ -117,7 +120,15 @@ def find_gpu(name: str, catalog: Mapping[str, GpuType]) -> GpuType:
     for gpu in catalog.values():
         if wanted == normalize_name(gpu.name) or wanted in (normalize_name(a) for a in gpu.aliases):
             return gpu
-    raise UnknownGpuError(f"unknown GPU type {name!r}; known types: {', '.join(sorted(catalog))}")
+    raise UnknownGpuError(f"unknown GPU type {name!r}{_did_you_mean(wanted, catalog)}; known types: "
+                          f"{', '.join(sorted(catalog))} (`xmem-slurm gpus` lists their aliases)")
+
+
+def _did_you_mean(wanted: str, catalog: Mapping[str, GpuType]) -> str:
+    """'; did you mean X?' naming the type whose name or alias is closest to a mistyped one, or ''."""
+    owner = {normalize_name(n): gpu.name for gpu in catalog.values() for n in (gpu.name, *gpu.aliases)}
+    close = difflib.get_close_matches(wanted, owner, n=1, cutoff=0.6)
+    return f"; did you mean {owner[close[0]]!r}?" if close else ""
 
 
 def mig_profile(gpu: GpuType, profile: str) -> MigProfile:
