@@ -136,3 +136,16 @@ def test_weights_tied_after_the_host_budget_stay_tied(tmp_path):
     embed, body = 16384 * 1024 * 4, (1024 * 1024 + 1024) * 4
     assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([embed, body - 1024 * 4, 1024 * 4])
     assert sum(e.nbytes for e in allocs(trace, "optimizer_state") if e.nbytes > 512) == 2 * (embed + body)
+
+
+def test_a_model_past_the_host_budget_is_born_fake_however_its_tensors_are_made():
+    """A 10 GB nn.Linear made by torch.empty in its constructor (before registration), and a frozen layer whose
+    weight is swapped for torchao's NF4Tensor (swap_tensors refuses a tensor with a weak reference), on the host then
+    moved to the GPU, and on the GPU: the program checks its host memory itself (tests/scripts/host_built_big.py)."""
+    torchao = pytest.importorskip("torchao.quantization")
+    import torch
+    nf4 = torchao.to_nf4(torch.zeros(512, 512, dtype=torch.bfloat16))
+    nf4_bytes = sum(getattr(nf4, name).nbytes for name in nf4.__tensor_flatten__()[0])
+    trace = run_trace([sys.executable, str(SCRIPTS / "host_built_big.py")], iterations=2, timeout=300)
+    dense = (512 * 50_000 + 50_000) + 50_000 * 50_000 + (50_000 * 8 + 8)
+    assert sum(e.nbytes for e in allocs(trace, "parameter")) == dense * 4 + 2 * nf4_bytes

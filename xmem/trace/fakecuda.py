@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from xmem.trace import attention, cuda_driver, distributed, triton_launch
 from xmem.trace.events import Category
@@ -205,6 +205,7 @@ def install(fake: FakeCuda) -> None:
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
     _patch_module_registration(fake)
     _rebuild_fake_parameters_by_type()
+    _swap_fake_tensors_too()
     _patch_recurrent_layers()
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
@@ -459,10 +460,12 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                 return memo[id(tensor)]
             with torch.no_grad():
                 converted = fn(tensor)
-            # stock sets .data only where the types allow it (compute_should_use_set_data); a DTensor moved off
-            # meta (FSDP2's to_empty) is replaced, as stock swaps it
+            # stock sets .data only where the types allow it (compute_should_use_set_data), and swaps a wrapper
+            # subclass, whose data is its inner tensors (a DTensor moved off meta by FSDP2's to_empty, torchao's
+            # NF4Tensor moved to the GPU): here those are replaced
             if not isinstance(converted, FakeTensor) and not isinstance(tensor, FakeTensor) and (
-                    converted is tensor or torch._has_compatible_shallow_copy_type(tensor, converted)):
+                    converted is tensor or torch._has_compatible_shallow_copy_type(tensor, converted) and
+                    not is_traceable_wrapper_subclass(converted)):
                 if converted is not tensor:  # stock: same object, new data
                     tensor.data = converted
                 result = tensor
@@ -545,6 +548,11 @@ def _patch_cuda_data_functions() -> None:
     """`torch.tensor(data, device="cuda")` and friends: FakeTensorMode lifts Python/CPU data only onto the CPU, so
     build there and move, as the GPU copy would."""
     from xmem.trace import shortcuts
+    # torch's default-device context (`with torch.device("cuda")`) gives a device to the factories it knows by
+    # identity, collected at its first use: collected now, before factories are wrapped here and in
+    # _patch_module_registration, the set holds torch's own, which the wrappers call
+    import torch.utils._device
+    torch.utils._device._device_constructors()
     for name in ("tensor", "as_tensor", "asarray"):
         setattr(torch, name, _lift_then_move(getattr(torch, name), shortcuts.enabled()))
 
@@ -589,18 +597,25 @@ def _patch_module_registration(fake: FakeCuda) -> None:
     real_bytes = 0
     # What each host tensor became when first registered: registering it again (tied weights: transformers'
     # `_tie_or_clone_weights` assigns the input embedding's Parameter to the output layer) must give that same
-    # object, kept real or made fake, so that the tie holds and its bytes count once.
-    # A tensor kept real maps to None: a value holding its key would keep it alive for good.
-    registered: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    # object, kept real or made fake, so that the tie holds and its bytes count once. Kept by the tensor's view of
+    # its storage, for as long as the storage lives: a weak reference to the tensor itself would make
+    # torch.utils.swap_tensors refuse it (torchtune's QLoRA layers swap each weight for its torchao NF4Tensor).
+    # A tensor kept real maps to None: a value holding the tensor would keep it alive for good.
+    registered: dict[tuple, torch.Tensor | None] = {}
 
     def fake_past_budget(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None or isinstance(tensor, FakeTensor) or tensor.device.type != "cpu" or \
+                tensor.layout != torch.strided or \
                 type(tensor) not in (torch.Tensor, nn.Parameter, getattr(nn, "Buffer", nn.Parameter)):
             return tensor
-        if tensor not in registered:
+        storage = tensor.untyped_storage()
+        key = (storage._cdata, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+        if key not in registered:
             result = _real_or_fake(tensor)
-            registered[tensor] = None if result is tensor else result
-        return registered[tensor] if registered[tensor] is not None else tensor
+            registered[key] = None if result is tensor else result
+            weakref.finalize(storage, registered.pop, key, None).atexit = False
+        became = registered[key]
+        return tensor if became is None else became
 
     def _real_or_fake(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal real_bytes
@@ -611,8 +626,7 @@ def _patch_module_registration(fake: FakeCuda) -> None:
         mode = _active_fake_mode()
         if mode is None:
             return tensor
-        fake.on_warning(f"model tensors built on the host past {HOST_MODEL_BYTES >> 20} MiB are fake (no real "
-                        "values): host-side code that reads their values gets stand-ins")
+        fake.on_warning(HOST_MODEL_WARNING)
         with unset_fake_temporarily():
             converted = mode.from_tensor(tensor.detach())
         if isinstance(tensor, nn.Parameter):
@@ -629,6 +643,45 @@ def _patch_module_registration(fake: FakeCuda) -> None:
 
     nn.Module.register_parameter = register_fake_parameter
     nn.Module.register_buffer = register_fake_buffer
+
+    def born_fake_past_budget(create: Callable) -> Callable:
+        """A host tensor made in a module's constructor that the budget left cannot hold is born fake (nn.Linear
+        makes its weight with torch.empty before registering it: a 10 GB layer would be allocated first)."""
+        def create_on_host_or_fake(*args: Any, **kwargs: Any) -> Any:
+            device = kwargs.get("device") or torch.get_default_device()
+            if device is None or torch.device(device).type != "cpu" or "out" in kwargs:
+                return create(*args, **kwargs)
+            try:
+                with unset_fake_temporarily():  # its size and dtype, from the meta device (no memory)
+                    shape = create(*args, **{**kwargs, "device": "meta"})
+            except (RuntimeError, TypeError):
+                return create(*args, **kwargs)
+            mode = _active_fake_mode()
+            if mode is None or real_bytes + shape.nbytes <= HOST_MODEL_BYTES or not _in_module_constructor():
+                return create(*args, **kwargs)
+            fake.on_warning(HOST_MODEL_WARNING)
+            return FakeTensor(mode, shape, torch.device("cpu"))
+        return create_on_host_or_fake
+
+    for name in HOST_MODEL_FACTORIES:
+        setattr(torch, name, born_fake_past_budget(getattr(torch, name)))
+
+
+# What module constructors make their tensors with (nn.Linear, nn.Embedding, convolutions: torch.empty; norms and
+# hand-written layers: the others)
+HOST_MODEL_FACTORIES = ("empty", "zeros", "ones", "full", "rand", "randn")
+HOST_MODEL_WARNING = (f"model tensors built on the host past {HOST_MODEL_BYTES >> 20} MiB are fake (no real values): "
+                      "host-side code that reads their values gets stand-ins")
+
+
+def _in_module_constructor() -> bool:
+    """Whether an nn.Module's `__init__` is running on this thread's stack (asked only of large host tensors)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), nn.Module):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _rebuild_fake_parameters_by_type() -> None:
@@ -651,6 +704,27 @@ def _names_data_only(args: tuple, kwargs: dict) -> bool:
     """Whether a constructor call reads as nn.Parameter's (data, requires_grad), which no FakeTensor call does."""
     return 1 <= len(args) <= 2 and isinstance(args[0], torch.Tensor) and set(kwargs) <= {"requires_grad"} and \
         all(isinstance(flag, bool) for flag in (*args[1:], *kwargs.values()))
+
+
+def _swap_fake_tensors_too() -> None:
+    """torch.utils.swap_tensors refuses a tensor that has a weak reference, and the fake mode's converter keeps one
+    to each fake tensor it made (its memo, `tensor_memo`: a cache of conversions). torchtune's QLoRA layers, built on
+    the GPU, swap each weight for its torchao NF4Tensor so: a fake's entries there are dropped first (a later
+    conversion of the same source makes a new fake), then upstream swaps."""
+    swap = torch.utils.swap_tensors
+
+    def swap_fakes_too(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for tensor in (t1, t2):
+            if isinstance(tensor, FakeTensor):
+                memo = tensor.fake_mode.fake_tensor_converter.tensor_memo
+                # a WeakValueDictionary's reference knows its key (the references themselves not kept: a live one
+                # is what upstream refuses)
+                for key in [getattr(ref, "key", None) for ref in weakref.getweakrefs(tensor)]:
+                    if key is not None and memo.get(key) is tensor:
+                        del memo[key]
+        return swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_fakes_too
 
 
 def _memory_summary(fake: FakeCuda) -> str:
