@@ -149,3 +149,18 @@ def test_a_model_past_the_host_budget_is_born_fake_however_its_tensors_are_made(
     trace = run_trace([sys.executable, str(SCRIPTS / "host_built_big.py")], iterations=2, timeout=300)
     dense = (512 * 50_000 + 50_000) + 50_000 * 50_000 + (50_000 * 8 + 8)
     assert sum(e.nbytes for e in allocs(trace, "parameter")) == dense * 4 + 2 * nf4_bytes
+
+
+def test_a_sparse_tensor_on_the_gpu_is_named_not_modelled(tmp_path):
+    """A graph's sparse adjacency moved to the GPU: the fake mode makes no index and value tensors for it, which
+    ended as "Cannot access storage of SparseTensorImpl" (the user's error); now the gap is named."""
+    script = tmp_path / "sparse_graph.py"
+    script.write_text("import torch\nedges = torch.randint(0, 100, (2, 400))\n"
+                      "adjacency = torch.sparse_coo_tensor(edges, torch.ones(400), (100, 100)).coalesce()\n"
+                      "features = torch.randn(100, 8, device='cuda')\n"
+                      "hidden = torch.sparse.mm(adjacency.cuda(), features)\n")
+    with pytest.raises(TraceError) as raised:
+        run_trace([sys.executable, str(script)], timeout=120)
+    assert raised.value.kind == "not_modelled"
+    assert raised.value.message.startswith("not modelled: sparse tensors on the GPU") and "sparse_graph.py:5" in \
+        raised.value.message

@@ -26,6 +26,7 @@ from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace import shortcuts
 from xmem.trace.facts import inner_tensors
+from xmem.trace.errors import NotModelled
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
 
@@ -286,7 +287,12 @@ class AllocationRecorder(TorchDispatchMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         with self._lock:
-            return self._dispatch(func, args, kwargs)
+            try:
+                return self._dispatch(func, args, kwargs)
+            except (NotImplementedError, RuntimeError) as error:
+                if _holds_sparse((*args, *kwargs.values())):
+                    raise NotModelled(SPARSE_GAP) from error
+                raise
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -564,6 +570,22 @@ def fsdp1_flat_parameter(module: torch.nn.Module) -> torch.Tensor | None:
     handle = getattr(module, "_handle", None) if type(module).__name__ == "FullyShardedDataParallel" else None
     flat = getattr(handle, "flat_param", None)
     return flat if isinstance(flat, torch.Tensor) else None
+
+
+# Sparse layouts hold their memory in index and value tensors that the fake mode does not make for the GPU (its
+# kernels for them reach the real runtime, and a sparse tensor has no storage of its own to record).
+SPARSE_GAP = "sparse tensors on the GPU (torch.sparse layouts): their index and value memory is not modelled"
+
+
+def _holds_sparse(values: tuple) -> bool:
+    """Whether an op's arguments (and lists of them) hold a sparse tensor or ask for a sparse layout."""
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.layout != torch.strided or \
+                    isinstance(item, torch.layout) and item != torch.strided:
+                return True
+    return False
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
