@@ -766,6 +766,213 @@ def contain_main(venv: Path) -> int:
     return 0 if not any(problems for _, problems in results) and not procs else 1
 
 # === end of group "containment" =====================================================================================
+
+
+# === group "requests" (issue 21: requests and leftovers; `--only requests`) =======================================
+# Array jobs sized by one task, cache entries edited or dated in the future, sbatch killed with -9 mid-estimate,
+# an estimation job leaving a warm tracer behind, `fit`/`check --vary` over 1..10^24. Each case: a name and its
+# problems. Figures: lost, blocked wrongly, left held, wrong request, leftover processes (and files), no answer.
+
+WIDE = """\
+import os, torch, torch.nn as nn
+width = 8192 * (1 + int(os.environ.get("SLURM_ARRAY_TASK_ID", "0")))
+model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)).cuda()
+opt = torch.optim.Adam(model.parameters())
+for step in range(2):
+    loss = model(torch.randn(4, width, device="cuda")).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""  # Adam on a width x width layer: 1 GiB for task 0, 16 GiB for task 3 (no 9.75 GiB slice holds it)
+BATCH = TRAIN.replace("torch.randn(32, 256", "torch.randn(int(__import__('sys').argv[1]), 256")
+SLOW = "import time\ntime.sleep(600)\n"
+HUGE = 10**24
+REQ_USER = "xmemcamp-r"  # a user of its own: other groups' processes are not this group's leftovers
+
+
+def req_processes(user: str = REQ_USER) -> list[str]:
+    return [line.strip() for line in sh("ps", "-u", user, "-o", "pid=,args=").stdout.splitlines() if line.strip()]
+
+
+def req_dir(user: str, name: str) -> Path:
+    d = Path(f"/home/{user}/campaign-requests/{name}")
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    for file, source in (("wide.py", WIDE), ("train.py", TRAIN), ("batch.py", BATCH), ("slow.py", SLOW)):
+        (d / file).write_text(source)
+    return d
+
+
+def req_submit(user: str, cluster: dict[str, str], venv: Path, d: Path, text: str, *options: str,
+               env: dict[str, str] | None = None, filtered: bool = True) -> tuple[str | None, str]:
+    (d / "job.sh").write_text(text)
+    sh("chown", "-R", f"{user}:{user}", str(d))
+    prefix = user_env(user, cluster, venv, env or {}, d)
+    argv = [*prefix, *([] if filtered else ["XMEM_NO_FILTER=1"]), "sbatch", "--parsable", "--begin=now+3600",
+            "-o", "/dev/null", *options, str(d / "job.sh")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=d, stdin=subprocess.DEVNULL)
+    return (done.stdout.strip().split(";")[0] if done.returncode == 0 else None), done.stderr
+
+
+def req_request(job: str | None, cluster: dict[str, str], mode: str) -> str | None:
+    if job and mode == "partition" and settle(job, cluster, user_hold=False):
+        return "HELD"
+    return gpu_request(job_fields(job, cluster)) if job else None
+
+
+def req_cache(user: str, cluster: dict[str, str]) -> Path:
+    return Path(f"/home/{user}/.cache/xmem-campaign/analyses")
+
+
+def requests_cases(clusters: dict[str, dict[str, str]], venv: Path) -> list[tuple[str, list[str]]]:
+    user = REQ_USER
+    if sh("id", user).returncode != 0:
+        sh("useradd", "-m", user, check=True)
+    inline = clusters["inline"]
+    results: list[tuple[str, list[str]]] = []
+
+    def record(name: str, problems: list[str], *jobs: str | None, cluster: dict[str, str] = inline) -> None:
+        for job in jobs:
+            if job:
+                sh("scancel", job, env={**os.environ, **cluster})
+        results.append((f"requests/{name}", problems))
+        print(f"    requests {name:40s} {', '.join(problems) or 'ok'}", flush=True)
+
+    # 1-6: arrays: the request must hold the widest task, as the same job's single last task gets it
+    arrays = {"range": ("--array=0-3", "--array=3"), "step_throttle": ("--array=0-12:4%2", "--array=12"),
+              "list": ("--array=3,0,1", "--array=3"), "env_inx": ("", "--array=3")}
+    for name, (spec, last) in arrays.items():
+        for mode in ("inline", "partition") if name == "range" else ("inline",):
+            d = req_dir(user, f"array-{name}-{mode}")
+            cluster = clusters[mode]
+            env = {"SBATCH_ARRAY_INX": "0-3"} if name == "env_inx" else {}
+            head = "#!/bin/bash\n#SBATCH --gres=gpu:1\n" + (f"#SBATCH {spec}\n" if spec else "")
+            ref, _ = req_submit(user, cluster, venv, d, head + "python wide.py\n", env=env, filtered=False)
+            job, err = req_submit(user, cluster, venv, d, head + "python wide.py\n", env=env)
+            single, _ = req_submit(user, cluster, venv, d, f"#!/bin/bash\n#SBATCH --gres=gpu:1\n#SBATCH {last}\n"
+                                   "python wide.py\n")
+            got, want = req_request(job, cluster, mode), req_request(single, cluster, mode)
+            problems: list[str] = []
+            if ref is not None and job is None:
+                problems.append("blocked wrongly" if "xmem-slurm" in err else "lost")
+            problems += ["left held"] * (got == "HELD")
+            problems += ["wrong request"] * (got != want or "1g.10gb" in (got or ""))
+            record(f"array_{name}@{mode}", problems, ref, job, single, cluster=cluster)
+    d = req_dir(user, "array-bad")
+    ref, _ = req_submit(user, inline, venv, d, "#!/bin/bash\n#SBATCH --gres=gpu:1 --array=5-1\npython train.py\n",
+                        filtered=False)
+    job, _ = req_submit(user, inline, venv, d, "#!/bin/bash\n#SBATCH --gres=gpu:1 --array=5-1\npython train.py\n")
+    record("array_refused_spec", ["lost"] * (ref is not None and job is None), ref, job)
+
+    # 7-12: a cache entry edited to a request sbatch refuses, or the cluster lacks: the resubmission is estimated
+    # again and gets the first submission's request
+    edits = {"gpu8_mps100": {"gres": "gpu:8,mps:100"}, "unknown_type": {"gres": "gpu:nosuch:1"},
+             "too_many": {"gres": "gpu:a100:8"}, "mig_count": {"gres": "gpu:1g.10gb:4"},
+             "gpus_option": {"option": "gpus", "gpus": "h100:9", "gres": None},
+             "mps_over": {"gres": "mps:a100:500"}}
+    for name, edit in edits.items():
+        d = req_dir(user, f"cache-{name}")
+        text = f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# {name}\npython train.py\n"
+        cache = req_cache(user, inline)
+        before = set(cache.glob("*.json")) if cache.is_dir() else set()
+        first, _ = req_submit(user, inline, venv, d, text)
+        want = req_request(first, inline, "inline")
+        for entry in set(cache.glob("*.json")) - before:
+            data = json.loads(entry.read_text())
+            if data.get("decision"):
+                data["decision"].update(edit)
+                entry.write_text(json.dumps(data))  # the user's own file, still theirs
+        again, err = req_submit(user, inline, venv, d, text)
+        problems = ["lost"] * (first is not None and again is None)
+        problems += ["wrong request"] * (again is not None and req_request(again, inline, "inline") != want)
+        record(f"cache_edited_{name}", problems, first, again)
+
+    # 13: 500 entries dated in the future must not evict every new one: the resubmission is a cache hit
+    cache = req_cache(user, inline)
+    cache.mkdir(parents=True, exist_ok=True)
+    for i in range(500):
+        p = cache / f"future{i:03d}.json"
+        p.write_text('{"decision": null, "peaks": {}, "errors": []}')
+        os.utime(p, (4e9, 4e9))
+    sh("chown", "-R", f"{user}:{user}", str(cache))
+    d = req_dir(user, "cache-future")
+    text = "#!/bin/bash\n#SBATCH --gres=gpu:1\n# future-dated cache\npython train.py\n"
+    first, _ = req_submit(user, inline, venv, d, text)
+    again, err = req_submit(user, inline, venv, d, text)
+    problems = ["lost"] * (first is None or again is None) + ["evicted at once"] * ("cached estimate" not in err)
+    record("cache_500_future_entries", problems, first, again)
+    for p in cache.glob("future*.json"):
+        p.unlink()
+
+    # 14-15: sbatch killed with -9 while its filter traces: nothing of the user's may run 5 s later, no file stays
+    for name, options in (("script", ()), ("wrap", ("--wrap=python slow.py",))):
+        d = req_dir(user, f"kill-{name}")
+        (d / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython slow.py\n")
+        sh("chown", "-R", f"{user}:{user}", str(d))
+        argv = [*user_env(user, inline, venv, {}, d), "sbatch", "--begin=now+3600", "--gres=gpu:1", *options,
+                *([] if options else [str(d / "job.sh")])]
+        proc = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while not any("slow.py" in line and "sbatch" not in line for line in req_processes()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sbatch_pid = sh("pgrep", "-u", user, "-x", "sbatch").stdout.split()
+        for pid in sbatch_pid:
+            os.kill(int(pid), 9)
+        proc.wait()
+        time.sleep(5)
+        left = [line for line in req_processes() if "xmem" in line or "slow.py" in line]
+        uid = int(sh("id", "-u", user).stdout)
+        files = [p for p in Path("/tmp").glob("lua_*") if p.lstat().st_uid == uid]
+        record(f"sbatch_kill9_{name}", ["leftover processes"] * bool(left) + ["leftover files"] * bool(files))
+
+    # 16: deferred estimation with the warm tracer asked for leaves no server on the estimation node
+    part = clusters["partition"]
+    d = req_dir(user, "deferred-warm")
+    job, _ = req_submit(user, part, venv, d, "#!/bin/bash\n#SBATCH --gres=gpu:1\n# warm\npython train.py\n",
+                        env={"XMEM_WARM_TRACER": "1"})
+    held = req_request(job, part, "partition") == "HELD"
+    time.sleep(3)
+    left = [line for line in req_processes() if "xmem.trace.warm" in line]
+    record("deferred_warm_tracer", ["left held"] * held + ["leftover processes"] * bool(left) + ["lost"] * (job is None),
+           job, cluster=part)
+
+    # 17-18: fit and check --vary over 1..10^24 answer within 600 s and say where the search ended
+    d = req_dir(user, "fit-huge")
+    (d / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython batch.py {}\n")
+    sh("chown", "-R", f"{user}:{user}", str(d))
+    for name, verb in (("fit", ["fit", "--json", "--gpu", "a100", "--vary", f"batch=1..{HUGE}", "--",
+                                "python", "batch.py", "{}"]),
+                       ("check_vary", ["check", "--json", str(d / "job.sh"), "--vary", f"batch=1..{HUGE}"])):
+        prefix = user_env(user, inline, venv, {}, d)
+        try:
+            done = subprocess.run([*prefix, f"{venv}/bin/xmem-slurm", *verb], capture_output=True, text=True,
+                                  timeout=600, cwd=d)
+            answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            answer = {}
+        record(f"{name}_1_to_10e24", [] if answer.get("note") and answer.get("limits") else ["no answer"])
+    return results
+
+
+def requests_main(clusters: dict[str, dict[str, str]], venv: Path, keep: bool) -> int:
+    """`--only requests`: the group alone, its figures, the clusters down."""
+    started = time.monotonic()
+    results = requests_cases(clusters, venv)
+    procs = req_processes()
+    print(f"\nrequests cases: {len(results)}, {time.monotonic() - started:.0f} s")
+    for label in ("lost", "blocked wrongly", "left held", "wrong request", "leftover processes", "leftover files",
+                  "evicted at once", "no answer"):
+        print(f"{label + ':':48s} {sum(label in ps for _, ps in results)}")
+    print(f"{'leftover processes at the end:':48s} {len(procs)}")
+    if not keep:
+        for mode in PORTS:
+            sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "down", "--lab", str(ROOT / f"lab-{mode}"),
+               timeout=120)
+    return 0 if not any(problems for _, problems in results) and not procs else 1
+
+# === end of group "requests" ========================================================================================
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only the cases of this kind (program, directive, shape, environment, "
@@ -780,6 +987,8 @@ def main() -> int:
     if args.only == "trust":  # the inline cluster is enough
         return trust_main({"inline": start_cluster("inline", venv)}, venv, args.keep)
     clusters = {mode: start_cluster(mode, venv) for mode in PORTS}
+    if args.only == "requests":  # issue 21's requests and leftovers: its own figures
+        return requests_main(clusters, venv, args.keep)
     todo = [c for c in cases() if not args.only or c.kind == args.only]
     homes = [Path(f"/home/{u}") for u in USERS]
     for home in homes:  # a fresh start: no job directory, no cached analysis from an earlier campaign
