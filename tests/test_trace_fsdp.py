@@ -225,3 +225,127 @@ def test_fabric_model_parallel_fsdp2_materialises_shards_and_keeps_the_root_unit
     root_bytes, block_bytes = figures["unit_unsharded"][-1], figures["unit_unsharded"][0]
     assert peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER) == root_bytes + block_bytes
     assert audit(result) == ()
+
+
+# ---- FSDP1 with frozen and trainable parameters in one unit (fsdp1_lora.py, launched by torchrun) --------------
+# Two units of a frozen base Linear(256, 256) beside a trainable rank-8 adapter (256->8, 8->256, no bias), then the
+# root unit holding a trainable head Linear(256, 16); AdamW over the trainable parameters only. Every numel is a
+# multiple of 4 (use_orig_params aligns each parameter to 16 bytes: no padding inside) and each flat parameter
+# divides by 8 (no padding at its end).
+LORA_BLOCK = [(256 * 256, False), (256, False), (8 * 256, True), (256 * 8, True)]  # (numel, trainable) in order
+LORA_HEAD = [(16 * 256, True), (16, True)]
+LORA_UNITS = [LORA_BLOCK, LORA_BLOCK, LORA_HEAD]  # in forward order
+
+
+def trained(unit: list[tuple[int, bool]], frozen: bool) -> list[tuple[int, bool]]:
+    return unit if frozen else [(numel, True) for numel, _ in unit]
+
+
+def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: bool) -> dict[str, list[int]]:
+    """What FSDP1 keeps on rank 0, from the upstream code (torch/distributed/fsdp/_flat_param.py, _runtime_utils.py):
+    - parameter: each unit's fp32 flat parameter, sharded (FlatParamHandle._get_shard: ceil(numel / N) elements,
+      the whole of it under NO_SHARD);
+    - gradient: each unit's sharded fp32 gradient. Its flat parameter requires grad when any of its parameters
+      does (_validate_tensors_to_flatten), so the whole shard has a gradient, frozen elements included; it is the
+      reduce-scatter output (_get_reduce_scatter_tensors: empty_like(chunks[0])), cast to fp32 after a bf16 reduce
+      (_cast_grad_to_param_dtype). NO_SHARD all-reduces the unsharded gradient in place and keeps it;
+    - optimizer_state: AdamW's two moments of what it steps: with use_orig_params, the views of the trainable
+      parameters inside rank 0's shard (_use_sharded_views; a frozen view gets no gradient: _use_sharded_grad_views),
+      else the flat parameter's shard;
+    - unsharded (forward of a steady iteration): per unit the full flat parameter in the compute dtype
+      (_alloc_padded_unsharded_flat_param), and with mixed precision the low-precision copy of the shard
+      (_use_low_precision_shard). FULL_SHARD gathers the blocks again for backward, not the root
+      (_should_free_in_backward / the root is not resharded after forward); SHARD_GRAD_OP keeps them;
+    - reduce (backward, per unit in autograd's order): the unit's unsharded gradient, full size in the compute dtype:
+      autograd's backward of the views (_get_unflat_views: split) concatenates every view's gradient, frozen ones
+      included; then, on the post-backward stream, its copy in an fp32 reduce dtype (_post_backward_hook) and the
+      reduce-scatter output, or the bf16 output and its fp32 cast."""
+    compute = BF16 if mp == "bf16" else FP32
+    reduce_bytes = BF16 if mp == "bf16" and reduce == "bf16" else FP32
+    units = [trained(unit, frozen) for unit in LORA_UNITS]
+    numels = [sum(numel for numel, _ in unit) for unit in units]
+    sharded = strategy != "NO_SHARD"
+    shards = [math.ceil(n / world) if sharded else n for n in numels]
+    state = []
+    for unit, shard in zip(units, shards):
+        if not orig:
+            state += [shard * FP32] * 2
+            continue
+        start = 0
+        for numel, trainable in unit:
+            inside = max(0, min(start + numel, shard) - start)
+            state += [inside * FP32] * 2 if trainable and inside else []
+            start += numel
+    gathered = [n * compute for n in numels] + ([s * BF16 for s in shards] if mp == "bf16" else [])
+    regathered = [n * compute for n in numels[:-1]] + ([s * BF16 for s in shards[:-1]] if mp == "bf16" else [])
+    reduce = []
+    per_unit = list(zip(numels, shards))
+    # autograd runs the views' backward latest made first: the blocks in reverse, then the root, whose views were
+    # made first (it unshards before its children)
+    for numel, shard in per_unit[-2::-1] + per_unit[-1:]:
+        reduce.append(numel * compute)
+        if not sharded:
+            continue
+        if compute != reduce_bytes:  # the unsharded gradient cast to the fp32 reduce dtype
+            reduce.append(numel * reduce_bytes)
+        reduce.append(shard * reduce_bytes)
+        if reduce_bytes != FP32:  # the bf16 reduce-scatter output cast back to the fp32 parameters' dtype
+            reduce.append(shard * FP32)
+    return {
+        "parameter": sorted(s * FP32 for s in shards),
+        "gradient": sorted(s * FP32 for s in shards),
+        "optimizer_state": sorted(state),
+        "unsharded_forward": sorted(gathered) if sharded else [],
+        "unsharded_backward": sorted(regathered) if strategy == "FULL_SHARD" else [],
+        "reduce": reduce,
+    }
+
+
+# (world, use_orig_params, sharding_strategy, param dtype, reduce dtype, base layers frozen): use_orig_params=False
+# refuses a unit that mixes frozen and trainable parameters (_validate_tensors_to_flatten), so it trains them all
+FSDP1_CONFIGS = [
+    (2, True, "FULL_SHARD", "none", "fp32", True),
+    (4, True, "FULL_SHARD", "bf16", "fp32", True),
+    (8, True, "SHARD_GRAD_OP", "bf16", "bf16", True),
+    (2, True, "NO_SHARD", "none", "fp32", True),
+    (4, False, "FULL_SHARD", "bf16", "bf16", False),
+]
+
+
+def fsdp1_traced(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: bool):
+    key = ("fsdp1_lora.py", world, orig, strategy, mp, reduce, frozen)
+    if key not in TRACES:
+        TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"),
+                                 "--orig", str(int(orig)), "--strategy", strategy, "--mp", mp, "--reduce", reduce,
+                                 "--frozen", str(int(frozen))], iterations=2)
+    return TRACES[key]
+
+
+def reduce_allocations(result, iteration: int) -> list[int]:
+    """In one backward pass, in order: each unit's unsharded gradient (autograd's cat of its views' gradients) and
+    what the post-backward stream allocates to reduce it."""
+    return [e.nbytes for e in allocs(result, phase="backward") if e.iteration == iteration
+            and e.category != Category.UNSHARDED_PARAMETER and (e.op == "cat" or e.stream != 0)]
+
+
+@pytest.mark.parametrize("config", FSDP1_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_trainable_parameters(config):
+    world, orig, strategy, mp, reduce, frozen = config
+    result = fsdp1_traced(*config)
+    figures = fsdp1_figures(*config)
+    held = live_at_first_step(result)
+    assert held["parameter"] == figures["parameter"]
+    assert held["gradient"] == figures["gradient"]  # frozen elements' gradients included
+    assert Category.UNSHARDED_PARAMETER not in held
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
+    assert unsharded_per_pass(result, 1, "backward") == figures["unsharded_backward"]
+    assert reduce_allocations(result, 1) == figures["reduce"]
+    reasons = audit(result)
+    if orig and frozen and strategy != "NO_SHARD":
+        # the adapters lie at the end of each block's flat parameter: the last rank's shard holds them, rank 0's
+        # only frozen weights, so the last rank keeps 2 x 2 x 4096 fp32 moments more than the traced rank
+        assert len(reasons) == 1 and f"rank {world - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in reasons[0]
+    else:
+        assert reasons == ()

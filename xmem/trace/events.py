@@ -108,6 +108,13 @@ FACT_STATE_BY_RULE = "the optimizer state its kind requires"
 # A fact no trace can hold (no categories): a value the GPU would not hold was made up, so the traced program may
 # not be the one the GPU would run (a model sized from CPU tensor values).
 FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
+# FSDP1 units, by upstream's rules from their FlatParamHandles (xmem.trace.facts.fsdp1_*)
+FACT_FSDP_PARAMETERS = "the FSDP units' sharded flat parameters"
+FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements included"
+FACT_FULLEST_RANK_STATE = "the optimizer state of the rank whose FSDP shards hold the most trainable elements"
+# A fact no trace can hold either: the run uses a configuration whose memory the trace does not model; its source
+# names it.
+FACT_NOT_MODELLED = "a configuration the trace does not model"
 
 
 @dataclass(slots=True)

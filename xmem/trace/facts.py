@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from xmem.trace.events import (FACT_BATCH, FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
+from xmem.trace.events import (FACT_BATCH, FACT_FSDP_GRADIENTS, FACT_FSDP_PARAMETERS, FACT_FULLEST_RANK_STATE,
+                               FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_NOT_MODELLED, FACT_STATE,
                                FACT_STATE_BY_RULE, FACT_STEPPED, Category, Fact)
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
@@ -123,6 +124,57 @@ def state_by_rule(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -
         rules.append(f"{copies} x")
     unique = sorted(set(rules))
     return expected, f"{type(optimizer).__name__} rule: {' or '.join(unique)} stepped parameter bytes"
+
+
+def fsdp1_handle(module: torch.nn.Module) -> Any:
+    """The FlatParamHandle of an FSDP1 unit (`FullyShardedDataParallel._handle`), None for any other module."""
+    return getattr(module, "_handle", None) if type(module).__name__ == "FullyShardedDataParallel" else None
+
+
+def fsdp1_flat_parameter(module: torch.nn.Module) -> torch.Tensor | None:
+    """The FlatParameter of an FSDP1 unit, None for any other module. With use_orig_params it is registered on no
+    module, and an optimizer steps only views of it (none at all on a rank whose shard holds only frozen weights),
+    yet it and its sharded gradient hold the unit's memory."""
+    flat = getattr(fsdp1_handle(module), "flat_param", None)
+    return flat if isinstance(flat, torch.Tensor) else None
+
+
+def fsdp1_shard_numel(handle: Any) -> int:
+    """Elements of each rank's shard of the unit's flat parameter (FlatParamHandle._get_shard: torch.chunk over
+    the shard group, the last chunks padded to the first's size); the whole of it when not sharded."""
+    numel = handle.flat_param._unpadded_unsharded_size.numel()
+    return -(-numel // handle.world_size) if handle.uses_sharded_strategy else numel
+
+
+def fsdp1_gradient_itemsize(handle: Any) -> int:
+    """The sharded gradient's element size: cast back to the parameters' dtype after the reduce-scatter
+    (_runtime_utils._cast_grad_to_param_dtype) unless the unit keeps low-precision gradients."""
+    keep_low = handle._keep_low_precision_grads and handle._reduce_dtype is not None
+    return handle._reduce_dtype.itemsize if keep_low else handle.flat_param.dtype.itemsize
+
+
+def fsdp1_trainable_per_rank(handle: Any) -> list[int]:
+    """Per rank of the shard group, the trainable elements of the original parameters inside its shard: what an
+    optimizer given the original parameters (use_orig_params) steps there. A unit that mixes frozen and trainable
+    parameters gives its ranks unequal shares, and the traced rank (0) may hold fewer than another."""
+    flat = handle.flat_param
+    params = iter(flat._params) if flat._params is not None else None  # use_orig_params=False: uniform
+    trainable: list[tuple[int, int]] = []  # [start, end) of trainable elements in the flat parameter
+    start = 0
+    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if not padding and (next(params).requires_grad if params is not None else flat.requires_grad):
+            trainable.append((start, start + numel))
+        start += numel
+    shard = fsdp1_shard_numel(handle)
+    ranks = handle.world_size if handle.uses_sharded_strategy else 1
+    return [sum(max(0, min(end, (r + 1) * shard) - max(begin, r * shard)) for begin, end in trainable)
+            for r in range(ranks)]
+
+
+def fsdp1_units(roots: Iterable[torch.nn.Module]) -> list[Any]:
+    """The FlatParamHandles of the FSDP1 units inside the module trees `roots`, each once."""
+    handles = {id(h): h for root in roots for m in root.modules() if (h := fsdp1_handle(m)) is not None}
+    return list(handles.values())
 
 
 def facts_of(what: str, categories: tuple[str, ...], found: Storages, at_event: int, source: str) -> list[Fact]:
@@ -245,6 +297,7 @@ class FactCollector:
             model = merged(*(storages(module_state(m), self.device_type) for m in list(self._roots)))
             self.facts += facts_of(FACT_MODEL_STATE, (Category.PARAMETER, Category.BUFFER), model, at,
                                    "parameters and buffers of the modules called before the first step")
+            self.facts += self._fsdp1_facts(at)
         optimizers = self._seen()
         kinds = ", ".join(type(o).__name__ for o in optimizers)
         params = [p for o in optimizers for p in optimizer_params(o)]
@@ -272,6 +325,60 @@ class FactCollector:
         source = "; ".join(dict.fromkeys(rule for _, rule in rules))
         self.facts += [Fact(FACT_STATE_BY_RULE, (Category.OPTIMIZER_STATE,), device, 0, nbytes, at, source)
                        for device, nbytes in sorted(by_device.items()) if nbytes > 0]
+        self.facts += self._fullest_rank_state(optimizers, by_device, at)
+
+    def _fsdp1_facts(self, at: int) -> list[Fact]:
+        """What each FSDP1 unit keeps on this rank by upstream's rules, from its FlatParamHandle: the sharded flat
+        parameter, and, when any of its parameters is trainable, a sharded gradient of the same elements (the
+        unit's whole flat parameter requires grad; frozen parts are reduced and kept like the rest)."""
+        params: dict[int, list[int]] = {}
+        grads: dict[int, list[int]] = {}
+        facts: list[Fact] = []
+        for handle in fsdp1_units(self._roots):
+            flat = handle.flat_param
+            if handle._offload_params:
+                facts.append(Fact(FACT_NOT_MODELLED, (), -1, 0, 0, at, "FSDP1 CPUOffload(offload_params=True): "
+                                  "shards, gradients and the step on the host are not checked against the trace"))
+                continue
+            if flat.device.type != self.device_type:
+                continue
+            shard, device = fsdp1_shard_numel(handle), flat.device.index or 0
+            for found, itemsize, counted in ((params, flat.dtype.itemsize, True),
+                                             (grads, fsdp1_gradient_itemsize(handle), flat.requires_grad)):
+                if counted:
+                    total = found.setdefault(device, [0, 0])
+                    total[0], total[1] = total[0] + 1, total[1] + shard * itemsize
+        rule = "FlatParamHandle: one shard of ceil(flat numel / shard group) elements per unit"
+        for what, category, found in ((FACT_FSDP_PARAMETERS, Category.PARAMETER, params),
+                                      (FACT_FSDP_GRADIENTS, Category.GRADIENT, grads)):
+            facts += [Fact(what, (category,), device, count, nbytes, at, rule)
+                      for device, (count, nbytes) in sorted(found.items())]
+        return facts
+
+    def _fullest_rank_state(self, optimizers: list[torch.optim.Optimizer], traced: dict[int, int],
+                            at: int) -> list[Fact]:
+        """The optimizer state the fullest rank needs, where FSDP1 units with use_orig_params give another rank
+        more trainable elements than the traced one (frozen and trainable parameters in one unit): the traced
+        rank's state by rule plus the other rank's surplus, at the most parameter-sized copies any group keeps."""
+        copies = max((c for o in optimizers for g in o.param_groups if (c := state_copies(o, g))), default=0)
+        surplus: dict[int, dict[int, int]] = {}  # device -> other rank -> bytes more than the traced rank's
+        for handle in fsdp1_units(self._roots):
+            flat = handle.flat_param
+            if not handle._use_orig_params or flat.device.type != self.device_type:
+                continue
+            per_rank = fsdp1_trainable_per_rank(handle)
+            mine = per_rank[handle.rank] if handle.uses_sharded_strategy else per_rank[0]
+            ranks = surplus.setdefault(flat.device.index or 0, {})
+            for rank, trainable in enumerate(per_rank):
+                ranks[rank] = ranks.get(rank, 0) + (trainable - mine) * copies * flat.dtype.itemsize
+        facts = []
+        for device, ranks in sorted(surplus.items()):
+            rank, extra = max(ranks.items(), key=lambda item: item[1])
+            if extra > 0:
+                facts.append(Fact(FACT_FULLEST_RANK_STATE, (Category.OPTIMIZER_STATE,), device, 0,
+                                  traced.get(device, 0) + extra, at,
+                                  f"rank {rank}'s shards hold {extra} bytes more state than the traced rank's"))
+        return facts
 
     def _seen(self) -> list[torch.optim.Optimizer]:
         return [o for o in (ref() for ref in self._optimizers) if o is not None]

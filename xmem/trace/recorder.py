@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 from xmem.trace import shortcuts
-from xmem.trace.facts import inner_tensors
+from xmem.trace.facts import fsdp1_flat_parameter, inner_tensors
 from xmem.trace.errors import NotModelled
 from xmem.trace.fakecuda import FakeCuda
 from xmem.trace.standins import StandIns, guess_truth
@@ -561,15 +561,6 @@ class AllocationRecorder(TorchDispatchMode):
                 number += 1
             if number >= 0:
                 row[8] = number
-
-
-def fsdp1_flat_parameter(module: torch.nn.Module) -> torch.Tensor | None:
-    """The FlatParameter of an FSDP1 unit (`FullyShardedDataParallel._handle.flat_param`), None for any other
-    module. With use_orig_params it is registered on no module, and an optimizer steps only views of it (none at
-    all on a rank whose shard holds only frozen weights), yet it and its sharded gradient hold the unit's memory."""
-    handle = getattr(module, "_handle", None) if type(module).__name__ == "FullyShardedDataParallel" else None
-    flat = getattr(handle, "flat_param", None)
-    return flat if isinstance(flat, torch.Tensor) else None
 
 
 # Sparse layouts hold their memory in index and value tensors that the fake mode does not make for the GPU (its
