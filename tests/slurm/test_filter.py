@@ -196,3 +196,27 @@ def test_a_rewrite_slurm_refuses_leaves_the_job_as_written(tmp_path, monkeypatch
     fake.write_text('#!/bin/sh\necho "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\n'
                     'exit 1\n')
     assert run_filter(req, site, analyzer=lambda *a, **k: Verdict(decision(), PEAKS)).set["gres"] == "mps:a100:40"
+
+
+def test_the_request_file_is_gone_once_read_and_the_filter_ends_with_its_sbatch(tmp_path):
+    """kill -9 of sbatch: the filter it started sees it gone (a pid watched by start time) and ends, SIGTERM
+    first; the request file was deleted as soon as it was read (the integration test does it through sbatch)."""
+    import signal
+    import time
+
+    from xmem.slurm.filter import take_request
+
+    request = tmp_path / "lua_req"
+    request.write_text('{"script": null}')
+    assert take_request(str(request)).read() == '{"script": null}' and not request.exists()
+    assert take_request(str(request)).read() == ""  # gone: no request, a fault for the Lua side
+
+    sbatch = subprocess.Popen(["sleep", "60"])
+    filt = subprocess.Popen([sys.executable, "-c", "import time; from xmem.slurm.filter import watch_caller; "
+                             f"watch_caller({sbatch.pid}, interval_s=0.05); time.sleep(60)"], cwd=REPO)
+    time.sleep(1.0)
+    assert filt.poll() is None  # the sbatch is alive: the filter works on
+    sbatch.kill()
+    sbatch.wait()
+    killed = time.monotonic()
+    assert filt.wait(timeout=10) == -signal.SIGTERM and time.monotonic() - killed < 2
