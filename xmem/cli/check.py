@@ -9,10 +9,12 @@ The work is `xmem.analyze.analyze_job`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
@@ -24,7 +26,7 @@ from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, fail
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
-from xmem.config import ConfigError, SiteConfig, load_site_config
+from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
 from xmem.policy.options import OptionTable
 from xmem.text import one_line
@@ -66,16 +68,25 @@ def check_command(
                                            help="GPU type of --plot and --snapshot (default: the one picked)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
                                            help="Write the simulated run as a torch.cuda.memory snapshot."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds "
+                                            "(default: the site's estimate.timeout_s)."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", min=1,
+                                             help="Optimizer steps to trace (default: the site's)."),
+    python: Optional[str] = typer.Option(None, "--python", help="Python interpreter for commands that name none "
+                                         "(default: the site's estimate.python, else this one)."),
 ) -> None:
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
     err = Console(stderr=True)
     if (script is None) == (wrap is None):
         fail(as_json, EXIT_USAGE, "bad_option", "give a batch script or --wrap COMMAND (one of them)", verb="check")
+    if script is not None and _is_python_program(script):
+        fail(as_json, EXIT_USAGE, "not_a_batch_script", f"{script} is a Python program, not a batch script: use "
+             f"`xmem-slurm estimate -- python {script}`", verb="check")
     # issue 21: root never runs another user's program: this same check runs as them, or is refused
     privileges.rerun_cli_as_owner([script or ""], lambda why: fail(as_json, EXIT_USAGE, "not_as_root", why,
                                                                   verb="check"))
     try:
-        site = load_site_config(config)
+        site = _with_estimate_options(load_site_config(config), timeout, iterations, python)
     except ConfigError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb="check")
     given = {"partition": partition, "gres": gres, "gpus": gpus}
@@ -92,6 +103,7 @@ def check_command(
             analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu, estimator)
     except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
         fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb="check")
+    analysis = _without_site_config(analysis, config, gpu)
     if estimator is not None and estimator.runs:
         _write_pictures(as_json, estimator, analysis, plot, snapshot, plot_gpu)
     code = exit_code(analysis)
@@ -109,6 +121,41 @@ def check_command(
                 line = one_line(error)
             sys.stderr.write(f"xmem-slurm check: {line}\n")
     raise typer.Exit(code)
+
+
+def _is_python_program(script: str) -> bool:
+    """A `.py` file, or one whose #! line names python: what `estimate` takes, not a batch script."""
+    if script.endswith(".py"):
+        return True
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False  # the analysis says why it cannot be read
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _without_site_config(analysis: JobAnalysis, config: Optional[str], gpus: Optional[list[str]]) -> JobAnalysis:
+    """With no site config, the user's words instead of the admin's: --gpu names the types (and a note says so),
+    and without --gpu the one thing to do is to name them."""
+    if config or os.environ.get("XMEM_CONFIG") or DEFAULT_CONFIG_PATH.is_file():
+        return analysis
+    if gpus:
+        note = (f"no site config (--config, $XMEM_CONFIG, {DEFAULT_CONFIG_PATH}): estimated for --gpu "
+                f"{', '.join(gpus)}; which request to make is the site's choice, so none is picked")
+        return replace(analysis, notes=(note, *analysis.notes), decision=None, options=None)
+    errors = tuple(replace(e, message=f"no site config (--config, $XMEM_CONFIG, {DEFAULT_CONFIG_PATH}) says which "
+                           "GPU types the job may get: name them with --gpu TYPE (`xmem-slurm gpus` lists them)")
+                   if e.kind == "no_gpu_types" else e for e in analysis.errors)
+    return replace(analysis, errors=errors)
+
+
+def _with_estimate_options(site: SiteConfig, timeout: Optional[float], iterations: Optional[int],
+                           python: Optional[str]) -> SiteConfig:
+    """The site config with the estimate settings given on the command line in place of its own."""
+    given = {"timeout_s": timeout, "iterations": iterations, "python": python}
+    given = {name: value for name, value in given.items() if value is not None}
+    return replace(site, estimate=replace(site.estimate, **given)) if given else site
 
 
 @contextmanager

@@ -47,10 +47,14 @@ class _EstimateCommand(TyperCommand):
     """Keeps the `--json` promise for option errors too: click reports those before our code runs."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        options = args[: args.index("--")] if "--" in args else args
+        # copies: click's parser consumes `args`
+        options, has_separator = (args[: args.index("--")] if "--" in args else list(args)), "--" in args
         try:
             return super().parse_args(ctx, args)
         except typer.TyperException as e:  # typer's own (vendored) click UsageError; usage errors exit 2
+            if not has_separator and type(e).__name__ == "NoSuchOption":  # the training command's own option
+                e.message = (f"{e.message}: if it is your program's option, put the training command after `--`, "
+                             f"e.g. xmem-slurm {ctx.info_name} [OPTIONS] -- python train.py {e.option_name} ...")
             if "--json" in options and getattr(e, "exit_code", None) == EXIT_USAGE:
                 sys.stdout.write(json.dumps({"error": "bad_option", "message": str(e.format_message()),
                                              "traceback": None}) + "\n")
