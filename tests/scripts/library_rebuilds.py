@@ -61,6 +61,8 @@ expect(loaded["step"].item() == 5, "a host tensor beside GPU ones")
 expect({k: (v.shape, v.device.type) for k, v in loaded["model"].items()} ==
        {k: (v.shape, v.device.type) for k, v in head.state_dict().items()}, "GPU tensors load as saved")
 head.load_state_dict(loaded["model"])
+torch.save(head.state_dict(), "legacy.pt", _use_new_zipfile_serialization=False)  # torch's pre-1.6 format
+expect(torch.load("legacy.pt")["0.weight"].shape == (64, 32), "a legacy-format save loads back")
 
 optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()])
 for _ in range(3):

@@ -282,6 +282,10 @@ def _merge(fake: Any, real: Any) -> Any:
 # ---- torch.save -----------------------------------------------------------------------------------------------------
 def _make_save(original: Callable) -> Callable:
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        # the legacy format (`_use_new_zipfile_serialization=False`) copies every storage to the host, which a fake
+        # tensor's cannot be: the zip format, which torch.load reads as well, is written instead
+        args = args[:2] + (True,) + args[3:] if len(args) > 2 else args
+        kwargs.pop("_use_new_zipfile_serialization", None)
         if not isinstance(f, (str, os.PathLike)):
             return original(obj, f, *args, **kwargs)
         with open(f, "wb") as file:  # torch's writer would open a path from C++, past the fallback sandbox
