@@ -108,6 +108,7 @@ NETWORK = textwrap.dedent("""
     listener.listen()
     socket.create_connection(listener.getsockname(), timeout=5).close()
     print("loopback ok", flush=True)
+    open("/dev/shm/xmem-isolation-test", "w").write("kept?")  # private: gone with the sandbox
     for target in sys.argv[1:]:
         host, _, port = target.rpartition(":")
         connection = socket.socket(socket.AF_UNIX) if target.startswith("/") else socket.socket()
@@ -155,6 +156,7 @@ def test_the_traced_program_has_loopback_only_and_no_services_socket():
     assert "loopback ok" in done.stdout, done.stdout + done.stderr
     assert "reached" not in done.stdout and done.stdout.count("unreachable") == len(targets), done.stdout
     assert "network: loopback only" in ended["protection"] and "/run replaced" in ended["protection"]
+    assert not Path("/dev/shm/xmem-isolation-test").exists()
 
 
 OVERWRITE = textwrap.dedent("""

@@ -16,7 +16,8 @@ user namespaces; works here as root and as an ordinary user):
 - the scratch directory (where the tracer writes its result) is bound back writable, the shim cache read-only (the
   warm tracer loads the shim outside the sandbox); an empty tmpfs covers /run (services' unix sockets: munge,
   databases, the session bus; sockets elsewhere sit behind an overlay, through which a connect is refused);
-- a network namespace with loopback only (up: a fake process group's 127.0.0.1 store), no route anywhere else;
+- a network namespace with loopback only (up: a fake process group's 127.0.0.1 store), no route anywhere else; an
+  IPC namespace and a private /dev/shm (the user's running jobs' shared memory is out of reach);
 - the tracer holds no capability and has no_new_privs (`drop_privileges`), also when it is not exec'ed (warm) or
   runs as root; the helper runs in a clean environment, the program's is applied to the tracer only;
 - a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
@@ -63,7 +64,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = \
+    0x00020000, 0x10000000, 0x20000000, 0x40000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
@@ -129,7 +131,8 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tup
     """
     uid, gid = os.getuid(), os.getgid()
     # A network namespace of its own: loopback only (what a fake process group's TCPStore needs), no route out.
-    network = _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET) == 0
+    # An IPC namespace too: the user's other processes' SysV shared memory and queues are out of reach.
+    network = _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET) == 0
     if not network and _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
         raise NamespacesRefused(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
     Path("/proc/self/setgroups").write_text("deny")  # needed before an unprivileged gid_map
@@ -154,7 +157,7 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tup
         else:  # e.g. it has mounts below it, which a user namespace may not hide: its own writes fail instead
             _bind(real[path], path, read_only=True)
             read_only.append(path)
-    services = _hide_services(uid)
+    services = _hide_services(uid, cow_bytes)
     for path in [str(scratch), *protected]:
         if _under(path, (SERVICES_DIR,)):  # a TMPDIR under /run/user: its mount point, in the new tmpfs
             os.makedirs(path, exist_ok=True)
@@ -180,18 +183,19 @@ def _loopback_up() -> None:
         fcntl.ioctl(handle, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
 
 
-def _hide_services(uid: int) -> str:
+def _hide_services(uid: int, shm_bytes: int) -> str:
     """An empty tmpfs over /run: the unix sockets of the host's services (munge, and so Slurm; databases; the
     user's session bus, which could start processes outside) are not reachable by path. (Sockets in the other
     directories are behind their overlay, through which a connect is refused; abstract ones are per network
-    namespace.) $XDG_RUNTIME_DIR is made again, empty."""
-    try:
-        _mount("xmem-run", SERVICES_DIR, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=755")
-    except SandboxError as error:
-        return f"{SERVICES_DIR} NOT hidden ({error.strerror})"
-    runtime = Path(SERVICES_DIR) / "user" / str(uid)
-    runtime.mkdir(parents=True, mode=0o700)
-    return f"{SERVICES_DIR} replaced by an empty tmpfs (no service's socket)"
+    namespace.) $XDG_RUNTIME_DIR is made again, empty. A private /dev/shm: what the program puts there (its
+    DataLoader workers share it) neither lasts nor touches the user's running jobs' segments."""
+    for path, size, mode in ((SERVICES_DIR, 64 << 20, "755"), ("/dev/shm", shm_bytes, "1777")):
+        try:
+            _mount("xmem-private", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size},mode={mode}")
+        except SandboxError as error:
+            return f"{path} NOT made private ({error.strerror})"
+    (Path(SERVICES_DIR) / "user" / str(uid)).mkdir(parents=True, mode=0o700)
+    return f"{SERVICES_DIR} replaced by an empty tmpfs (no service's socket), /dev/shm private"
 
 
 def overlay_targets(scratch: Path) -> dict[str, bool]:
