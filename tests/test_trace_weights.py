@@ -192,3 +192,26 @@ def test_from_pretrained_weights_are_fake(layout, device_map, tmp_path, pretrain
     """, folders[layout])
     assert result["fake"] and result["devices"] == ["cuda:0"]
     assert result["numel"] == parameters
+
+
+def test_a_host_load_past_the_trace_memory_limit_is_fake(tmp_path):
+    """A recipe that loads a 12 GB state dict on the host first (mapped: the mapping counts at its full size
+    against the trace's 8 GiB limit) gets fake host tensors and a warning, not 'unable to mmap' as its own error.
+    The checkpoint is torch.save's metadata-only layout: 12 GB of holes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from xmem.trace import run_trace
+    with FakeTensorMode():
+        weight = torch.empty(3 << 30, dtype=torch.float32)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"w": weight}, tmp_path / "big.pt")
+    script = tmp_path / "host_first.py"
+    script.write_text("import torch\nstate = torch.load('big.pt', map_location='cpu')\n"
+                      "assert state['w'].shape == (3 << 30,) and state['w'].device.type == 'cpu'\n"
+                      "layer = torch.nn.Linear(8, 8).cuda()\noptimizer = torch.optim.SGD(layer.parameters())\n"
+                      "for _ in range(2):\n"
+                      "    layer(torch.randn(2, 8, device='cuda')).sum().backward(); optimizer.step()\n")
+    trace = run_trace([sys.executable, str(script)], iterations=2, cwd=str(tmp_path), timeout=300)
+    assert trace.iterations == 2
+    assert any(w.startswith("checkpoint tensors loaded to the host past the trace's memory limit are fake")
+               for w in trace.warnings)

@@ -206,14 +206,33 @@ def _make_load(original: Callable) -> Callable:
         if kwargs.get("mmap") is None and is_path:
             kwargs["mmap"] = True
         _rewind(f, start)
-        with unset_fake_temporarily():  # torch loads onto meta wherever a fake mode is active: the program's is
-            real = original(_opened_path(f) if kwargs.get("mmap") else f,
-                            "cpu" if _any_bound_for_cuda(fake) else map_location, *args, **kwargs)
+        try:
+            with unset_fake_temporarily():  # torch loads onto meta wherever a fake mode is active: the program's is
+                real = original(_opened_path(f) if kwargs.get("mmap") else f,
+                                "cpu" if _any_bound_for_cuda(fake) else map_location, *args, **kwargs)
+        except RuntimeError as error:
+            if not any(sign in str(error) for sign in OUT_OF_HOST_MEMORY):
+                raise
+            # the trace's host-memory limit, not the job's (a mapping counts at its full size): past it the host
+            # tensors are fake, as model tensors past the host budget are born
+            _say("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
+                 "host-side code that reads their values gets stand-ins")
+            return fake
         for leaf in pytree.tree_leaves(real):
             if isinstance(leaf, torch.Tensor) and kwargs.get("mmap"):
                 setattr(leaf, MAPPED, True)
         return _merge(fake, real)
     return load
+
+
+# What torch says when the host memory for a load is refused (a mapping: ENOMEM; an allocation: its CPU allocator)
+OUT_OF_HOST_MEMORY = ("Cannot allocate memory", "can't allocate memory")
+
+
+def _say(warning: str) -> None:
+    from xmem.trace import fakecuda
+    if fakecuda._installed is not None:
+        fakecuda._installed.on_warning(warning)
 
 
 def _opened_path(f: Any) -> Any:
