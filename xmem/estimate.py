@@ -53,6 +53,9 @@ class GpuEstimate:
     oom: OomInfo | None
     fragmentation: float
     traced_capability: tuple[int, int]
+    # where the replay ran out of memory: the peak (with overhead) of the same replay with no memory limit, i.e.
+    # what the job would need; None where it fits
+    unlimited_peak_bytes: int | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -70,6 +73,7 @@ class GpuEstimate:
             "oom": dataclasses.asdict(self.oom) if self.oom is not None else None,
             "fragmentation": self.fragmentation,
             "traced_capability": list(self.traced_capability),
+            "unlimited_peak_bytes": self.unlimited_peak_bytes,
         }
 
     @classmethod
@@ -79,7 +83,8 @@ class GpuEstimate:
                    peak_reserved_bytes=d["peak_reserved_bytes"], peak_allocated_bytes=d["peak_allocated_bytes"],
                    overhead_bytes=d["overhead_bytes"], capacity_bytes=d["capacity_bytes"], fits=d["fits"],
                    oom=OomInfo(**oom) if oom is not None else None, fragmentation=d["fragmentation"],
-                   traced_capability=tuple(d.get("traced_capability", (0, 0))))
+                   traced_capability=tuple(d.get("traced_capability", (0, 0))),
+                   unlimited_peak_bytes=d.get("unlimited_peak_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +352,7 @@ class SharedReplays:
 
     limits: dict[tuple, set[tuple[int, int]]]
     done: dict[tuple, tuple[GpuOps, dict[tuple[int, int], SimResult] | None]] = dataclasses.field(default_factory=dict)
+    unlimited: dict[tuple, SimResult] = dataclasses.field(default_factory=dict)  # by key: the replay with no limit
 
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
@@ -363,14 +369,18 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     def severity(sim: SimResult) -> tuple[bool, int]:
         return sim.oom is not None, sim.peak_reserved
 
-    worst: tuple[GpuOps, SimResult] | None = None
+    worst: tuple[GpuOps, SimResult, int] | None = None
     for device in devices if devices is not None else trace_devices(trace):
         ops, sim = _replay(trace, gpu, config, env, device, capacity, replays)
         if worst is None or severity(sim) > severity(worst[1]):
-            worst = (ops, sim)
+            worst = (ops, sim, device)
     assert worst is not None  # trace_devices never returns an empty list
-    ops, sim = worst
+    ops, sim, device = worst
     peak = sim.peak_reserved + overhead
+    unlimited = None
+    if sim.oom is not None:
+        key = _replay_key(trace, gpu, env, device)
+        unlimited = _unlimited_replay(ops, config, key, replays).peak_reserved + overhead
     gpu_estimate = GpuEstimate(
         gpu=gpu.name,
         total_bytes=gpu.total_bytes,
@@ -383,6 +393,7 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
         oom=sim.oom,
         fragmentation=sim.fragmentation_at_peak,
         traced_capability=tuple(trace.capability),
+        unlimited_peak_bytes=unlimited,
     )
     if not with_breakdown:
         return gpu_estimate, {}
@@ -402,13 +413,23 @@ def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[st
     if replays is not None and key not in replays.done:
         ops, limited = orchestrate(trace, gpu, env, device=device), None
         if config.memory_fraction is None and not config.expandable_segments:
-            limited = simulate_limits(ops.ops, config, replays.limits[key])[1]
+            replays.unlimited[key], limited = simulate_limits(ops.ops, config, replays.limits[key])
         replays.done[key] = ops, limited
     ops, limited = replays.done[key] if replays is not None else (orchestrate(trace, gpu, env, device=device), None)
     if limited is not None:
         return ops, limited[capacity, gpu.total_bytes]
     # device_total: a memory fraction is a fraction of the whole device, as in torch's setMemoryFraction
     return ops, simulate(ops.ops, config, capacity=capacity, device_total=gpu.total_bytes)
+
+
+def _unlimited_replay(ops: GpuOps, config: AllocatorConfig, key: tuple, replays: SharedReplays | None) -> SimResult:
+    """The replay of `ops` with no memory limit (and no memory fraction): what a job that ran out would need."""
+    if replays is not None and key in replays.unlimited:
+        return replays.unlimited[key]
+    sim = simulate(ops.ops, dataclasses.replace(config, memory_fraction=None))
+    if replays is not None:
+        replays.unlimited[key] = sim
+    return sim
 
 
 def _replay_key(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None, device: int) -> tuple:

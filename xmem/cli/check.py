@@ -24,7 +24,8 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, fail
+from xmem.cli.estimate import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, fail,
+                               margin_text)
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
@@ -280,7 +281,9 @@ def _show_estimate(console: Console, line_no: int, estimate: Estimate) -> None:
 def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
     if not analysis.peaks:
         return
-    table = Table(title="Predicted peak GPU memory per rank")
+    table = Table(title="Predicted peak GPU memory per rank",
+                  caption=f"fits: the peak with the site margin ({margin_text(site.margin)}) is at most the GPU's "
+                          "memory, as in `estimate` and `fit`")
     for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
         table.add_column(column, justify="left" if column == "GPU type" else "right")
     catalog = site.catalog()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from xmem.cli import app
-from xmem.config import ConfigError, SiteConfig, load_site_config
+from xmem.config import ConfigError, MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, BadJobSettingError, Estimate, estimate as run_estimate
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.gpus import CatalogError, UnknownGpuError
@@ -102,10 +103,11 @@ def estimate_command(
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
         options = _site_options(result, site) if config else None  # a site named: its offers side by side
         if as_json:
-            out.write(json.dumps({**result.to_json(), **({"options": options.to_json()} if options else {})}) + "\n")
+            out.write(json.dumps({**with_margin(result.to_json(), site.margin),
+                                  **({"options": options.to_json()} if options else {})}) + "\n")
             out.flush()
         else:
-            show_estimate(Console(), result)
+            show_estimate(Console(), result, site.margin)
             if options is not None and options.rows:
                 from xmem.cli.check import show_options
 
@@ -167,16 +169,36 @@ def _estimate_with_progress(err: Console, command: list[str], settings: dict[str
         return run_estimate(command, **settings, on_progress=lambda message: status.update(str(message)))
 
 
-def show_estimate(console: Console, result: Estimate) -> None:
+def with_margin(record: dict[str, Any], margin: MarginConfig) -> dict[str, Any]:
+    """`Estimate.to_json()` with the site margin (`margin`) and, per GPU type, `needed_bytes` (the peak with the
+    margin, or what a replay that ran out would need) and `fits_with_margin`: "fits" as `check` and `fit` mean it.
+    `fits` stays the peak against the GPU's memory with no margin."""
+    for g in record["gpus"].values():
+        g["needed_bytes"] = margin.needed(g["unlimited_peak_bytes"] or g["peak_bytes"])
+        g["fits_with_margin"] = g["fits"] and g["needed_bytes"] <= g["total_bytes"]
+    return {**record, "margin": {"relative": margin.relative, "absolute_bytes": margin.absolute_bytes}}
+
+
+def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig()) -> None:
     """The estimate for people: one row per GPU type, then the breakdown at the peak, why the estimate is suspect
-    (if it is), warnings and time."""
+    (if it is), warnings and time. "fits" applies the site margin, as `check` and `fit` do."""
     table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
-    for column in ("GPU type", "predicted peak", "GPU memory", "headroom", "verdict"):
+    for column in ("GPU type", "predicted peak", "with margin", "GPU memory", "headroom", "verdict"):
         table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
     for g in sorted(result.gpus.values(), key=lambda g: g.total_bytes):
-        verdict = "[green]fits[/]" if g.fits else "[red]does not fit[/]" + (" (OOM)" if g.oom else "")
-        table.add_row(g.gpu, _size(g.peak_bytes), _size(g.total_bytes), _size(g.headroom_bytes), verdict)
+        needed = margin.needed(g.unlimited_peak_bytes or g.peak_bytes)
+        peak, headroom, verdict = _size(g.peak_bytes), _size(g.headroom_bytes), "[green]fits[/]"
+        if g.fits and needed > g.total_bytes:
+            verdict = "[yellow]fits without the margin only[/]"
+        if not g.fits:
+            # the replay stopped where the real job would crash: show what it would need, and torch's own words
+            needs = g.unlimited_peak_bytes or g.peak_bytes
+            peak, headroom = f"needs {_size(needs)}", f"-{_size(needs - g.total_bytes)}"
+            verdict = "[red]does not fit[/]" + (f" (out of memory: {_tried(g.oom.message)})" if g.oom else "")
+        table.add_row(g.gpu, peak, _size(needed), _size(g.total_bytes), headroom, verdict)
     console.print(table)
+    console.print(f"fits: the peak with the site margin ({margin_text(margin)}) is at most the GPU's memory, as in "
+                  "`check` and `fit`", highlight=False)
     if result.breakdown:
         peak = sum(result.breakdown.values())
         parts = Table(title=f"At the peak on {result.breakdown_gpu}")
@@ -202,6 +224,18 @@ def show_estimate(console: Console, result: Estimate) -> None:
 
 def _size(nbytes: int) -> str:
     return size_text(nbytes)
+
+
+def margin_text(margin: MarginConfig) -> str:
+    """The margin in words, e.g. '+10 %' or '+10 % + 512 MiB' (said the same by every command)."""
+    text = f"+{100 * margin.relative:g} %"
+    return text + (f" + {size_text(margin.absolute_bytes)}" if margin.absolute_bytes else "")
+
+
+def _tried(oom_message: str) -> str:
+    """'Tried to allocate 1000.00 MiB' out of torch's out-of-memory message, or the message's first sentence."""
+    found = re.search(r"Tried to allocate [^.]+(?:\.\d+ \w+)?", oom_message)
+    return found.group(0) if found else oom_message.split(". ")[0]
 
 
 def fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
