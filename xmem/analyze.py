@@ -277,7 +277,8 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
         error = AnalysisError(kind, f"line {command.line_no} ({' '.join(command.argv)}): {message}",
                               getattr(e, "user_traceback", "") or "", command.line_no)
         if kind == "no_cuda":  # TensorFlow, JAX, an early exit: its GPU memory is unknown (see untrusted_estimate)
-            return CommandEstimate(command, skipped=error.message, no_cuda=True)
+            said = "".join(f"\n  | {line}" for line in e.last_lines().splitlines()) if hasattr(e, "last_lines") else ""
+            return CommandEstimate(command, skipped=error.message + (f":{said}" if said else ""), no_cuda=True)
         return CommandEstimate(command, error=error)
     if not result.used_cuda:
         return CommandEstimate(command, result, skipped=f"line {command.line_no}: the program never used CUDA",

@@ -1,5 +1,6 @@
 """What `estimate` answers where a job does not fit (issue 23 item 3): what it would need, torch's own words for
-the allocation that failed, and the margin that "fits" applies. One trace serves the JSON and the table."""
+the allocation that failed, and the margin that "fits" applies; and (item 4) warnings only where they matter.
+One trace serves the JSON and the table."""
 
 import json
 from pathlib import Path
@@ -22,8 +23,10 @@ hold = [torch.empty(1000 * 2**20, dtype=torch.uint8, device="cuda") for _ in ran
 model = torch.nn.Linear(256, 256).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(4):
-    model(torch.randn(32, 256, device="cuda")).sum().backward()
+    loss = model(torch.randn(32, 256, device="cuda")).sum()
+    loss.backward()
     opt.step()
+    print(f"loss {loss.item():.3f}")  # a stand-in value under the trace: a note, not a warning
 """
 
 
@@ -58,3 +61,14 @@ def test_table_says_needs_and_torchs_words(record):
     row = next(line for line in text.splitlines() if "RTX-3060-12GB" in line)
     assert "fits without the margin only" in row  # 9.3 GiB x 1.5 > 11.76 GiB
     assert "site margin (+50 %)" in text
+
+
+@pytest.mark.slow
+def test_tracer_notes_are_in_the_json_and_behind_verbose(record):
+    assert any("returned a stand-in" in w for w in record["warnings"])
+    for verbose in (False, True):
+        console = Console(record=True, width=220)
+        show_estimate(console, Estimate.from_json(record), verbose=verbose)
+        text = console.export_text()
+        assert ("returned a stand-in" in text) == verbose
+        assert ("--verbose shows them" in text) != verbose

@@ -24,8 +24,8 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.estimate import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, fail,
-                               margin_text)
+from xmem.cli.estimate import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, VERBOSE_OPTION,
+                               fail, margin_text, shown_warnings)
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
@@ -75,6 +75,7 @@ def check_command(
                                              help="Optimizer steps to trace (default: the site's)."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter for commands that name none "
                                          "(default: the site's estimate.python, else this one)."),
+    verbose: bool = VERBOSE_OPTION,
 ) -> None:
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
     err = Console(stderr=True)
@@ -112,7 +113,7 @@ def check_command(
         sys.stdout.write(json.dumps({**analysis.to_json(), "exit_code": code}) + "\n")
         sys.stdout.flush()
     else:
-        show_analysis(Console(), analysis, site)
+        show_analysis(Console(), analysis, site, verbose)
         for error in analysis.errors:
             if error.user_traceback:
                 sys.stderr.write(error.user_traceback.rstrip("\n") + "\n")
@@ -220,7 +221,7 @@ def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_opti
         return run(lambda message: status.update(str(message)))
 
 
-def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
+def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig, verbose: bool = False) -> None:
     """The analysis for people: job, commands, problems, estimate per GPU type, decision. Text that comes from
     the script is escaped: `[...]` in it is not Rich markup."""
     job = analysis.job
@@ -254,7 +255,7 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
         if estimate.skipped:
             console.print(f"[yellow]skipped:[/] {escape(estimate.skipped)}")
         if estimate.estimate is not None:
-            _show_estimate(console, estimate.command.line_no, estimate.estimate)
+            _show_estimate(console, estimate.command.line_no, estimate.estimate, verbose)
     _show_offers(console, analysis)
     for note in analysis.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -266,7 +267,7 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig) -> 
         console.print(f"[bold]Decision:[/] {escape(what)}: {escape(decision.reason)}")
 
 
-def _show_estimate(console: Console, line_no: int, estimate: Estimate) -> None:
+def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: bool = False) -> None:
     """One command's breakdown at the peak, its self-audit and its warnings."""
     if estimate.breakdown:
         parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
@@ -274,7 +275,7 @@ def _show_estimate(console: Console, line_no: int, estimate: Estimate) -> None:
         console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
         console.print(f"[red]suspect:[/] {escape(reason)}")
-    for warning in estimate.warnings:
+    for warning in shown_warnings(estimate.warnings, verbose):
         console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, Optional
 
@@ -40,6 +40,18 @@ TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimi
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else.")
 PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",
                            help="Draw memory over the traced iterations on one GPU type (PNG).")
+VERBOSE_OPTION = typer.Option(False, "--verbose", "-v", help="Also show the tracer's notes that do not change the "
+                                                           "figures (always in the --json output's warnings).")
+# Warnings that cannot change the figures or the program's path: the tracer's bookkeeping, shown with --verbose
+# and always in the JSON's `warnings`. Matched by how their makers begin them:
+QUIET_WARNINGS = (
+    "model tensors built on the host past",  # trace/fakecuda.py HOST_MODEL_WARNING: values only host code reads
+    "tensor.item()/float()/bool() returned a stand-in",  # trace/standins.py SCALAR_WARNING: a logged loss; a
+    # condition on it that loops has its own warning
+    "torch.compile was ignored",  # trace/fakecuda.py: libraries wrap functions with it at import; eager errs high
+    "the program's files were protected",  # trace/runner.py: the sandbox at work
+    "the job takes GPU-dependent code paths",  # estimate.py: traced once per GPU class, as it should be
+)
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
@@ -87,6 +99,7 @@ def estimate_command(
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
                                            help="Write the simulated run as a torch.cuda.memory snapshot "
                                                 "(for torch.cuda._memory_viz / pytorch.org/memory_viz)."),
+    verbose: bool = VERBOSE_OPTION,
 ) -> None:
     """Predict the peak GPU memory of a PyTorch training command on each GPU type, with no GPU."""
     err = Console(stderr=True)
@@ -107,7 +120,7 @@ def estimate_command(
                                   **({"options": options.to_json()} if options else {})}) + "\n")
             out.flush()
         else:
-            show_estimate(Console(), result, site.margin)
+            show_estimate(Console(), result, site.margin, verbose)
             if options is not None and options.rows:
                 from xmem.cli.check import show_options
 
@@ -179,7 +192,17 @@ def with_margin(record: dict[str, Any], margin: MarginConfig) -> dict[str, Any]:
     return {**record, "margin": {"relative": margin.relative, "absolute_bytes": margin.absolute_bytes}}
 
 
-def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig()) -> None:
+def shown_warnings(warnings: Sequence[str], verbose: bool) -> list[str]:
+    """The warnings a person sees: those that can change the figures or the program's path, all with --verbose;
+    and a line saying how many were left out."""
+    shown = [w for w in warnings if verbose or not w.startswith(QUIET_WARNINGS)]
+    hidden = len(warnings) - len(shown)
+    return shown + ([f"{hidden} note(s) of the tracer that do not change the figures: --verbose shows them"]
+                    if hidden else [])
+
+
+def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig(),
+                  verbose: bool = False) -> None:
     """The estimate for people: one row per GPU type, then the breakdown at the peak, why the estimate is suspect
     (if it is), warnings and time. "fits" applies the site margin, as `check` and `fit` do."""
     table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
@@ -214,7 +237,7 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     if result.suspect:
         console.print("[red]The trace contradicts the run's own objects: these figures may be far too low.[/]",
                       highlight=False)
-    for warning in result.warnings:
+    for warning in shown_warnings(result.warnings, verbose):
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     traced = "forward passes only (no training step)" if result.forward_only else \
         f"{result.iterations} iteration(s)"
