@@ -104,7 +104,7 @@ TRAIN = """
 OTHER_PYTHON = os.environ.get("XMEM_TEST_CPU_PYTHON") or sys.executable
 
 
-@pytest.mark.parametrize("python", [OTHER_PYTHON])
+@pytest.mark.parametrize("python", [OTHER_PYTHON], ids=["other-environment"])
 def test_training_run_by_subprocess_on_the_programs_interpreter_is_traced(python, tmp_path):
     write(tmp_path / "train.py", TRAIN)
     outer = write(tmp_path / "outer.py", """
