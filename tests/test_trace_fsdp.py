@@ -57,14 +57,22 @@ def walk(result):
 
 
 def live_at_first_step(result) -> dict[str, list[int]]:
-    """Sizes of the storages live per category at the first event of iteration 0's optimizer step."""
+    """Sizes of the storages live per category at the first event of iteration 0's optimizer step; just after its
+    backward if the step allocated nothing (a rank whose shards hold no trainable element steps nothing)."""
+    def by_category(live) -> dict[str, list[int]]:
+        held: dict[str, list[int]] = {}
+        for alloc in live.values():
+            held.setdefault(alloc.category, []).append(alloc.nbytes)
+        return {category: sorted(nbytes) for category, nbytes in held.items()}
+
+    after_backward = None
     for e, live in walk(result):
         if e.iteration == 0 and e.phase == "optimizer":
-            held: dict[str, list[int]] = {}
-            for alloc in live.values():
-                held.setdefault(alloc.category, []).append(alloc.nbytes)
-            return {category: sorted(nbytes) for category, nbytes in held.items()}
-    raise AssertionError("no optimizer step in iteration 0")
+            return by_category(live)
+        if e.iteration == 0 and e.phase == "backward":
+            after_backward = by_category(live)
+    assert after_backward is not None, "no backward in iteration 0"
+    return after_backward
 
 
 def peak_live(result, counted, since: int = 0) -> int:
@@ -237,16 +245,20 @@ LORA_HEAD = [(16 * 256, True), (16, True)]
 LORA_UNITS = [LORA_BLOCK, LORA_BLOCK, LORA_HEAD]  # in forward order
 
 
-def trained(unit: list[tuple[int, bool]], frozen: bool) -> list[tuple[int, bool]]:
-    return unit if frozen else [(numel, True) for numel, _ in unit]
+def trained(frozen: str) -> list[list[tuple[int, bool]]]:
+    """The units' (numel, trainable) as the script's --frozen leaves them: "base" (LoRA), "none", "base+head"."""
+    block = LORA_BLOCK if "base" in frozen else [(numel, True) for numel, _ in LORA_BLOCK]
+    head = [(numel, "head" not in frozen) for numel, _ in LORA_HEAD]
+    return [block, block, head]
 
 
-def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: bool) -> dict[str, list[int]]:
+def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str) -> dict[str, list[int]]:
     """What FSDP1 keeps on rank 0, from the upstream code (torch/distributed/fsdp/_flat_param.py, _runtime_utils.py):
     - parameter: each unit's fp32 flat parameter, sharded (FlatParamHandle._get_shard: ceil(numel / N) elements,
       the whole of it under NO_SHARD);
     - gradient: each unit's sharded fp32 gradient. Its flat parameter requires grad when any of its parameters
-      does (_validate_tensors_to_flatten), so the whole shard has a gradient, frozen elements included; it is the
+      does (_validate_tensors_to_flatten), so the whole shard has a gradient, frozen elements included (a unit of
+      frozen parameters only has none, and is resharded at the end of backward: _catch_all_reshard); it is the
       reduce-scatter output (_get_reduce_scatter_tensors: empty_like(chunks[0])), cast to fp32 after a bf16 reduce
       (_cast_grad_to_param_dtype). NO_SHARD all-reduces the unsharded gradient in place and keeps it;
     - optimizer_state: AdamW's two moments of what it steps: with use_orig_params, the views of the trainable
@@ -262,8 +274,9 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
       reduce-scatter output, or the bf16 output and its fp32 cast."""
     compute = BF16 if mp == "bf16" else FP32
     reduce_bytes = BF16 if mp == "bf16" and reduce == "bf16" else FP32
-    units = [trained(unit, frozen) for unit in LORA_UNITS]
+    units = trained(frozen)
     numels = [sum(numel for numel, _ in unit) for unit in units]
+    has_grad = [any(trainable for _, trainable in unit) for unit in units]
     sharded = strategy != "NO_SHARD"
     shards = [math.ceil(n / world) if sharded else n for n in numels]
     state = []
@@ -279,10 +292,10 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
     gathered = [n * compute for n in numels] + ([s * BF16 for s in shards] if mp == "bf16" else [])
     regathered = [n * compute for n in numels[:-1]] + ([s * BF16 for s in shards[:-1]] if mp == "bf16" else [])
     reduce = []
-    per_unit = list(zip(numels, shards))
+    per_unit = [(n, s) for n, s, grad in zip(numels, shards, has_grad) if grad]
     # autograd runs the views' backward latest made first: the blocks in reverse, then the root, whose views were
     # made first (it unshards before its children)
-    for numel, shard in per_unit[-2::-1] + per_unit[-1:]:
+    for numel, shard in (per_unit[-2::-1] + per_unit[-1:]) if has_grad[-1] else per_unit[::-1]:
         reduce.append(numel * compute)
         if not sharded:
             continue
@@ -293,7 +306,7 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
             reduce.append(shard * FP32)
     return {
         "parameter": sorted(s * FP32 for s in shards),
-        "gradient": sorted(s * FP32 for s in shards),
+        "gradient": sorted(s * FP32 for s, grad in zip(shards, has_grad) if grad),
         "optimizer_state": sorted(state),
         "unsharded_forward": sorted(gathered) if sharded else [],
         "unsharded_backward": sorted(regathered) if strategy == "FULL_SHARD" else [],
@@ -301,23 +314,24 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
     }
 
 
-# (world, use_orig_params, sharding_strategy, param dtype, reduce dtype, base layers frozen): use_orig_params=False
-# refuses a unit that mixes frozen and trainable parameters (_validate_tensors_to_flatten), so it trains them all
+# (world, use_orig_params, sharding_strategy, param dtype, reduce dtype, what is frozen): use_orig_params=False
+# refuses a unit that mixes frozen and trainable parameters (_validate_tensors_to_flatten), so it trains them all;
+# "base+head" leaves the root unit without a trainable parameter, as peft's get_peft_model freezes a head
 FSDP1_CONFIGS = [
-    (2, True, "FULL_SHARD", "none", "fp32", True),
-    (4, True, "FULL_SHARD", "bf16", "fp32", True),
-    (8, True, "SHARD_GRAD_OP", "bf16", "bf16", True),
-    (2, True, "NO_SHARD", "none", "fp32", True),
-    (4, False, "FULL_SHARD", "bf16", "bf16", False),
+    (2, True, "FULL_SHARD", "none", "fp32", "base"),
+    (4, True, "FULL_SHARD", "bf16", "fp32", "base+head"),
+    (8, True, "SHARD_GRAD_OP", "bf16", "bf16", "base"),
+    (2, True, "NO_SHARD", "none", "fp32", "base"),
+    (4, False, "FULL_SHARD", "bf16", "bf16", "none"),
 ]
 
 
-def fsdp1_traced(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: bool):
+def fsdp1_traced(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str):
     key = ("fsdp1_lora.py", world, orig, strategy, mp, reduce, frozen)
     if key not in TRACES:
         TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"),
                                  "--orig", str(int(orig)), "--strategy", strategy, "--mp", mp, "--reduce", reduce,
-                                 "--frozen", str(int(frozen))], iterations=2)
+                                 "--frozen", frozen], iterations=2)
     return TRACES[key]
 
 
@@ -336,16 +350,18 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
     held = live_at_first_step(result)
     assert held["parameter"] == figures["parameter"]
     assert held["gradient"] == figures["gradient"]  # frozen elements' gradients included
-    assert Category.UNSHARDED_PARAMETER not in held
+    assert Category.UNSHARDED_PARAMETER not in held  # every unit resharded, the one without gradients too
     state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
     assert sizes(state) == figures["optimizer_state"]
     assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
     assert unsharded_per_pass(result, 1, "backward") == figures["unsharded_backward"]
     assert reduce_allocations(result, 1) == figures["reduce"]
     reasons = audit(result)
-    if orig and frozen and strategy != "NO_SHARD":
+    if orig and frozen != "none" and strategy != "NO_SHARD":
         # the adapters lie at the end of each block's flat parameter: the last rank's shard holds them, rank 0's
         # only frozen weights, so the last rank keeps 2 x 2 x 4096 fp32 moments more than the traced rank
-        assert len(reasons) == 1 and f"rank {world - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in reasons[0]
+        assert f"rank {world - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in reasons[0]
+        # with the head frozen too, rank 0 steps nothing at all
+        assert len(reasons) == (2 if "head" in frozen else 1)
     else:
         assert reasons == ()

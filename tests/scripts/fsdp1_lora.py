@@ -1,9 +1,10 @@
 """FSDP1 (FullyShardedDataParallel) fine-tuning of LoRA-like adapters, launched by torchrun: two blocks, each a
 frozen base Linear(256, 256) with a trainable rank-8 adapter beside it (down 256->8, up 8->256, no bias), each block
-one FSDP unit (frozen and trainable mixed in it), the root unit holding a trainable head Linear(256, 16). AdamW
+one FSDP unit (frozen and trainable mixed in it), the root unit holding a head Linear(256, 16). AdamW
 steps the trainable parameters only. Options (argv): --orig 0|1 (use_orig_params), --strategy FULL_SHARD |
 SHARD_GRAD_OP | NO_SHARD, --mp none|bf16 (MixedPrecision: bf16 params, fp32 or bf16 reduce by --reduce),
---frozen 0 trains the base layers too (a full fine-tune: use_orig_params=False refuses a unit that mixes)."""
+--frozen base|none|base+head: what is frozen (none: a full fine-tune, as use_orig_params=False refuses a unit that
+mixes; base+head: all but the adapters, as peft's get_peft_model leaves it, so the root unit has no gradient)."""
 import argparse
 import os
 
@@ -25,7 +26,7 @@ class Adapted(nn.Module):
         self.base = nn.Linear(WIDTH, WIDTH)
         self.down = nn.Linear(WIDTH, RANK, bias=False)
         self.up = nn.Linear(RANK, WIDTH, bias=False)
-        self.base.requires_grad_(not FROZEN)
+        self.base.requires_grad_("base" not in FROZEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.base(x) + self.up(self.down(x)))
@@ -36,13 +37,13 @@ parser.add_argument("--orig", type=int, default=1)
 parser.add_argument("--strategy", default="FULL_SHARD")
 parser.add_argument("--mp", default="none")
 parser.add_argument("--reduce", default="fp32")
-parser.add_argument("--frozen", type=int, default=1)
+parser.add_argument("--frozen", default="base")
 args = parser.parse_args()
-FROZEN = bool(args.frozen)
+FROZEN = args.frozen
 
 dist.init_process_group("nccl")
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES)).cuda()
+model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES).requires_grad_("head" not in FROZEN)).cuda()
 precision = None
 if args.mp == "bf16":
     precision = MixedPrecision(param_dtype=torch.bfloat16,

@@ -194,7 +194,9 @@ def _patch_fsdp_storage_checks() -> None:
     """FSDP1's FlatParamHandle asks storages' data pointers whether a storage is allocated
     (`_data_ptr_allocated`: the writeback of a unit that skipped its sharded views, SHARD_GRAD_OP with
     use_orig_params) and whether two tensors share one (`_same_storage`: which original parameters the program
-    replaced). A fake storage has no data pointer (0 for all), so both are asked of the storage itself: allocated
+    replaced), and so does the end of backward whether a unit is already resharded (`_runtime_utils.
+    _catch_all_reshard`: a unit whose post-backward hook never ran, e.g. one of frozen parameters only, is resharded
+    there). A fake storage has no data pointer (0 for all), so each is asked of the storage itself: allocated
     when it holds bytes (FSDP frees by resizing to 0), the same when it is the same StorageImpl."""
     from xmem.trace.fakecuda import _patch_on_import
 
@@ -206,7 +208,21 @@ def _patch_fsdp_storage_checks() -> None:
         flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
         flat_param._same_storage = lambda a, b: storage_of(a) == storage_of(b)
 
+    def patch_runtime(runtime: Any) -> None:
+        def catch_all_reshard(state: Any) -> None:
+            handle = state._handle
+            if not handle:
+                return
+            flat, shard = handle.flat_param, handle.flat_param._local_shard
+            if (storage_of(flat) == storage_of(shard) and flat.storage_offset() == shard.storage_offset()
+                    and not handle._skipped_use_sharded_views):
+                return  # already resharded
+            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
+
+        runtime._catch_all_reshard = catch_all_reshard
+
     _patch_on_import("torch.distributed.fsdp._flat_param", patch)
+    _patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
 
 
 # Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself
