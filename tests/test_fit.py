@@ -83,7 +83,7 @@ def fit(tmp_path, program: str, vary: str, *command: str) -> dict:
     (tmp_path / "site.toml").write_text(SITE)
     (tmp_path / "train.py").write_text(program)
     argv = [sys.executable, "-m", "xmem.cli", "fit", "--json", "--config", str(tmp_path / "site.toml"),
-            "--iterations", "2", "--vary", vary, "--", PYTHON, "train.py", *command]
+            "--iterations", "2", "--step", "1", "--vary", vary, "--", PYTHON, "train.py", *command]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -265,3 +265,64 @@ def test_a_huge_range_ends_at_the_largest_offers_memory_and_says_so():
                                  else {"g": {"whole": 800 * MIB, "half": 800 * MIB}})
     small = find_limits(Vary("b", 1, 5000), options, trace, lambda peak: peak)
     assert small.searched_high is None and small.to_json()["note"] is None
+
+
+def test_a_linear_job_is_answered_in_multiples_of_the_resolution_in_few_traces():
+    """Issue 23: by default 1..2000 is answered in multiples of 16 (1 % of 2000, in eights), each answer a traced
+    value that fits with the next multiple traced and not fitting; at most 8 traces for two offers of a linear job."""
+    traced = []
+
+    def trace(value: int) -> Point:
+        traced.append(value)
+        return point(value, {"parameter": 300 * MIB, "activation": value * 3 * MIB, "temporary": 7 * MIB})
+
+    options = [FixedOption("g", "whole", 4000 * MIB), FixedOption("g", "half", 2000 * MIB)]
+    result = find_limits(Vary("b", 1, 2000), options, trace, lambda peak: int(peak * 1.1), resolution=None)
+    assert result.resolution == 16 and Vary("b", 1, 40).default_resolution() == 1
+    for option in options:
+        limit = result.limits["g"][option.name]
+        exact = (option.usable_bytes / 1.1 - 307 * MIB) // (3 * MIB)
+        assert limit % 16 == 0 and exact - 16 < limit <= exact and {limit, limit + 16} <= set(traced)
+    assert len(traced) <= 8, traced
+    assert not any(result.to_json()["at_least"]["g"].values())
+    top = find_limits(Vary("b", 1, 64), options[:1], trace, lambda peak: peak, resolution=None)
+    assert top.limits == {"g": {"whole": 64}} and top.to_json()["at_least"] == {"g": {"whole": True}}
+
+
+def test_the_summary_says_how_the_need_grows_and_marks_the_top_of_the_range():
+    """Issue 23: a job whose peak moves from the optimizer step to the backward pass (the gradients live at the
+    peak change with the batch) grows linearly: the summary says so, and never 'gradient quadratic'; an answer at
+    HIGH reads 'at least'."""
+    from rich.console import Console
+
+    from xmem.cli.fit import growth_text, show_fit
+
+    def trace(value: int) -> Point:
+        state = {"parameter": 500 * MIB, "optimizer_state": 1000 * MIB}
+        return point(value, {}, backward={**state, "gradient": min(value, 8) * 60 * MIB,
+                                          "activation": value * 20 * MIB},
+                     optimizer={**state, "gradient": 500 * MIB, "temporary": 1000 * MIB})
+
+    options = [FixedOption("g", "whole", 8000 * MIB), FixedOption("g", "big", 80000 * MIB)]
+    result = find_limits(Vary("b", 1, 1000), options, trace, lambda peak: peak, resolution=None)
+    text = growth_text(result)
+    assert "quadratic" not in text and "faster" not in text and "linearly" in text, text
+    console = Console(record=True, width=200)
+    show_fit(console, result, {("g", o.name): o.usable_bytes for o in options})
+    out = console.export_text()
+    assert "at least 1000 (the top of the range)" in out and "in steps of 8" in out and "+10 %" in out
+
+
+def test_fit_shows_progress_on_a_terminal_only():
+    import io
+
+    from rich.console import Console
+
+    from xmem.cli.fit import _progress
+
+    for terminal in (True, False):
+        out = io.StringIO()
+        with _progress(Console(file=out, force_terminal=terminal), True, "trace 1: b=8") as update:
+            if update:
+                update("replaying")
+        assert ("trace 1: b=8" in out.getvalue()) == terminal

@@ -58,6 +58,13 @@ class Vary:
             values.append(max(values[-1] + 1, 2 * values[-1]))
         return [v for v in dict.fromkeys(values) if v <= self.high]
 
+    def default_resolution(self) -> int:
+        """The step answers are given in unless the user sets one: exact below 64; from 64, multiples of 8 (batch
+        sizes and sequence lengths are taken in eights), or of 1 % of HIGH where that is coarser (in eights)."""
+        if self.high < 64:
+            return 1
+        return max(8, self.high // 100 // 8 * 8)
+
     def within(self, most_bytes: int) -> Vary:
         """The range cut at `most_bytes`, the memory of the largest offer: a value that adds memory adds at least
         a byte per unit, so none above it fits there; one that adds none fits at any value, and the search stops
@@ -229,6 +236,11 @@ class FitResult:
     seconds: float
     degrees: Mapping[str, int] = field(default_factory=dict)  # the growth model's last fit, per category
     searched_high: int | None = None  # where the search ended below HIGH: the largest offer's bytes (Vary.within)
+    resolution: int = 1  # the answers are multiples of it (LOW aside): the search stops within it
+
+    def at_least(self, value: int | None) -> bool:
+        """An answer at the top of the range searched: larger values may fit too, none was tried."""
+        return value is not None and value >= (self.searched_high or self.vary.high)
 
     @property
     def bound_note(self) -> str | None:
@@ -248,19 +260,24 @@ class FitResult:
                 "limits": {gpu: dict(options) for gpu, options in self.limits.items()},
                 "traces": self.traces, "traced_values": sorted(p.value for p in self.points),
                 "seconds": round(self.seconds, 3), "growth": dict(self.degrees), "searched_high": self.searched_high,
-                "note": self.bound_note}
+                "note": self.bound_note, "resolution": self.resolution,
+                "at_least": {gpu: {name: self.at_least(v) for name, v in options.items()}
+                             for gpu, options in self.limits.items()}}
 
 
 Tracer = Callable[[int], Point]  # the job traced at one value of the knob
 
 
 def find_limits(vary: Vary, options: Sequence[FixedOption], trace: Tracer,
-                needed: Callable[[int], int]) -> FitResult:
+                needed: Callable[[int], int], resolution: int | None = 1) -> FitResult:
     """The largest value in `vary`'s range that fits each option: `needed(peak)` (the site margin) at most the
-    option's usable bytes, on traces (`trace(value)`), with the growth model choosing which values to trace."""
+    option's usable bytes, on traces (`trace(value)`), with the growth model choosing which values to trace.
+    `resolution`: answers are multiples of it (or LOW), the search stopping once no multiple lies between a
+    traced value that fits and one that does not (None: `Vary.default_resolution` of the range searched)."""
     started = time.perf_counter()
     searched = vary.within(max((o.usable_bytes for o in options), default=vary.high))
-    search = _Search(searched, trace, needed)
+    resolution = resolution or searched.default_resolution()
+    search = _Search(searched, trace, needed, resolution)
     for value in searched.first_values():
         search.point(value)
     limits: dict[str, dict[str, int | None]] = {}
@@ -269,14 +286,14 @@ def find_limits(vary: Vary, options: Sequence[FixedOption], trace: Tracer,
     degrees = fit_growth(list(search.points.values())).degrees()
     return FitResult(vary, limits, tuple(search.points[v] for v in sorted(search.points)),
                      time.perf_counter() - started, degrees,
-                     searched.high if searched.high < vary.high else None)
+                     searched.high if searched.high < vary.high else None, resolution)
 
 
 class _Search:
     """The traces taken so far (each value once), and the search for one option's limit over them."""
 
-    def __init__(self, vary: Vary, trace: Tracer, needed: Callable[[int], int]) -> None:
-        self.vary, self.trace, self.needed = vary, trace, needed
+    def __init__(self, vary: Vary, trace: Tracer, needed: Callable[[int], int], resolution: int = 1) -> None:
+        self.vary, self.trace, self.needed, self.resolution = vary, trace, needed, resolution
         self.points: dict[int, Point] = {}
 
     def point(self, value: int) -> Point:
@@ -293,14 +310,15 @@ class _Search:
         step, last, turns, previous = 1, None, 0, 0
         for rounds in itertools.count():
             low, high = self._bracket(option)
-            if high - low <= 1:
+            first, last_multiple = self._multiples(low, high)
+            if first > last_multiple:  # no answer left between them at this resolution
                 break
             if turns >= BISECT_AFTER_TURNS or rounds >= MODEL_ROUNDS:
                 value = (low + high) // 2
             else:
                 value = self._predicted(option, low, high)
                 value = max(value, low + step) if last else min(value, high - step) if last is False else value
-            value = min(max(value, low + 1), high - 1)
+            value = min(max(value // self.resolution * self.resolution, first), last_multiple)
             fits = self._fits(self.point(value), option)
             if fits == last:  # the model fell short again on this side: go twice as far as last time
                 step = max(2, 2 * abs(value - previous))
@@ -308,6 +326,13 @@ class _Search:
                 step, turns = 1, turns + (last is not None)
             last, previous = fits, value
         return low if low >= self.vary.low else None
+
+    def _multiples(self, low: int, high: int) -> tuple[int, int]:
+        """The first and last multiples of the resolution strictly between `low` and `high` (first > last: none);
+        HIGH itself counts as one, as the range's end."""
+        r = self.resolution
+        last = self.vary.high if high == self.vary.high + 1 else (high - 1) // r * r
+        return (low // r + 1) * r if r > 1 else low + 1, last
 
     def _fits(self, point: Point, option: FixedOption) -> bool:
         peak = point.peaks.get(option.gpu_type)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, fail, _stdout_to_stderr, fail_on_error
-from xmem.config import SiteConfig, load_site_config
+from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, fail, _stdout_to_stderr, fail_on_error, margin_text
+from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import allocator_config, capability_class  # the job's allocator settings, as estimated
 from xmem.estimate import estimate as run_estimate
 from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary, phase_peaks
@@ -28,6 +30,7 @@ from xmem.orchestrate import orchestrate, trace_devices
 from xmem.policy import estimate_types
 from xmem.policy.options import FixedOption, fixed_options
 from xmem.simulate import simulate
+from xmem.units import MIB, size_text
 from xmem.trace.events import Trace
 
 GIB = 1 << 30
@@ -49,6 +52,9 @@ def fit_command(
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config: its offers, margin and catalog (default: $XMEM_CONFIG, "
                                               "/etc/xmem/xmem.toml)."),
+    step: Optional[int] = typer.Option(None, "--step", min=1, metavar="N",
+                                       help="Answer in multiples of N (default: exact below 64, else multiples "
+                                            "of 8, or of 1 % of HIGH where that is coarser)."),
 ) -> None:
     """The largest value of one knob (batch size, sequence length...) that fits each GPU type and offer."""
     verb = "fit"
@@ -56,7 +62,7 @@ def fit_command(
         site = load_site_config(config)
         settings = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python,
                     "memory_limit_bytes": site.estimate.memory_limit_bytes, "warm_tracer": site.estimate.warm_tracer}
-        run_fit(command, parse_vary(vary), site, gpu, settings, as_json)
+        run_fit(command, parse_vary(vary), site, gpu, settings, as_json, step=step)
     except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
@@ -64,21 +70,23 @@ def fit_command(
 
 
 def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
-            settings: Mapping[str, Any], as_json: bool, site_types: Sequence[str] = ()) -> None:
+            settings: Mapping[str, Any], as_json: bool, site_types: Sequence[str] = (),
+            step: int | None = None) -> None:
     """Search, then print the answer (`settings`: what `xmem.estimate.estimate` takes besides the command, GPUs
     and catalog). `site_types`: the types to search when `gpus` names none (default: every type of the site)."""
     with _stdout_to_stderr() as out:
-        result, options = search(command, vary, site, gpus, settings, site_types, progress=not as_json)
+        result, options = search(command, vary, site, gpus, settings, site_types, progress=not as_json, step=step)
     if as_json:
-        out.write(json.dumps(result.to_json()) + "\n")
+        margin = {"relative": site.margin.relative, "absolute_bytes": site.margin.absolute_bytes}
+        out.write(json.dumps({**result.to_json(), "margin": margin}) + "\n")
         out.flush()
     else:
-        show_fit(Console(), result, {(o.gpu_type, o.name): o.usable_bytes for o in options})
+        show_fit(Console(), result, {(o.gpu_type, o.name): o.usable_bytes for o in options}, site.margin)
 
 
 def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
            settings: Mapping[str, Any], site_types: Sequence[str] = (),
-           progress: bool = False) -> tuple[FitResult, list[FixedOption]]:
+           progress: bool = False, step: int | None = None) -> tuple[FitResult, list[FixedOption]]:
     """The limits and the offers searched (see `run_fit`), an estimate at each value `xmem.fit` asks for."""
     command_at(command, vary, vary.low)  # nowhere to put the value: say so before any trace
     catalog = site.catalog()
@@ -87,18 +95,31 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
     options = [o for t in types for o in fixed_options(site, t, catalog)]
     err = Console(stderr=True)
 
+    traced: list[int] = []
+
     def trace(value: int) -> Point:
-        if progress and err.is_terminal:
-            err.print(f"tracing {vary.name}={value}", highlight=False)
+        traced.append(value)
         traces: dict[str, Trace] = {}
-        result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog,
-                              keep_traces=traces, **settings)
+        with _progress(err, progress, f"trace {len(traced)}: {vary.name}={value}") as update:
+            result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog,
+                                  keep_traces=traces, on_progress=update, **settings)
         if not result.used_cuda:
             return Point.from_estimate(value, result.to_json(), names, {}, 0)
         phases, reserved = _unlimited(traces, catalog[result.breakdown_gpu], settings.get("env"))
         return Point.from_estimate(value, result.to_json(), names, phases, reserved)
 
-    return find_limits(vary, options, trace, site.margin.needed), options
+    return find_limits(vary, options, trace, site.margin.needed, resolution=step), options
+
+
+@contextmanager
+def _progress(err: Console, wanted: bool, what: str) -> Iterator[Callable[[str], None] | None]:
+    """A line per trace and a live status while it runs, on a terminal only (quiet when piped or with --json)."""
+    if not (wanted and err.is_terminal):
+        yield None
+        return
+    err.print(what, highlight=False)
+    with err.status(what) as status:
+        yield lambda message: status.update(f"{what}: {message}")
 
 
 def _unlimited(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None
@@ -128,23 +149,47 @@ def _site_types(site: SiteConfig) -> list[str]:
     return types
 
 
-def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str], int]) -> None:
+def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str], int],
+             margin: MarginConfig = MarginConfig()) -> None:
     vary = result.vary
-    table = Table(title=f"Largest {vary.name} in {vary.low}..{vary.high} that fits, with the site margin")
+    step = f", in steps of {result.resolution}" if result.resolution > 1 else ""
+    table = Table(title=f"Largest {vary.name} in {vary.low}..{vary.high} that fits{step}",
+                  caption=f"fits: the peak with the site margin ({margin_text(margin)}) is at most the offer's "
+                          "usable memory, as in `estimate` and `check`")
     for column in ("GPU type", "offer", "usable", f"largest {vary.name}"):
         table.add_column(column, justify="right" if column != "GPU type" and column != "offer" else "left")
     for gpu, limits in result.limits.items():
         for name, value in limits.items():
             shown = "[red]none[/] (not even " + str(vary.low) + ")" if value is None else str(value)
+            shown = f"at least {value} (the top of the range)" if result.at_least(value) else shown
             table.add_row(gpu, name, f"{usable[gpu, name] / GIB:.2f} GiB", shown)
     console.print(table)
-    growth = ", ".join(f"{name.replace('_', ' ')} {'quadratic' if d == 2 else 'linear' if d == 1 else 'constant'}"
-                       for name, d in sorted(result.degrees.items()))
     values = ", ".join(str(p.value) for p in result.points)
-    console.print(f"{result.traces} traces ({vary.name} = {values}) in {result.seconds:.1f} s; growth: {growth}",
-                  highlight=False)
+    console.print(f"{result.traces} traces ({vary.name} = {values}) in {result.seconds:.1f} s; "
+                  f"{growth_text(result)}", highlight=False)
     if result.bound_note:
         console.print(result.bound_note, highlight=False)
+
+
+def growth_text(result: FitResult) -> str:
+    """How the memory the job needs grows with the knob, read off the traces on one GPU type: the slope of the
+    peak, and whether it curves upwards (attention over the sequence length). Not per category: what is live at
+    the peak changes with the value (the peak moves from the optimizer step to the backward pass), and a category
+    that does not depend on the value (gradients, for a batch size) would read as growing."""
+    points = sorted(result.points, key=lambda p: p.value)
+    gpu = next((g for g in result.limits if all(g in p.needs for p in points)), None)
+    if gpu is None or len(points) < 2:
+        return "too few traces to say how memory grows"
+    values = np.array([p.value for p in points], dtype=float)
+    needs = np.array([p.needs[gpu] for p in points], dtype=float)
+    line = np.polyfit(values, needs, 1)
+    slope, name = float(line[0]), result.vary.name
+    if slope * (values[-1] - values[0]) < MIB:
+        return f"the memory needed does not grow with {name}"
+    miss = float(np.max(np.abs(np.polyval(line, values) - needs)))
+    curved = len(points) >= 3 and np.polyfit(values, needs, 2)[0] > 0 and miss > 0.05 * float(np.max(needs))
+    how = "faster than linearly (as attention does over the sequence length)" if curved else "linearly"
+    return f"the memory needed grows {how}, about {size_text(int(slope))} per unit of {name} (on {gpu})"
 
 
 def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | None, site: SiteConfig,
