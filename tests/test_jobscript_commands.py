@@ -1,5 +1,6 @@
 """Finding the training command(s) of a batch script by a static read."""
 
+import sys
 from pathlib import Path
 
 from xmem.jobscript import parse_jobscript
@@ -329,3 +330,22 @@ def test_the_batch_script_reader_does_not_import_the_tracer():
     code = "import sys, xmem.jobscript; print(*sorted(m for m in sys.modules if m.startswith('xmem.trace')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == ""
+
+
+def test_a_console_script_is_a_python_program_run_on_its_environments_python(tmp_path):
+    """`trl sft`, `tune run`: an environment's console script (a python shebang, the rule the tracer uses too) is
+    the training command, found on the script's PATH or by path, on the python beside it; pip is not training."""
+    bin_dir = tmp_path / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    for name, first_line in [("train-cli", f"#!{bin_dir / 'python'}"), ("pip", f"#!{bin_dir / 'python'}"),
+                             ("tool", "#!/bin/sh")]:
+        (bin_dir / name).write_text(first_line + "\nimport sys\n")
+        (bin_dir / name).chmod(0o755)
+    job = parse(f"source {tmp_path}/env/bin/activate\npip install x\ntool run\ntrain-cli sft --lr 1\n"
+                f"srun --ntasks-per-node=2 env/bin/train-cli run cfg\n", submit_cwd=str(tmp_path))
+    assert not job.problems, job.problems
+    cli = str(bin_dir / "train-cli")
+    assert [(c.argv, c.python, c.launcher, c.ranks, c.line_no) for c in job.commands] == [
+        (("python", cli, "sft", "--lr", "1"), str(bin_dir / "python"), "python", None, 6),
+        (("python", cli, "run", "cfg"), str(bin_dir / "python"), "srun", 2, 7)]

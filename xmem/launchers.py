@@ -5,7 +5,9 @@ start one process per GPU (`torchrun` / `python -m torch.distributed.run`, `acce
 The one grammar of these command lines: the batch-script reader (`xmem.jobscript`) reads a script's lines through
 it, the tracer (`xmem.trace`) the command it is given. Rank 0 is the one estimated, in the world the launcher would
 make, so that FSDP/ZeRO shard by the real world size. Launchers a traced program starts itself need none of this:
-the tracer follows every Python process of the job (`xmem.trace.follow`). Pure: reads no file.
+the tracer follows every Python process of the job (`xmem.trace.follow`). Also the one rule for a program file run
+directly (`shebang_python`): an environment's console script (`trl`, `tune`) or a script with a python shebang is a
+Python program. Pure: reads no file (callers hand it a file's first line).
 """
 
 from __future__ import annotations
@@ -78,6 +80,30 @@ class Target:
 def is_python(name: str) -> bool:
     """`python`, `python3`, `python3.11`: an interpreter by its file name."""
     return bool(PYTHON_NAME.match(name))
+
+
+def shebang_python(first_line: str) -> str | None:
+    """The python a program file's first line names, when it is a Python program run directly (pip writes each
+    console script, `trl`, `tune`, `litgpt`, so): `#!/opt/env/bin/python3` gives that path, `#!/usr/bin/env python3`
+    "" (the python found on PATH). None for a file that is not one (another interpreter, a binary, no `#!`)."""
+    if not first_line.startswith("#!"):
+        return None
+    words = first_line[2:].split()
+    if words and os.path.basename(words[0]) == "env":
+        words = [word for word in words[1:] if not word.startswith("-")]  # `env -S python3 -u`
+    program = words[0] if words else ""
+    if not is_python(os.path.basename(program)):
+        return None
+    return program if os.sep in program else ""
+
+
+def console_script_python(path: str, first_line: str) -> str | None:
+    """The interpreter of an environment's own console script (`/opt/env/bin/trl`, found by path or on PATH): the
+    `python` beside it that its shebang names, the environment whose libraries the program uses. None for any other
+    file (a script whose shebang names another place runs on the caller's interpreter)."""
+    interpreter = shebang_python(first_line)
+    beside = bool(interpreter) and os.path.dirname(interpreter) == os.path.dirname(path)
+    return interpreter if beside else None
 
 
 def python_program(args: list[str]) -> list[str] | None:

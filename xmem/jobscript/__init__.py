@@ -16,7 +16,7 @@ from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand
 from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, array_task_ids, build_request,
                                        directive_arguments, parse_gpus, parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
-from xmem.launchers import is_python
+from xmem.launchers import shebang_python
 
 __all__ = ["JobScript", "SbatchRequest", "GresItem", "TrainCommand", "Problem", "parse_jobscript", "parse_gres",
            "parse_gpus", "DirectiveError", "slurm_runtime_env",
@@ -186,12 +186,4 @@ def _job_cwd(chdir: str | None, submit_cwd: str | None) -> str | None:
 def _python_shebang(lines: list[str]) -> str | None:
     """`#!/usr/bin/env python3` or `#!/x/bin/python`: the batch script is itself the training script.
     Returns the interpreter path, "" for one found on PATH, None when the script is not Python."""
-    if not lines or not lines[0].startswith("#!"):
-        return None
-    words = lines[0][2:].split()
-    if not words:
-        return None
-    program = words[1] if posixpath.basename(words[0]) == "env" and len(words) > 1 else words[0]
-    if is_python(posixpath.basename(program)):
-        return program if "/" in program else ""
-    return None
+    return shebang_python(lines[0]) if lines else None

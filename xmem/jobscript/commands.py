@@ -3,7 +3,8 @@
 Owns: following `cd`/`pushd`, `export`/assignments/`unset`, `source X/bin/activate` and `conda activate`, command
 wrappers (`exec`, `time`, `nohup`, `env`, `stdbuf`), `srun`, and the commands that start Python, read through
 the one launcher grammar (`xmem.launchers`: `python`, `torchrun`, `accelerate launch`, `deepspeed`; one rank is
-estimated, in its launcher's world). Whatever a static read cannot settle (a launcher inside a loop or
+estimated, in its launcher's world), and Python programs run directly (`trl sft`, `tune run`: a file with a python
+shebang, looked up on the script's PATH). Whatever a static read cannot settle (a launcher inside a loop or
 conditional, an argument that needs command output, an unsupported launcher) becomes a `Problem` naming the line:
 never a guess.
 """
@@ -17,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from xmem.jobscript.shell import REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand
-from xmem.launchers import LAUNCHER_NAMES, LaunchError, Target, gpus_per_node, is_python, launcher_variables, \
-    parse_launch
+from xmem.launchers import LAUNCHER_NAMES, LaunchError, Target, console_script_python, gpus_per_node, is_python, \
+    launcher_variables, parse_launch, shebang_python
 
 
 @dataclass(frozen=True)
@@ -409,7 +410,7 @@ class Finder:
         head = items[0]
         name = posixpath.basename(head) if isinstance(head, str) else ""
         if not is_python(name) and name not in LAUNCHER_NAMES:
-            return False
+            return self._python_file(items, prefix_env, line_no, via, ranks)
         words = [item if isinstance(item, str) else _marked(item, i) for i, item in enumerate(items)]
         opaque = {_marker(i): item for i, item in enumerate(items) if isinstance(item, Opaque)}
 
@@ -431,6 +432,34 @@ class Finder:
         self._emit(argv, env, line_no, python, via or target.launcher or "python",
                    target.nproc_per_node if target.distributed else ranks)
         return True
+
+    def _python_file(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, via: str | None,
+                     ranks: int | None) -> bool:
+        """Record a Python program run directly (`trl sft ...`: an environment's console script, or a script with a
+        python shebang), found as the shell finds it: the file run by python, on the interpreter beside it that its
+        shebang names (`xmem.launchers`, the tracer's rule too), else the script's. Commands the reader reads by
+        name (pip, conda, horovodrun) are not training programs even where they are Python."""
+        head = items[0]
+        if not isinstance(head, str) or posixpath.basename(head) in _TEXT_COMMANDS | _UNSUPPORTED_LAUNCHERS:
+            return False
+        path = self._program_file(head)
+        first_line = _first_line(path) if path else ""
+        if path is None or shebang_python(first_line) is None:
+            return False
+        self._emit(["python", path, *items[1:]], prefix_env, line_no, console_script_python(path, first_line),
+                   via or "python", ranks)
+        return True
+
+    def _program_file(self, program: str) -> str | None:
+        """Where the shell finds `program`: a path (from the working directory), or a name on the script's PATH."""
+        if "/" in program:
+            return self._absolute(program)
+        try:
+            directories = (self.state.lookup("PATH") or "").split(":")
+        except Unknown:
+            return None
+        found = (posixpath.join(self._absolute(d or "."), program) for d in directories)
+        return next((path for path in found if os.path.isfile(path) and os.access(path, os.X_OK)), None)
 
     def _interpreter(self, head: Item) -> str | None:
         if not isinstance(head, str):
@@ -461,6 +490,14 @@ class Finder:
             argv=tuple(str(a) for a in argv), cwd=self.state.cwd, env=env,
             python=python if python is not None else self.state.python, launcher=launcher, ranks=ranks,
             line_no=line_no))
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.readline(512).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _marker(index: int) -> str:

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import shutil
 
-from xmem.launchers import LaunchError, Target, is_python, parse_launch
+from xmem.launchers import LaunchError, Target, console_script_python, parse_launch, shebang_python
 from xmem.trace.errors import TraceError
 
 
@@ -35,10 +35,7 @@ def console_script_interpreter(target: Target) -> str | None:
     if not target.script or target.launcher is not None or target.script.endswith(".py") or \
             os.path.isdir(target.script):
         return None
-    words = _first_bytes(target.script).split(b"\n", 1)[0][2:].decode(errors="replace").split()
-    interpreter = words[0] if words else ""
-    beside = os.path.dirname(interpreter) == os.path.dirname(target.script)
-    return interpreter if beside and is_python(os.path.basename(interpreter)) else None
+    return console_script_python(target.script, _first_line(target.script))
 
 
 def _script_target(program: str, args: list[str], cwd: str | None, require_python: bool = True) -> Target:
@@ -68,9 +65,12 @@ def _first_bytes(path: str, n: int = 512) -> bytes:
         raise TraceError("not_found", f"{path}: cannot be read ({error.strerror})") from None
 
 
+def _first_line(path: str) -> str:
+    return _first_bytes(path).split(b"\n", 1)[0].decode(errors="replace")
+
+
 def _has_python_shebang(path: str) -> bool:
-    first_line = _first_bytes(path).split(b"\n", 1)[0]
-    return first_line.startswith(b"#!") and b"python" in first_line
+    return shebang_python(_first_line(path)) is not None
 
 
 def _looks_binary(path: str) -> bool:
