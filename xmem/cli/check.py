@@ -275,8 +275,8 @@ def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: 
         console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
         console.print(f"[red]suspect:[/] {escape(reason)}")
-    for warning in shown_warnings(estimate.warnings, verbose):
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    for line in shown_warnings(estimate.warnings, verbose):
+        console.print(line)
 
 
 def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:

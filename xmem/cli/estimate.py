@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand
 
@@ -193,12 +194,13 @@ def with_margin(record: dict[str, Any], margin: MarginConfig) -> dict[str, Any]:
 
 
 def shown_warnings(warnings: Sequence[str], verbose: bool) -> list[str]:
-    """The warnings a person sees: those that can change the figures or the program's path, all with --verbose;
-    and a line saying how many were left out."""
+    """The lines a person sees: a warning for each that can change the figures or the program's path (all of them
+    with --verbose), and a note saying how many were left out. Rich markup; escaped text."""
     shown = [w for w in warnings if verbose or not w.startswith(QUIET_WARNINGS)]
     hidden = len(warnings) - len(shown)
-    return shown + ([f"{hidden} note(s) of the tracer that do not change the figures: --verbose shows them"]
-                    if hidden else [])
+    return [f"[yellow]warning:[/] {escape(w)}" for w in shown] + (
+        [f"[dim]note: {hidden} note(s) of the tracer that do not change the figures: --verbose shows them[/]"]
+        if hidden else [])
 
 
 def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig(),
@@ -237,8 +239,8 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     if result.suspect:
         console.print("[red]The trace contradicts the run's own objects: these figures may be far too low.[/]",
                       highlight=False)
-    for warning in shown_warnings(result.warnings, verbose):
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    for line in shown_warnings(result.warnings, verbose):
+        console.print(line, highlight=False)
     traced = "forward passes only (no training step)" if result.forward_only else \
         f"{result.iterations} iteration(s)"
     console.print(f"{traced} traced in {result.seconds:.1f} s"
