@@ -96,6 +96,16 @@ def test_a_failure_in_xmems_code_is_not_modelled_and_names_it():
     assert found.message.startswith("not modelled: the fake GPU's triton_launch._bind failed (AttributeError: ")
 
 
+def test_a_missing_file_relayed_by_the_sandboxs_file_apis_is_the_users(tmp_path):
+    # The fallback sandbox's copy-on-write open and mkdir are xmem frames, but what they relay is the path's answer.
+    from xmem.trace.sandbox import CopyOnWrite
+    files = CopyOnWrite(str(tmp_path / "cow"), passthrough=[])
+    for action in (lambda: files.open(tmp_path / "missing.txt"), lambda: files.mkdir(tmp_path)):
+        found = attribute(raised(action))
+        assert found.kind == "user_error", found.message
+        assert "sandbox" not in found.message
+
+
 def test_what_xmem_raises_as_a_gpu_would_is_the_users():
     found = attribute(raised(lambda: triton_launch._grid(4, {})))  # a grid that is not a tuple
     assert found.kind == "user_error" and found.message.startswith("TypeError: ")

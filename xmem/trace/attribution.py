@@ -4,7 +4,8 @@ program's own ("user_error", exit 5: what a real GPU would raise too).
 Decided from the exception itself (its class, where it was raised) and the exceptions it was raised from, never from
 what the program printed. It is the fake GPU's when any exception of the chain is
 - NotModelled: raised where the fake world knows what it lacks; its message names it;
-- raised by xmem's own code (its innermost frame is in the xmem package), unless marked `errors.as_on_a_gpu`;
+- raised by xmem's own code (its innermost frame is in the xmem package), unless marked `errors.as_on_a_gpu`
+  or a path's own answer relayed by the sandbox's file APIs (a missing file: the program's, as on the cluster);
 - a limit of torch's fake tensor mode: an exception class defined by its modules (UnsupportedOperatorException,
   DataDependentOutputException, ...), except the one that restates a real op's check (FAKE_MODE_AS_ON_A_GPU);
 - the CUDA driver or runtime: an exception class of a CUDA binding package (CUDA_BINDINGS);
@@ -34,6 +35,11 @@ from typing import Iterator
 from xmem.trace.errors import REAL_CUDA_SIGNS, NotModelled, raised_as_on_a_gpu
 
 XMEM_DIR = str(Path(__file__).resolve().parent.parent) + os.sep  # the xmem package directory
+# The sandbox's copy-on-write file APIs stand in for Python's own: a missing file, an existing one, a directory
+# where a file was asked (and the reverse) are what the program's path gives on the cluster too. (Its refusals,
+# EACCES/EROFS where the job could write, stay ours.)
+SANDBOX_FILE = str(Path(__file__).resolve().parent / "sandbox.py")
+PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 # Modules whose exception classes are limits of the fake tensor mode, not of the program.
 FAKE_MODE_MODULES = ("torch._subclasses.fake_", "torch.fx.experimental.symbolic_shapes")
 # ...but for these, which restate a check the real op makes on a GPU too (tensors of one op on two devices).
@@ -87,6 +93,8 @@ def _what_we_lack(error: BaseException) -> str | None:
         return None
     said = f"{type(error).__name__}: {first_line(error)}"
     origin = _origin(error)
+    if isinstance(error, PATH_ERRORS) and origin is not None and origin.filename == SANDBOX_FILE:
+        return None  # the copy-on-write layer relays what the path itself gives on any machine
     if origin is not None and origin.filename.startswith(XMEM_DIR):
         return f"the fake GPU's {Path(origin.filename).stem}.{origin.name} failed ({said})"
     module = type(error).__module__
