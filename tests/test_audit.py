@@ -5,8 +5,8 @@ table too)."""
 import json
 
 from xmem.audit import audit, held_at
-from xmem.trace.events import (FACT_FSDP_GRADIENTS, FACT_GRADIENTS, FACT_MODEL_STATE, FACT_NOT_MODELLED, FACT_STATE,
-                               FACT_STATE_BY_RULE, FACT_STEPPED, Fact, MemEvent, Trace)
+from xmem.trace.events import (FACT_FSDP_GRADIENTS, FACT_GRADIENTS, FACT_MODEL_STATE, FACT_STATE, FACT_STATE_BY_RULE,
+                               FACT_STEPPED, Fact, MemEvent, Trace)
 
 # torchvision regnet_x_400mf as a CPU build of torchvision makes it: 215 parameter tensors, 21,983,904 bytes (fp32)
 REGNET_PARAMS, REGNET_PARAM_BYTES = 215, 21_983_904
@@ -225,11 +225,8 @@ def test_check_shows_why_and_keeps_the_user_s_request(monkeypatch, tmp_path):
     assert analysis.decision.action == "keep"
 
 
-def test_fsdp_gradients_labelled_otherwise_and_an_unmodelled_configuration_are_named():
+def test_an_fsdp_units_sharded_gradient_held_as_something_else_is_missing():
     # an FSDP1 unit whose shard holds only frozen weights: its whole sharded gradient is due, whatever the optimizer
     events = [alloc(0, 4096, "parameter"), alloc(1, 4096, "temporary")]
-    facts = [fact(FACT_FSDP_GRADIENTS, ("gradient",), 1, 4096, 2),
-             fact(FACT_NOT_MODELLED, (), 0, 0, 2, device=-1, source="FSDP1 CPUOffload(offload_params=True)")]
-    reasons = audit(Trace(events=events, iterations=1, facts=facts))
-    assert reasons[0].startswith(f"{FACT_FSDP_GRADIENTS} on GPU 0: 4.0 KiB in 1 storage(s)")
-    assert reasons[1] == f"{FACT_NOT_MODELLED}: FSDP1 CPUOffload(offload_params=True)"
+    reasons = audit(Trace(events=events, iterations=1, facts=[fact(FACT_FSDP_GRADIENTS, ("gradient",), 1, 4096, 2)]))
+    assert len(reasons) == 1 and reasons[0].startswith(f"{FACT_FSDP_GRADIENTS} on GPU 0: 4.0 KiB in 1 storage(s)")

@@ -16,6 +16,7 @@ from test_trace_scripts import allocs, sizes
 from torch_builds import SCRIPTS
 from xmem.audit import audit
 from xmem.trace import run_trace
+from xmem.trace.errors import TraceError
 from xmem.trace.events import Category
 
 FP32, BF16 = 4, 2
@@ -366,3 +367,10 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
         assert len(reasons) == (2 if "head" in frozen else 1)
     else:
         assert reasons == ()
+
+
+def test_fsdp1_cpu_offload_is_not_modelled_and_says_so():
+    # FlatParamHandle.flat_param_to moves each shard to the host by `.data =`, which a fake keeps on its device
+    with pytest.raises(TraceError) as failure:
+        run_trace(["torchrun", "--nproc_per_node=2", str(SCRIPTS / "fsdp1_lora.py"), "--offload", "1"], iterations=2)
+    assert failure.value.kind == "not_modelled" and "CPUOffload(offload_params=True)" in str(failure.value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from xmem.trace.events import FACT_NOT_MODELLED, FACT_STEPPED, Fact, MemEvent, Trace
+from xmem.trace.events import FACT_STEPPED, Fact, MemEvent, Trace
 from xmem.units import MIB
 
 # Facts and trace count the same storages by the same size, so they match exactly when the trace is right; the
@@ -70,8 +70,6 @@ def _apply(event: MemEvent, live: dict[int, MemEvent], totals: dict[tuple[int, s
 
 def shortfall(fact: Fact, held: Held) -> str:
     """The reason `held` (the trace's live storages at the fact's point) falls short of `fact`; "" if it does not."""
-    if fact.what == FACT_NOT_MODELLED:
-        return f"{fact.what}: {fact.source}"
     if not fact.categories:
         return (f"{fact.what} ({fact.source}): the traced program may have built another model or batch than "
                 "the GPU would run")

@@ -4,7 +4,8 @@ one FSDP unit (frozen and trainable mixed in it), the root unit holding a head L
 steps the trainable parameters only. Options (argv): --orig 0|1 (use_orig_params), --strategy FULL_SHARD |
 SHARD_GRAD_OP | NO_SHARD, --mp none|bf16 (MixedPrecision: bf16 params, fp32 or bf16 reduce by --reduce),
 --frozen base|none|base+head: what is frozen (none: a full fine-tune, as use_orig_params=False refuses a unit that
-mixes; base+head: all but the adapters, as peft's get_peft_model leaves it, so the root unit has no gradient)."""
+mixes; base+head: all but the adapters, as peft's get_peft_model leaves it, so the root unit has no gradient),
+--offload 1: CPUOffload(offload_params=True), the model left on the host as upstream requires then."""
 import argparse
 import os
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 WIDTH, RANK, CLASSES = 256, 8, 16
@@ -38,18 +39,22 @@ parser.add_argument("--strategy", default="FULL_SHARD")
 parser.add_argument("--mp", default="none")
 parser.add_argument("--reduce", default="fp32")
 parser.add_argument("--frozen", default="base")
+parser.add_argument("--offload", type=int, default=0)
 args = parser.parse_args()
 FROZEN = args.frozen
 
 dist.init_process_group("nccl")
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES).requires_grad_("head" not in FROZEN)).cuda()
+model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES).requires_grad_("head" not in FROZEN))
+model = model if args.offload else model.cuda()
 precision = None
 if args.mp == "bf16":
     precision = MixedPrecision(param_dtype=torch.bfloat16,
                                reduce_dtype=torch.float32 if args.reduce == "fp32" else torch.bfloat16)
 model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Adapted}), use_orig_params=bool(args.orig),
-             sharding_strategy=ShardingStrategy[args.strategy], mixed_precision=precision)
+             sharding_strategy=ShardingStrategy[args.strategy], mixed_precision=precision,
+             device_id=torch.cuda.current_device() if args.offload else None,
+             cpu_offload=CPUOffload(offload_params=bool(args.offload)))
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 for step in range(3):
     model(torch.randn(8, WIDTH, device="cuda")).sum().backward()

@@ -207,6 +207,19 @@ def _patch_fsdp_storage_checks() -> None:
     def patch(flat_param: Any) -> None:
         flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
         flat_param._same_storage = lambda a, b: storage_of(a) == storage_of(b)
+        handle_class = flat_param.FlatParamHandle
+        move = handle_class.flat_param_to
+
+        def flat_param_to(self: Any, *args: Any, **kwargs: Any) -> None:
+            # CPU offload moves the shard to the host by `flat_param.data = ...`: a fake keeps its device, and
+            # the memory it keeps on the host against what the GPU holds is not modelled
+            if self._offload_params:
+                from xmem.trace.errors import NotModelled
+                raise NotModelled("FSDP1 with CPUOffload(offload_params=True): its parameters and gradients kept "
+                                  "on the host")
+            move(self, *args, **kwargs)
+
+        handle_class.flat_param_to = flat_param_to
 
     def patch_runtime(runtime: Any) -> None:
         def catch_all_reshard(state: Any) -> None:

@@ -112,9 +112,6 @@ FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
 FACT_FSDP_PARAMETERS = "the FSDP units' sharded flat parameters"
 FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements included"
 FACT_FULLEST_RANK_STATE = "the optimizer state of the rank whose FSDP shards hold the most trainable elements"
-# A fact no trace can hold either: the run uses a configuration whose memory the trace does not model; its source
-# names it.
-FACT_NOT_MODELLED = "a configuration the trace does not model"
 
 
 @dataclass(slots=True)

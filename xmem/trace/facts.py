@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from xmem.trace.events import (FACT_BATCH, FACT_FSDP_GRADIENTS, FACT_FSDP_PARAMETERS, FACT_FULLEST_RANK_STATE,
-                               FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_NOT_MODELLED, FACT_STATE,
+                               FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
                                FACT_STATE_BY_RULE, FACT_STEPPED, Category, Fact)
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
@@ -336,10 +336,6 @@ class FactCollector:
         facts: list[Fact] = []
         for handle in fsdp1_units(self._roots):
             flat = handle.flat_param
-            if handle._offload_params:
-                facts.append(Fact(FACT_NOT_MODELLED, (), -1, 0, 0, at, "FSDP1 CPUOffload(offload_params=True): "
-                                  "shards, gradients and the step on the host are not checked against the trace"))
-                continue
             if flat.device.type != self.device_type:
                 continue
             shard, device = fsdp1_shard_numel(handle), flat.device.index or 0
