@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from xmem.trace import attention, cuda_driver, distributed, triton_launch
+from xmem.trace import attention, cuda_driver, deepspeed_ops, distributed, triton_launch
 from xmem.trace.events import Category
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
@@ -210,6 +210,9 @@ def install(fake: FakeCuda) -> None:
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
     _patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
+    _patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
+    for module_name in deepspeed_ops.FINITE_GRADIENTS:  # ZeRO's overflow checks read stand-ins
+        _patch_on_import(module_name, deepspeed_ops.finite_gradients)
 
 
 def _install_device_guard() -> None:

@@ -1,0 +1,81 @@
+"""DeepSpeed's compiled ops under the fake GPU.
+
+DeepSpeed installed without prebuilt ops (DS_BUILD_OPS=0, pip's default) compiles an op the first time the program
+asks its builder for it (`OpBuilder.load` -> `jit_load`: ninja and nvcc, on the job's node). A traced program must
+not compile: `OpBuilder.load` answers instead, for the ops whose kernels only write into tensors the program
+allocated before the launch (as `xmem.trace.triton_launch` does for Triton): FusedAdam's `multi_tensor_adam`
+(`deepspeed/ops/csrc/adam/multi_tensor_adam.cu`: the multi-tensor apply passes its addresses in the kernel's
+arguments; the moments come from FusedAdam.step's own `zeros_like`). Their calls are checked (every tensor on the
+GPU) and skipped. Any other op (CPUAdam for offload, async_io, the transformer kernels, ...) is not modelled: named.
+
+Installed from `xmem.trace.fakecuda.install` once `deepspeed.ops.op_builder.builder` is imported.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from xmem.trace.errors import NotModelled, as_on_a_gpu
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
+
+
+def _in_place_kernel(op: str, function: str) -> Callable[..., None]:
+    def launch(*args: Any) -> None:
+        for tensor in _tensors(args):
+            if tensor.device.type != "cuda":  # the kernel would read a host address
+                raise as_on_a_gpu(RuntimeError(f"{op}.{function}: expected a CUDA tensor, got one on {tensor.device}"))
+    launch.__name__ = function
+    return launch
+
+
+# op name (OpBuilder.NAME) -> the functions of its module whose kernels write in place and allocate nothing
+IN_PLACE_OPS = {"fused_adam": ("multi_tensor_adam",)}
+
+
+def install(builder_module: Any) -> None:
+    """Make DeepSpeed's op builders hand out checked-and-skipped launches instead of compiling."""
+    op_builder = builder_module.OpBuilder
+
+    def load(self: Any, verbose: bool = False) -> Any:
+        functions = IN_PLACE_OPS.get(self.name)
+        if functions is None:
+            raise NotModelled(f"DeepSpeed's compiled op {self.name} ({type(self).__name__})")
+        return types.SimpleNamespace(**{name: _in_place_kernel(self.name, name) for name in functions})
+
+    op_builder.load = load
+
+
+
+# What finite gradients answer, per module: ZeRO's overflow checks all-reduce a byte of "a gradient is not finite"
+# and read it with `.item()`, and `is_invalid_grad_norm` asks `(~isfinite(norm) | (norm < 0)).any()`; their
+# stand-ins (1, True) would skip every step, so that no optimizer state is ever made. A real run's gradients are
+# finite (bf16; fp16's dynamic loss scale may skip its first steps, which allocate nothing more than a step does).
+FINITE_GRADIENTS = {"deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer.has_overflow", "is_invalid_grad_norm"),
+                    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3.has_overflow", "is_invalid_grad_norm")}
+
+
+def finite_gradients(module: Any) -> None:
+    """The checks of FINITE_GRADIENTS still run (their reductions and flags are allocated as on the GPU) and answer
+    False."""
+    for path in FINITE_GRADIENTS[module.__name__]:
+        *owner_path, name = path.split(".")
+        owner = module
+        for part in owner_path:
+            owner = getattr(owner, part)
+        check = getattr(owner, name)
+
+        def answers_false(*args: Any, _check: Callable[..., Any] = check, **kwargs: Any) -> bool:
+            _check(*args, **kwargs)
+            return False
+
+        setattr(owner, name, answers_false)
