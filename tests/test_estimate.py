@@ -104,6 +104,9 @@ def test_too_small_gpu_reports_the_oom(traced):
     assert tiny.oom.requested == 40 * MIB
     assert tiny.capacity_bytes == 200 * MIB
     assert result.to_json()["gpus"]["Tiny"]["oom"]["requested"] == 40 * MIB
+    # what it would need: the same replay with no limit (issue 23), as a GPU large enough for it reaches
+    big = estimate(["python", "train.py"], gpus=["a100"]).gpus["A100-SXM4-40GB"]
+    assert tiny.unlimited_peak_bytes == big.peak_reserved_bytes > tiny.total_bytes and big.unlimited_peak_bytes is None
 
 
 def test_json_has_the_documented_keys_and_round_trips(traced):
