@@ -43,3 +43,16 @@ def test_zero_flat_buffers_follow_stage_1_and_2():
         assert sizes(e for e in made if e.category == Category.GRADIENT) == [partition * FP32]
     # FusedAdam.step: exp_avg and exp_avg_sq of the fp32 partition, zeros_like at the first step only
     assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+
+
+def test_zero3_partitions_each_parameter_and_steps_rank_0s_part():
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "3"],
+                      iterations=2)
+    assert trace.iterations == 2  # the order checks (assert_ints_same_as_other_ranks) agree as rank 0 with itself
+    # partition_parameters.py's _partition_param: each parameter's ds_tensor is ceil(numel / world) elements (every
+    # numel here is even: no padding); stage3.py flattens rank 0's into fp16_partitioned_groups_flat and clones that
+    # to fp32 (fp32_partitioned_groups_flat), the optimizer's parameter, whose gradient partition is fp32 too
+    partition = sum(-(-numel // WORLD) for numel in (256 * 512, 512, 512 * 16, 16))
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+    for iteration in (0, 1):
+        assert sizes(e for e in allocs(trace, Category.GRADIENT) if e.iteration == iteration) == [partition * FP32]

@@ -79,3 +79,21 @@ def finite_gradients(module: Any) -> None:
             return False
 
         setattr(owner, name, answers_false)
+
+
+def rank_0_lists(zero_utils: Any) -> None:
+    """ZeRO-3 checks that every rank built the same parameter order (`assert_ints_same_as_other_ranks`): rank 0
+    broadcasts a GPU tensor of its list and compares it with `.item()`s, whose stand-ins (1) disagree with the list.
+    The trace is rank 0, which agrees with itself: the broadcasts still run (their int64 tensors are allocated as on
+    the GPU) and answer rank 0's own list."""
+    broadcast_list = zero_utils.get_lst_from_rank0
+
+    def get_lst_from_rank0(lst: list[int]) -> list[int]:
+        broadcast_list(lst)
+        return list(lst)
+
+    def assert_lst_len_same_as_other_ranks(lst: list[int]) -> None:
+        broadcast_list([len(lst)])  # upstream broadcasts the length as one int64, as this does
+
+    zero_utils.get_lst_from_rank0 = get_lst_from_rank0
+    zero_utils.assert_lst_len_same_as_other_ranks = assert_lst_len_same_as_other_ranks

@@ -213,6 +213,7 @@ def install(fake: FakeCuda) -> None:
     _patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
     for module_name in deepspeed_ops.FINITE_GRADIENTS:  # ZeRO's overflow checks read stand-ins
         _patch_on_import(module_name, deepspeed_ops.finite_gradients)
+    _patch_on_import("deepspeed.runtime.zero.utils", deepspeed_ops.rank_0_lists)  # ZeRO-3's order checks
 
 
 def _install_device_guard() -> None:
