@@ -5,6 +5,7 @@
     .venv/bin/python scripts/measure_gpu.py --data benchmarks/data/xmem-dev.jsonl --out bench-out/gpu --limit 20
     .venv/bin/python scripts/bench_accuracy.py --data bench-out/gpu/measurements.jsonl --out bench-out/gpu-score
     .venv/bin/python scripts/measure_gpu.py --check-mps-limit   # the root Prolog's MPS share holds (issue 21)
+    .venv/bin/python scripts/measure_gpu.py --plan sharding --out bench-out/gpu --timeout 120   # issue 22's cases
 
 Each job runs unchanged (benchmarks/jobs/*.py, via runpy) in its own fresh process, as the reference measurements
 did: a thread polls NVML `memory.used` of the device every millisecond from before the job starts; the NVML peak is
@@ -73,6 +74,49 @@ MODERN_PLAN = (
     JobSpec("ConvNeXtTiny", "AdamW", 128, 1, {"amp": "bf16", "fused": True}),
     JobSpec("resnet101", "SGD", 128, 2, {"alloc_conf": "expandable_segments:True"}),
 )
+
+
+# Issue 22: single-GPU stand-ins of the sharded cases the trace models (tests/scripts/ programs, the same wrappers at
+# world size 1, started as their launcher starts rank 0), so that one GPU session settles them: FSDP1 units mixing
+# frozen and trainable parameters (LoRA-like) with and without use_orig_params, FSDP2 in bf16, DeepSpeed ZeRO 1/2/3
+# through its engine (its FusedAdam is JIT-compiled on the first case: ninja and nvcc on the GPU machine), and
+# tensor parallelism over a 1-device mesh. Each is recorded as the jobs are, in OUT/cases.jsonl.
+SCRIPTS_DIR = ROOT / "tests" / "scripts"
+WORLD_OF_ONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+
+
+@dataclass(frozen=True)
+class ProgramCase:
+    """A program of tests/scripts/ measured as rank 0 of a world of one."""
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        return [python, str(SCRIPTS_DIR / self.script), *self.args]
+
+
+SHARDING_PLAN = (
+    ProgramCase("fsdp1-lora-orig", "fsdp1_lora.py", ("--orig", "1")),
+    ProgramCase("fsdp1-lora-flat", "fsdp1_lora.py", ("--orig", "0")),
+    ProgramCase("fsdp1-lora-orig-bf16", "fsdp1_lora.py", ("--orig", "1", "--mp", "bf16")),
+    ProgramCase("fsdp1-full-shard-grad-op", "fsdp1_lora.py", ("--frozen", "0", "--strategy", "SHARD_GRAD_OP")),
+    ProgramCase("fsdp2-bf16", "fsdp2_mixed_precision.py"),
+    ProgramCase("zero1", "deepspeed_zero.py", ("--stage", "1")),
+    ProgramCase("zero2", "deepspeed_zero.py", ("--stage", "2")),
+    ProgramCase("zero3", "deepspeed_zero.py", ("--stage", "3")),
+    ProgramCase("dtensor-tp-1", "dtensor_tp.py"),
+)
+
+
+def case_record(case: ProgramCase, raw: dict) -> dict:
+    """One line of OUT/cases.jsonl: the case, its command, and what the GPU showed."""
+    return {"case": case.name, "command": case.command("python")[1:], "env": WORLD_OF_ONE,
+            "ground": {"memory": nvml_peak(raw["nvml_used"]), "real_oom": raw["oom"],
+                       **{key: raw.get(key) for key in ("max_memory_allocated", "max_memory_reserved", "context_bytes",
+                                                    "snapshot", "gpu_name", "seconds", "error", "versions")}}}
 
 
 def specs_from_data(refs: list[Reference]) -> list[JobSpec]:
@@ -149,6 +193,12 @@ class Poller(threading.Thread):
 
 def run_child(spec: JobSpec, snapshot_path: Path, nvml_index: int) -> dict:
     """Run one job here. torch sees only the measured GPU (index 0); NVML ignores CUDA_VISIBLE_DEVICES."""
+    return run_command(job_command(spec_reference(spec), JOBS_DIR, python=sys.executable), snapshot_path,
+                       nvml_index)
+
+
+def run_command(command: list[str], snapshot_path: Path, nvml_index: int) -> dict:
+    """Run `python script ARGS` here, unchanged (runpy), and measure it."""
     import runpy
 
     import torch
@@ -156,7 +206,6 @@ def run_child(spec: JobSpec, snapshot_path: Path, nvml_index: int) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("measure_gpu.py: no CUDA GPU is visible (torch.cuda.is_available() is False); "
                          "run it on a machine with an NVIDIA GPU")
-    command = job_command(spec_reference(spec), JOBS_DIR, python=sys.executable)
     nvml = Nvml(nvml_index)
     poller = Poller(nvml.used)  # first sample before anything creates the CUDA context
     poller.start()
@@ -195,21 +244,31 @@ def run_child(spec: JobSpec, snapshot_path: Path, nvml_index: int) -> dict:
 # The parent: one fresh process per job, results appended as they come.
 
 def measure(spec: JobSpec, out: Path, device_index: int, timeout: float) -> dict | None:
-    raw_path = out / "raw" / f"{spec.name}.json"
+    return measured_child(spec.name, ["--child", json.dumps(asdict(spec))], job_env(spec_reference(spec)), out,
+                          device_index, timeout)
+
+
+def child_command(name: str, what: list[str], out: Path, device_index: int) -> list[str]:
+    """This script again, in a fresh process, measuring one job or case (`what`: --child SPEC or --case NAME)."""
+    return [sys.executable, __file__, *what, "--device", str(device_index), "--raw", str(out / "raw" / f"{name}.json"),
+            "--snapshot", str(out / "snapshots" / f"{name}.pickle")]
+
+
+def measured_child(name: str, what: list[str], job_environment: dict, out: Path, device_index: int,
+                   timeout: float) -> dict | None:
+    raw_path = out / "raw" / f"{name}.json"
     raw_path.parent.mkdir(parents=True, exist_ok=True)
     (out / "snapshots").mkdir(exist_ok=True)
     # the child's torch sees only the measured GPU; --device is the index NVML (which ignores this variable) uses
-    env = {**os.environ, **job_env(spec_reference(spec)), "CUDA_VISIBLE_DEVICES": str(device_index)}
-    child = [sys.executable, __file__, "--child", json.dumps(asdict(spec)), "--device", str(device_index),
-             "--raw", str(raw_path),
-             "--snapshot", str(out / "snapshots" / f"{spec.name}.pickle")]
+    env = {**os.environ, **job_environment, "CUDA_VISIBLE_DEVICES": str(device_index)}
     try:
-        done = subprocess.run(child, env=env, timeout=timeout, capture_output=True, text=True)
+        done = subprocess.run(child_command(name, what, out, device_index), env=env, timeout=timeout,
+                              capture_output=True, text=True)
     except subprocess.TimeoutExpired:
-        print(f"  {spec.name}: timed out after {timeout:.0f} s", file=sys.stderr)
+        print(f"  {name}: timed out after {timeout:.0f} s", file=sys.stderr)
         return None
     if done.returncode != 0 or not raw_path.is_file():
-        print(f"  {spec.name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        print(f"  {name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
     return json.loads(raw_path.read_text())
 
@@ -271,10 +330,28 @@ def check_mps_limit(device: int) -> dict:
         shutil.rmtree(private, ignore_errors=True)
 
 
+def measure_cases(cases: tuple[ProgramCase, ...], out: Path, device_index: int, timeout: float) -> int:
+    """Each case in a fresh process, its line appended to OUT/cases.jsonl as it comes."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "cases.jsonl").open("a") as sink:
+        for number, case in enumerate(cases, start=1):
+            raw = measured_child(case.name, ["--case", case.name], WORLD_OF_ONE, out, device_index, timeout)
+            if raw is None:
+                continue
+            line = case_record(case, raw)
+            sink.write(json.dumps(line) + "\n")
+            sink.flush()
+            ground = line["ground"]
+            print(f"[{number}/{len(cases)}] {case.name}: allocated {ground['max_memory_allocated']} B, reserved "
+                  f"{ground['max_memory_reserved']} B ({raw['seconds']:.1f} s)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="directory for measurements.jsonl, raw/, snapshots/")
-    parser.add_argument("--plan", choices=("modern",), help="built-in job list")
+    parser.add_argument("--plan", choices=("modern", "sharding"),
+                        help="built-in job list (sharding: issue 22's single-GPU stand-ins, OUT/cases.jsonl)")
     parser.add_argument("--data", type=Path, help="measure the distinct jobs of this JSONL's records")
     parser.add_argument("--limit", type=int, default=0, help="measure at most this many jobs")
     parser.add_argument("--device", type=int, default=0, help="GPU index (default 0)")
@@ -283,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check that the MPS control daemon's share (set as the root Prolog sets it) "
                              "holds against a client that raises its own limit; does nothing without a GPU")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--raw", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--snapshot", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -296,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_child(JobSpec(**json.loads(args.child)), args.snapshot, args.device)
         args.raw.write_text(json.dumps(raw))
         return 0
+    if args.case:  # in the fresh process, with WORLD_OF_ONE in its environment
+        case = {case.name: case for case in SHARDING_PLAN}[args.case]
+        args.raw.write_text(json.dumps(run_command(case.command(), args.snapshot, args.device)))
+        return 0
     if not args.out or not (args.plan or args.data):
         parser.error("give --out and --plan or --data")
     try:
@@ -304,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measure_gpu.py: no usable NVIDIA GPU {args.device} ({e}); run it on a machine with a GPU",
               file=sys.stderr)
         return 2
+    if args.plan == "sharding":
+        return measure_cases(SHARDING_PLAN[: args.limit] if args.limit else SHARDING_PLAN, args.out, args.device,
+                             args.timeout)
     specs = list(MODERN_PLAN) if args.plan == "modern" else specs_from_data(load_references(args.data))
     specs = specs[: args.limit] if args.limit else specs
     for spec in specs:  # fail before any GPU time is spent on a job that cannot be re-created

@@ -82,3 +82,34 @@ def test_without_a_gpu_it_stops_before_running_anything(tmp_path):
     assert done.returncode == 2
     assert "no usable NVIDIA GPU" in done.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_sharding_cases_are_programs_here_started_as_rank_0_of_one(tmp_path):
+    names = [case.name for case in mg.SHARDING_PLAN]
+    assert len(set(names)) == len(names)
+    for case in mg.SHARDING_PLAN:
+        command = case.command("python")
+        assert Path(command[1]).is_file() and command[1].startswith(str(ROOT / "tests" / "scripts"))
+        child = mg.child_command(case.name, ["--case", case.name], tmp_path, 0)
+        assert child[child.index("--case") + 1] == case.name  # the child finds it by name
+    scripts = {case.script for case in mg.SHARDING_PLAN}
+    assert {"fsdp1_lora.py", "fsdp2_mixed_precision.py", "deepspeed_zero.py", "dtensor_tp.py"} <= scripts
+    # torchrun's rank-0 variables at world size 1: what the programs' init_process_group and set_device read
+    assert mg.WORLD_OF_ONE["WORLD_SIZE"] == "1" and mg.WORLD_OF_ONE["LOCAL_RANK"] == "0"
+
+
+def test_case_record_keeps_the_allocator_peaks_and_the_nvml_rise():
+    raw = {"gpu_name": "NVIDIA H200", "oom": False, "seconds": 2.0, "nvml_used": [100, 900, 700],
+           "max_memory_reserved": 600, "max_memory_allocated": 500, "context_bytes": 200, "snapshot": "zero2.pickle",
+           "error": None, "versions": {"torch": "2.14.1"}}
+    line = mg.case_record(mg.SHARDING_PLAN[0], raw)
+    assert line["case"] == "fsdp1-lora-orig" and line["command"][0].endswith("fsdp1_lora.py")
+    assert (line["ground"]["memory"], line["ground"]["max_memory_allocated"], line["ground"]["max_memory_reserved"],
+            line["ground"]["snapshot"]) == (800, 500, 600, "zero2.pickle")
+
+
+def test_without_a_gpu_the_sharding_plan_stops_before_running_anything(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plan", "sharding", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no usable NVIDIA GPU" in done.stderr
+    assert not (tmp_path / "o").exists()
