@@ -75,6 +75,8 @@ def check_command(
                                              help="Optimizer steps to trace (default: the site's)."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter for commands that name none "
                                          "(default: the site's estimate.python, else this one)."),
+    step: Optional[int] = typer.Option(None, "--step", min=1, metavar="N",
+                                       help="With --vary: answer in multiples of N (as `xmem-slurm fit --step`)."),
     verbose: bool = VERBOSE_OPTION,
 ) -> None:
     """Show what xmem would ask Slurm for: the parsed job, the estimate per GPU type, the request and why."""
@@ -97,7 +99,7 @@ def check_command(
         from xmem.cli.fit import fit_job
 
         with _script_file(script, wrap) as path:
-            fit_job(path, list(args or ()), cli_options, site, gpu, vary, as_json)
+            fit_job(path, list(args or ()), cli_options, site, gpu, vary, as_json, step=step)
         raise typer.Exit(EXIT_OK)
     estimator = _picture_estimator(as_json, plot, snapshot, plot_gpu, site)
     try:

@@ -193,7 +193,7 @@ def growth_text(result: FitResult) -> str:
 
 
 def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | None, site: SiteConfig,
-            gpus: Sequence[str] | None, vary_text: str, as_json: bool) -> None:
+            gpus: Sequence[str] | None, vary_text: str, as_json: bool, step: int | None = None) -> None:
     """`check JOB.sh --vary ...`: the search on the script's (first) training command, in its environment and
     directory, over the GPU types of its partitions."""
     from xmem.jobscript import parse_jobscript, slurm_runtime_env
@@ -219,7 +219,7 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
                 "warm_tracer": site.estimate.warm_tracer}
     try:
         run_fit(command.argv, vary, site, gpus, settings, as_json,
-                site_types=estimate_types(site, job_partitions(job.directives, site)))
+                site_types=estimate_types(site, job_partitions(job.directives, site)), step=step)
     except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
