@@ -25,7 +25,8 @@ CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")
 # aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize(): ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB.
 CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
 # Same file: Hopper (major 9) gets 32 MiB. Newer code also gives it to Blackwell (10, 12; PR #175344), which
-# a later PR proposed to revert; no Blackwell type is in the catalog, so only Hopper is listed.
+# a later PR proposed to revert; until that settles the catalog's Blackwell types (B200, RTX 5090) get the
+# default here (24 MiB less per workspace if the newer rule holds).
 CUBLAS_LARGE_WORKSPACE_BYTES = 32 * 1024 * 1024
 CUBLAS_LARGE_WORKSPACE_MAJORS = frozenset({9})
 
