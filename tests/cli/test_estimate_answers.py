@@ -72,3 +72,12 @@ def test_tracer_notes_are_in_the_json_and_behind_verbose(record):
         text = console.export_text()
         assert ("returned a stand-in" in text) == verbose
         assert ("--verbose shows them" in text) != verbose
+
+
+def test_warnings_that_stay_say_what_to_do():
+    from xmem.cli.estimate import shown_warnings
+
+    lines = shown_warnings(["CUDA graphs were traced eagerly: the graph's private memory pool is not modelled",
+                            "torch.compile was ignored: the eager program was traced (compiled code often needs "
+                            "less)"], verbose=False)
+    assert len(lines) == 2 and "measure one run on a GPU" in lines[0] and "--verbose shows them" in lines[1]

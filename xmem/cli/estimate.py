@@ -52,7 +52,18 @@ QUIET_WARNINGS = (
     "torch.compile was ignored",  # trace/fakecuda.py: libraries wrap functions with it at import; eager errs high
     "the program's files were protected",  # trace/runner.py: the sandbox at work
     "the job takes GPU-dependent code paths",  # estimate.py: traced once per GPU class, as it should be
+    "GradScaler assumed finite gradients",  # trace/fakecuda.py: every step taken, the memory of a step counted
 )
+# What a person can do about the warnings that stay, by how their makers begin them (the what is theirs).
+WARNING_ADVICE = {
+    "nonzero()/boolean-mask selections assumed every element": "the figures are an upper bound for those "
+                                                                "selections: nothing to do",
+    "a condition on tensor data was answered True": "if the job's memory depends on how long that loop runs, "
+                                                    "trace more steps (--iterations)",
+    "CUDA graphs were traced eagerly": "the graph's pool is not in the figures: ask for more than them, or "
+                                       "measure one run on a GPU",
+    "the program read the GPU's memory size": "estimate for the GPU type (--gpu) the job will get",
+}
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
@@ -198,7 +209,9 @@ def shown_warnings(warnings: Sequence[str], verbose: bool) -> list[str]:
     with --verbose), and a note saying how many were left out. Rich markup; escaped text."""
     shown = [w for w in warnings if verbose or not w.startswith(QUIET_WARNINGS)]
     hidden = len(warnings) - len(shown)
-    return [f"[yellow]warning:[/] {escape(w)}" for w in shown] + (
+    advice = [next((f" ({todo})" for start, todo in WARNING_ADVICE.items() if w.startswith(start)), "")
+              for w in shown]
+    return [f"[yellow]warning:[/] {escape(w + a)}" for w, a in zip(shown, advice)] + (
         [f"[dim]note: {hidden} note(s) of the tracer that do not change the figures: --verbose shows them[/]"]
         if hidden else [])
 
