@@ -13,7 +13,7 @@ import pytest
 from test_trace_launcher import FSDP2_EXAMPLE, parameter_bytes
 from torch_builds import PYTHONS
 
-from xmem.trace import follow, run_trace
+from xmem.trace import follow, run_trace, sandbox
 
 XMEM_PARENT = str(Path(follow.__file__).resolve().parents[2])
 
@@ -150,3 +150,23 @@ def test_an_environments_console_script_runs_on_that_environments_python(tmp_pat
     """))
     tool.chmod(0o755)
     assert run_trace([str(tool)], iterations=1).iterations == 1
+
+
+def test_a_child_python_process_writes_into_the_fallback_sandboxs_copy(tmp_path, monkeypatch):
+    """No namespaces: a Python process the program starts redirects its writes as the tracer does (the same
+    copy-on-write directory), instead of having them refused; the user's directory stays as it was."""
+    monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
+    write(tmp_path / "child.py", """
+        with open("cache.txt", "w") as f:
+            f.write("tokens")
+        assert open("cache.txt").read() == "tokens"
+    """)
+    outer = write(tmp_path / "outer.py", """
+        import subprocess, sys, torch
+        subprocess.run([sys.executable, "child.py"], check=True)
+        model = torch.nn.Linear(4, 4).cuda()
+        model(torch.randn(2, 4, device="cuda")).sum().backward()
+    """)
+    before = sorted(path.name for path in tmp_path.iterdir())
+    assert run_trace([sys.executable, str(outer)], iterations=1, cwd=str(tmp_path)).iterations == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == before

@@ -32,10 +32,11 @@ the estimate is stopped. The tracer starts through a bootstrap that calls `insta
 `xmem.trace` runs (the tracer's own code needs no hook): it redirects Python's file APIs (builtins/io.open, os.open,
 mkdir/makedirs, rename/replace, remove/unlink, rmdir, stat/lstat/access, listdir/scandir, chmod/utime/truncate,
 symlink; pathlib and most of shutil go through them) into a copy-on-write directory under the scratch, and Landlock (where the kernel has it)
-makes every other write outside the scratch fail with EACCES instead of landing. Not covered there: a C extension
-or a subprocess writing with its own open() gets EACCES under Landlock and, without Landlock, writes for real;
+makes every other write outside the scratch fail with EACCES instead of landing. A Python process the program
+starts redirects its writes the same way (the boot hook calls `install_in_child()` too). Not covered there: a C
+extension or a program other than Python writing with its own open() gets EACCES under Landlock and, without Landlock, writes for real;
 fd-relative calls (`dir_fd=`, `shutil.rmtree` of an existing directory) are not redirected; a removal is seen by
-the tracer process only; and when the caller and helper are SIGKILLed, a daemon the program made survives (no pid
+the process that made it only; and when the caller and helper are SIGKILLed, a daemon the program made survives (no pid
 namespace to end it).
 
 Both modes: every process of the chain dies with its parent (PR_SET_PDEATHSIG), so a caller killed with SIGKILL
@@ -618,11 +619,19 @@ def _kill_on_signal(init: int) -> None:
 
 def install_in_child() -> None:
     """In the tracer, before anything else (the fallback's bootstrap calls it): redirect Python's file APIs into
-    the copy-on-write directory the helper made. A no-op under namespaces, where the kernel does it."""
-    spec = os.environ.pop(COW_ENV, "")
-    if spec:
+    the copy-on-write directory the helper made. A no-op under namespaces, where the kernel does it. The setting
+    stays in the environment: every Python process the program starts calls this at start-up too (the boot hook,
+    `xmem/trace/boot`), so that its writes land in the same copy instead of being refused. Once per process: a
+    second CopyOnWrite would take the first one's functions for the real ones."""
+    global _installed
+    spec = os.environ.get(COW_ENV, "")
+    if spec and not _installed:
         settings = json.loads(spec)
         CopyOnWrite(settings["cow"], settings["passthrough"], settings["only_under"]).install()
+        _installed = True
+
+
+_installed = False  # whether this process's file APIs are redirected
 
 
 class CopyOnWrite:

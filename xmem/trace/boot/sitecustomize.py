@@ -3,7 +3,8 @@
 Makes the `xmem` package importable from where it lies without putting the installation's other packages on the
 job's path (the job's own interpreter and libraries are what is traced, whatever their versions), runs the
 sitecustomize this file shadows (the interpreter's or the environment's own), then hands a process the traced
-program started to `xmem.trace.follow`, which traces it. Standard library only: it runs in the user's interpreter.
+program started to `xmem.trace.follow`, which traces it. First of all, where the sandbox redirects Python's writes
+(its fallback, `xmem.trace.sandbox.install_in_child`), this process's are redirected the same way. Standard library only: it runs in the user's interpreter.
 """
 
 import importlib.machinery
@@ -31,7 +32,8 @@ def _run_shadowed() -> None:
 
 
 _register_xmem()
-_run_shadowed()
-from xmem.trace import follow  # noqa: E402 - xmem is importable from here on
+from xmem.trace import follow, sandbox  # noqa: E402 - xmem is importable from here on
 
+sandbox.install_in_child()  # the fallback sandbox's redirected writes, as in the process that started this one
+_run_shadowed()
 follow.main()
