@@ -8,7 +8,7 @@ import pytest
 
 from test_trace_scripts import allocs, sizes
 from torch_builds import SCRIPTS
-from xmem.trace import run_trace
+from xmem.trace import TraceError, run_trace
 from xmem.trace.events import Category
 
 pytest.importorskip("deepspeed")
@@ -56,3 +56,11 @@ def test_zero3_partitions_each_parameter_and_steps_rank_0s_part():
     assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
     for iteration in (0, 1):
         assert sizes(e for e in allocs(trace, Category.GRADIENT) if e.iteration == iteration) == [partition * FP32]
+
+
+def test_a_compiled_op_that_does_more_than_write_in_place_is_named_not_modelled():
+    # offload_optimizer makes DeepSpeedCPUAdam, whose host kernel (the cpu_adam op) OpBuilder.load would compile
+    with pytest.raises(TraceError) as failed:
+        run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "2",
+                   "--offload", "1"], iterations=2)
+    assert failed.value.kind == "not_modelled" and "cpu_adam" in failed.value.message

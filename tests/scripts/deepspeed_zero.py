@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO through its own engine (deepspeed.initialize with a config dict), launched by torchrun: an MLP
 Linear(256, 512) -> ReLU -> Linear(512, 16) in bf16, AdamW from the config (DeepSpeed's FusedAdam), contiguous
-gradients in a reduce bucket of 50 000 elements, no overlap. --stage 1|2|3 (argv)."""
+gradients in a reduce bucket of 50 000 elements, no overlap. --stage 1|2|3, --offload 1 keeps the optimizer on the
+host (DeepSpeedCPUAdam) (argv)."""
 import argparse
 
 import deepspeed
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stage", type=int, default=2)
+parser.add_argument("--offload", type=int, default=0)
 parser.add_argument("--local_rank", type=int, default=0)  # deepspeed's launcher passes it
 args = parser.parse_args()
 
@@ -19,6 +21,8 @@ config = {"train_micro_batch_size_per_gpu": 8,
           "zero_optimization": {"stage": args.stage, "contiguous_gradients": True, "overlap_comm": False,
                                 "reduce_bucket_size": 50000, "allgather_bucket_size": 50000,
                                 "stage3_prefetch_bucket_size": 50000, "stage3_param_persistence_threshold": 1000}}
+if args.offload:
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 for step in range(3):
     loss = engine(torch.randn(8, 256, device=engine.device, dtype=torch.bfloat16)).float().sum()
