@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.throwaway_users import SYSTEM_PYTHON, scratch, users_fixture  # noqa: F401 (scratch is a fixture)
+from xmem.slurm import inline
 from xmem.slurm.filter import filter_main
 from xmem.trace import privileges
 
@@ -71,10 +72,10 @@ def test_root_submitting_a_cpu_job_gets_the_usual_empty_reply(tmp_path):
 
 
 def test_as_root_the_estimator_refuses_before_anything_starts(tmp_path):
-    refuse = privileges.guarded_estimator({"uid": "alice"}, str(tmp_path / "job.sh"))
+    refuse = inline.guarded_estimator({"uid": "alice"}, str(tmp_path / "job.sh"))
     with pytest.raises(privileges.RootTraceRefused, match="for alice"):
         refuse(["python", "train.py"], gpus=["a100"], cwd=str(tmp_path))
-    assert privileges.kept_decision([]) is None  # nothing refused: the analysis' own answer stands
+    assert inline.kept_decision([]) is None  # nothing refused: the analysis' own answer stands
 
 
 # --- issue 21: `check` / `estimate` run by root on a user's files -----------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,18 +40,43 @@ def analyze_submission(script: str, request: FilterRequest, config: Any, *,
     """Run the real analysis (parse, estimate, policy), done by `deadline` (time.monotonic(); default: the site's
     estimate timeout from now). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
-    from xmem.policy import Decision
-    from xmem.trace import privileges
 
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
                                    config=config, env=dict(request.env) or None, user=request.user,
                                    submit_cwd=request.cwd, deadline=deadline,
-                                   estimator=privileges.guarded_estimator(request.options, script))
+                                   estimator=guarded_estimator(request.options, script))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Verdict(decision=None, errors=(_error_text(e),))
-    kept = privileges.kept_decision(job_analysis.errors)  # a user's program is never traced as root
-    return Verdict(decision=Decision(**kept)) if kept else verdict_of(job_analysis)
+    kept = kept_decision(job_analysis.errors)  # a user's program is never traced as root
+    return Verdict(decision=kept) if kept else verdict_of(job_analysis)
+
+
+def guarded_estimator(options: Mapping[str, str], script: str | None) -> Callable[..., Any] | None:
+    """None for an ordinary user (the analysis uses the real estimator); as root, the real estimator behind
+    xmem.trace.privileges' check (whose job it is), which refuses before anything starts."""
+    from xmem.trace import privileges
+
+    if not privileges.as_root():
+        return None
+
+    def estimate(command: Sequence[str], **kw: Any) -> Any:
+        who = privileges.foreign_owner(options, script, command, kw.get("cwd"))
+        if who:
+            raise privileges.RootTraceRefused(privileges.notice(who))
+        from xmem.estimate import estimate as real
+
+        return real(list(command), **kw)
+    return estimate
+
+
+def kept_decision(errors: Sequence[Any]) -> Any:
+    """The policy's "keep" Decision when a trace was refused as root (its notice is the reason), else None."""
+    from xmem.policy import Decision
+    from xmem.trace.privileges import KIND
+
+    refused = [e for e in errors if getattr(e, "kind", None) == KIND]
+    return Decision(action="keep", reason=refused[0].message) if refused else None
 
 
 def parse_job(script: str, request: FilterRequest) -> Any:

@@ -5,8 +5,9 @@ the login node; tracing the job there would run that user's program as root. Own
 root, a job that is another user's (`--uid`, or a batch script, working directory or file its command runs that
 is not root's alone) is not estimated and keeps its request, with a one-line notice saying how to have it sized.
 Root's own job, all of whose files only root can write, is estimated as before: it is root's code, and it will
-run as root anyway. The filter passes `guarded_estimator` to the analysis, so a job that needs no trace (a CPU
-job, one that is not understood) is answered as before; only the step that would start the program is checked.
+run as root anyway. The filter (xmem.slurm.inline) wraps its estimator in `foreign_owner`'s check, so a job that
+needs no trace (a CPU job, one that is not understood) is answered as before; only the step that would start the
+program is checked. The tracer decides nothing of Slurm's: it never imports the pipeline above it.
 
 `xmem-slurm check` and `estimate` run by root on another user's script or program (issue 21) are run again as that
 user (`rerun_as`: their groups, uid and a clean environment set before exec, as login does), so the program runs
@@ -19,7 +20,7 @@ import os
 import pwd
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Callable
 
 KIND = "not_as_root"  # the AnalysisError kind of a refused trace
 OTHERS_WRITE = 0o022
@@ -81,28 +82,6 @@ def notice(who: str) -> str:
     """The user's line: whose job it is, why it is not estimated, what to do."""
     return (f"submitted by root for {who}: xmem-slurm never runs a user's program as root, so this job is not "
             f"estimated and keeps its request (submit it as {who} to have it sized)")
-
-
-def guarded_estimator(options: Mapping[str, str], script: str | None) -> Callable[..., Any] | None:
-    """None for an ordinary user (the analysis uses the real estimator); as root, the real estimator behind the
-    check, which refuses before anything starts."""
-    if not as_root():
-        return None
-
-    def estimate(command: Sequence[str], **kw: Any) -> Any:
-        who = foreign_owner(options, script, command, kw.get("cwd"))
-        if who:
-            raise RootTraceRefused(notice(who))
-        from xmem.estimate import estimate as real
-
-        return real(list(command), **kw)
-    return estimate
-
-
-def kept_decision(errors: Sequence[Any]) -> dict[str, Any] | None:
-    """The policy's "keep" decision when a trace was refused as root (its notice is the reason), else None."""
-    refused = [e for e in errors if getattr(e, "kind", None) == KIND]
-    return {"action": "keep", "reason": refused[0].message} if refused else None
 
 
 # --- issue 21: the CLI as root on another user's files -------------------------------------------------------------
