@@ -13,6 +13,7 @@ Installed from `xmem.trace.fakecuda.install` once `deepspeed.ops.op_builder.buil
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any, Callable
 
@@ -83,17 +84,20 @@ def finite_gradients(module: Any) -> None:
 
 def rank_0_lists(zero_utils: Any) -> None:
     """ZeRO-3 checks that every rank built the same parameter order (`assert_ints_same_as_other_ranks`): rank 0
-    broadcasts a GPU tensor of its list and compares it with `.item()`s, whose stand-ins (1) disagree with the list.
-    The trace is rank 0, which agrees with itself: the broadcasts still run (their int64 tensors are allocated as on
-    the GPU) and answer rank 0's own list."""
-    broadcast_list = zero_utils.get_lst_from_rank0
+    broadcasts a GPU tensor of its list (`get_lst_from_rank0`; its length first, `assert_lst_len_same_as_other_ranks`)
+    and reads it back with `.item()`s, whose stand-ins (1) disagree with the list. The trace is rank 0, which agrees
+    with itself: the int64 tensor is made, broadcast and copied to the host as upstream does, and the answer is rank
+    0's own list, read from no stand-in."""
 
     def get_lst_from_rank0(lst: list[int]) -> list[int]:
-        broadcast_list(lst)
+        device = torch.device(zero_utils.get_accelerator().device_name(os.environ["LOCAL_RANK"]))
+        values = torch.tensor(lst, dtype=int, device=device, requires_grad=False)
+        zero_utils.dist.broadcast(values, src=0, async_op=False)
+        values.cpu()
         return list(lst)
 
     def assert_lst_len_same_as_other_ranks(lst: list[int]) -> None:
-        broadcast_list([len(lst)])  # upstream broadcasts the length as one int64, as this does
+        get_lst_from_rank0([len(lst)])  # upstream's is a 0-d int64 tensor: the same 8 bytes, one 512-byte block
 
     zero_utils.get_lst_from_rank0 = get_lst_from_rank0
     zero_utils.assert_lst_len_same_as_other_ranks = assert_lst_len_same_as_other_ranks
