@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from xmem.trace.events import Category
+from xmem.trace.on_import import patch_on_import
 
 # upstream torch/distributed/constants + DDP defaults: the first bucket is small so communication starts early
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -168,7 +169,6 @@ def _patch_fsdp_module_move() -> None:
     The same move runs first through the fake-aware `nn.Module._apply`, module by module as upstream walks them (not
     into nested FSDP instances; ignored tensors stay), which replaces the parameters by fake ones and rebinds the
     optimizers built before; upstream's move then finds nothing left on the CPU."""
-    from xmem.trace.fakecuda import _patch_on_import
 
     def patch(init_utils: Any) -> None:
         move = init_utils._move_module_to_device
@@ -187,7 +187,7 @@ def _patch_fsdp_module_move() -> None:
 
         init_utils._move_module_to_device = move_fake_aware
 
-    _patch_on_import("torch.distributed.fsdp._init_utils", patch)
+    patch_on_import("torch.distributed.fsdp._init_utils", patch)
 
 
 def _patch_fsdp_storage_checks() -> None:
@@ -198,7 +198,6 @@ def _patch_fsdp_storage_checks() -> None:
     _catch_all_reshard`: a unit whose post-backward hook never ran, e.g. one of frozen parameters only, is resharded
     there). A fake storage has no data pointer (0 for all), so each is asked of the storage itself: allocated
     when it holds bytes (FSDP frees by resizing to 0), the same when it is the same StorageImpl."""
-    from xmem.trace.fakecuda import _patch_on_import
 
     def storage_of(tensor: torch.Tensor) -> int:
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own shard (SHARD_GRAD_OP with TP), as upstream
@@ -234,8 +233,8 @@ def _patch_fsdp_storage_checks() -> None:
 
         runtime._catch_all_reshard = catch_all_reshard
 
-    _patch_on_import("torch.distributed.fsdp._flat_param", patch)
-    _patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
+    patch_on_import("torch.distributed.fsdp._flat_param", patch)
+    patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
 
 
 # Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself
@@ -256,7 +255,6 @@ def _patch_lightning_launchers() -> None:
     (`_SubprocessScriptLauncher._call_children_scripts`: subprocess.Popen). They would run without fake CUDA and take
     the CPU from rank 0's trace: rank 0 runs alone, as under mp.spawn, with the environment upstream sets for it
     there (MASTER_ADDR/PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE), and no child for the launcher to watch."""
-    from xmem.trace.fakecuda import _patch_on_import
 
     def patch(module: Any) -> None:
         launcher = module._SubprocessScriptLauncher
@@ -273,7 +271,7 @@ def _patch_lightning_launchers() -> None:
         launcher._call_children_scripts = rank_zero_alone
 
     for name in _LIGHTNING_LAUNCHERS:
-        _patch_on_import(name, patch)
+        patch_on_import(name, patch)
 
 
 def _patch_data_parallel_transfers() -> None:

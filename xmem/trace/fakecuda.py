@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from xmem.trace import attention, cuda_driver, deepspeed_ops, distributed, triton_launch
 from xmem.trace.events import Category
+from xmem.trace.on_import import patch_on_import
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
 GPU_BY_CAPABILITY: dict[tuple[int, int], tuple[str, int, int]] = {
@@ -200,7 +201,7 @@ def install(fake: FakeCuda) -> None:
     _patch_cuda_data_functions()
     attention.install(fake)
     _patch_compile(fake)
-    _patch_on_import("transformers.utils.import_utils", _fake_tensors_are_not_a_graph)
+    patch_on_import("transformers.utils.import_utils", _fake_tensors_are_not_a_graph)
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
     _patch_module_registration(fake)
@@ -209,11 +210,11 @@ def install(fake: FakeCuda) -> None:
     _patch_recurrent_layers()
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
-    _patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
-    _patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
+    patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
+    patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
     for module_name in deepspeed_ops.FINITE_GRADIENTS:  # ZeRO's overflow checks read stand-ins
-        _patch_on_import(module_name, deepspeed_ops.finite_gradients)
-    _patch_on_import("deepspeed.runtime.zero.utils", deepspeed_ops.rank_0_lists)  # ZeRO-3's order checks
+        patch_on_import(module_name, deepspeed_ops.finite_gradients)
+    patch_on_import("deepspeed.runtime.zero.utils", deepspeed_ops.rank_0_lists)  # ZeRO-3's order checks
 
 
 def _install_device_guard() -> None:
@@ -416,30 +417,6 @@ def _fake_tensors_are_not_a_graph(import_utils: Any) -> None:
     # trace every FakeTensor stands for GPU data (torch.compile runs eagerly): its checks get stand-in values like
     # any other. Found by the model-zoo oracle (scripts/zoo_check.py, hf:llama).
     import_utils.is_fake_tensor = lambda tensor: False
-
-
-def _patch_on_import(module_name: str, patch: Callable[[Any], None]) -> None:
-    """Run `patch(module)` right after `module_name` is first imported (a library the program may import later)."""
-    import importlib.abc
-    import importlib.util
-    import sys
-
-    if module_name in sys.modules:  # imported already (the warm tracer preloads the training libraries)
-        patch(sys.modules[module_name])
-        return
-
-    class PatchAfterLoading(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-            if fullname != module_name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is not None and spec.loader is not None:
-                load = spec.loader.exec_module
-                spec.loader.exec_module = lambda module: (load(module), patch(module))  # type: ignore[method-assign]
-            return spec
-
-    sys.meta_path.insert(0, PatchAfterLoading())
 
 
 def _active_fake_mode() -> FakeTensorMode | None:
