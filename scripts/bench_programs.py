@@ -43,9 +43,9 @@ GIB = 1 << 30
 TORCH_PINS = ("torch==2.14.1", "torchvision==0.29.1")
 # The packages whose programs are run, pinned. litgpt pins huggingface-hub<1.4, which the others' current
 # releases exclude: like a user's own environment, it gets a venv of its own (VENV-litgpt).
-PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "ultralytics==8.4.190", "open_clip_torch==3.3.0",
-                     "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao", "chemprop", "pykeen"),
-                "litgpt": ("litgpt==0.5.13",)}
+PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "ultralytics==8.4.190", "open_clip_torch[training]==3.3.0",
+                     "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0", "chemprop==2.3.1", "pykeen==1.11.1"),
+                "litgpt": ("litgpt==0.5.13", "requests")}  # requests: jsonargparse reads configs by URL
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -90,11 +90,10 @@ def words(n: int, seed: int) -> list[str]:
 # --- fixtures: what each package's programs would otherwise download (run in the programs' venv) ---------------
 
 
-def hf_tokenizer(folder: Path, chat: bool = True) -> Any:
-    """A byte-level BPE tokenizer trained on generated text, saved as transformers loads it (with a chat
-    template, for trainers that format conversations)."""
+def bpe_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE tokenizer trained on generated text, saved as tokenizer.json with a tokenizer_config.json
+    naming its special tokens (what litgpt's Tokenizer reads; transformers' fast tokenizers read the same)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -102,11 +101,21 @@ def hf_tokenizer(folder: Path, chat: bool = True) -> Any:
     specials = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
     tok.train_from_iterator(words(2000, 0), trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
                                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   bos_token="<|endoftext|>")
-    if chat:
-        fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "add_bos_token": False,
+                                                              "eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}))
+    return tok
+
+
+def hf_tokenizer(folder: Path) -> Any:
+    """`bpe_tokenizer` as transformers saves it, with a chat template for trainers that format conversations."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(folder), eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>", bos_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     fast.save_pretrained(folder)
     return fast
 
@@ -175,7 +184,7 @@ def fixtures_litgpt(work: Path) -> None:
     model = litgpt_model(work)
     torch.save(model.state_dict(), folder / "lit_model.pth")
     save_config(model.config, folder)
-    hf_tokenizer(folder, chat=False)
+    bpe_tokenizer(folder)
     text = words(48, 2)
     (work / "data.json").write_text(json.dumps([{"instruction": t[:30], "input": "", "output": t[30:]}
                                                 for t in text]))
@@ -197,7 +206,8 @@ def picture(path: Path, rng: random.Random, size: int = 64) -> None:
 
 # ultralytics label lines per task (normalised coordinates): a box, a polygon, a box with 3 keypoints, a rotated box
 YOLO_LABELS = {"detect": "{c} 0.5 0.5 0.4 0.3", "segment": "{c} 0.3 0.3 0.7 0.3 0.7 0.6 0.3 0.6",
-               "pose": "{c} 0.5 0.5 0.4 0.4 0.4 0.4 2 0.5 0.5 2 0.6 0.6 2", "obb": "{c} 0.3 0.3 0.7 0.35 0.65 0.7 0.25 0.6"}
+               "pose": "{c} 0.5 0.5 0.4 0.4 0.4 0.4 2 0.5 0.5 2 0.6 0.6 2",
+               "obb": "{c} 0.3 0.3 0.7 0.35 0.65 0.7 0.25 0.6"}
 YOLO_EXTRA = {"pose": "kpt_shape: [3, 3]\nflip_idx: [0, 1, 2]\n"}
 
 
@@ -306,8 +316,10 @@ def tune_args(recipe: str, config: str, lora: bool, *extra: str) -> tuple[str, .
             "tokenizer.path={work}/tok.model", "~tokenizer.max_seq_len",
             "checkpointer._component_=torchtune.training.FullModelTorchTuneCheckpointer",
             "checkpointer.checkpoint_dir={work}/checkpoint", "checkpointer.checkpoint_files=[model.pt]",
-            "checkpointer.output_dir={out}", "output_dir={out}", "dataset.source=json", "batch_size=2", "epochs=1", "max_steps_per_epoch=4", "gradient_accumulation_steps=1",
-            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger", "metric_logger.log_dir={out}", *extra)
+            "checkpointer.output_dir={out}", "output_dir={out}", "dataset.source=json", "batch_size=2", "epochs=1",
+            "max_steps_per_epoch=4", "gradient_accumulation_steps=1",
+            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger", "metric_logger.log_dir={out}",
+            *extra)
 
 
 def chemprop_args(task: str) -> tuple[str, ...]:
@@ -507,8 +519,16 @@ def setup(base: Path) -> None:
         subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *TORCH_PINS, *pins], check=True)
 
 
+def write_records(path: Path, records: list[Record], iterations: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": GPU, "iterations": iterations, "answered": sum(r.answered for r in records),
+                                "programs": len(records), "records": [asdict(r) for r in records]}, indent=1) + "\n")
+
+
 def select(only: list[str] | None, packages: list[str] | None) -> list[Program]:
-    chosen = [p for p in PROGRAMS if (not only or p.name in only) and (not packages or p.package in packages)]
+    named = {p.name: p for p in PROGRAMS}
+    chosen = [named[n] for n in dict.fromkeys(only) if n in named] if only else PROGRAMS  # in the order asked
+    chosen = [p for p in chosen if not packages or p.package in packages]
     unknown = set(only or ()) - {p.name for p in PROGRAMS}
     if unknown:
         raise SystemExit(f"unknown program(s): {', '.join(sorted(unknown))} (see --list)")
@@ -549,22 +569,24 @@ def main() -> int:
     records = []
     with tempfile.TemporaryDirectory(prefix="xmem-programs-") as tmp:
         work = Path(tmp)
-        for package in dict.fromkeys(p.package for p in programs):
-            if package in FIXTURES:
-                made = in_venv(venv_of(package, args.venv), work / package, "--fixtures", package)
-                if made.returncode != 0:
-                    raise SystemExit(f"{package}'s fixtures failed:\n{made.stderr[-3000:]}")
+        unmade: dict[str, str] = {}  # package -> why its fixtures failed
         for program in programs:
-            record = run_program(program, venv_of(program.package, args.venv), work, args.iterations, args.timeout)
+            venv = venv_of(program.package, args.venv)
+            if program.package in FIXTURES and not (work / program.package).exists():
+                made = in_venv(venv, work / program.package, "--fixtures", program.package)
+                if made.returncode != 0:
+                    unmade[program.package] = f"fixtures not made: {last_line(made.stderr)}"
+            if program.package in unmade:
+                record = Record(program.name, program.package, " ".join(program.argv), -1, 0.0,
+                                reason=unmade[program.package])
+            else:
+                record = run_program(program, venv, work, args.iterations, args.timeout)
             print(f"{record.name}: exit {record.exit}, {record.seconds} s {record.reason}", file=sys.stderr,
                   flush=True)
             records.append(record)
+            if args.out:  # after each program, so that a long run's figures so far are kept
+                write_records(args.out, records, args.iterations)
     print(report(records))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"gpu": GPU, "iterations": args.iterations,
-                                        "answered": sum(r.answered for r in records), "programs": len(records),
-                                        "records": [asdict(r) for r in records]}, indent=1) + "\n")
     return 0
 
 
