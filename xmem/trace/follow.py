@@ -4,7 +4,7 @@
 
 The tracer (`xmem.trace.child`, the root of the job's processes) hands its settings down in the environment
 (`hand_down`), and every Python process of the job runs `boot/sitecustomize.py` at start-up (its directory is
-first on PYTHONPATH), which calls `main`. There, a process its launcher made a rank other than 0 (RANK or
+first on PYTHONPATH), which asks `child_argv`. There, a process its launcher made a rank other than 0 (RANK or
 LOCAL_RANK) ends at once: the fake process group stands in for it, as for the root's own distributed runs. Any
 other process runs its program under the tracer as the root runs its own, in the world its launcher described
 (WORLD_SIZE; at least LOCAL_WORLD_SIZE GPUs on the node). A process that reaches the iterations asked writes its
@@ -42,14 +42,15 @@ def hand_down(out: Path, iterations: int, capability: str, device_count: int, pr
         os.environ["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *filter(None, paths)])
 
 
-def main() -> None:
-    """At the start-up of a Python process of the job (boot/sitecustomize.py): trace its program as the root traces
-    its own, then end the process (`finish`). A process that runs no program of the job (the tracer itself,
-    multiprocessing's workers) is left as it is."""
+def child_argv() -> list[str] | None:
+    """At the start-up of a Python process of the job (boot/sitecustomize.py): the tracer's arguments that trace its
+    program as the root traces its own (the caller hands them to `xmem.trace.child.main`, which ends the process
+    through `finish`). None for a process that runs no program of the job (the tracer itself, multiprocessing's
+    workers): it is left as it is."""
     settings = os.environ.get(ENV)
     command = program(sys.orig_argv)
     if not settings or command is None or command[:2] == ["-m", "xmem.trace"]:
-        return
+        return None
     if any(os.environ.get(name, "0") != "0" for name in RANKS):
         os._exit(0)  # a rank the fake process group stands in for: it spends no CPU
     given = json.loads(settings)
@@ -61,8 +62,7 @@ def main() -> None:
         argv += ["--progress-fd", str(progress)]
     if given["deadline"]:  # the trace's own time limit, the same in every process
         argv += ["--deadline", str(given["deadline"])]
-    from xmem.trace import child
-    child.main([*argv, "--", *command])
+    return [*argv, "--", *command]
 
 
 def finish(out: Path, own: dict) -> None:

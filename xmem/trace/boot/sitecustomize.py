@@ -3,8 +3,9 @@
 Makes the `xmem` package importable from where it lies without putting the installation's other packages on the
 job's path (the job's own interpreter and libraries are what is traced, whatever their versions), runs the
 sitecustomize this file shadows (the interpreter's or the environment's own), then hands a process the traced
-program started to `xmem.trace.follow`, which traces it. First of all, where the sandbox redirects Python's writes
-(its fallback, `xmem.trace.sandbox.install_in_child`), this process's are redirected the same way. Standard library only: it runs in the user's interpreter.
+program started to the tracer (`xmem.trace.child`), with the settings `xmem.trace.follow` hands down. First of all,
+where the sandbox redirects Python's writes (its fallback, `xmem.trace.sandbox.install_in_child`), this process's
+are redirected the same way. Standard library only: it runs in the user's interpreter.
 """
 
 import importlib.machinery
@@ -36,4 +37,8 @@ from xmem.trace import follow, sandbox  # noqa: E402 - xmem is importable from h
 
 sandbox.install_in_child()  # the fallback sandbox's redirected writes, as in the process that started this one
 _run_shadowed()
-follow.main()
+_traced = follow.child_argv()
+if _traced is not None:  # a program of the job: traced here, and the process ends there
+    from xmem.trace.child import main as _trace
+
+    _trace(_traced)
