@@ -64,3 +64,19 @@ def test_a_compiled_op_that_does_more_than_write_in_place_is_named_not_modelled(
         run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "2",
                    "--offload", "1"], iterations=2)
     assert failed.value.kind == "not_modelled" and "cpu_adam" in failed.value.message
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_hf_trainer_hands_zero_the_moved_parameters(stage):
+    # The Trainer's DummyOptim holds the host parameters DeepSpeed's engine moves to the GPU (accelerate passes its
+    # list as model_parameters): the trace points it at the moved ones, as a GPU keeps each Parameter object.
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "hf_trainer_zero.py"), "--stage",
+                       str(stage)], iterations=2)
+    assert trace.iterations == 2
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000,
+                                                                 n_positions=64))
+    numel = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once, as named_parameters does
+    # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere; FusedAdam's
+    # two moments of each group's fp32 partition, half of the group at world size 2
+    assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -101,3 +102,34 @@ def rank_0_lists(zero_utils: Any) -> None:
 
     zero_utils.get_lst_from_rank0 = get_lst_from_rank0
     zero_utils.assert_lst_len_same_as_other_ranks = assert_lst_len_same_as_other_ranks
+
+
+# accelerate's DummyOptim (the Trainer's optimizer when DeepSpeed's config names one) holds the parameters DeepSpeed
+# will step; it is made before the engine moves the model to the GPU, which under the fake GPU replaces each
+# Parameter (xmem.trace.fakecuda's _apply): like torch's optimizers, it is pointed at the replacements.
+_DUMMY_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_dummy_optimizers(accelerate_deepspeed: Any) -> None:
+    dummy = accelerate_deepspeed.DummyOptim
+    init = dummy.__init__
+
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _DUMMY_OPTIMIZERS.add(self)
+
+    dummy.__init__ = tracked
+
+
+def rebind_dummy_optimizers(replaced: dict[int, torch.Tensor]) -> None:
+    """Point live DummyOptims at replaced parameters (keyed by the old parameter's id), in place: accelerate hands
+    the same list (or its groups' dicts) to deepspeed.initialize as model_parameters. An iterator is left as it is
+    (reading it would consume the program's)."""
+    for dummy in list(_DUMMY_OPTIMIZERS):
+        if not isinstance(dummy.params, list):
+            continue
+        for index, item in enumerate(dummy.params):
+            if isinstance(item, dict) and isinstance(item.get("params"), list):
+                item["params"][:] = [replaced.get(id(p), p) for p in item["params"]]
+            elif isinstance(item, torch.Tensor):
+                dummy.params[index] = replaced.get(id(item), item)

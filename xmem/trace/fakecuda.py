@@ -215,6 +215,7 @@ def install(fake: FakeCuda) -> None:
     for module_name in deepspeed_ops.FINITE_GRADIENTS:  # ZeRO's overflow checks read stand-ins
         patch_on_import(module_name, deepspeed_ops.finite_gradients)
     patch_on_import("deepspeed.runtime.zero.utils", deepspeed_ops.rank_0_lists)  # ZeRO-3's order checks
+    patch_on_import("accelerate.utils.deepspeed", deepspeed_ops.track_dummy_optimizers)
 
 
 def _install_device_guard() -> None:
@@ -523,12 +524,13 @@ def _rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], replaced: di
         if optimizer.state:
             optimizer.state = collections.defaultdict(
                 dict, {replaced.get(id(k), k): v for k, v in optimizer.state.items()})
+    deepspeed_ops.rebind_dummy_optimizers(replaced)  # accelerate's stand-in for DeepSpeed's optimizer
 
 
 def _patch_cuda_data_functions() -> None:
     """`torch.tensor(data, device="cuda")` and friends: FakeTensorMode lifts Python/CPU data only onto the CPU, so
     build there and move, as the GPU copy would."""
-    from xmem.trace import shortcuts
+    import xmem.trace.shortcuts as shortcuts
     # torch's default-device context (`with torch.device("cuda")`) gives a device to the factories it knows by
     # identity, collected at its first use: collected now, before factories are wrapped here and in
     # _patch_module_registration, the set holds torch's own, which the wrappers call
