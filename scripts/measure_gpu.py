@@ -79,7 +79,8 @@ MODERN_PLAN = (
 # Issue 22: single-GPU stand-ins of the sharded cases the trace models (tests/scripts/ programs, the same wrappers at
 # world size 1, started as their launcher starts rank 0), so that one GPU session settles them: FSDP1 units mixing
 # frozen and trainable parameters (LoRA-like) with and without use_orig_params, FSDP2 in bf16, DeepSpeed ZeRO 1/2/3
-# through its engine (its FusedAdam is JIT-compiled on the first case: ninja and nvcc on the GPU machine), and
+# through its engine and through the HF Trainer (its FusedAdam is JIT-compiled on the first case: ninja and nvcc on
+# the GPU machine), and
 # tensor parallelism over a 1-device mesh. Each is recorded as the jobs are, in OUT/cases.jsonl.
 SCRIPTS_DIR = ROOT / "tests" / "scripts"
 WORLD_OF_ONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
@@ -107,6 +108,8 @@ SHARDING_PLAN = (
     ProgramCase("zero1", "deepspeed_zero.py", ("--stage", "1")),
     ProgramCase("zero2", "deepspeed_zero.py", ("--stage", "2")),
     ProgramCase("zero3", "deepspeed_zero.py", ("--stage", "3")),
+    ProgramCase("hf-trainer-zero2", "hf_trainer_zero.py", ("--stage", "2")),
+    ProgramCase("hf-trainer-zero3", "hf_trainer_zero.py", ("--stage", "3")),
     ProgramCase("dtensor-tp-1", "dtensor_tp.py"),
 )
 
