@@ -59,7 +59,7 @@ def parse_capability(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from xmem.trace import follow  # the processes the program starts are traced too
+    import xmem.trace.follow as follow  # the processes the program starts are traced too
     follow.hand_down(args.out, args.iterations, args.capability, args.device_count, args.progress_fd,
                      args.deadline)
     progress = _progress_writer(args.progress_fd)
@@ -87,7 +87,8 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
     preload()
-    from xmem.trace import fakecuda, shortcuts
+    import xmem.trace.fakecuda as fakecuda
+    import xmem.trace.shortcuts as shortcuts
     from xmem.trace.recorder import AllocationRecorder, NoStepInTime, StopTracing, TrainingState
 
     fake = fakecuda.FakeCuda(capability, device_count)
@@ -108,7 +109,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     try:
         with shortcuts.fake_mode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
             _enter_in_new_threads(fake_mode, recorder)
-            from xmem.trace import weights
+            import xmem.trace.weights as weights
             weights.install(lambda: fake_mode)  # checkpoint tensors bound for the GPU: fake, from metadata only
             _run_user_program(command)
     except StopTracing:
@@ -154,7 +155,7 @@ def preload() -> None:
     global _preloaded
     if _preloaded:
         return
-    from xmem.trace import shim
+    import xmem.trace.shim as shim
     try:
         shim.load_shim()
     except shim.ShimError as error:
@@ -163,7 +164,10 @@ def preload() -> None:
         import torch._subclasses.fake_tensor  # noqa: F401 - the first import of torch: after the shim
         import torch._dynamo  # noqa: F401 - FakeTensorMode() imports it (its config), and so an optimizer's step
 
-        from xmem.trace import facts, fakecuda, recorder, weights  # noqa: F401
+        import xmem.trace.facts  # noqa: F401
+        import xmem.trace.fakecuda  # noqa: F401
+        import xmem.trace.recorder  # noqa: F401
+        import xmem.trace.weights  # noqa: F401
     _preloaded = True
 
 

@@ -24,7 +24,11 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from xmem.trace import attention, cuda_driver, deepspeed_ops, distributed, triton_launch
+import xmem.trace.attention as attention
+import xmem.trace.cuda_driver as cuda_driver
+import xmem.trace.deepspeed_ops as deepspeed_ops
+import xmem.trace.distributed as distributed
+import xmem.trace.triton_launch as triton_launch
 from xmem.trace.events import Category
 from xmem.trace.on_import import patch_on_import
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
-from xmem.trace import shortcuts
+import xmem.trace.shortcuts as shortcuts
 from xmem.trace.facts import fsdp1_flat_parameter, inner_tensors
 from xmem.trace.errors import NotModelled
 from xmem.trace.fakecuda import FakeCuda

@@ -27,7 +27,10 @@ from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.launchers import Target, gpus_per_node, launcher_env, named_interpreter
-from xmem.trace import privileges, sandbox, shim, warm  # -- issue 21: privileges
+import xmem.trace.privileges as privileges  # -- issue 21
+import xmem.trace.sandbox as sandbox
+import xmem.trace.shim as shim
+import xmem.trace.warm as warm
 from xmem.trace.command import console_script_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace

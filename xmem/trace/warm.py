@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xmem.trace import sandbox
+import xmem.trace.sandbox as sandbox
 from xmem.userfiles import private_dir
 
 ENABLE_ENV = "XMEM_WARM_TRACER"  # "1": estimates go through the warm tracer
@@ -122,7 +122,7 @@ def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
     """The server's environment (it runs outside the sandbox): of the job's, only what shapes its imports (the key
     of its socket), nothing that runs code at start, the shim cache the runner chose, and xmem alone on
     PYTHONPATH. The job's whole environment is applied inside its sandbox (`_trace_in_process`)."""
-    from xmem.trace import shim
+    import xmem.trace.shim as shim
     kept = {k: v for k, v in env.items() if _shapes_imports(k) and not _runs_code_at_start(k)}
     return {"PATH": os.defpath, **kept, **{k: env[k] for k in (shim.DIR_ENV,) if k in env},
             "PYTHONPATH": xmem_parent}
@@ -310,7 +310,7 @@ class Loaded:
 
 def preload() -> Loaded:
     """Load what every trace loads, then the training libraries that import cleanly."""
-    from xmem.trace import child
+    import xmem.trace.child as child
     child.preload()
     before = _data_bytes()
     with child.loading_for_good():  # frozen too: a job's collections walk its own objects only
@@ -591,7 +591,7 @@ def _trace_in_process(argv: list[str], env: dict) -> None:
     sandbox.install_in_child()
     importlib.invalidate_caches()  # a package installed since the server listed its directories
     _fresh_random_state()
-    from xmem.trace import child
+    import xmem.trace.child as child
     child.main(argv[argv.index("xmem.trace") + 1:])
 
 

@@ -230,7 +230,7 @@ OUT_OF_HOST_MEMORY = ("Cannot allocate memory", "can't allocate memory")
 
 
 def _say(warning: str) -> None:
-    from xmem.trace import fakecuda
+    import xmem.trace.fakecuda as fakecuda
     if fakecuda._installed is not None:
         fakecuda._installed.on_warning(warning)
 
