@@ -8,7 +8,11 @@ allocated before the launch (as `xmem.trace.triton_launch` does for Triton): Fus
 arguments; the moments come from FusedAdam.step's own `zeros_like`). Their calls are checked (every tensor on the
 GPU) and skipped. Any other op (CPUAdam for offload, async_io, the transformer kernels, ...) is not modelled: named.
 
-Installed from `xmem.trace.fakecuda.install` once `deepspeed.ops.op_builder.builder` is imported.
+Where ZeRO reads GPU values back to decide (overflow and gradient-norm checks, ZeRO-3's rank-0 list broadcasts), the
+checks still run and answer what a real rank 0 with finite gradients gets; accelerate's DummyOptim (the HF
+Trainer's optimizer when DeepSpeed's config names one) follows the parameters the engine moves to the GPU.
+
+Installed from `xmem.trace.fakecuda.install` once each module named here is imported.
 """
 
 from __future__ import annotations
@@ -57,13 +61,13 @@ def install(builder_module: Any) -> None:
     op_builder.load = load
 
 
-
 # What finite gradients answer, per module: ZeRO's overflow checks all-reduce a byte of "a gradient is not finite"
 # and read it with `.item()`, and `is_invalid_grad_norm` asks `(~isfinite(norm) | (norm < 0)).any()`; their
 # stand-ins (1, True) would skip every step, so that no optimizer state is ever made. A real run's gradients are
-# finite (bf16; fp16's dynamic loss scale may skip its first steps, which allocate nothing more than a step does).
-FINITE_GRADIENTS = {"deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer.has_overflow", "is_invalid_grad_norm"),
-                    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3.has_overflow", "is_invalid_grad_norm")}
+# finite; where fp16's dynamic loss scale skips a first step on a GPU, that step allocates less than the traced one.
+FINITE_GRADIENTS = {
+    "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer.has_overflow", "is_invalid_grad_norm"),
+    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3.has_overflow", "is_invalid_grad_norm")}
 
 
 def finite_gradients(module: Any) -> None:
