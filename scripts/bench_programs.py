@@ -103,7 +103,8 @@ def bpe_tokenizer(folder: Path) -> Any:
                                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "add_bos_token": False,
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "bos_token": "<|endoftext|>", "add_bos_token": False,
                                                               "eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}))
     return tok
 
@@ -208,6 +209,8 @@ def picture(path: Path, rng: random.Random, size: int = 64) -> None:
 YOLO_LABELS = {"detect": "{c} 0.5 0.5 0.4 0.3", "segment": "{c} 0.3 0.3 0.7 0.3 0.7 0.6 0.3 0.6",
                "pose": "{c} 0.5 0.5 0.4 0.4 0.4 0.4 2 0.5 0.5 2 0.6 0.6 2",
                "obb": "{c} 0.3 0.3 0.7 0.35 0.65 0.7 0.25 0.6"}
+YOLO_CONFIGS = {"detect": "yolo11n.yaml", "segment": "yolo11n-seg.yaml", "classify": "yolo11n-cls.yaml",
+                "pose": "yolo11n-pose.yaml", "obb": "yolo11n-obb.yaml"}  # model configs ultralytics ships
 YOLO_EXTRA = {"pose": "kpt_shape: [3, 3]\nflip_idx: [0, 1, 2]\n"}
 
 
@@ -232,8 +235,7 @@ def yolo_model(task: str) -> Callable[[Path], Any]:
     def build(work: Path) -> Any:
         from ultralytics.nn import tasks
 
-        cfg = {"detect": "yolo11n.yaml", "segment": "yolo11n-seg.yaml", "classify": "yolo11n-cls.yaml",
-               "pose": "yolo11n-pose.yaml", "obb": "yolo11n-obb.yaml"}[task]
+        cfg = YOLO_CONFIGS[task]
         kind = {"detect": tasks.DetectionModel, "segment": tasks.SegmentationModel, "pose": tasks.PoseModel,
                 "classify": tasks.ClassificationModel, "obb": tasks.OBBModel}[task]
         extra = {"data_kpt_shape": (3, 3)} if task == "pose" else {}
@@ -243,7 +245,7 @@ def yolo_model(task: str) -> Callable[[Path], Any]:
 
 def yolo_args(task: str) -> tuple[str, ...]:
     data = "{work}/classify" if task == "classify" else "{work}/" + task + ".yaml"
-    model = {"detect": "yolo11n.yaml"}.get(task, f"yolo11n-{task[:3] if task == 'classify' else task}.yaml")
+    model = YOLO_CONFIGS[task]
     return ("yolo", task, "train", f"data={data}", f"model={model}", "epochs=1", "imgsz=64", "batch=4",
             "workers=0", "device=0", "plots=False", "project={out}")
 
@@ -293,8 +295,8 @@ def fixtures_torchtune(work: Path) -> None:
 
     work.mkdir(parents=True, exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(words(2000, 4)), model_prefix=str(work / "tok"),
-                                             vocab_size=TUNE_LLAMA2["vocab_size"], model_type="bpe",
-                                             minloglevel=2)
+                                             vocab_size=TUNE_LLAMA2["vocab_size"] // 2, model_type="bpe",
+                                             hard_vocab_limit=False, minloglevel=2)
     (work / "checkpoint").mkdir()
     torch.save(tune_model(work).state_dict(), work / "checkpoint" / "model.pt")
     text = words(48, 5)
@@ -325,14 +327,14 @@ def tune_args(recipe: str, config: str, lora: bool, *extra: str) -> tuple[str, .
 def chemprop_args(task: str) -> tuple[str, ...]:
     return ("chemprop", "train", "--data-path", "{work}/molecules.csv", "--smiles-columns", "smiles",
             "--target-columns", "regression" if task == "regression" else "classification", "--task-type", task,
-            "--epochs", "1", "--batch-size", "8", "--num-workers", "0", "--accelerator", "gpu", "--devices", "1",
+            "--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--accelerator", "gpu", "--devices", "1",
             "--output-dir", "{out}")
 
 
 def fixtures_chemprop(work: Path) -> None:
     """Molecules as SMILES (chains, rings, small functional groups) with a made-up property and class."""
     rng = random.Random(6)
-    parts = ["C", "CC", "CO", "CN", "C(=O)O", "c1ccccc1", "C1CC1", "CCl", "CF", "C#N", "CC(C)C"]
+    parts = ["C", "CC", "CO", "CN", "C(=O)O", "c1ccccc1", "C1CC1", "C(Cl)", "C(F)", "C(C#N)", "CC(C)C"]  # any order
     work.mkdir(parents=True, exist_ok=True)
     rows = ["smiles,regression,classification"]
     for i in range(64):
@@ -363,7 +365,7 @@ def pykeen_model(name: str) -> Callable[[Path], Any]:
 
 
 def pykeen_args(name: str) -> tuple[str, ...]:
-    return ("pykeen", "train", name, "--dataset", "nations", "--device", "cuda", "--number-epochs", "2",
+    return ("pykeen", "train", name.lower(), "--dataset", "nations", "--device", "cuda", "--number-epochs", "2",
             "--silent", "--output-directory", "{out}")
 
 
