@@ -24,12 +24,12 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.estimate import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, VERBOSE_OPTION,
-                               fail, margin_text, shown_warnings)
+from xmem.cli.common import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, VERBOSE_OPTION,
+                             fail, margin_text, show_options, stdout_to_stderr)
+from xmem.cli.estimate import shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
-from xmem.policy.options import OptionTable
 from xmem.text import one_line
 from xmem.trace import privileges
 from xmem.units import MIB, gib_text, size_text
@@ -213,9 +213,8 @@ def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_opti
                            on_progress=on_progress, estimator=estimator)
 
     if as_json:
-        from xmem.cli.estimate import _stdout_to_stderr  # the traced program may print: keep stdout for the JSON
 
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             return run()
     if not err.is_terminal:
         return run()
@@ -304,27 +303,6 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
 def _show_offers(console: Console, analysis: JobAnalysis) -> None:
     if analysis.options is not None and analysis.options.rows:
         show_options(console, analysis.options)
-
-
-def show_options(console: Console, options: OptionTable) -> None:
-    """Every offer of the site side by side (`xmem.policy.options`), the pick and the nearest cheaper miss."""
-    table = Table(title="Every way the site offers the job's GPU types (site preference order, smallest first)")
-    for column in ("GPU", "request", "usable", "peak", "with margin", "fits"):
-        table.add_column(column, justify="right" if column in ("usable", "peak", "with margin") else "left")
-    for row in options.rows:
-        slack = _size(abs(row.slack_bytes))
-        mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"
-        picked = " [bold]<- picked[/]" if row.chosen else ""
-        table.add_row(escape(row.gpu_type), escape(row.request), gib_text(row.usable_bytes),
-                      gib_text(row.peak_bytes), gib_text(row.needed_bytes), mark + picked)
-    console.print(table)
-    chosen, miss = options.chosen, options.closest_miss
-    if chosen is not None:
-        console.print(f"picked: {escape(chosen.description)}: {escape(options.reason)}")
-    if miss is not None:
-        what = "next cheaper offer" if chosen is not None else "closest offer"
-        console.print(f"{what}, does not fit: {escape(miss.description)}, {_size(-miss.slack_bytes)} short "
-                      f"(needs {gib_text(miss.needed_bytes)}, gives {gib_text(miss.usable_bytes)})")
 
 
 def _size(nbytes: int) -> str:

@@ -8,41 +8,29 @@ host-memory limit). The work itself is `xmem.estimate.estimate`.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, NoReturn, Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperCommand
 
 from xmem.cli import app
-from xmem.config import ConfigError, MarginConfig, SiteConfig, load_site_config
-from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, BadJobSettingError, Estimate, estimate as run_estimate
+from xmem.cli.common import (EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
+                              fail_on_error, margin_text, show_options, stdout_to_stderr)
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
-from xmem.gpus import CatalogError, UnknownGpuError
+from xmem.config import MarginConfig, SiteConfig, load_site_config
+from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, Estimate, estimate as run_estimate
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
-from xmem.trace import TraceError, privileges
-from xmem.text import one_line
+from xmem.trace import privileges
 from xmem.units import size_text
 
-EXIT_INTERNAL, EXIT_USAGE = 1, 2
-TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                    "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
-# Options that `estimate` and `check` (and `fit`) declare alike: written once, here.
-JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else.")
-PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",
-                           help="Draw memory over the traced iterations on one GPU type (PNG).")
-VERBOSE_OPTION = typer.Option(False, "--verbose", "-v", help="Also show the tracer's notes that do not change the "
-                                                           "figures (always in the --json output's warnings).")
 # Warnings that cannot change the figures or the program's path: the tracer's bookkeeping, shown with --verbose
 # and always in the JSON's `warnings`. Matched by how their makers begin them:
 QUIET_WARNINGS = (
@@ -68,26 +56,7 @@ WARNING_ADVICE = {
 PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
 
-class _EstimateCommand(TyperCommand):
-    """Keeps the `--json` promise for option errors too: click reports those before our code runs."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        # copies: click's parser consumes `args`
-        options, has_separator = (args[: args.index("--")] if "--" in args else list(args)), "--" in args
-        try:
-            return super().parse_args(ctx, args)
-        except typer.TyperException as e:  # typer's own (vendored) click UsageError; usage errors exit 2
-            if not has_separator and type(e).__name__ == "NoSuchOption":  # the training command's own option
-                e.message = (f"{e.message}: if it is your program's option, put the training command after `--`, "
-                             f"e.g. xmem-slurm {ctx.info_name} [OPTIONS] -- python train.py {e.option_name} ...")
-            if "--json" in options and getattr(e, "exit_code", None) == EXIT_USAGE:
-                sys.stdout.write(json.dumps({"error": "bad_option", "message": str(e.format_message()),
-                                             "traceback": None}) + "\n")
-                sys.stdout.flush()
-            raise
-
-
-@app.command("estimate", cls=_EstimateCommand)
+@app.command("estimate", cls=JsonErrorsCommand)
 def estimate_command(
     command: list[str] = typer.Argument(..., metavar="-- COMMAND [ARGS]...",
                                         help="The training command, after `--`, e.g. `-- python train.py --lr 1e-3`."),
@@ -124,7 +93,7 @@ def estimate_command(
                         memory_limit_bytes=site.estimate.memory_limit_bytes, warm_tracer=site.estimate.warm_tracer)
         traces = _prepare_pictures(plot, snapshot, plot_gpu, gpu, site, settings)
         # stdout carries only our answer; what the traced program prints goes to stderr.
-        with _stdout_to_stderr() as out:
+        with stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
         options = _site_options(result, site) if config else None  # a site named: its offers side by side
         if as_json:
@@ -134,8 +103,6 @@ def estimate_command(
         else:
             show_estimate(Console(), result, site.margin, verbose)
             if options is not None and options.rows:
-                from xmem.cli.check import show_options
-
                 show_options(Console(), options)
         if traces is not None:
             _write_pictures(result, traces, plot, snapshot, plot_gpu, site, options)
@@ -143,20 +110,6 @@ def estimate_command(
         fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e)
-
-
-def fail_on_error(as_json: bool, e: Exception, verb: str = "estimate") -> NoReturn:
-    """Exit with the code and one-line message of an error of the estimate (shared with `fit`)."""
-    if isinstance(e, UnknownGpuError):
-        fail(as_json, EXIT_USAGE, "unknown_gpu", str(e), verb=verb)
-    if isinstance(e, (ConfigError, CatalogError, BadJobSettingError)):
-        fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
-    if isinstance(e, privileges.RootTraceRefused):  # nothing was run
-        fail(as_json, EXIT_USAGE, privileges.KIND, e.message, verb=verb)
-    if isinstance(e, TraceError):
-        fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
-             e.last_lines(), verb=verb)
-    fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb=verb)  # our bug
 
 
 def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
@@ -264,58 +217,7 @@ def _size(nbytes: int) -> str:
     return size_text(nbytes)
 
 
-def margin_text(margin: MarginConfig) -> str:
-    """The margin in words, e.g. '+10 %' or '+10 % + 512 MiB' (said the same by every command)."""
-    text = f"+{100 * margin.relative:g} %"
-    return text + (f" + {size_text(margin.absolute_bytes)}" if margin.absolute_bytes else "")
-
-
 def _tried(oom_message: str) -> str:
     """'Tried to allocate 1000.00 MiB' out of torch's out-of-memory message, or the message's first sentence."""
     found = re.search(r"Tried to allocate [^.]+(?:\.\d+ \w+)?", oom_message)
     return found.group(0) if found else oom_message.split(". ")[0]
-
-
-def fail(as_json: bool, code: int, kind: str, message: str, traceback: str = "", printed: str = "",
-         verb: str = "estimate") -> NoReturn:
-    """Exit with `code`: one line on stderr (after the program's traceback and last output), and with `--json` one
-    object on stdout that says the same (the shape every command's JSON error has)."""
-    line = one_line(message) or kind
-    if printed:  # what the program printed last, often the reason: beside its traceback
-        rows = "".join(f"  | {row}\n" for row in printed.splitlines())
-        sys.stderr.write(f"the program's last output lines:\n{rows}")
-    if traceback:
-        sys.stderr.write(traceback if traceback.endswith("\n") else traceback + "\n")
-    sys.stderr.write(f"xmem-slurm {verb}: {line}\n")  # not through rich: it would wrap the one line
-    if as_json:
-        payload: dict[str, Any] = {"error": kind, "message": line, "traceback": traceback or None,
-                                   "output": printed or None, "exit_code": code}
-        sys.stdout.write(json.dumps(payload) + "\n")
-        sys.stdout.flush()
-    raise typer.Exit(code)
-
-
-@contextmanager
-def _stdout_to_stderr() -> Iterator[io.TextIOBase]:
-    """Send everything written to stdout (by us, libraries or child processes) to stderr; yield the real stdout.
-
-    `--json` promises exactly one JSON object on stdout, the table should not be mixed with the program's output,
-    and the traced program may print.
-    """
-    real = sys.stdout
-    real.flush()
-    try:
-        saved_fd = os.dup(real.fileno())
-    except (AttributeError, io.UnsupportedOperation, OSError):  # not a real file (e.g. a test runner's buffer)
-        saved_fd = None
-    if saved_fd is not None:
-        os.dup2(sys.stderr.fileno(), real.fileno())
-    sys.stdout = sys.stderr
-    try:
-        yield real
-    finally:
-        sys.stdout.flush()
-        sys.stdout = real
-        if saved_fd is not None:
-            os.dup2(saved_fd, real.fileno())
-            os.close(saved_fd)

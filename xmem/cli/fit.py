@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_USAGE, _EstimateCommand, fail, _stdout_to_stderr, fail_on_error, margin_text
+from xmem.cli.common import EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text, stdout_to_stderr
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import allocator_config, capability_class  # the job's allocator settings, as estimated
 from xmem.estimate import estimate as run_estimate
@@ -36,7 +36,7 @@ from xmem.trace.events import Trace
 GIB = 1 << 30
 
 
-@app.command("fit", cls=_EstimateCommand)
+@app.command("fit", cls=JsonErrorsCommand)
 def fit_command(
     command: list[str] = typer.Argument(..., metavar="-- COMMAND [ARGS]...",
                                         help="The training command, `{}` where the value goes (or a plain "
@@ -74,7 +74,7 @@ def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence
             step: int | None = None) -> None:
     """Search, then print the answer (`settings`: what `xmem.estimate.estimate` takes besides the command, GPUs
     and catalog). `site_types`: the types to search when `gpus` names none (default: every type of the site)."""
-    with _stdout_to_stderr() as out:
+    with stdout_to_stderr() as out:
         result, options = search(command, vary, site, gpus, settings, site_types, progress=not as_json, step=step)
     if as_json:
         margin = {"relative": site.margin.relative, "absolute_bytes": site.margin.absolute_bytes}

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.estimate import EXIT_USAGE, JSON_OPTION, fail
+from xmem.cli.common import EXIT_USAGE, JSON_OPTION, fail
 from xmem.config import ConfigError, load_site_config
 from xmem.gpus import CatalogError, GpuType
 from xmem.units import size_text
