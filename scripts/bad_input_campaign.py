@@ -984,6 +984,8 @@ def main() -> int:
         raise SystemExit("run as root: it makes users and starts Slurm daemons")
     ROOT.mkdir(parents=True, exist_ok=True)
     venv = setup_users_and_env()
+    if args.only == "containment":  # issue 21's sandbox and root cases: no cluster needed
+        return contain_main(venv)
     if args.only == "trust":  # the inline cluster is enough
         return trust_main({"inline": start_cluster("inline", venv)}, venv, args.keep)
     clusters = {mode: start_cluster(mode, venv) for mode in PORTS}
@@ -1068,5 +1070,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-    if args.only == "containment":  # issue 21's sandbox and root cases: no cluster needed
-        return contain_main(venv)

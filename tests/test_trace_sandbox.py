@@ -86,8 +86,8 @@ def test_the_shim_is_built_outside_the_sandbox_and_kept(tmp_path, monkeypatch):
     trace = run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
     assert trace.iterations == 1
     assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so"))
-
     assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so.sha256"))
+
 
 HELPER_PROGRAM = """
 import os, subprocess, sys
