@@ -306,7 +306,9 @@ class AllocationRecorder(TorchDispatchMode):
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
             if out is shortcuts.NOT_TAKEN:
-                out = func(*args, **kwargs)
+                # `aten.to` arrives whole under inference_mode; the fake mode would constant-fold it on a real host
+                # tensor, running the real copy to the device. Its own kernel goes through `_to_copy`, which it won't.
+                out = func.decompose(*args, **kwargs) if func.overloadpacket is aten.to else func(*args, **kwargs)
         except DataDependentOutputException:
             if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
                 return self.stand_ins.scalar(args[0])
