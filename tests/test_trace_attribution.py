@@ -152,3 +152,12 @@ def test_a_traced_program_is_told_whose_fault_it_is(how, kind, message):
         run_trace([sys.executable, str(SCRIPTS / "fails_on_fake.py"), how], iterations=1, timeout=120)
     assert (caught.value.kind, caught.value.message[:len(message)]) == (kind, message)
     assert "(at fails_on_fake.py:" in caught.value.message and "\n" not in caught.value.message
+
+
+def test_the_library_line_that_reached_the_real_runtime_is_named():
+    from accelerate.utils import send_to_device  # a real library whose own line moves the tensor
+
+    found = attribute(raised(lambda: send_to_device(torch.ones(2), "cuda")))  # no device in this process
+    assert found.kind == "not_modelled" and "reached the real CUDA runtime" in found.message
+    assert " (in accelerate at accelerate/utils/operations.py:" in found.message
+    assert f", called at {HERE}:" in found.message

@@ -144,14 +144,23 @@ def _library(error: BaseException) -> str | None:
 
 
 def _where(own: list[traceback.FrameSummary], frames: list[traceback.FrameSummary]) -> str:
-    """Where the program reached it: its innermost own frame, and the library it called there."""
+    """Where the program reached it: its innermost own frame, and the library it called there with the innermost
+    line of that library's own that got there (the entry point alone rarely says which call it was)."""
     if not own:
         return ""
     at = f"{Path(own[-1].filename).name}:{own[-1].lineno}"
     after = frames[[id(frame) for frame in frames].index(id(own[-1])) + 1:]
     library = next((name for name in map(_package, (frame.filename for frame in after)) if name), None)
-    library = None if library == "torch" else library  # every GPU op goes through torch: naming it adds nothing
-    return f" (in {library}, called at {at})" if library else f" (at {at})"
+    if library is None or library == "torch":  # every GPU op goes through torch: naming it adds nothing
+        return f" (at {at})"
+    inner = [frame for frame in after if _package(frame.filename) == library][-1]
+    return f" (in {library} at {_library_path(inner.filename)}:{inner.lineno}, called at {at})"
+
+
+def _library_path(filename: str) -> str:
+    """A library file's path from its site-packages root (ultralytics/engine/trainer.py)."""
+    root = next(root for root in _library_roots() if filename.startswith(root))
+    return filename[len(root):]
 
 
 def _package(filename: str) -> str | None:
