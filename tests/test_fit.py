@@ -268,23 +268,28 @@ def test_a_huge_range_ends_at_the_largest_offers_memory_and_says_so():
 
 
 def test_a_linear_job_is_answered_in_multiples_of_the_resolution_in_few_traces():
-    """Issue 23: by default 1..2000 is answered in multiples of 16 (1 % of 2000, in eights), each answer a traced
-    value that fits with the next multiple traced and not fitting; at most 8 traces for two offers of a linear job."""
-    traced = []
+    """Issue 23: by default an answer is given in multiples of 8 (or of 1 % of the answer, in eights), each answer a
+    traced value that fits with the next multiple traced and not fitting; at most 8 traces for two offers of a
+    linear job. The step follows the answer, not HIGH: a range cut at the largest offer's bytes answers alike."""
+    from xmem.fit import default_step
 
-    def trace(value: int) -> Point:
-        traced.append(value)
-        return point(value, {"parameter": 300 * MIB, "activation": value * 3 * MIB, "temporary": 7 * MIB})
-
+    assert [default_step(v) for v in (40, 64, 1599, 1600, 10**6)] == [1, 8, 8, 16, 10**4]
     options = [FixedOption("g", "whole", 4000 * MIB), FixedOption("g", "half", 2000 * MIB)]
-    result = find_limits(Vary("b", 1, 2000), options, trace, lambda peak: int(peak * 1.1), resolution=None)
-    assert result.resolution == 16 and Vary("b", 1, 40).default_resolution() == 1
-    for option in options:
-        limit = result.limits["g"][option.name]
-        exact = (option.usable_bytes / 1.1 - 307 * MIB) // (3 * MIB)
-        assert limit % 16 == 0 and exact - 16 < limit <= exact and {limit, limit + 16} <= set(traced)
-    assert len(traced) <= 8, traced
-    assert not any(result.to_json()["at_least"]["g"].values())
+    for high in (2000, 10**24):
+        traced = []
+
+        def trace(value: int) -> Point:
+            traced.append(value)
+            return point(value, {"parameter": 300 * MIB, "activation": value * 3 * MIB, "temporary": 7 * MIB})
+
+        result = find_limits(Vary("b", 1, high), options, trace, lambda peak: int(peak * 1.1), resolution=None)
+        assert result.resolution == 8
+        for option in options:
+            limit = result.limits["g"][option.name]
+            exact = (option.usable_bytes / 1.1 - 307 * MIB) // (3 * MIB)
+            assert limit % 8 == 0 and exact - 8 < limit <= exact and {limit, limit + 8} <= set(traced)
+        assert len(traced) <= 8 + (high > 2000), traced
+        assert not any(result.to_json()["at_least"]["g"].values())
     top = find_limits(Vary("b", 1, 64), options[:1], trace, lambda peak: peak, resolution=None)
     assert top.limits == {"g": {"whole": 64}} and top.to_json()["at_least"] == {"g": {"whole": True}}
 

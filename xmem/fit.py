@@ -43,6 +43,14 @@ class FitError(ValueError):
     """Bad input to `fit`: the --vary grammar, or a command with nowhere to put the value."""
 
 
+def default_step(value: int) -> int:
+    """The step an answer near `value` is given in unless the user sets one: exact below 64; from 64, multiples of
+    8 (batch sizes and sequence lengths are taken in eights), or of 1 % of the value where that is coarser (in
+    eights). Relative to the answer, not to HIGH: a range cut at the largest offer's bytes (1..10^24) still answers
+    a batch size of 160 as 160."""
+    return 1 if value < 64 else max(8, value // 100 // 8 * 8)
+
+
 @dataclass(frozen=True)
 class Vary:
     """`--vary NAME=LOW..HIGH`: the knob and the integer range searched."""
@@ -57,13 +65,6 @@ class Vary:
         for _ in range(2):
             values.append(max(values[-1] + 1, 2 * values[-1]))
         return [v for v in dict.fromkeys(values) if v <= self.high]
-
-    def default_resolution(self) -> int:
-        """The step answers are given in unless the user sets one: exact below 64; from 64, multiples of 8 (batch
-        sizes and sequence lengths are taken in eights), or of 1 % of HIGH where that is coarser (in eights)."""
-        if self.high < 64:
-            return 1
-        return max(8, self.high // 100 // 8 * 8)
 
     def within(self, most_bytes: int) -> Vary:
         """The range cut at `most_bytes`, the memory of the largest offer: a value that adds memory adds at least
@@ -236,7 +237,8 @@ class FitResult:
     seconds: float
     degrees: Mapping[str, int] = field(default_factory=dict)  # the growth model's last fit, per category
     searched_high: int | None = None  # where the search ended below HIGH: the largest offer's bytes (Vary.within)
-    resolution: int = 1  # the answers are multiples of it (LOW aside): the search stops within it
+    resolution: int = 1  # the answers are multiples of it (LOW aside): the user's step, else default_step
+    # of the largest answer
 
     def at_least(self, value: int | None) -> bool:
         """An answer at the top of the range searched: larger values may fit too, none was tried."""
@@ -273,10 +275,9 @@ def find_limits(vary: Vary, options: Sequence[FixedOption], trace: Tracer,
     """The largest value in `vary`'s range that fits each option: `needed(peak)` (the site margin) at most the
     option's usable bytes, on traces (`trace(value)`), with the growth model choosing which values to trace.
     `resolution`: answers are multiples of it (or LOW), the search stopping once no multiple lies between a
-    traced value that fits and one that does not (None: `Vary.default_resolution` of the range searched)."""
+    traced value that fits and one that does not (None: `default_step` of the answer, 1 % in eights)."""
     started = time.perf_counter()
     searched = vary.within(max((o.usable_bytes for o in options), default=vary.high))
-    resolution = resolution or searched.default_resolution()
     search = _Search(searched, trace, needed, resolution)
     for value in searched.first_values():
         search.point(value)
@@ -286,13 +287,14 @@ def find_limits(vary: Vary, options: Sequence[FixedOption], trace: Tracer,
     degrees = fit_growth(list(search.points.values())).degrees()
     return FitResult(vary, limits, tuple(search.points[v] for v in sorted(search.points)),
                      time.perf_counter() - started, degrees,
-                     searched.high if searched.high < vary.high else None, resolution)
+                     searched.high if searched.high < vary.high else None, resolution or max(
+                         (default_step(v) for options in limits.values() for v in options.values() if v), default=1))
 
 
 class _Search:
     """The traces taken so far (each value once), and the search for one option's limit over them."""
 
-    def __init__(self, vary: Vary, trace: Tracer, needed: Callable[[int], int], resolution: int = 1) -> None:
+    def __init__(self, vary: Vary, trace: Tracer, needed: Callable[[int], int], resolution: int | None = 1) -> None:
         self.vary, self.trace, self.needed, self.resolution = vary, trace, needed, resolution
         self.points: dict[int, Point] = {}
 
@@ -310,7 +312,9 @@ class _Search:
         step, last, turns, previous = 1, None, 0, 0
         for rounds in itertools.count():
             low, high = self._bracket(option)
-            first, last_multiple = self._multiples(low, high)
+            r = self.resolution or default_step(max(low, 1))  # the user's step, else one relative to the answer
+            # (no multiple of it left between a value that fits and one that does not: the answer is found)
+            first, last_multiple = self._multiples(low, high, r)
             if first > last_multiple:  # no answer left between them at this resolution
                 break
             if turns >= BISECT_AFTER_TURNS or rounds >= MODEL_ROUNDS:
@@ -318,7 +322,8 @@ class _Search:
             else:
                 value = self._predicted(option, low, high)
                 value = max(value, low + step) if last else min(value, high - step) if last is False else value
-            value = min(max(value // self.resolution * self.resolution, first), last_multiple)
+            here = self.resolution or default_step(value)  # a value is traced at the step of its own size
+            value = min(max(value // here * here, first), last_multiple)
             fits = self._fits(self.point(value), option)
             if fits == last:  # the model fell short again on this side: go twice as far as last time
                 step = max(2, 2 * abs(value - previous))
@@ -327,10 +332,9 @@ class _Search:
             last, previous = fits, value
         return low if low >= self.vary.low else None
 
-    def _multiples(self, low: int, high: int) -> tuple[int, int]:
+    def _multiples(self, low: int, high: int, r: int) -> tuple[int, int]:
         """The first and last multiples of the resolution strictly between `low` and `high` (first > last: none);
         HIGH itself counts as one, as the range's end."""
-        r = self.resolution
         last = self.vary.high if high == self.vary.high + 1 else (high - 1) // r * r
         return (low // r + 1) * r if r > 1 else low + 1, last
 
