@@ -146,6 +146,8 @@ def raised_exit(action) -> SystemExit:
     ("shape", "user_error", "RuntimeError: "),
     ("storage", "not_modelled", "not modelled: a GPU tensor's data or storage, which the fake GPU does not hold"),
     ("driver", "not_modelled", "not modelled: fails_on_fake.py calls the CUDA driver directly (loads libcuda.so.1)"),
+    ("check", "not_modelled", "not modelled: a check failed on values of GPU tensors, which the fake GPU stands in "
+                              "for (AssertionError: wrong shuffled batch)"),
 ])
 def test_a_traced_program_is_told_whose_fault_it_is(how, kind, message):
     with pytest.raises(TraceError) as caught:

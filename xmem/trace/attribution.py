@@ -30,7 +30,8 @@ import sysconfig
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from types import CodeType
+from typing import Collection, Iterator
 
 from xmem.trace.errors import REAL_CUDA_SIGNS, NotModelled, raised_as_on_a_gpu
 
@@ -59,10 +60,11 @@ class Attribution:
     user_traceback: str  # the user's own frames and the exception line
 
 
-def attribute(error: BaseException) -> Attribution:
-    """The kind and one-line message of `error`, which ended the program (a SystemExit: a non-zero status)."""
+def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = ()) -> Attribution:
+    """The kind and one-line message of `error`, which ended the program (a SystemExit: a non-zero status).
+    `stand_in_askers`: the code objects that were handed stand-in values of GPU tensors (StandIns.asked_in)."""
     if isinstance(error, SystemExit):
-        return _attribute_exit(error)
+        return _attribute_exit(error, stand_in_askers)
     frames = traceback.extract_tb(error.__traceback__)
     own = [frame for frame in frames if _is_users(frame.filename)]
     text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(own),
@@ -71,15 +73,18 @@ def attribute(error: BaseException) -> Attribution:
         lack = _what_we_lack(link)
         if lack is not None:
             return Attribution("not_modelled", f"not modelled: {lack}{_where(own, frames)}", text)
+    if frames and _checked_stand_ins(error, frames[-1], stand_in_askers):
+        return Attribution("not_modelled", "not modelled: a check failed on values of GPU tensors, which the fake "
+                           f"GPU stands in for ({type(error).__name__}: {first_line(error)}){_where(own, frames)}", text)
     where = f" (at {Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
     return Attribution("user_error", f"{type(error).__name__}: {first_line(error)}{where}", text)
 
 
-def _attribute_exit(error: SystemExit) -> Attribution:
+def _attribute_exit(error: SystemExit, stand_in_askers: Collection[CodeType]) -> Attribution:
     """sys.exit(N) while handling an exception (a CLI that prints the error and exits): that exception decides."""
     handled = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     if handled is not None:
-        found = attribute(handled)
+        found = attribute(handled, stand_in_askers)
         if found.kind == "not_modelled":
             return found
     return Attribution("user_error", f"the program exited with status {error.code}", "")
@@ -116,6 +121,19 @@ def _what_we_lack(error: BaseException) -> str | None:
     if isinstance(error, (RuntimeError, NotImplementedError)) and FAKE_REPRESENTATION.search(text):
         return f"a GPU tensor's data or storage, which the fake GPU does not hold ({said})"
     return None
+
+
+def _checked_stand_ins(error: BaseException, innermost: traceback.FrameSummary,
+                       askers: Collection[CodeType]) -> bool:
+    """The program's own check (an `assert` or `raise` statement) failed in code that was handed stand-in values
+    of GPU tensors (a shuffled batch compared with its expected order): on a GPU the values are real. A check in
+    other code, or an op's own error (a shape mismatch), is left to the rules above."""
+    if not askers or not (innermost.line or "").lstrip().startswith(("assert", "raise")):
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code in askers
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

@@ -20,7 +20,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from types import CodeType
+from typing import Any, Callable, Collection, Iterator, NoReturn
 
 XMEM_DIR = str(Path(__file__).resolve().parent.parent)  # the xmem package directory
 
@@ -125,7 +126,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         outcome = error
     seconds = time.monotonic() - started
     if outcome is not None and not state.stopped:
-        raise _failure_from(outcome)
+        raise _failure_from(outcome, recorder.stand_ins.asked_in)
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
     if trace.used_cuda and trace.iterations == 0:
@@ -261,13 +262,13 @@ def _run_user_program(command: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _failure_from(error: BaseException) -> ChildFailure:
+def _failure_from(error: BaseException, stand_in_askers: Collection[CodeType] = ()) -> ChildFailure:
     """User code raised (or exited non-zero): whose fault it is (xmem.trace.attribution), the one-line message and
     the user's own frames (a non-zero exit while handling an exception is that exception's)."""
     if isinstance(error, ChildFailure):
         return error
     from xmem.trace.attribution import attribute
-    found = attribute(error)
+    found = attribute(error, stand_in_askers)
     return ChildFailure(found.kind, found.message, found.user_traceback)
 
 

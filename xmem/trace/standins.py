@@ -57,11 +57,20 @@ class StandIns:
         # told of each stand-in for a tensor's value (the self-audit flags one for a host tensor: xmem.trace.facts)
         self.on_stand_in: Callable[[torch.Tensor, str], None] = lambda tensor, what: None
         self._true_answers: dict[tuple, int] = {}
+        # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
+        # that is: xmem.trace.attribution).
+        self.asked_in: set[CodeType] = set()
+
+    def _note_asker(self) -> None:
+        frame = _caller_frame()
+        if frame is not None:
+            self.asked_in.add(frame.f_code)
 
     # ---- scalars ------------------------------------------------------------------------------------------------
     def scalar(self, tensor: torch.Tensor) -> Any:
         self.on_stand_in(tensor, "tensor.item()")
         self.warn(SCALAR_WARNING)
+        self._note_asker()
         if tensor.dtype == torch.bool:
             truth = getattr(tensor, "_xmem_truth", None)
             return self.unknown_truth() if truth is None else truth
@@ -85,6 +94,7 @@ class StandIns:
 
     def equal(self, op: str) -> bool:
         self.warn(f"torch.{op}() on fake CUDA tensors answered True (no real data under fake CUDA)")
+        self._note_asker()
         return True
 
     # ---- data-dependent output sizes --------------------------------------------------------------------------
@@ -136,6 +146,7 @@ class StandIns:
             if not isinstance(tensor, FakeTensor):
                 return original_numpy(tensor, force=force)
             stand_ins.on_stand_in(tensor, "tensor.numpy()")
+            stand_ins._note_asker()
             stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
             return _ones_like_on_host(tensor).numpy()
 
@@ -143,6 +154,7 @@ class StandIns:
             if not isinstance(tensor, FakeTensor):
                 return original_tolist(tensor)
             stand_ins.on_stand_in(tensor, "tensor.tolist()")
+            stand_ins._note_asker()
             stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
             return original_tolist(_ones_like_on_host(tensor))
 
