@@ -556,12 +556,19 @@ def trust_main(clusters: dict[str, dict[str, str]], venv: Path, keep: bool) -> i
     """`--only trust`: the group alone, its figures, the clusters down."""
     started = time.monotonic()
     results = run_trust_group(clusters, venv)
-    procs = leftover_processes()
-    print(f"\ntrust cases: {len(results)}, {time.monotonic() - started:.0f} s")
-    for label in ("files changed", "cross-user", "calibration moved", "job hung", "measurement lost",
-                  "trusted a bad file"):
-        print(f"{label + ':':48s} {sum(any(p.startswith(label) for p in ps) for _, ps in results)}")
-    print(f"{'leftover processes:':48s} {len(procs)}")
+    labels = ("files changed", "cross-user", "calibration moved", "job hung", "measurement lost", "trusted a bad file")
+    counts = {label: sum(any(p.startswith(label) for p in ps) for _, ps in results) for label in labels}
+    return group_figures("trust", results, counts, leftover_processes(), started, clusters, keep)
+
+
+def group_figures(group: str, results: list, counts: dict[str, int], procs: list[str], started: float,
+                  clusters: dict, keep: bool) -> int:
+    """A group's closing figures (cases, seconds, each count, leftover processes), its clusters taken down unless
+    kept; exit status 0 when no case found a problem and nothing was left running."""
+    print(f"\n{group} cases: {len(results)}, {time.monotonic() - started:.0f} s")
+    for label, count in counts.items():
+        print(f"{label + ':':48s} {count}")
+    print(f"{'leftover processes at the end:':48s} {len(procs)}")
     for line in procs[:10]:
         print("  leftover:", line)
     if not keep:
@@ -958,17 +965,10 @@ def requests_main(clusters: dict[str, dict[str, str]], venv: Path, keep: bool) -
     """`--only requests`: the group alone, its figures, the clusters down."""
     started = time.monotonic()
     results = requests_cases(clusters, venv)
-    procs = req_processes()
-    print(f"\nrequests cases: {len(results)}, {time.monotonic() - started:.0f} s")
-    for label in ("lost", "blocked wrongly", "left held", "wrong request", "leftover processes", "leftover files",
-                  "evicted at once", "no answer"):
-        print(f"{label + ':':48s} {sum(label in ps for _, ps in results)}")
-    print(f"{'leftover processes at the end:':48s} {len(procs)}")
-    if not keep:
-        for mode in PORTS:
-            sh("bash", str(REPO / "scripts" / "slurm-dev-cluster.sh"), "down", "--lab", str(ROOT / f"lab-{mode}"),
-               timeout=120)
-    return 0 if not any(problems for _, problems in results) and not procs else 1
+    labels = ("lost", "blocked wrongly", "left held", "wrong request", "leftover processes", "leftover files",
+              "evicted at once", "no answer")
+    counts = {label: sum(label in ps for _, ps in results) for label in labels}
+    return group_figures("requests", results, counts, req_processes(), started, clusters, keep)
 
 # === end of group "requests" ========================================================================================
 

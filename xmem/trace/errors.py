@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# no_optimizer_step: the program made an optimizer and had not stepped it by the trace's time limit (a program
+# that makes none and only runs forward passes is estimated: forward_only);
 # memory_limit: the tracer hit its host-memory limit (or was killed, most likely for memory); crashed: the program
 # died of a signal (an abort, a segfault in an extension); no_cuda: the program ended without using the GPU;
 # not_modelled: the program used something the fake GPU does not model (named in the message).
