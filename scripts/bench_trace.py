@@ -62,7 +62,7 @@ def phases(name: str, iterations: int) -> dict:
     post-trace time of an estimate on every catalog GPU type (orchestrate and replay)."""
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
-    from xmem.trace.child import trace_program
+    from xmem.trace.child.main import trace_program
     marks: list[tuple[str, float, float]] = []
     trace = trace_program(list(WORKLOADS[name]), iterations, (9, 0), 1,
                           lambda message: marks.append((message, time.monotonic(), time.process_time())))

@@ -1,4 +1,4 @@
-"""On a real GPU: does xmem's restatement of SDPA's backend choice (xmem.trace.attention.select_backend) agree with
+"""On a real GPU: does xmem's restatement of SDPA's backend choice (xmem.trace.child.attention.select_backend) agree with
 upstream's own (`torch._fused_sdp_choice`) on this device, torch and cuDNN? Prints one line per disagreement and a
 summary; exit 0 when all agree, 1 when some differ, 2 without a GPU.
 
@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from xmem.trace.attention import CUDNN, EFFICIENT, FLASH, MATH, Call, current_runtime, select_backend  # noqa: E402
+from xmem.trace.child.attention import CUDNN, EFFICIENT, FLASH, MATH, Call, current_runtime, select_backend  # noqa: E402
 
 NAMES = {0: MATH, 1: FLASH, 2: EFFICIENT, 3: CUDNN}
 SWITCHES = {FLASH: SDPBackend.FLASH_ATTENTION, EFFICIENT: SDPBackend.EFFICIENT_ATTENTION, MATH: SDPBackend.MATH,

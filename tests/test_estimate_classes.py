@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from test_trace_shortcuts import canonical
+from tests.trace.child.test_shortcuts import canonical
 from xmem.estimate import device_name, estimate
 from xmem.gpus import load_catalog
 from xmem.trace import run_trace

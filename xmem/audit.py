@@ -1,6 +1,6 @@
 """The self-audit of a trace: does the alloc stream hold what the run's own objects say was on the GPU?
 
-Owns the comparison of a trace's `facts` (taken by `xmem.trace.facts` from the optimizers, modules and batch of
+Owns the comparison of a trace's `facts` (taken by `xmem.trace.child.facts` from the optimizers, modules and batch of
 the run, not from the recorder) with the trace's live storages per device and category at the point each fact
 was taken. A fact the trace does not hold (fewer storages, or more than `BYTES_TOLERANCE` of its bytes missing)
 gives a reason; an estimate with reasons is `suspect`. Only shortfalls count: a trace holding more than a fact

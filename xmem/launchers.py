@@ -5,7 +5,7 @@ start one process per GPU (`torchrun` / `python -m torch.distributed.run`, `acce
 The one grammar of these command lines: the batch-script reader (`xmem.jobscript`) reads a script's lines through
 it, the tracer (`xmem.trace`) the command it is given. Rank 0 is the one estimated, in the world the launcher would
 make, so that FSDP/ZeRO shard by the real world size. Launchers a traced program starts itself need none of this:
-the tracer follows every Python process of the job (`xmem.trace.follow`). Also the one rule for a program file run
+the tracer follows every Python process of the job (`xmem.trace.child.follow`). Also the one rule for a program file run
 directly (`shebang_python`): an environment's console script (`trl`, `tune`) or a script with a python shebang is a
 Python program. Pure: reads no file (callers hand it a file's first line).
 """

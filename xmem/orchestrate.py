@@ -29,7 +29,7 @@ CONV_OPS = frozenset({
     "convolution_overrideable", "convolution_backward_overrideable",
 })
 
-# The backward ops of the fused SDPA kernels (xmem.trace.attention): fake CUDA shows their dq, dk, dv only.
+# The backward ops of the fused SDPA kernels (xmem.trace.child.attention): fake CUDA shows their dq, dk, dv only.
 ATTENTION_BACKWARD_OPS = frozenset({
     "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention_backward",

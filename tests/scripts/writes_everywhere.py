@@ -4,7 +4,7 @@ file (also touched and chmod-ed), `os.makedirs` of an output tree and an `os.rep
 it reads the file back and exits 7 if it does not see what it wrote; it also checks that the user's input data
 reads as it was.
 
-Run it in a directory prepared by tests/test_trace_sandbox.py (real_samples.png, checkpoints/old_checkpoint.pt,
+Run it in a directory prepared by tests/trace/test_sandbox.py (real_samples.png, checkpoints/old_checkpoint.pt,
 latest.txt, metrics.csv, logs/train.log, data/train.txt).
 """
 import argparse

@@ -400,7 +400,7 @@ def array_task_ids(spec: str) -> tuple[int, ...]:
 
 
 def refused_gpu_mixes(request: SbatchRequest) -> list[str]:
-    """GPU requests Slurm 22.05 refuses (checked on a real cluster, tests/test_jobscript_vs_sbatch.py)."""
+    """GPU requests Slurm 22.05 refuses (checked on a real cluster, tests/jobscript/test_vs_sbatch.py)."""
     items = [i for i in request.gpu_items if i.count > 0]
     gpus = [i for i in items if i.name == "gpu"]
     reasons = []

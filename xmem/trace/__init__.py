@@ -14,12 +14,10 @@ thread the program starts (dispatch modes are per thread). Model tensors built o
 and are born fake past it, so a 7B model built on the CPU costs no host memory. Values Python takes out of a cuda
 tensor get stand-ins (`standins.py`), each kind warned once.
 
-Modules: `runner` (parent side: the child process, its sandbox and limits), `child` (the child's life),
-`fakecuda` (every patch of torch that makes a GPU appear), `recorder` (routing, allocations, training phases),
-`standins`, `attention` (SDPA backend choice), `distributed` (one rank of a launcher's world), `sandbox`,
-`command` (the command's program, read by `xmem.launchers`), `follow` and `boot/` (every Python process the
-program starts, traced the same way), `shim` (the native part), `events` (the Trace record), `facts` (the
-self-audit's facts).
+Two sides, two folders. This package is the estimator's side: `runner` (the child process, its sandbox and
+limits), `sandbox`, `warm` (the pre-loaded tracer server and its client), `shim` (building the native part),
+`command` (the command's program, read by `xmem.launchers`), `privileges`; `events` (the Trace record) and `errors`
+are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
 """
 
 from xmem.trace.errors import TraceError

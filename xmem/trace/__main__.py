@@ -1,5 +1,5 @@
-"""`python -m xmem.trace`: the tracing child (see xmem.trace.child)."""
+"""`python -m xmem.trace`: the tracing child (see xmem.trace.child.main)."""
 
-from xmem.trace.child import main
+from xmem.trace.child.main import main
 
 main()

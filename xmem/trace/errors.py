@@ -41,7 +41,7 @@ class TraceError(Exception):
 
 class NotModelled(Exception):
     """Raised inside the traced program where the fake GPU knows it lacks something: the trace ends as
-    "not_modelled" with this message (what is missing, in one line; `xmem.trace.attribution` adds where)."""
+    "not_modelled" with this message (what is missing, in one line; `xmem.trace.child.attribution` adds where)."""
 
 
 _GPU_WOULD_RAISE = "_xmem_gpu_would_raise"

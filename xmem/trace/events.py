@@ -78,7 +78,7 @@ CUBLAS_OPS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class Fact:
-    """Something the run's own objects say the trace must hold, taken by `xmem.trace.facts` (not from the alloc
+    """Something the run's own objects say the trace must hold, taken by `xmem.trace.child.facts` (not from the alloc
     stream): `storages` distinct non-empty CUDA storages (0: not counted) of at least `nbytes` on `device`, live
     under one of `categories` once the trace's first `at_event` events have happened (no categories: a fact
     that contradicts any trace, FACT_HOST_STAND_IN). `what` names it for the
@@ -108,7 +108,7 @@ FACT_STATE_BY_RULE = "the optimizer state its kind requires"
 # A fact no trace can hold (no categories): a value the GPU would not hold was made up, so the traced program may
 # not be the one the GPU would run (a model sized from CPU tensor values).
 FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
-# FSDP1 units, by upstream's rules from their FlatParamHandles (xmem.trace.facts.fsdp1_*)
+# FSDP1 units, by upstream's rules from their FlatParamHandles (xmem.trace.child.facts.fsdp1_*)
 FACT_FSDP_PARAMETERS = "the FSDP units' sharded flat parameters"
 FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements included"
 FACT_FULLEST_RANK_STATE = "the optimizer state of the rank whose FSDP shards hold the most trainable elements"
@@ -133,7 +133,7 @@ class Trace:
     sandbox: str = ""  # what kept the program's writes out of the user's files (xmem.trace.sandbox)
     facts: list[Fact] | None = None  # for the self-audit (xmem.audit); None: not collected
     # no training iteration: the peak of the forward passes (top-level module forwards on the GPU) and whatever else
-    # the program ran before it ended or the tracer ended it (xmem.trace.recorder.TrainingState)
+    # the program ran before it ended or the tracer ended it (xmem.trace.child.recorder.TrainingState)
     forward_only: bool = False
     forward_passes: int = 0
     unstepped_optimizers: int = 0  # optimizers the program made but never stepped, in a forward-only trace

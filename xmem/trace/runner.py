@@ -34,7 +34,7 @@ import xmem.trace.warm as warm
 from xmem.trace.command import console_script_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
-from xmem.trace.follow import BOOT_DIR
+from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB
 

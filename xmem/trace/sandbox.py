@@ -621,7 +621,7 @@ def install_in_child() -> None:
     """In the tracer, before anything else (the fallback's bootstrap calls it): redirect Python's file APIs into
     the copy-on-write directory the helper made. A no-op under namespaces, where the kernel does it. The setting
     stays in the environment: every Python process the program starts calls this at start-up too (the boot hook,
-    `xmem/trace/boot`), so that its writes land in the same copy instead of being refused. Once per process: a
+    `xmem/trace/child/boot`), so that its writes land in the same copy instead of being refused. Once per process: a
     second CopyOnWrite would take the first one's functions for the real ones."""
     global _installed
     spec = os.environ.get(COW_ENV, "")

@@ -8,7 +8,7 @@ torch changed on disk or its socket was taken away), its trust rule (a socket or
 never used, `xmem.userfiles`; a peer whose uid or gid is not the server's is refused, SO_PEERCRED), the request one
 estimate sends (the cold command line, the program's environment, cwd, umask and resource limits, its output and
 progress descriptors), and the fork: each job is a fresh child of the server that takes the request's process state
-and runs `xmem.trace.sandbox` in-process, which runs `xmem.trace.child` in-process instead of exec'ing it. A job the
+and runs `xmem.trace.sandbox` in-process, which runs `xmem.trace.child.main` in-process instead of exec'ing it. A job the
 server cannot serve exactly as the cold child would run (a preloaded module the job's path would import from
 elsewhere, a user site-packages, limits it cannot take) is declined; the runner then starts cold. Off unless
 XMEM_WARM_TRACER=1. Imports only the standard library and xmem.trace modules that do not import torch (the server
@@ -310,7 +310,7 @@ class Loaded:
 
 def preload() -> Loaded:
     """Load what every trace loads, then the training libraries that import cleanly."""
-    import xmem.trace.child as child
+    import xmem.trace.child.main as child
     child.preload()
     before = _data_bytes()
     with child.loading_for_good():  # frozen too: a job's collections walk its own objects only
@@ -501,7 +501,7 @@ def _shadowed(preloaded: dict[str, str], path: list[str]) -> str:
     """A preloaded module that the job's path would import from another file (a local `transformers/`)."""
     stdlib = sysconfig.get_paths()["stdlib"]  # once: it expands every install scheme's paths
     for name, origin in preloaded.items():
-        if name == "xmem":  # the job's start-up (trace/boot) takes it from where it lies, whatever the path
+        if name == "xmem":  # the job's start-up (trace/child/boot) takes it from where it lies, whatever the path
             continue
         if name not in sys.builtin_module_names and not origin.startswith(stdlib):
             spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -591,7 +591,7 @@ def _trace_in_process(argv: list[str], env: dict) -> None:
     sandbox.install_in_child()
     importlib.invalidate_caches()  # a package installed since the server listed its directories
     _fresh_random_state()
-    import xmem.trace.child as child
+    import xmem.trace.child.main as child
     child.main(argv[argv.index("xmem.trace") + 1:])
 
 

@@ -1,0 +1,30 @@
+"""The reference jobs under the tracer: they are estimated unchanged (tiny batches, to stay fast)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from xmem.trace import run_trace
+
+JOBS = Path(__file__).resolve().parents[2] / "benchmarks" / "jobs"
+
+
+@pytest.mark.slow
+def test_convnext_job_traces_through_trunc_normal_rejection_loop():
+    # torch 2.14's trunc_normal_ loops `while mask.any()`: under fake tensors that needs a False answer to end
+    trace = run_trace([sys.executable, str(JOBS / "cnn.py"), "--model", "ConvNeXtTiny", "--optimizer", "AdamW",
+                       "--batch-size", "2"], iterations=3, capability=(8, 6), timeout=300)
+    assert trace.iterations == 3
+    assert {"cublas", "cudnn"} <= set(trace.libraries)
+
+
+@pytest.mark.slow
+def test_transformer_job_traces_without_convolutions():
+    trace = run_trace([sys.executable, str(JOBS / "transformer.py"), "--model", "distilbert/distilgpt2",
+                       "--optimizer", "Adafactor", "--batch-size", "2", "--zero-grad-mode", "0"],
+                      iterations=3, capability=(8, 6), timeout=300)
+    assert trace.iterations == 3
+    assert "cublas" in trace.libraries and "cudnn" not in trace.libraries

@@ -1,0 +1,50 @@
+"""CI's share of the corpus of real programs (scripts/bench_programs.py): its selection, and one shipped program whose
+package the test venv has (accelerate's gradient-sync test script) estimated end to end, with the report's and the
+result file's format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_programs.py"
+# The test venv stands in for the programs' venv: it has accelerate, whose test scripts ship in its wheel.
+VENV = Path(sys.executable).parent.parent
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), "--venv", str(VENV), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_selection_by_package_and_name_and_unknown_names_refused():
+    listed = bench("--list", "--package", "accelerate")
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert names == ["accelerate-test-sync", "accelerate-test-script", "accelerate-test"]
+    every = bench("--list").stdout.splitlines()
+    assert len(every) >= 25 and len({line.split()[1] for line in every}) >= 8
+    refused = bench("--list", "--only", "no-such-program")
+    assert refused.returncode != 0 and "no-such-program" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_shipped_program_is_estimated_and_checked_against_its_model_state(tmp_path):
+    out = tmp_path / "programs.json"
+    done = bench("--only", "accelerate-test-sync", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "1 of 1 answer (1 packages)" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("accelerate-test-sync"))
+    assert row.split()[1:3] == ["accelerate", "0"]
+    result = json.loads(out.read_text())
+    assert (result["answered"], result["programs"]) == (1, 1)
+    record = result["records"][0]
+    assert record["answered"] and record["exit"] == 0 and record["reason"] == ""
+    # its RegressionModel's two fp32 scalars: the lower bound the peak is checked against
+    assert record["model_state_bytes"] == 8
+    assert record["model_state_bytes"] <= record["peak_bytes"] <= record["capacity_bytes"]

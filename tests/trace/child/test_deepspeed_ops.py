@@ -1,0 +1,82 @@
+"""DeepSpeed ZeRO 1 and 2 through its own engine, as rank 0 of 2 runs it under torchrun
+(tests/scripts/deepspeed_zero.py: an MLP of 139 792 bf16 parameters, AdamW as DeepSpeed's FusedAdam, a reduce bucket
+of 50 000 elements). Its compiled FusedAdam is not built (xmem/trace/child/deepspeed_ops.py: checked and skipped). The
+figures are derived by hand from deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeedZeroOptimizer). Skipped where
+deepspeed is not installed; each trace costs seconds."""
+
+import pytest
+
+from tests.trace.child.test_scripts import allocs, sizes
+from tests.torch_builds import SCRIPTS
+from xmem.trace import TraceError, run_trace
+from xmem.trace.events import Category
+
+pytest.importorskip("deepspeed")
+
+FP32, BF16 = 4, 2
+WORLD = 2
+# Linear(256, 512) and Linear(512, 16): every numel a multiple of 8, so no padding between parameters
+# (__init__: param_alignment = 16 // gcd(16, element size) = 8 bf16 elements) and the total a multiple of
+# nccl_start_alignment_factor (2) * world, so flatten_dense_tensors_aligned adds none at the end.
+NUMEL = 256 * 512 + 512 + 512 * 16 + 16
+REDUCE_BUCKET = 50000
+
+
+def test_zero_flat_buffers_follow_stage_1_and_2():
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "2"],
+                      iterations=2)
+    assert trace.iterations == 2
+    partition = NUMEL // WORLD  # get_data_parallel_partitions: equal parts of the flat group, rank 0's first
+    built = sizes([e for e in allocs(trace, Category.PARAMETER) if e.iteration < 0])
+    # the model's parameters as the engine made them bf16 on the GPU, then __init__'s bit16_groups_flat (the whole
+    # group, flattened, bf16) and single_partition_of_fp32_groups (rank 0's part, cloned to fp32): at world size 2
+    # the two flat buffers are the same size
+    model = [256 * 512 * BF16, 512 * BF16, 512 * 16 * BF16, 16 * BF16]
+    assert built == sorted(model + [NUMEL * BF16, partition * FP32])
+    for iteration in (0, 1):
+        made = [e for e in trace.events if e.action == "alloc" and e.iteration == iteration]
+        # setup_buckets: with contiguous_gradients one reduce bucket of reduce_bucket_size elements, in ZeRO-2's
+        # low-precision staging dtype (_gradient_reduction_buffer_dtype: bf16 without a grad_accum attribute)
+        assert sizes(e for e in made if e.phase == "backward" and e.nbytes == REDUCE_BUCKET * BF16) == \
+            [REDUCE_BUCKET * BF16]
+        # step: rank 0's gradient partition, in fp32 as single_partition_of_fp32_groups, once per step
+        assert sizes(e for e in made if e.category == Category.GRADIENT) == [partition * FP32]
+    # FusedAdam.step: exp_avg and exp_avg_sq of the fp32 partition, zeros_like at the first step only
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+
+
+def test_zero3_partitions_each_parameter_and_steps_rank_0s_part():
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "3"],
+                      iterations=2)
+    assert trace.iterations == 2  # the order checks (assert_ints_same_as_other_ranks) agree as rank 0 with itself
+    # partition_parameters.py's _partition_param: each parameter's ds_tensor is ceil(numel / world) elements (every
+    # numel here is even: no padding); stage3.py flattens rank 0's into fp16_partitioned_groups_flat and clones that
+    # to fp32 (fp32_partitioned_groups_flat), the optimizer's parameter, whose gradient partition is fp32 too
+    partition = sum(-(-numel // WORLD) for numel in (256 * 512, 512, 512 * 16, 16))
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+    for iteration in (0, 1):
+        assert sizes(e for e in allocs(trace, Category.GRADIENT) if e.iteration == iteration) == [partition * FP32]
+
+
+def test_a_compiled_op_that_does_more_than_write_in_place_is_named_not_modelled():
+    # offload_optimizer makes DeepSpeedCPUAdam, whose host kernel (the cpu_adam op) OpBuilder.load would compile
+    with pytest.raises(TraceError) as failed:
+        run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "2",
+                   "--offload", "1"], iterations=2)
+    assert failed.value.kind == "not_modelled" and "cpu_adam" in failed.value.message
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_hf_trainer_hands_zero_the_moved_parameters(stage):
+    # The Trainer's DummyOptim holds the host parameters DeepSpeed's engine moves to the GPU (accelerate passes its
+    # list as model_parameters): the trace points it at the moved ones, as a GPU keeps each Parameter object.
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "hf_trainer_zero.py"), "--stage",
+                       str(stage)], iterations=2)
+    assert trace.iterations == 2
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000,
+                                                                 n_positions=64))
+    numel = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once, as named_parameters does
+    # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere; FusedAdam's
+    # two moments of each group's fp32 partition, half of the group at world size 2
+    assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32

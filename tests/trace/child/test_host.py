@@ -1,0 +1,166 @@
+"""Only what the GPU would hold is fake: host tensors and the program's own control flow run for real, in every
+thread, and every way of reading a value out of a cuda tensor gets a stand-in (xmem/trace/child/standins.py)."""
+
+import sys
+
+import pytest
+
+from tests.torch_builds import PYTHONS, SCRIPTS
+from xmem.trace import TraceError, run_trace
+
+
+def allocs(trace, category):
+    return [e for e in trace.events if e.action == "alloc" and e.category == category]
+
+
+@pytest.fixture(scope="module", params=PYTHONS)
+def host(request):
+    lines = []
+    result = run_trace(["python", str(SCRIPTS / "host_and_values.py")], python=request.param, iterations=3,
+                       on_progress=lines.append)
+    return result
+
+
+def test_host_values_are_real_and_shape_the_model(host):
+    # width 40 comes from a real CPU norm: Linear(16, 40) + Linear(40, 4), fp32; LSTM(16, 32): 4 tensors
+    mlp = [16 * 40 * 4, 40 * 4, 40 * 4 * 4, 4 * 4]
+    lstm = [4 * 32 * 16 * 4, 4 * 32 * 32 * 4, 4 * 32 * 4, 4 * 32 * 4]
+    assert sorted(e.nbytes for e in allocs(host, "parameter")) == sorted(mlp + lstm)
+    assert host.iterations == 3
+
+
+def test_adam_state_and_gradients_match_the_parameters(host):
+    params = sorted(e.nbytes for e in allocs(host, "parameter"))
+    states = [e.nbytes for e in allocs(host, "optimizer_state") if e.nbytes > 512]
+    assert sorted(states) == sorted(n for n in params for _ in range(2) if n > 512)
+
+
+def test_every_way_of_reading_a_cuda_value_warns_once_per_kind(host):
+    warnings = set(host.warnings)
+    assert {"tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)",
+            "tensor.tolist() returned ones (no real data under fake CUDA)",
+            "torch.equal() on fake CUDA tensors answered True (no real data under fake CUDA)",
+            "bincount() assumed as many bins as input elements (no real data under fake CUDA)",
+            "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"} <= warnings
+    assert len(host.warnings) == len(warnings)
+
+
+ROLLOUT = """import torch
+policy = torch.nn.Linear(8, 4).cuda()
+optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+while True:  # only the tracer's stop ends this loop
+    log_probs = []
+    for _ in range(110):  # each distribution validates its logits; more answers than MAX_TRUE_STAND_INS
+        action = torch.distributions.Categorical(logits=policy(torch.randn(1, 8, device="cuda")))
+        log_probs.append(action.log_prob(action.sample()))
+    alive = torch.ones(16, dtype=torch.bool, device="cuda")
+    while alive.any():  # ends only when a stand-in answers False
+        alive = alive & (torch.rand(16, device="cuda") > 0.5)
+    loss = -torch.stack(log_probs).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_validation_checks_keep_their_answer_while_data_dependent_while_loops_end(tmp_path):
+    """torch.distributions checks its arguments and samples on every construction (`constraint.check(value)`):
+    however often, they stay valid (they were told False after 100 and raised: the fake GPU's fault, not the
+    program's); the `while alive.any():` loop in the same iteration still ends."""
+    script = tmp_path / "rollout.py"
+    script.write_text(ROLLOUT)
+    result = run_trace([sys.executable, str(script)], iterations=1, timeout=300)
+    assert result.iterations == 1
+    assert any(w.startswith("a condition on tensor data was answered True 100 times") for w in result.warnings)
+
+
+def test_cpu_only_program_runs_for_real(tmp_path):
+    """A CPU-only loop that stops on a real value ends by itself (a stand-in would never reach the threshold)."""
+    script = tmp_path / "cpu_only.py"
+    script.write_text("import torch\nw = torch.zeros(1, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+                      "for i in range(10000):\n    loss = (w - 3).pow(2).sum()\n    if loss.item() < 1e-6: break\n"
+                      "    loss.backward(); opt.step(); opt.zero_grad()\nassert 20 < i < 200, i\n")
+    with pytest.raises(TraceError) as raised:  # it never used the GPU: no 0-byte answer
+        run_trace([sys.executable, str(script)], iterations=3, timeout=120)
+    assert raised.value.kind == "no_cuda"  # not user_error: the loop ended where real values say, and so did the run
+
+
+def test_regnet_widths_come_from_real_host_values():
+    """torchvision computes RegNet's block widths from CPU tensors: the traced model is the real one."""
+    torchvision = pytest.importorskip("torchvision")
+    expected = sum(p.numel() * p.element_size() for p in torchvision.models.regnet_x_400mf().parameters())
+    result = run_trace([sys.executable, str(SCRIPTS / "regnet_sgd.py")], iterations=2)
+    traced = sum(e.nbytes for e in allocs(result, "parameter"))
+    assert traced == expected
+
+
+def test_a_gpu_program_that_reaches_something_unmodelled_says_so(tmp_path):
+    script = tmp_path / "driver.py"  # what torch.cuda._lazy_init calls: the real runtime, which has no device here
+    script.write_text("import torch\nx = torch.zeros(4, device='cuda')\ntorch._C._cuda_init()\n")
+    with pytest.raises(TraceError) as raised:
+        run_trace([sys.executable, str(script)], timeout=120)
+    assert raised.value.kind == "not_modelled"
+    assert raised.value.message.startswith("not modelled: this reached the real CUDA runtime")
+
+
+def test_tensorboard_tqdm_and_logging_take_cuda_values(tmp_path):
+    result = run_trace([sys.executable, str(SCRIPTS / "logging_habits.py")], iterations=3, cwd=str(tmp_path))
+    assert result.iterations == 3
+    assert "tensor.numpy() returned ones (no real data under fake CUDA)" in result.warnings  # SummaryWriter's
+    assert list(tmp_path.iterdir()) == []  # its runs/ directory went to the sandbox, not the user's directory
+
+
+def test_weights_tied_after_the_host_budget_stay_tied(tmp_path):
+    """An output layer tied to the input embedding once the model is past the 64 MiB of real host tensors
+    (transformers' `_tie_or_clone_weights` assigns the embedding's Parameter): one parameter, counted once."""
+    script = tmp_path / "tied.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "class LM(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Embedding(16384, 1024)\n"  # 64 MiB fp32: the whole budget
+        "        self.body = nn.Linear(1024, 1024)\n"  # born fake
+        "        self.head = nn.Linear(1024, 16384, bias=False)\n"
+        "        self.head.weight = self.embed.weight\n"
+        "    def forward(self, ids):\n"
+        "        return self.head(self.body(self.embed(ids)))\n"
+        "model = LM()\n"
+        "assert model.head.weight is model.embed.weight\n"
+        "model = model.cuda()\n"
+        "assert model.head.weight is model.embed.weight\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "for _ in range(2):\n"
+        "    model(torch.randint(0, 16384, (2, 8), device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")
+    trace = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    embed, body = 16384 * 1024 * 4, (1024 * 1024 + 1024) * 4
+    assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([embed, body - 1024 * 4, 1024 * 4])
+    assert sum(e.nbytes for e in allocs(trace, "optimizer_state") if e.nbytes > 512) == 2 * (embed + body)
+
+
+def test_a_model_past_the_host_budget_is_born_fake_however_its_tensors_are_made():
+    """A 10 GB nn.Linear made by torch.empty in its constructor (before registration), and a frozen layer whose
+    weight is swapped for torchao's NF4Tensor (swap_tensors refuses a tensor with a weak reference), on the host then
+    moved to the GPU, and on the GPU: the program checks its host memory itself (tests/scripts/host_built_big.py)."""
+    torchao = pytest.importorskip("torchao.quantization")
+    import torch
+    nf4 = torchao.to_nf4(torch.zeros(512, 512, dtype=torch.bfloat16))
+    nf4_bytes = sum(getattr(nf4, name).nbytes for name in nf4.__tensor_flatten__()[0])
+    trace = run_trace([sys.executable, str(SCRIPTS / "host_built_big.py")], iterations=2, timeout=300)
+    dense = (512 * 50_000 + 50_000) + 50_000 * 50_000 + (50_000 * 8 + 8)
+    assert sum(e.nbytes for e in allocs(trace, "parameter")) == dense * 4 + 2 * nf4_bytes
+
+
+def test_a_sparse_tensor_on_the_gpu_is_named_not_modelled(tmp_path):
+    """A graph's sparse adjacency moved to the GPU: the fake mode makes no index and value tensors for it, which
+    ended as "Cannot access storage of SparseTensorImpl" (the user's error); now the gap is named."""
+    script = tmp_path / "sparse_graph.py"
+    script.write_text("import torch\nedges = torch.randint(0, 100, (2, 400))\n"
+                      "adjacency = torch.sparse_coo_tensor(edges, torch.ones(400), (100, 100)).coalesce()\n"
+                      "features = torch.randn(100, 8, device='cuda')\n"
+                      "hidden = torch.sparse.mm(adjacency.cuda(), features)\n")
+    with pytest.raises(TraceError) as raised:
+        run_trace([sys.executable, str(script)], timeout=120)
+    assert raised.value.kind == "not_modelled"
+    assert raised.value.message.startswith("not modelled: sparse tensors on the GPU") and "sparse_graph.py:5" in \
+        raised.value.message

@@ -1,0 +1,217 @@
+"""Weights on disk are never read (xmem.trace.child.weights): checkpoints bound for the GPU load as fake tensors made from
+their metadata, CPU-bound ones stay real and memory-mapped, and nothing of their data is read.
+
+Each case runs in a fresh process set up as the tracing child is (shim, fake CUDA, the patches) and reports what it
+loaded; what it cost is the part of the weight files in the page cache afterwards (evicted before: fsync, then
+posix_fadvise DONTNEED), which counts reads and memory-mapped pages alike."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.torch_builds import PYTHONS
+from xmem.bench.page_cache import cached_bytes, evict
+
+MIB = 1 << 20
+READ_ALLOWANCE = 16 * MIB  # headers, pickles, the kernel's readahead around them: far below two 64 MiB weights
+
+SETUP = """
+    import json, os, sys
+    os.environ.setdefault("XMEM_FAKE_DEVICE_COUNT", "1")
+    from xmem.trace import shim
+    shim.load_shim()
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from xmem.trace.child import fakecuda, weights
+    fakecuda.install(fakecuda.FakeCuda((9, 0), 1))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    weights.install(lambda: mode)
+
+    def describe(t):
+        return {"fake": isinstance(t, FakeTensor), "device": str(t.device), "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch.")}
+"""
+REPORT = """
+    print("RESULT " + json.dumps(result))
+"""
+
+
+def weight_files(folder):
+    return [path for path in folder.iterdir() if path.suffix in (".safetensors", ".pt", ".bin")]
+
+
+def run_case(python, tmp_path, body, folder):
+    weights = weight_files(folder)
+    evict(weights)
+    assert cached_bytes(weights) < MIB, "the page cache kept the weight files: the measure would mean nothing"
+    script = tmp_path / "case.py"
+    script.write_text(textwrap.dedent(SETUP) + textwrap.dedent(body) + textwrap.dedent(REPORT))
+    run = subprocess.run([python, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    assert cached_bytes(weights) < READ_ALLOWANCE
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 64 MiB weight (bf16) and a small one with known values, as safetensors and as a torch checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("checkpoints")
+    tensors = {"big": torch.zeros(4096, 8192, dtype=torch.bfloat16), "small": torch.arange(6.0).reshape(2, 3)}
+    save_file(tensors, str(folder / "weights.safetensors"))
+    torch.save(tensors, folder / "weights.pt")
+    return folder
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_safetensors_bound_for_cuda_are_fake_from_the_header(python, tmp_path, checkpoints):
+    result = run_case(python, tmp_path, f"""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cuda") as f:
+            result = {{"keys": list(f.keys()), "big": describe(f.get_tensor("big")),
+                      "rows": describe(f.get_slice("big")[:1024]), "dtype": f.get_slice("big").get_dtype()}}
+        result["load_file"] = describe(load_file({str(checkpoints / "weights.safetensors")!r}, device=0)["big"])
+    """, checkpoints)
+    assert result["keys"] == ["big", "small"] and result["dtype"] == "BF16"
+    big = {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["big"] == big and result["load_file"] == big
+    assert result["rows"] == {**big, "shape": [1024, 8192]}
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_torch_load_to_cuda_reads_no_weight(python, tmp_path, checkpoints):
+    result = run_case(python, tmp_path, f"""
+        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cuda")
+        result = {{name: describe(t) for name, t in loaded.items()}}
+    """, checkpoints)
+    assert result["big"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["small"]["fake"] and result["small"]["device"] == "cuda:0"
+
+
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory, monkeypatch_module):
+    """A training checkpoint saved on a GPU: the model's weight at cuda:0, the step count and the CPU RNG state on
+    the CPU. (No GPU here: the weight's saved location is written as cuda:0 by torch.save's location tag.)"""
+    import torch
+    import torch.serialization as serialization
+
+    folder = tmp_path_factory.mktemp("resumable")
+    weight = torch.zeros(4096, 8192, dtype=torch.bfloat16)
+    tag = serialization.location_tag
+    monkeypatch_module.setattr(serialization, "location_tag",
+                               lambda storage: "cuda:0" if storage.data_ptr() == weight.data_ptr() else tag(storage))
+    torch.save({"model": {"weight": weight}, "rng": torch.get_rng_state(), "step": 7}, folder / "last.pt")
+    monkeypatch_module.undo()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_a_checkpoint_saved_on_the_gpu_resumes_with_fake_weights_and_real_cpu_state(tmp_path, resumable):
+    result = run_case(sys.executable, tmp_path, f"""
+        state = torch.load({str(resumable / "last.pt")!r})  # no map_location: each tensor where it was saved
+        torch.set_rng_state(state["rng"])  # needs the real bytes
+        result = {{"weight": describe(state["model"]["weight"]), "rng": describe(state["rng"]), "step": state["step"]}}
+    """, resumable)
+    assert result["weight"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["rng"]["fake"] is False and result["rng"]["device"] == "cpu" and result["step"] == 7
+
+
+def test_cpu_loads_stay_real_and_mapped(tmp_path, checkpoints):
+    result = run_case(sys.executable, tmp_path, f"""
+        from safetensors import safe_open
+        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cpu")
+        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cpu") as f:
+            small = f.get_tensor("small")
+        result = {{"big": describe(loaded["big"]), "values": loaded["small"].tolist(), "st_values": small.tolist()}}
+    """, checkpoints)
+    assert result["big"] == {"fake": False, "device": "cpu", "shape": [4096, 8192], "dtype": "bfloat16"}
+    assert result["values"] == result["st_values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # read where used
+
+
+def test_load_state_dict_into_a_cpu_module_then_to_cuda_reads_nothing(tmp_path, checkpoints):
+    result = run_case(sys.executable, tmp_path, f"""
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.big = torch.nn.Parameter(torch.empty(4096, 8192, dtype=torch.bfloat16))
+                self.register_buffer("small", torch.empty(2, 3))
+        net = Net()
+        param = net.big
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # built before the load, as when resuming
+        net.load_state_dict(torch.load({str(checkpoints / "weights.pt")!r}))
+        result = {{"same_parameter": net.big is param and optimizer.param_groups[0]["params"][0] is param,
+                  "values": net.small.tolist()}}
+        with mode:
+            net.to("cuda")
+        result["moved"] = describe(net.big)
+    """, checkpoints)
+    assert result["same_parameter"] and result["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert result["moved"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A small Llama saved as Hugging Face does, in safetensors and in the older pytorch_model.bin."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    folders = {"safetensors": tmp_path_factory.mktemp("llama-st"), "bin": tmp_path_factory.mktemp("llama-bin")}
+    model.save_pretrained(folders["safetensors"])
+    config.save_pretrained(folders["bin"])
+    torch.save(model.state_dict(), folders["bin"] / "pytorch_model.bin")
+    return folders, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout, device_map", [("safetensors", None), ("safetensors", "cuda"), ("bin", "cuda")])
+def test_from_pretrained_weights_are_fake(layout, device_map, tmp_path, pretrained):
+    folders, parameters = pretrained
+    result = run_case(sys.executable, tmp_path, f"""
+        from transformers import AutoModelForCausalLM
+        with mode:  # as the program runs in the tracing child
+            model = AutoModelForCausalLM.from_pretrained({str(folders[layout])!r}, dtype=torch.bfloat16,
+                                                         device_map={device_map!r})
+            model.to("cuda")
+        params = list(model.parameters())
+        result = {{"fake": all(isinstance(p, FakeTensor) for p in params), "numel": sum(p.numel() for p in params),
+                  "devices": sorted({{str(p.device) for p in params}})}}
+    """, folders[layout])
+    assert result["fake"] and result["devices"] == ["cuda:0"]
+    assert result["numel"] == parameters
+
+
+def test_a_host_load_past_the_trace_memory_limit_is_fake(tmp_path):
+    """A recipe that loads a 12 GB state dict on the host first (mapped: the mapping counts at its full size
+    against the trace's 8 GiB limit) gets fake host tensors and a warning, not 'unable to mmap' as its own error.
+    The checkpoint is torch.save's metadata-only layout: 12 GB of holes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from xmem.trace import run_trace
+    with FakeTensorMode():
+        weight = torch.empty(3 << 30, dtype=torch.float32)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"w": weight}, tmp_path / "big.pt")
+    script = tmp_path / "host_first.py"
+    script.write_text("import torch\nstate = torch.load('big.pt', map_location='cpu')\n"
+                      "assert state['w'].shape == (3 << 30,) and state['w'].device.type == 'cpu'\n"
+                      "layer = torch.nn.Linear(8, 8).cuda()\noptimizer = torch.optim.SGD(layer.parameters())\n"
+                      "for _ in range(2):\n"
+                      "    layer(torch.randn(2, 8, device='cuda')).sum().backward(); optimizer.step()\n")
+    trace = run_trace([sys.executable, str(script)], iterations=2, cwd=str(tmp_path), timeout=300)
+    assert trace.iterations == 2
+    assert any(w.startswith("checkpoint tensors loaded to the host past the trace's memory limit are fake")
+               for w in trace.warnings)

@@ -1,0 +1,136 @@
+"""The traced program's writes never land in the user's files: it reads back what it wrote, the user's tree stays
+identical (names, sizes, mtimes, hashes), under the namespaces sandbox and under its fallback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.torch_builds import SCRIPTS
+from xmem.trace import TraceError, run_trace, sandbox
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry under `root` (and root itself): kind, size, mtime and, for files, the sha256 of the content."""
+    entries = {}
+    for path in [root, *sorted(root.rglob("*"))]:
+        info = path.lstat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+        entries[str(path.relative_to(root))] = (info.st_mode, info.st_size, info.st_mtime_ns, digest)
+    return entries
+
+
+def make_run_directory(root: Path) -> Path:
+    """The user's run directory as writes_everywhere.py expects it."""
+    from PIL import Image
+    for folder in ("data", "logs", "checkpoints"):
+        (root / folder).mkdir(parents=True)
+    (root / "data" / "train.txt").write_text("the user's data\n")
+    (root / "logs" / "train.log").write_text("previous run\n")
+    (root / "checkpoints" / "old_checkpoint.pt").write_bytes(b"the user's checkpoint")
+    (root / "latest.txt").write_text("old_checkpoint.pt\n")
+    (root / "metrics.csv").write_text("step,loss\n")
+    Image.new("RGB", (4, 4), (0, 0, 255)).save(root / "real_samples.png")
+    return root
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "read-only", "fallback"])
+def test_writes_never_land_in_the_users_files(tmp_path, monkeypatch, mode):
+    """read-only: namespaces where overlayfs is refused (kernels before 5.11)."""
+    run = make_run_directory(tmp_path / "run")
+    before = snapshot(tmp_path)
+    if mode != "namespaces":
+        monkeypatch.setenv(sandbox.MODE_ENV, mode)
+    # torch.save to a path (namespaces, fallback: the trace opens it through Python's open(), which the fallback
+    # redirects, not torch's C++ writer) and to a file object (read-only)
+    extra = ["--save-to-file-object"] if mode == "read-only" else []
+    trace = run_trace(["python", str(SCRIPTS / "writes_everywhere.py"), *extra], cwd=str(run), iterations=3)
+    assert trace.iterations == 3  # the program read back every write (it exits 7 otherwise)
+    after = snapshot(tmp_path)
+    assert after == before, {name: (before.get(name), after.get(name)) for name in {*before, *after}
+                             if before.get(name) != after.get(name)}
+    assert trace.sandbox.startswith("fallback" if mode == "fallback" else "namespaces")
+    assert (mode == "read-only") == ("overlay of nothing; read-only, Python's writes there redirected" in trace.sandbox)
+    warned = [w for w in trace.warnings if "protected" in w]
+    assert (mode == "fallback") == bool(warned) and (not warned or "Landlock" in warned[0])
+
+
+def test_fallback_refuses_a_write_it_cannot_redirect(tmp_path, monkeypatch):
+    """A subprocess writes past Python's file APIs: under the fallback, Landlock makes the write fail."""
+    if not sandbox.landlock_abi():
+        pytest.skip("this kernel has no Landlock")
+    run = make_run_directory(tmp_path / "run")
+    script = run / "shell_write.py"
+    script.write_text("import subprocess\nsubprocess.run(['sh', '-c', 'echo overwritten > latest.txt'], check=True)\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
+    with pytest.raises(TraceError) as caught:
+        run_trace(["python", str(script)], cwd=str(run))
+    assert caught.value.kind == "user_error" and "CalledProcessError" in caught.value.message
+    assert "Permission denied" in caught.value.output
+    assert snapshot(tmp_path) == before
+
+
+def test_the_shim_is_built_outside_the_sandbox_and_kept(tmp_path, monkeypatch):
+    """Under the strictest mode (the fallback: Landlock), a first trace finds the shim built (by the runner, before
+    the sandbox: the cache is read-only inside) and kept in the user's cache for the next one, with its digest."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(sandbox.MODE_ENV, "fallback")
+    trace = run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
+    assert trace.iterations == 1
+    assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so"))
+    assert list((tmp_path / "cache" / "xmem-slurm" / "native").glob("*.so.sha256"))
+
+
+HELPER_PROGRAM = """
+import os, subprocess, sys
+home = sys.argv[1]
+with open(os.path.join(home, "notes.txt"), "a") as f:
+    f.write("appended by the program\\n")
+os.makedirs(os.path.join(home, "runs", "1"))
+os.remove(os.path.join(home, "keep.txt"))
+assert open(os.path.join(home, "notes.txt")).read() == "the user's notes\\nappended by the program\\n"
+assert not os.path.exists(os.path.join(home, "keep.txt"))
+subprocess.run(["sh", "-c", f"echo shell > {home}/from_shell.txt"], check=True)  # C-level: covered too
+assert open(os.path.join(home, "from_shell.txt")).read() == "shell\\n"
+print("uid", os.getuid(), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None, reason="needs root to make a user")
+def test_namespaces_sandbox_as_an_ordinary_user(tmp_path):
+    """As a non-root user: the kernel still gives the namespaces, the user's home is untouched, and the program
+    sees its real uid. (The helper needs only the standard library, so the system Python runs it.)"""
+    name = "xmem-sbx-test"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--create-home", name], check=True)
+    user = pwd.getpwnam(name)
+    home = Path(user.pw_dir)
+    for leftover in ("notes.txt", "keep.txt", "from_shell.txt", "runs"):
+        shutil.rmtree(home / leftover, ignore_errors=True) if leftover == "runs" else \
+            (home / leftover).unlink(missing_ok=True)
+    (home / "notes.txt").write_text("the user's notes\n")
+    (home / "keep.txt").write_text("keep me\n")
+    for path in (home / "notes.txt", home / "keep.txt"):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    before = snapshot(home)
+    scratch = Path(subprocess.run(["runuser", "-u", name, "--", "mktemp", "-d"], capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    (scratch / "program.py").write_text(HELPER_PROGRAM)
+    # sh execs the helper, so its parent (the process it dies with) is runuser: sh's $PPID
+    helper = f"exec /usr/bin/python3 {sandbox.__file__} --scratch {scratch} --parent $PPID --"
+    result = subprocess.run(["runuser", "-u", name, "--", "sh", "-c", f"{helper} /usr/bin/python3 "
+                             f"{scratch}/program.py {home}"], capture_output=True, text=True, timeout=60)
+    ended = sandbox.read_result(scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert ended.get("status") == {"exit": 0}, result.stdout + result.stderr
+    assert ended["protection"].startswith("namespaces")
+    assert f"uid {user.pw_uid}" in result.stdout
+    assert snapshot(home) == before

@@ -1,0 +1,378 @@
+"""Distributed training under fake CUDA: one rank runs, alone, as the launcher described it.
+
+Owns the patches of `torch.distributed.init_process_group` (torch's fake process group: collectives do nothing,
+rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process), of the
+device-to-device transfers of single-process `nn.DataParallel`, and of `DistributedDataParallel` (a stand-in that
+runs the wrapped module and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data
+while it is built).
+Import only in the tracing child, after `xmem.trace.child.fakecuda`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from xmem.trace.events import Category
+from xmem.trace.child.on_import import patch_on_import
+
+# upstream torch/distributed/constants + DDP defaults: the first bucket is small so communication starts early
+FIRST_BUCKET_BYTES = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+_fake_cuda: Any = None  # the FakeCuda of this process, set by install()
+
+
+def install(fake: Any) -> None:
+    global _fake_cuda
+    _fake_cuda = fake
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    _patch_init_process_group(fake, dist)
+    _patch_object_collectives(dist)
+    _patch_spawn()
+    _patch_data_parallel_transfers()
+    _patch_device_mesh()
+    _patch_fsdp_module_move()
+    _patch_fsdp_storage_checks()
+    _patch_lightning_launchers()
+    import torch.nn.parallel
+    import torch.nn.parallel.distributed
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+    torch.nn.parallel.distributed.DistributedDataParallel = DistributedDataParallel
+
+
+def _patch_init_process_group(fake: Any, dist: Any) -> None:
+    original_init = dist.init_process_group
+
+    def init_fake_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
+                                world_size: int = -1, rank: int = -1, store: Any = None, **kwargs: Any) -> None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+        if backend is None or "nccl" in str(backend):
+            fake.on_library("nccl")
+        kwargs.pop("device_id", None)  # binding a real device would initialise CUDA
+        world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
+        rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
+        extra = {"timeout": timeout} if timeout is not None else {}
+        original_init(backend="fake", store=FakeStore(), world_size=world_size, rank=rank, **extra, **kwargs)
+
+    dist.init_process_group = init_fake_process_group
+
+
+def _patch_object_collectives(dist: Any) -> None:
+    """The object collectives (`broadcast_object_list`, `all_gather_object`, `gather_object`, `scatter_object_list`,
+    `send_object_list`, `recv_object_list`) answer as they would on the traced rank of a real world, without the
+    transfers: upstream pickles each object into a byte tensor on the collective's device and back, which the fake
+    GPU cannot (its tensors hold no bytes). What the traced rank would receive from another rank is stood in for by
+    what it has itself: its own object (or list entry), copied as unpickling would. The byte tensors upstream moves
+    live only within the call, a few KiB that the allocator's small pool serves: not recorded."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def root_is_me(group: Any, rank: Any, group_rank: Any) -> bool:
+        group = group or c10d._get_default_group()
+        if rank is None and group_rank is None:
+            rank = 0  # upstream's default root before `src`/`dst` became optional
+        return group.rank() == c10d._canonicalize_group_rank(group, rank, group_rank)
+
+    def broadcast_object_list(object_list: list, src: Any = None, group: Any = None, device: Any = None,
+                              group_src: Any = None, weights_only: bool = False) -> None:
+        root_is_me(group, src, group_src)  # the root is checked as upstream checks it; the list stays this rank's
+
+    def all_gather_object(object_list: list, obj: Any, group: Any = None, weights_only: bool = False) -> None:
+        object_list[:] = [_received(obj) for _ in object_list]
+
+    def gather_object(obj: Any, object_gather_list: list | None = None, dst: Any = None, group: Any = None,
+                      group_dst: Any = None, weights_only: bool = False) -> None:
+        if root_is_me(group, dst, group_dst) and object_gather_list is not None:
+            object_gather_list[:] = [_received(obj) for _ in object_gather_list]
+
+    def scatter_object_list(output_list: list, input_list: Any = None, src: Any = None, group: Any = None,
+                            group_src: Any = None, weights_only: bool = False) -> None:
+        root_is_me(group, src, group_src)
+        if input_list is not None:  # the root's list (or, elsewhere, a list this rank passed anyway)
+            output_list[0] = _received(input_list[(group or c10d._get_default_group()).rank()])
+
+    def send_object_list(object_list: Any, dst: Any = None, group: Any = None, device: Any = None,
+                         group_dst: Any = None, use_batch: bool = False, weights_only: bool = False) -> None: ...
+
+    def recv_object_list(object_list: list, src: Any = None, group: Any = None, device: Any = None,
+                         group_src: Any = None, use_batch: bool = False, weights_only: bool = False) -> int:
+        return src if src is not None else (group_src if group_src is not None else 0)  # the sender's rank
+
+    for function in (broadcast_object_list, all_gather_object, gather_object, scatter_object_list,
+                     send_object_list, recv_object_list):
+        setattr(dist, function.__name__, function)
+        setattr(c10d, function.__name__, function)
+
+
+def _received(obj: Any) -> Any:
+    """A copy of `obj` as unpickling another rank's bytes would make it (a GPU tensor in it: a new GPU tensor)."""
+    import copy
+    import warnings
+    with warnings.catch_warnings():  # deepcopy asks a tensor subclass for its data pointer: fakes warn of it
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return copy.deepcopy(obj)
+
+
+def _patch_spawn() -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs): rank 0 runs here, in this process (fresh worker processes
+    would have no fake CUDA). The world size is the number of processes asked for."""
+    import torch.multiprocessing as mp
+
+    def run_rank_zero(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+                      start_method: str = "spawn", **kwargs: Any) -> None:
+        os.environ.setdefault("WORLD_SIZE", str(nprocs))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        fn(0, *args)
+
+    mp.spawn = run_rank_zero
+    mp.start_processes = run_rank_zero
+
+
+def _patch_device_mesh() -> None:
+    """A DeviceMesh is host-side bookkeeping: a CPU tensor of ranks that it searches (`nonzero`). Under the fake
+    mode that tensor would hold no values, so the mesh's own methods run on real CPU tensors."""
+    import functools
+    import inspect
+
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def on_real_tensors(function: Any) -> Any:
+        @functools.wraps(function)
+        def run_without_fake_mode(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return function(*args, **kwargs)
+        return run_without_fake_mode
+
+    mesh_class = device_mesh.DeviceMesh
+    for name, member in list(vars(mesh_class).items()):
+        if inspect.isfunction(member) and (name == "__init__" or not name.startswith("__")):
+            setattr(mesh_class, name, on_real_tensors(member))
+    device_mesh.init_device_mesh = on_real_tensors(device_mesh.init_device_mesh)
+
+
+def _patch_fsdp_module_move() -> None:
+    """FSDP1 given `device_id` moves a model's CPU tensors there by `param.data = param.to(device)`
+    (`_init_utils._move_module_to_device`, "like the .data code path of nn.Module._apply"): a fake GPU tensor
+    `.data`-assigned to a real CPU parameter leaves it on device meta, and FSDP stops ("Inconsistent compute device
+    and `device_id` ... meta vs cuda:0"). Fabric's and accelerate's FSDP pass `device_id` with the model on the CPU.
+    The same move runs first through the fake-aware `nn.Module._apply`, module by module as upstream walks them (not
+    into nested FSDP instances; ignored tensors stay), which replaces the parameters by fake ones and rebinds the
+    optimizers built before; upstream's move then finds nothing left on the CPU."""
+
+    def patch(init_utils: Any) -> None:
+        move = init_utils._move_module_to_device
+
+        def move_fake_aware(module: nn.Module, ignored_params: set, ignored_buffers: set, device: Any) -> None:
+            if device is not None:
+                nested = init_utils.fsdp_file.FullyShardedDataParallel  # defined after _init_utils is loaded
+                ignored = {id(t) for t in (*ignored_params, *ignored_buffers)}
+                to_device = (lambda t: t if id(t) in ignored or t.device.type != "cpu" else t.to(device))
+                queue = [module]
+                while queue:
+                    current = queue.pop()
+                    current._apply(to_device, recurse=False)
+                    queue.extend(child for child in current.children() if not isinstance(child, nested))
+            move(module, ignored_params, ignored_buffers, device)
+
+        init_utils._move_module_to_device = move_fake_aware
+
+    patch_on_import("torch.distributed.fsdp._init_utils", patch)
+
+
+def _patch_fsdp_storage_checks() -> None:
+    """FSDP1's FlatParamHandle asks storages' data pointers whether a storage is allocated
+    (`_data_ptr_allocated`: the writeback of a unit that skipped its sharded views, SHARD_GRAD_OP with
+    use_orig_params) and whether two tensors share one (`_same_storage`: which original parameters the program
+    replaced), and so does the end of backward whether a unit is already resharded (`_runtime_utils.
+    _catch_all_reshard`: a unit whose post-backward hook never ran, e.g. one of frozen parameters only, is resharded
+    there). A fake storage has no data pointer (0 for all), so each is asked of the storage itself: allocated
+    when it holds bytes (FSDP frees by resizing to 0), the same when it is the same StorageImpl."""
+
+    def storage_of(tensor: torch.Tensor) -> int:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own shard (SHARD_GRAD_OP with TP), as upstream
+        return local.untyped_storage()._cdata
+
+    def patch(flat_param: Any) -> None:
+        flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+        flat_param._same_storage = lambda a, b: storage_of(a) == storage_of(b)
+        handle_class = flat_param.FlatParamHandle
+        move = handle_class.flat_param_to
+
+        def flat_param_to(self: Any, *args: Any, **kwargs: Any) -> None:
+            # CPU offload moves the shard to the host by `flat_param.data = ...`: a fake keeps its device, and
+            # the memory it keeps on the host against what the GPU holds is not modelled
+            if self._offload_params:
+                from xmem.trace.errors import NotModelled
+                raise NotModelled("FSDP1 with CPUOffload(offload_params=True): its parameters and gradients kept "
+                                  "on the host")
+            move(self, *args, **kwargs)
+
+        handle_class.flat_param_to = flat_param_to
+
+    def patch_runtime(runtime: Any) -> None:
+        def catch_all_reshard(state: Any) -> None:
+            handle = state._handle
+            if not handle:
+                return
+            flat, shard = handle.flat_param, handle.flat_param._local_shard
+            if (storage_of(flat) == storage_of(shard) and flat.storage_offset() == shard.storage_offset()
+                    and not handle._skipped_use_sharded_views):
+                return  # already resharded
+            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
+
+        runtime._catch_all_reshard = catch_all_reshard
+
+    patch_on_import("torch.distributed.fsdp._flat_param", patch)
+    patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
+
+
+# Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself
+_LIGHTNING_LAUNCHERS = tuple(f"{package}.strategies.launchers.subprocess_script" for package in (
+    "lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning"))
+
+
+class _NoChildProcesses:
+    """Stands for the `subprocess` module of a Lightning launcher while it would start the other ranks."""
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> None:  # noqa: N802 (subprocess's name)
+        return None
+
+
+def _patch_lightning_launchers() -> None:
+    """Lightning with devices=N, started as `python train.py`, starts ranks 1..N-1 as copies of the script
+    (`_SubprocessScriptLauncher._call_children_scripts`: subprocess.Popen). They would run without fake CUDA and take
+    the CPU from rank 0's trace: rank 0 runs alone, as under mp.spawn, with the environment upstream sets for it
+    there (MASTER_ADDR/PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE), and no child for the launcher to watch."""
+
+    def patch(module: Any) -> None:
+        launcher = module._SubprocessScriptLauncher
+        start_children = launcher._call_children_scripts
+
+        def rank_zero_alone(self: Any) -> None:
+            real, module.subprocess = module.subprocess, _NoChildProcesses
+            try:
+                start_children(self)
+            finally:
+                module.subprocess = real
+            self.procs = []
+
+        launcher._call_children_scripts = rank_zero_alone
+
+    for name in _LIGHTNING_LAUNCHERS:
+        patch_on_import(name, patch)
+
+
+def _patch_data_parallel_transfers() -> None:
+    """nn.DataParallel over several fake GPUs: the transfers between devices are C++ kernels that need a driver,
+    so they are re-stated with plain copies (same tensors, same devices), and the replicas run one after another
+    on this thread, which the recorder watches (upstream runs them on worker threads)."""
+    import functools
+    import sys
+
+    import torch.nn.parallel.comm as comm
+    data_parallel = sys.modules["torch.nn.parallel.data_parallel"]  # the attribute of that name is a function
+
+    def cuda_device(device: Any) -> torch.device:
+        """A device as comm's functions take it: an index (None: 0), a name or a torch.device."""
+        return torch.device("cuda", device or 0) if device is None or isinstance(device, int) else torch.device(device)
+
+    def broadcast_coalesced(tensors: list, devices: list, buffer_size: int = 0) -> list[list[torch.Tensor]]:
+        # upstream: the first device's outputs are the inputs themselves
+        return [list(tensors) if i == 0 else [t.to(cuda_device(d)) for t in tensors] for i, d in enumerate(devices)]
+
+    def reduce_add_coalesced(inputs: list, destination: Any = None, buffer_size: int = 0) -> list[torch.Tensor]:
+        target = cuda_device(destination)
+        return [functools.reduce(torch.add, [t.to(target) for t in same]) for same in zip(*inputs)]
+
+    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None, dim: int = 0,
+                streams: Any = None, out: Any = None) -> tuple[torch.Tensor, ...]:
+        chunks = tensor.split(chunk_sizes, dim) if chunk_sizes else tensor.chunk(len(devices), dim)
+        return tuple(chunk.contiguous().to(cuda_device(d)) for chunk, d in zip(chunks, devices))
+
+    def gather(tensors: list, dim: int = 0, destination: Any = None, out: Any = None) -> torch.Tensor:
+        return torch.cat([t.to(cuda_device(destination)) for t in tensors], dim)
+
+    def apply_one_by_one(modules: Any, inputs: Any, kwargs_tup: Any = None, devices: Any = None) -> list:
+        kwargs_tup = kwargs_tup or ({},) * len(modules)
+        return [module(*(args if isinstance(args, (list, tuple)) else (args,)), **kwargs)
+                for module, args, kwargs in zip(modules, inputs, kwargs_tup)]
+
+    comm.broadcast_coalesced, comm.reduce_add_coalesced = broadcast_coalesced, reduce_add_coalesced
+    comm.scatter, comm.gather = scatter, gather
+    data_parallel.parallel_apply = apply_one_by_one
+
+
+def bucket_sizes(params: list[torch.Tensor], cap_bytes: int,
+                 first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[tuple[torch.dtype, torch.device, int]]:
+    """(dtype, device, elements) of the Reducer's gradient buckets (upstream: compute_bucket_assignment_by_size).
+
+    Parameters are taken in reverse registration order (roughly the order backward produces their gradients),
+    grouped by (dtype, device); a bucket closes once it reaches its cap, the first one at `first_cap_bytes`.
+    """
+    open_buckets: dict[tuple, list[int]] = {}  # key -> [elements, bytes, cap]
+    closed: list[tuple[torch.dtype, torch.device, int]] = []
+    seen_keys: list[tuple] = []
+    for param in reversed(params):
+        key = (param.dtype, param.device)
+        if key not in open_buckets:
+            open_buckets[key] = [0, 0, first_cap_bytes]
+            seen_keys.append(key)
+        bucket = open_buckets[key]
+        bucket[0] += param.numel()
+        bucket[1] += param.numel() * param.element_size()
+        if bucket[1] >= bucket[2]:
+            closed.append((*key, bucket[0]))
+            open_buckets[key] = [0, 0, cap_bytes]
+    closed.extend((*key, open_buckets[key][0]) for key in seen_keys if open_buckets[key][0])
+    return closed
+
+
+class DistributedDataParallel(nn.Module):
+    """Stand-in for torch's DDP: the wrapped module computes; the gradient buckets exist as GPU memory.
+
+    With gradient_as_bucket_view the gradients are views of the buckets, so the buckets cost nothing beyond the
+    gradients the trace already records; otherwise they are a second copy of the gradients, allocated here.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.device_ids = device_ids
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._buckets: list[torch.Tensor] = []
+        if not gradient_as_bucket_view:
+            for dtype, device, elements in bucket_sizes(params, cap):
+                bucket = torch.empty(elements, dtype=dtype, device=device)
+                _fake_cuda.on_module_tensor(bucket, Category.GRADIENT)
+                self._buckets.append(bucket)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def join(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None: ...
+
+    def _set_static_graph(self) -> None: ...

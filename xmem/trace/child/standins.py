@@ -1,0 +1,234 @@
+"""Stand-in values for what fake CUDA tensors cannot give: their data.
+
+Only tensors on cuda (and what is computed from them) are fake in a trace, so every way Python takes a value out of
+one needs an answer: `.item()` and the number protocols (`int`, `float`, `bool`, `__index__`, `if t:`), `tolist`,
+`numpy`/`__array__`, `__format__`, `torch.equal`, and ops whose output size depends on data. Each kind answers
+plausibly and is reported once as a warning, so an estimate says which of the program's values were made up.
+
+The rules, chosen so that a memory estimate errs on the large side and loops end:
+- numbers: 1 (1.0 for floats), so `loss.item() < 1e-3` never stops a loop early and divisions stay finite;
+- truth: what the op that made the boolean most plausibly holds (`isnan` -> False, `isfinite` -> True, kept through
+  `any`/`all`/views, flipped by `logical_not`); otherwise True. A test asked inside a `while` loop of the function
+  that asks it (the loop's condition, an `if ...: break` in its body) turns False after `MAX_TRUE_STAND_INS`
+  answers at one place in one (iteration, phase), so `while mask.any():` ends; every other test (a library's
+  argument validation, `constraint.check(value)` on every torch.distributions object, run anew in each call) keeps
+  its answer however often it is asked;
+- data-dependent sizes: every element selected (`nonzero`, `masked_select`, boolean-mask indexing), every value
+  distinct (`unique`), `bincount` as long as its input (or `minlength` when larger), tensor-valued
+  `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says.
+Import only in the tracing child, after `xmem.trace.child.fakecuda`.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+import sys
+from types import CodeType, FrameType
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+aten = torch.ops.aten
+
+SCALAR_WARNING = "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"
+SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
+MAX_TRUE_STAND_INS = 100
+_INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
+
+# Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
+_BOOL_TRUTH = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
+_BOOL_KEEP = {"any", "all", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "clone", "_to_copy", "select",
+              "expand", "alias", "detach", "lift_fresh"}
+_BOOL_FLIP = {"logical_not", "bitwise_not"}
+# (return_inverse, return_counts) argument positions of each unique op; None: the op has no such argument
+_UNIQUE_OPS = {"_unique2": (2, 3), "_unique": (2, None), "unique_dim": (3, 4), "unique_consecutive": (1, 2)}
+
+
+class StandIns:
+    """The stand-in answers of one trace; `warn(message)` reports each kind once; `where()` names the trace's
+    position (iteration, phase) for the loop-ending rule."""
+
+    def __init__(self, warn: Callable[[str], None], where: Callable[[], tuple]) -> None:
+        self.warn = warn
+        self.where = where
+        # told of each stand-in for a tensor's value (the self-audit flags one for a host tensor: xmem.trace.child.facts)
+        self.on_stand_in: Callable[[torch.Tensor, str], None] = lambda tensor, what: None
+        self._true_answers: dict[tuple, int] = {}
+        # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
+        # that is: xmem.trace.child.attribution).
+        self.asked_in: set[CodeType] = set()
+
+    def _note_asker(self) -> None:
+        frame = _caller_frame()
+        if frame is not None:
+            self.asked_in.add(frame.f_code)
+
+    # ---- scalars ------------------------------------------------------------------------------------------------
+    def scalar(self, tensor: torch.Tensor) -> Any:
+        self.on_stand_in(tensor, "tensor.item()")
+        self.warn(SCALAR_WARNING)
+        self._note_asker()
+        if tensor.dtype == torch.bool:
+            truth = getattr(tensor, "_xmem_truth", None)
+            return self.unknown_truth() if truth is None else truth
+        if tensor.dtype.is_floating_point:
+            return 1.0
+        if tensor.dtype.is_complex:
+            return complex(1.0)
+        return 1
+
+    def unknown_truth(self) -> bool:
+        frame = _caller_frame()
+        if frame is None or not _in_while_loop(frame.f_code, frame.f_lasti):
+            return True  # no loop waits on it here: the same answer every time
+        key = (frame.f_code.co_filename, frame.f_lineno, *self.where())
+        self._true_answers[key] = count = self._true_answers.get(key, 0) + 1
+        if count <= MAX_TRUE_STAND_INS:
+            return True
+        self.warn(f"a condition on tensor data was answered True {MAX_TRUE_STAND_INS} times at one place; "
+                  "answered False from then on, to end the loop")
+        return False
+
+    def equal(self, op: str) -> bool:
+        self.warn(f"torch.{op}() on fake CUDA tensors answered True (no real data under fake CUDA)")
+        self._note_asker()
+        return True
+
+    # ---- data-dependent output sizes --------------------------------------------------------------------------
+    def dynamic_shape(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Outputs whose size depends on tensor data, at the sizes the module docstring states."""
+        name = func._opname
+        x = args[0]
+        self.on_stand_in(x, f"the size of {name}()")
+        if name in _UNIQUE_OPS:
+            self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
+            return _unique_upper_bound(name, x, args, kwargs)
+        if name == "bincount":
+            self.warn("bincount() assumed as many bins as input elements (no real data under fake CUDA)")
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
+            dtype = torch.long if weights is None else (torch.double if weights.dtype != torch.float else weights.dtype)
+            return torch.zeros(max(x.numel(), minlength), dtype=dtype, device=x.device)
+        if name == "repeat_interleave":
+            self.warn("repeat_interleave() with tensor repeats assumed the largest output (no real data)")
+            repeats = x if len(args) == 1 or not isinstance(args[1], torch.Tensor) else args[1]
+            size = kwargs.get("output_size") or x.numel() * max(1, repeats.numel())
+            return torch.empty(size, dtype=torch.long if repeats is x else x.dtype, device=x.device)
+        self.warn(SELECTION_WARNING)
+        if name == "nonzero":
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if name == "masked_select":
+            return torch.empty(torch.broadcast_shapes(x.shape, args[1].shape).numel(), dtype=x.dtype,
+                               device=x.device)
+        if name == "index" and len(args) > 1:
+            indices: list = []
+            for index in args[1]:
+                if index is not None and index.dtype in (torch.bool, torch.uint8):
+                    indices.extend(torch.empty(index.numel(), dtype=torch.long, device=index.device)
+                                   for _ in range(index.dim()))
+                else:
+                    indices.append(index)
+            return func(x, indices)
+        return None  # no rule: the caller re-raises
+
+    # ---- Python-level ways out of a tensor ---------------------------------------------------------------------
+    def install_python_protocols(self) -> None:
+        """FakeTensor's `__format__`, `tolist`, `numpy`/`__array__`: stand-ins instead of errors (process-global)."""
+        original_numpy = torch.Tensor.numpy
+        original_tolist = torch.Tensor.tolist
+        original_format = torch.Tensor.__format__
+        stand_ins = self
+
+        def numpy(tensor: torch.Tensor, *, force: bool = False) -> Any:
+            if not isinstance(tensor, FakeTensor):
+                return original_numpy(tensor, force=force)
+            stand_ins.on_stand_in(tensor, "tensor.numpy()")
+            stand_ins._note_asker()
+            stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
+            return _ones_like_on_host(tensor).numpy()
+
+        def tolist(tensor: torch.Tensor) -> Any:
+            if not isinstance(tensor, FakeTensor):
+                return original_tolist(tensor)
+            stand_ins.on_stand_in(tensor, "tensor.tolist()")
+            stand_ins._note_asker()
+            stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
+            return original_tolist(_ones_like_on_host(tensor))
+
+        def format_(tensor: torch.Tensor, spec: str) -> str:
+            if not isinstance(tensor, FakeTensor):
+                return original_format(tensor, spec)
+            if tensor.dim() == 0:
+                return format(tensor.item(), spec)  # the scalar stand-in, warned once as such
+            return format(repr(tensor), spec if spec and not spec[-1:].isalpha() else "")
+
+        torch.Tensor.numpy = numpy
+        torch.Tensor.tolist = FakeTensor.tolist = tolist  # FakeTensor's own goes element by element
+        torch.Tensor.__format__ = format_
+
+
+def _ones_like_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    with unset_fake_temporarily():
+        dtype = tensor.dtype if tensor.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) \
+            else torch.float32
+        return torch.ones(tuple(tensor.shape), dtype=dtype)
+
+
+def guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
+    """Remember what a boolean result most plausibly holds, for a later `.item()`/`if` on it."""
+    if op in _BOOL_TRUTH:
+        tensor._xmem_truth = _BOOL_TRUTH[op]
+    elif args and isinstance(args[0], torch.Tensor) and hasattr(args[0], "_xmem_truth"):
+        if op in _BOOL_KEEP:
+            tensor._xmem_truth = args[0]._xmem_truth
+        elif op in _BOOL_FLIP:
+            tensor._xmem_truth = not args[0]._xmem_truth
+
+
+def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """(values, inverse, counts) of a unique op with every value distinct; unrequested parts are empty."""
+    inverse_at, counts_at = _UNIQUE_OPS[name]
+
+    def asked(position: int | None, keyword: str) -> bool:
+        if position is None:
+            return False
+        return bool(kwargs.get(keyword, args[position] if len(args) > position else False))
+
+    values = torch.empty(x.numel() if name != "unique_dim" else x.shape, dtype=x.dtype, device=x.device)
+    inverse = torch.empty(x.shape if asked(inverse_at, "return_inverse") else 0, dtype=torch.long, device=x.device)
+    if counts_at is None:
+        return values, inverse
+    counts = torch.empty(x.numel() if asked(counts_at, "return_counts") else 0, dtype=torch.long, device=x.device)
+    return values, inverse, counts
+
+
+def _caller_frame() -> FrameType | None:
+    """The innermost frame outside the tracer and torch's dispatch machinery: the code that asked."""
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL_FILES):
+        frame = frame.f_back
+    return frame
+
+
+def _in_while_loop(code: CodeType, offset: int) -> bool:
+    """Whether the instruction at `offset` lies inside a `while` loop of `code`."""
+    return any(start <= offset <= end for start, end in _while_loops(code))
+
+
+@functools.lru_cache(maxsize=1024)
+def _while_loops(code: CodeType) -> tuple[tuple[int, int], ...]:
+    """The (first, last) offsets of the loops in `code` that are not `for` loops: each backward jump and its target,
+    less those that go back to a `for` loop's FOR_ITER (which ends with its iterable) or an await's SEND. Read from
+    the bytecode of the interpreter that runs it, so a multi-line condition or `while True: ... break` counts too."""
+    instructions = list(dis.get_instructions(code))
+    names = {instruction.offset: instruction.opname for instruction in instructions}
+    return tuple((instruction.argval, instruction.offset) for instruction in instructions
+                 if instruction.opcode in _JUMPS and isinstance(instruction.argval, int)
+                 and instruction.argval <= instruction.offset and names.get(instruction.argval) not in _NOT_WHILE)
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_NOT_WHILE = ("FOR_ITER", "SEND")
