@@ -111,6 +111,8 @@ SHARDING_PLAN = (
     ProgramCase("hf-trainer-zero2", "hf_trainer_zero.py", ("--stage", "2")),
     ProgramCase("hf-trainer-zero3", "hf_trainer_zero.py", ("--stage", "3")),
     ProgramCase("dtensor-tp-1", "dtensor_tp.py"),
+    # a world of one is one node of one GPU: HYBRID_SHARD's intra-node group is that GPU alone
+    ProgramCase("fsdp1-lora-hybrid", "fsdp1_lora.py", ("--orig", "1", "--strategy", "HYBRID_SHARD")),
 )
 
 

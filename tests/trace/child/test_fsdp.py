@@ -254,10 +254,13 @@ def trained(frozen: str) -> list[list[tuple[int, bool]]]:
     return [block, block, head]
 
 
-def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str) -> dict[str, list[int]]:
+def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str,
+                  nodes: int = 1) -> dict[str, list[int]]:
     """What FSDP1 keeps on rank 0, from the upstream code (torch/distributed/fsdp/_flat_param.py, _runtime_utils.py):
     - parameter: each unit's fp32 flat parameter, sharded (FlatParamHandle._get_shard: ceil(numel / N) elements,
-      the whole of it under NO_SHARD);
+      the whole of it under NO_SHARD; N the world, or under the hybrid strategies the GPUs of one node: upstream's
+      _init_intra_node_process_group shards over dist.new_subgroups(device_count()), and the replicas' sharded
+      gradients are all-reduced in place across the nodes, _reduce_grad);
     - gradient: each unit's sharded fp32 gradient. Its flat parameter requires grad when any of its parameters
       does (_validate_tensors_to_flatten), so the whole shard has a gradient, frozen elements included (a unit of
       frozen parameters only has none, and is resharded at the end of backward: _catch_all_reshard); it is the
@@ -268,8 +271,9 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
       else the flat parameter's shard;
     - unsharded (forward of a steady iteration): per unit the full flat parameter in the compute dtype
       (_alloc_padded_unsharded_flat_param), and with mixed precision the low-precision copy of the shard
-      (_use_low_precision_shard). FULL_SHARD gathers the blocks again for backward, not the root
-      (_should_free_in_backward / the root is not resharded after forward); SHARD_GRAD_OP keeps them;
+      (_use_low_precision_shard). FULL_SHARD and HYBRID_SHARD gather the blocks again for backward, not the root
+      (_should_free_in_backward / the root is not resharded after forward); SHARD_GRAD_OP and
+      _HYBRID_SHARD_ZERO2 keep them (NO_RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES);
     - reduce (backward, per unit in autograd's order): the unit's unsharded gradient, full size in the compute dtype:
       autograd's backward of the views (_get_unflat_views: split) concatenates every view's gradient, frozen ones
       included; then, on the post-backward stream, its copy in an fp32 reduce dtype (_post_backward_hook) and the
@@ -280,7 +284,8 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
     numels = [sum(numel for numel, _ in unit) for unit in units]
     has_grad = [any(trainable for _, trainable in unit) for unit in units]
     sharded = strategy != "NO_SHARD"
-    shards = [math.ceil(n / world) if sharded else n for n in numels]
+    group = world // nodes if "HYBRID" in strategy else world
+    shards = [math.ceil(n / group) if sharded else n for n in numels]
     state = []
     for unit, shard in zip(units, shards):
         if not orig:
@@ -311,7 +316,7 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
         "gradient": sorted(s * FP32 for s, grad in zip(shards, has_grad) if grad),
         "optimizer_state": sorted(state),
         "unsharded_forward": sorted(gathered) if sharded else [],
-        "unsharded_backward": sorted(regathered) if strategy == "FULL_SHARD" else [],
+        "unsharded_backward": sorted(regathered) if strategy in ("FULL_SHARD", "HYBRID_SHARD") else [],
         "reduce": reduce,
     }
 
@@ -328,10 +333,11 @@ FSDP1_CONFIGS = [
 ]
 
 
-def fsdp1_traced(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str):
-    key = ("fsdp1_lora.py", world, orig, strategy, mp, reduce, frozen)
-    if key not in TRACES:
-        TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"),
+def fsdp1_traced(world: int, orig: bool, strategy: str, mp: str, reduce: str, frozen: str, nodes: int = 1):
+    key = ("fsdp1_lora.py", world, orig, strategy, mp, reduce, frozen, nodes)
+    if key not in TRACES:  # rank 0 of `nodes` nodes of world / nodes GPUs each
+        TRACES[key] = run_trace(["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world // nodes}",
+                                 str(SCRIPTS / "fsdp1_lora.py"),
                                  "--orig", str(int(orig)), "--strategy", strategy, "--mp", mp, "--reduce", reduce,
                                  "--frozen", frozen], iterations=2)
     return TRACES[key]
@@ -367,6 +373,36 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
         assert len(reasons) == (2 if "head" in frozen else 1)
     else:
         assert reasons == ()
+
+
+# (world, nodes, use_orig_params, hybrid strategy, param dtype, reduce dtype): LoRA-like units (base frozen)
+HYBRID_CONFIGS = [
+    (4, 2, True, "HYBRID_SHARD", "none", "fp32"),
+    (8, 2, True, "_HYBRID_SHARD_ZERO2", "bf16", "bf16"),
+]
+
+
+@pytest.mark.parametrize("config", HYBRID_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
+    world, nodes, orig, strategy, mp, reduce = config
+    result = fsdp1_traced(world, orig, strategy, mp, reduce, "base", nodes=nodes)
+    figures = fsdp1_figures(world, orig, strategy, mp, reduce, "base", nodes=nodes)
+    held = live_at_first_step(result)
+    # each rank keeps 1 / (GPUs per node) of every flat parameter and of its gradient, not 1 / world
+    assert held["parameter"] == figures["parameter"] != fsdp1_figures(world, orig, "FULL_SHARD", mp, reduce,
+                                                                      "base")["parameter"]
+    assert held["gradient"] == figures["gradient"]
+    assert Category.UNSHARDED_PARAMETER not in held
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
+    assert unsharded_per_pass(result, 1, "backward") == figures["unsharded_backward"]
+    # the inter-node all-reduce of the sharded gradient is in place: nothing beyond the reduce-scatter's buffers
+    assert reduce_allocations(result, 1) == figures["reduce"]
+    # the adapters lie in the last shard of the node's group: its last rank steps 2 x 2 x 4096 fp32 moments more
+    reasons = audit(result)
+    assert len(reasons) == 1 and f"rank {world // nodes - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in \
+        reasons[0]
 
 
 def test_fsdp1_cpu_offload_is_not_modelled_and_says_so():
