@@ -113,6 +113,8 @@ SHARDING_PLAN = (
     ProgramCase("dtensor-tp-1", "dtensor_tp.py"),
     # a world of one is one node of one GPU: HYBRID_SHARD's intra-node group is that GPU alone
     ProgramCase("fsdp1-lora-hybrid", "fsdp1_lora.py", ("--orig", "1", "--strategy", "HYBRID_SHARD")),
+    ProgramCase("fsdp2-lora", "fsdp2_lora.py"),
+    ProgramCase("fsdp2-lora-bf16-frozen-head", "fsdp2_lora.py", ("--mp", "bf16", "--frozen", "base+head")),
 )
 
 

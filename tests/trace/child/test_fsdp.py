@@ -156,6 +156,71 @@ def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gathers_bf16_one_unit_at_a_
     assert audit(result) == ()
 
 
+# ---- FSDP2 with frozen and trainable parameters in one unit (fsdp2_lora.py, launched by torchrun) --------------
+# Two blocks (a frozen base Linear(256, 256), a trainable rank-8 adapter down (8, 256), up (256, 8)) each a unit, the
+# root unit holding the head Linear(256, 16), trainable or frozen; (shape, trainable) in registration order
+FSDP2_LORA_BLOCK = [((256, 256), False), ((256,), False), ((8, 256), True), ((256, 8), True)]
+
+
+def fsdp2_lora_units(frozen: str) -> list[list[tuple[tuple[int, ...], bool]]]:
+    head = [((16, 256), "head" not in frozen), ((16,), "head" not in frozen)]
+    return [FSDP2_LORA_BLOCK, FSDP2_LORA_BLOCK, head]
+
+
+def fsdp2_lora_figures(world: int, mp: str, frozen: str) -> dict[str, list[int]]:
+    """What FSDP2 keeps on rank 0 when a unit mixes frozen and trainable parameters, from the upstream code
+    (torch/distributed/fsdp/_fully_shard/): every parameter, frozen or not, is sharded on dim 0 into its own padded
+    buffer (FSDPParam._init_sharded_param) and all-gathered whole for the unit's forward and, but for the root
+    (not resharded after forward), again for its backward (FSDPParamGroup.unshard gathers all of the group's
+    parameters); only the parameters with a gradient are reduced (FSDPParamGroup.post_backward passes
+    foreach_reduce those whose grad is set): one fp32 reduce-scatter input of their padded unsharded sizes and one
+    output of rank 0's shards of them, whose views are the sharded gradients (fp32 reduce dtype = the parameters'
+    dtype); a unit with none reduces nothing and keeps no gradient. AdamW's two moments of the trainable shards
+    only. Per unit the flat all-gather output (foreach_all_gather: all_gather_comm.allocate) in the compute dtype,
+    and with a bf16 param_dtype the flat bf16 copy of the shards (_get_param_all_gather_inputs: the foreach-copy
+    input); in fp32 the shards are the copy-in's inputs as they are."""
+    compute = BF16 if mp == "bf16" else FP32
+    units = fsdp2_lora_units(frozen)
+    trained = [[shape for shape, trainable in unit if trainable] for unit in units]
+    gathered = [[dim0_padded(shape, world) * compute for shape, _ in unit] for unit in units]
+    return {
+        "parameter": sorted(dim0_shard(shape, world) * FP32 for unit in units for shape, _ in unit),
+        "gradient": sorted(sum(dim0_shard(shape, world) for shape in unit) * FP32 for unit in trained if unit),
+        "optimizer_state": sorted(dim0_shard(shape, world) * FP32 for unit in trained for shape in unit
+                                  for _moment in range(2)),
+        "unsharded_forward": sorted(n for unit in gathered for n in unit),
+        "unsharded_backward": sorted(n for unit in gathered[:-1] for n in unit),
+        "reduce_input": sorted(sum(dim0_padded(shape, world) for shape in unit) * FP32 for unit in trained if unit),
+        "all_gather": sorted(n for unit in gathered for n in [sum(unit)] + ([sum(unit) // world] if mp == "bf16"
+                                                                           else [])),
+    }
+
+
+@pytest.mark.parametrize("config", [(2, "none", "base"), (4, "bf16", "base+head")], ids=lambda c: "-".join(map(str, c)))
+def test_fsdp2_lora_shards_frozen_parameters_but_reduces_and_steps_the_trainable_ones_only(config):
+    world, mp, frozen = config
+    key = ("fsdp2_lora.py", *config)
+    if key not in TRACES:
+        TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp2_lora.py"), "--mp", mp,
+                                 "--frozen", frozen], iterations=2)
+    result = TRACES[key]
+    figures = fsdp2_lora_figures(world, mp, frozen)
+    held = live_at_first_step(result)
+    assert held["parameter"] == figures["parameter"]  # the frozen shards too, though no optimizer names them
+    assert held["gradient"] == figures["gradient"]
+    assert Category.UNSHARDED_PARAMETER not in held
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    for iteration in (0, 1):
+        assert unsharded_per_pass(result, iteration, "forward") == figures["unsharded_forward"]
+        assert unsharded_per_pass(result, iteration, "backward") == figures["unsharded_backward"]
+        flat = [e for e in allocs(result, phase="forward") if e.iteration == iteration and e.stream != 0]
+        assert sizes(flat) == figures["all_gather"]
+        scatter_inputs = [e for e in allocs(result, phase="backward") if e.iteration == iteration and e.op == "empty"
+                          and e.stream == 0]
+        assert sizes(scatter_inputs) == figures["reduce_input"]
+    assert audit(result) == ()
+
 # ---- Fabric(strategy="fsdp", precision="bf16-mixed"): FSDP1, the whole model one unit (fabric_fsdp.py) ----------
 # Linear(128, 512), GELU, Linear(512, 128), LayerNorm(128), Linear(128, 4): one flat parameter. With
 # use_orig_params (Fabric's default) FSDP1 aligns each parameter to 16 bytes (4 fp32 elements): every numel here is

@@ -139,6 +139,15 @@ def fsdp1_flat_parameter(module: torch.nn.Module) -> torch.Tensor | None:
     return flat if isinstance(flat, torch.Tensor) else None
 
 
+def fsdp2_sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters an FSDP2 unit (`fully_shard`) manages, its nested units' included; [] for any other module.
+    Outside its forward and backward they are the sharded DTensors (FSDPParam.to_sharded puts them back on their
+    modules), and its own forward runs its children's, so a frozen shard, which no optimizer names, is known as a
+    parameter only through its unit."""
+    is_unit = any(kind.__name__ == "FSDPModule" for kind in type(module).__mro__)
+    return list(module.parameters()) if is_unit else []
+
+
 def fsdp1_shard_numel(handle: Any) -> int:
     """Elements of each rank's shard of the unit's flat parameter (FlatParamHandle._get_shard: torch.chunk over
     the shard group, the last chunks padded to the first's size); the whole of it when not sharded."""

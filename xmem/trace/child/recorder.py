@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 import xmem.trace.child.shortcuts as shortcuts
-from xmem.trace.child.facts import fsdp1_flat_parameter, inner_tensors
+from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
 from xmem.trace.child.fakecuda import FakeCuda
 from xmem.trace.child.standins import StandIns, guess_truth
@@ -537,6 +537,8 @@ class AllocationRecorder(TorchDispatchMode):
             if flat is not None:
                 self.label(flat, Category.PARAMETER)
                 self.label(flat.grad, Category.GRADIENT)
+            for param in fsdp2_sharded_parameters(module):  # frozen shards too, which no optimizer names
+                self.label(param, Category.PARAMETER)
 
     def _label_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         for per_param in optimizer.state.values():
