@@ -44,7 +44,8 @@ TORCH_PINS = ("torch==2.14.1", "torchvision==0.29.1")
 # The packages whose programs are run, pinned. litgpt pins huggingface-hub<1.4, which the others' current
 # releases exclude: like a user's own environment, it gets a venv of its own (VENV-litgpt).
 PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "ultralytics==8.4.190", "open_clip_torch[training]==3.3.0",
-                     "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0", "chemprop==2.3.1", "pykeen==1.11.1"),
+                     "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0", "chemprop==2.3.1", "pykeen==1.11.1",
+                     "lightly==1.6.0", "nequip==0.19.1"),
                 "litgpt": ("litgpt==0.5.13", "requests")}  # requests: jsonargparse reads configs by URL
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
@@ -369,6 +370,92 @@ def pykeen_args(name: str) -> tuple[str, ...]:
             "--silent", "--output-directory", "{out}")
 
 
+def fixtures_lightly(work: Path) -> None:
+    """A folder of generated pictures, the unlabelled image folder lightly's CLI trains on."""
+    rng = random.Random(7)
+    for i in range(16):
+        picture(work / "images" / f"{i}.jpg", rng)
+
+
+def lightly_model(resnet: str) -> Callable[[Path], Any]:
+    """The SimCLR model lightly's CLI trains (its train_cli: the ResNetGenerator backbone without its classifier, a
+    1x1 convolution to the config's num_ftrs (32), the projection head to out_dim (128)), from scratch."""
+    def build(work: Path) -> Any:
+        from torch import nn
+
+        from lightly.cli._cli_simclr import _SimCLR
+        from lightly.models import ResNetGenerator
+        from lightly.models.batchnorm import get_norm_layer
+
+        backbone = ResNetGenerator(resnet, 1)
+        features = nn.Sequential(get_norm_layer(3, 0), *list(backbone.children())[:-1],
+                                 nn.Conv2d(list(backbone.children())[-1].in_features, 32, 1), nn.AdaptiveAvgPool2d(1))
+        return _SimCLR(features, num_ftrs=32, out_dim=128)
+    return build
+
+
+def lightly_args(command: str, resnet: str, *extra: str) -> tuple[str, ...]:
+    """Hydra overrides as lightly's help has users type them; pre_trained=False: its zoo's weights are downloads."""
+    return (command, "input_dir={work}/images", "pre_trained=False", f"model.name={resnet}", "loader.batch_size=8",
+            "loader.num_workers=0", "trainer.max_epochs=1", *extra)
+
+
+# nequip's model settings: one place for the config the program reads and the model built for the lower bound
+NEQUIP_MODEL = {"seed": 0, "type_names": ["Cu"], "r_max": 4.0, "parity": True, "num_layers": 2, "num_features": 16,
+                "radial_mlp_depth": 1, "radial_mlp_width": 16}
+
+
+def fixtures_nequip(work: Path) -> None:
+    """A nequip training config (hydra YAML; JSON is YAML) on the EMT copper data set nequip generates itself
+    (ASE's EMT calculator on jittered supercells), a small NequIP model, one epoch on the GPU."""
+    species = NEQUIP_MODEL["type_names"]
+    transforms = [{"_target_": "nequip.data.transforms.ChemicalSpeciesToAtomTypeMapper", "model_type_names": species,
+                   "chemical_species_to_atom_type_map": {s: s for s in species}},
+                  {"_target_": "nequip.data.transforms.NeighborListTransform", "r_max": NEQUIP_MODEL["r_max"]}]
+    loader = {"_target_": "torch.utils.data.DataLoader", "batch_size": 4}
+    config = {
+        "run": ["train"],
+        "data": {"_target_": "nequip.data.datamodule.NequIPDataModule", "seed": 0,
+                 "split_dataset": {"dataset": {"_target_": "nequip.data.dataset.EMTTestDataset",
+                                               "transforms": transforms, "supercell": [3, 3, 3], "seed": 0,
+                                               "num_frames": 20, "element": species[0]}, "train": 16, "val": 4},
+                 "train_dataloader": {**loader, "shuffle": True}, "val_dataloader": loader,
+                 "stats_manager": {"_target_": "nequip.data.CommonDataStatisticsManager", "type_names": species}},
+        "trainer": {"_target_": "lightning.Trainer", "accelerator": "gpu", "devices": 1, "max_epochs": 1,
+                    "enable_checkpointing": False, "logger": False},
+        "training_module": {
+            "_target_": "nequip.train.EMALightningModule",
+            "loss": {"_target_": "nequip.train.EnergyForceLoss", "per_atom_energy": True,
+                     "coeffs": {"total_energy": 1.0, "forces": 1.0}},
+            "val_metrics": {"_target_": "nequip.train.EnergyForceMetrics",
+                            "coeffs": {"total_energy_mae": 1.0, "forces_mae": 1.0}},
+            "optimizer": {"_target_": "torch.optim.Adam", "lr": 0.01},
+            "model": {"_target_": "nequip.model.NequIPGNNModel", **NEQUIP_MODEL, "model_dtype": "float32", "l_max": 1,
+                      # what nequip's resolvers compute from the training data (they size no parameter)
+                      "avg_num_neighbors": "${training_data_stats:num_neighbors_mean}",
+                      "per_type_energy_shifts": "${training_data_stats:per_atom_energy_mean}",
+                      "per_type_energy_scales": "${training_data_stats:forces_rms}"}}}
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "train.yaml").write_text(json.dumps(config, indent=1))
+
+
+def nequip_model(dtype: str, l_max: int) -> Callable[[Path], Any]:
+    def build(work: Path) -> Any:
+        from nequip.model import NequIPGNNModel
+        from nequip.utils.global_state import set_global_state
+
+        set_global_state()  # nequip builds models only after its global state is set, as nequip-train does
+        species = NEQUIP_MODEL["type_names"]
+        return NequIPGNNModel(**NEQUIP_MODEL, model_dtype=dtype, l_max=l_max, avg_num_neighbors=10.0,
+                              per_type_energy_shifts={s: 0.0 for s in species},
+                              per_type_energy_scales={s: 1.0 for s in species})
+    return build
+
+
+def nequip_args(*overrides: str) -> tuple[str, ...]:
+    return ("nequip-train", "-cp", "{work}", "-cn", "train", *overrides)
+
+
 PROGRAMS: list[Program] = [
     # accelerate: the scripts its `accelerate test` and its own test suite launch
     Program("accelerate-test-sync", "accelerate", ("python", "-m", "accelerate.test_utils.scripts.test_sync"),
@@ -413,10 +500,20 @@ PROGRAMS: list[Program] = [
     # pykeen: its CLI's training of knowledge-graph embeddings on a data set it ships
     *(Program(f"pykeen-{name.lower()}", "pykeen", pykeen_args(name), pykeen_model(name))
       for name in ("TransE", "ComplEx", "RotatE")),
+    # lightly: its CLI's self-supervised (SimCLR) training on a folder of images, and its train-then-embed verb
+    Program("lightly-resnet18", "lightly", lightly_args("lightly-ssl-train", "resnet-18"), lightly_model("resnet-18")),
+    Program("lightly-resnet50-fp16", "lightly", lightly_args("lightly-ssl-train", "resnet-50", "trainer.precision=16"),
+            lightly_model("resnet-50")),
+    Program("lightly-magic", "lightly", lightly_args("lightly-magic", "resnet-18"), lightly_model("resnet-18")),
+    # nequip: its trainer on a config naming the data set it generates (EMT copper), in float32 and float64
+    Program("nequip-f32", "nequip", nequip_args(), nequip_model("float32", 1)),
+    Program("nequip-f64-lmax2", "nequip", nequip_args("training_module.model.model_dtype=float64",
+                                                      "training_module.model.l_max=2"), nequip_model("float64", 2)),
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
-                                               "chemprop": fixtures_chemprop}
+                                               "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
+                                               "nequip": fixtures_nequip}
 
 
 # --- running ----------------------------------------------------------------------------------------------------

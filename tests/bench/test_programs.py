@@ -28,9 +28,28 @@ def test_selection_by_package_and_name_and_unknown_names_refused():
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert names == ["accelerate-test-sync", "accelerate-test-script", "accelerate-test"]
     every = bench("--list").stdout.splitlines()
-    assert len(every) >= 25 and len({line.split()[1] for line in every}) >= 8
+    assert len(every) >= 25 and len({line.split()[1] for line in every}) >= 10
     refused = bench("--list", "--only", "no-such-program")
     assert refused.returncode != 0 and "no-such-program" in refused.stderr
+
+
+
+def test_fixtures_made_without_the_package_are_what_its_program_reads(tmp_path):
+    """nequip's config and lightly's image folder are made by the script alone (no package import), so CI checks
+    them: the config names the sections nequip-train requires and resolves; the images are pictures PIL opens."""
+    import yaml
+    from PIL import Image
+
+    for package in ("nequip", "lightly"):
+        made = bench("--fixtures", package, "--work", str(tmp_path / package))
+        assert made.returncode == 0, made.stderr
+    config = yaml.safe_load((tmp_path / "nequip" / "train.yaml").read_text())
+    assert {"run", "data", "trainer", "training_module"} <= set(config) and config["run"] == ["train"]
+    model = config["training_module"]["model"]
+    assert model["_target_"] == "nequip.model.NequIPGNNModel" and model["model_dtype"] == "float32"
+    assert model["avg_num_neighbors"] == "${training_data_stats:num_neighbors_mean}"
+    images = sorted((tmp_path / "lightly" / "images").iterdir())
+    assert len(images) == 16 and Image.open(images[0]).size == (64, 64)
 
 
 @pytest.mark.slow
