@@ -112,6 +112,8 @@ FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
 FACT_FSDP_PARAMETERS = "the FSDP units' sharded flat parameters"
 FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements included"
 FACT_FULLEST_RANK_STATE = "the optimizer state of the rank whose FSDP shards hold the most trainable elements"
+# DeepSpeed ZeRO's optimizers, by its partition rules from the trainable parameters (xmem.trace.child.facts.zero_*)
+FACT_ZERO_STATE = "the optimizer state of the rank whose ZeRO partitions are the largest"
 
 
 @dataclass(slots=True)

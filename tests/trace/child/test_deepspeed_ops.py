@@ -4,12 +4,16 @@ of 50 000 elements). Its compiled FusedAdam is not built (xmem/trace/child/deeps
 figures are derived by hand from deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeedZeroOptimizer). Skipped where
 deepspeed is not installed; each trace costs seconds."""
 
+import dataclasses
+
 import pytest
 
 from tests.trace.child.test_scripts import allocs, sizes
 from tests.torch_builds import SCRIPTS
+from xmem.audit import audit
 from xmem.trace import TraceError, run_trace
-from xmem.trace.events import Category
+from xmem.trace.child.facts import zero12_partitions
+from xmem.trace.events import FACT_ZERO_STATE, Category
 
 pytest.importorskip("deepspeed")
 
@@ -20,11 +24,19 @@ WORLD = 2
 # nccl_start_alignment_factor (2) * world, so flatten_dense_tensors_aligned adds none at the end.
 NUMEL = 256 * 512 + 512 + 512 * 16 + 16
 REDUCE_BUCKET = 50000
+TRACES: dict[int, object] = {}
+
+
+def traced(stage: int):
+    """deepspeed_zero.py at one ZeRO stage, traced once for the module (2 iterations)."""
+    if stage not in TRACES:
+        TRACES[stage] = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"),
+                                   "--stage", str(stage)], iterations=2)
+    return TRACES[stage]
 
 
 def test_zero_flat_buffers_follow_stage_1_and_2():
-    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "2"],
-                      iterations=2)
+    trace = traced(2)
     assert trace.iterations == 2
     partition = NUMEL // WORLD  # get_data_parallel_partitions: equal parts of the flat group, rank 0's first
     built = sizes([e for e in allocs(trace, Category.PARAMETER) if e.iteration < 0])
@@ -46,8 +58,7 @@ def test_zero_flat_buffers_follow_stage_1_and_2():
 
 
 def test_zero3_partitions_each_parameter_and_steps_rank_0s_part():
-    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "deepspeed_zero.py"), "--stage", "3"],
-                      iterations=2)
+    trace = traced(3)
     assert trace.iterations == 2  # the order checks (assert_ints_same_as_other_ranks) agree as rank 0 with itself
     # partition_parameters.py's _partition_param: each parameter's ds_tensor is ceil(numel / world) elements (every
     # numel here is even: no padding); stage3.py flattens rank 0's into fp16_partitioned_groups_flat and clones that
@@ -56,6 +67,40 @@ def test_zero3_partitions_each_parameter_and_steps_rank_0s_part():
     assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
     for iteration in (0, 1):
         assert sizes(e for e in allocs(trace, Category.GRADIENT) if e.iteration == iteration) == [partition * FP32]
+
+
+def zero_state_fact(trace):
+    return next(fact for fact in trace.facts if fact.what == FACT_ZERO_STATE)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_audit_checks_zero_state_against_the_fullest_ranks_partitions(stage):
+    trace = traced(stage)
+    # the fullest rank's partitions: stage 1/2 cut the padded flat group in equal parts (no padding here), stage 3
+    # each parameter in ceil(numel / N) parts; FusedAdam keeps two fp32 moments of each element
+    partition = NUMEL // WORLD if stage < 3 else sum(-(-numel // WORLD) for numel in (256 * 512, 512, 512 * 16, 16))
+    fact = zero_state_fact(trace)
+    assert fact.nbytes == 2 * partition * FP32 and "rank 0's partitions" in fact.source
+    assert audit(trace) == ()
+
+
+def test_a_zero_trace_that_lost_its_partitions_state_is_suspect():
+    # as a tracer that made the moments of partitions half as large (partitioned by twice the ranks) would record
+    trace = traced(2)
+    halved = [dataclasses.replace(e, nbytes=e.nbytes // 2) if e.category == Category.OPTIMIZER_STATE else e
+              for e in trace.events]
+    wrong = dataclasses.replace(trace, events=halved)
+    reasons = audit(wrong)
+    assert any(reason.startswith(FACT_ZERO_STATE) and "DeepSpeedZeroOptimizer: rank 0's partitions of "
+               f"{NUMEL // WORLD} elements" in reason for reason in reasons), reasons
+
+
+def test_zero_1_and_2_partitions_pad_each_parameter_and_the_group():
+    # bf16 numels 5, 3, 12 with 16-byte parameter alignment (8 elements): 5 -> 8, 3 -> 8, the last 12 unpadded: 28,
+    # padded to a multiple of 2 x 3 ranks: 30, in three parts of 10; without alignment 20 -> 24 in parts of 8
+    assert zero12_partitions([5, 3, 12], BF16, True, 3) == [10, 10, 10]
+    assert zero12_partitions([5, 3, 12], BF16, False, 3) == [8, 8, 8]
+    assert zero12_partitions([5, 3, 12], FP32, True, 1) == [8 + 4 + 12]  # fp32: 4 elements to 16 bytes
 
 
 def test_a_compiled_op_that_does_more_than_write_in_place_is_named_not_modelled():
@@ -80,3 +125,5 @@ def test_hf_trainer_hands_zero_the_moved_parameters(stage):
     # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere; FusedAdam's
     # two moments of each group's fp32 partition, half of the group at world size 2
     assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32
+    # the first step's state (both groups at ZeRO-2) is what ZeRO's partition rule asks of the fullest rank
+    assert zero_state_fact(trace).nbytes == 2 * (numel // WORLD) * FP32 and audit(trace) == ()

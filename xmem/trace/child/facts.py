@@ -11,6 +11,7 @@ Imports torch: child side only (and tests).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -21,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 
 from xmem.trace.events import (FACT_BATCH, FACT_FSDP_GRADIENTS, FACT_FSDP_PARAMETERS, FACT_FULLEST_RANK_STATE,
                                FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
-                               FACT_STATE_BY_RULE, FACT_STEPPED, Category, Fact)
+                               FACT_STATE_BY_RULE, FACT_STEPPED, FACT_ZERO_STATE, Category, Fact)
+from xmem.trace.child.on_import import patch_on_import
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
 # "temporary", one copied from the host "input").
@@ -80,6 +82,8 @@ def state_copies(optimizer: torch.optim.Optimizer, group: dict) -> int | None:
     torch.optim class's `_init_group`; step counters and other scalars come on top); None for a kind whose rule is
     not known here (subclasses included: they may keep more)."""
     kind = type(optimizer)
+    if (kind.__module__, kind.__name__) == ("deepspeed.ops.adam.fused_adam", "FusedAdam"):
+        return 2  # exp_avg, exp_avg_sq: zeros_like each parameter at its first step (FusedAdam.step)
     if kind.__module__.split(".")[:2] != ["torch", "optim"]:
         return None
     name = kind.__name__
@@ -186,6 +190,55 @@ def fsdp1_units(roots: Iterable[torch.nn.Module]) -> list[Any]:
     return list(handles.values())
 
 
+# DeepSpeed's ZeRO optimizers (module -> class): each wraps a torch optimizer that steps its rank's fp32 partitions
+ZERO_OPTIMIZERS = {"deepspeed.runtime.zero.stage_1_and_2": "DeepSpeedZeroOptimizer",
+                   "deepspeed.runtime.zero.stage3": "DeepSpeedZeroOptimizer_Stage3"}
+
+
+def split_evenly(numel: int, parts: int) -> list[int]:
+    """Sizes of `parts` consecutive pieces of `numel` elements, the first `numel % parts` one larger (DeepSpeed's
+    stage_1_and_2 get_data_parallel_partitions)."""
+    return [numel // parts + (rank < numel % parts) for rank in range(parts)]
+
+
+def zero12_partitions(numels: list[int], itemsize: int, aligned_params: bool, dp: int) -> list[int]:
+    """Per data-parallel rank, the elements of its partition of one ZeRO-1/2 parameter group
+    (stage_1_and_2.DeepSpeedZeroOptimizer.__init__): the group's trainable parameters laid end to end in one flat
+    buffer, each but the last padded to 16 bytes where the optimizer aligns parameters (parameter_alignment), the
+    whole padded to a multiple of 2 x dp elements (nccl_start_alignment_factor; flatten_dense_tensors_aligned), cut
+    by get_data_parallel_partitions."""
+    step = 16 // math.gcd(16, itemsize) if aligned_params else 1
+    flat = sum(n + (-n % step if i < len(numels) - 1 else 0) for i, n in enumerate(numels))
+    flat += -flat % (2 * dp)
+    return split_evenly(flat, dp)
+
+
+def zero3_partitions(numels: list[int], dp: int) -> list[int]:
+    """Per data-parallel rank, the elements of its partitions of ZeRO-3's parameters (partition_parameters
+    _partition_param): each parameter padded to a multiple of dp (_padding_size) and cut in dp equal parts, its
+    ds_tensor; the optimizer's fp32 partitions are those, flattened per sub-group."""
+    return [sum(-(-n // dp) for n in numels)] * dp
+
+
+def zero_partitions(zero: Any) -> list[int]:
+    """Per rank of its data-parallel group(s), the elements of the partitions a ZeRO optimizer's wrapped optimizer
+    has stepped there, from the trainable parameters' sizes. ZeRO-3 steps one sub-group per call of the wrapped
+    optimizer (stage3 _optimizer_step): only the sub-groups whose fp32 partition has state so far count."""
+    import torch.distributed as dist
+    if type(zero).__name__ == ZERO_OPTIMIZERS["deepspeed.runtime.zero.stage3"]:
+        stepped = {id(t) for t in zero.optimizer.state}
+        per_group = [zero3_partitions([p.ds_numel for p in group], dist.get_world_size(group=process_group))
+                     for group, process_group, fp32 in zip(zero.fp16_groups, zero.sub_group_process_groups,
+                                                           zero.fp32_partitioned_groups_flat) if id(fp32) in stepped]
+    else:
+        per_group = [zero12_partitions([p.numel() for p in params], params[0].element_size(),
+                                       bool(getattr(zero, "parameter_alignment", False)),
+                                       dist.get_world_size(group=zero.real_dp_process_group[i]))
+                     for i, params in enumerate(zero.bit16_groups) if params]
+    ranks = max((len(parts) for parts in per_group), default=0)
+    return [sum(parts[rank] for parts in per_group if rank < len(parts)) for rank in range(ranks)]
+
+
 def facts_of(what: str, categories: tuple[str, ...], found: Storages, at_event: int, source: str) -> list[Fact]:
     """One Fact per device of `found`."""
     return [Fact(what, categories, device, len(ids), sum(ids.values()), at_event, source)
@@ -239,10 +292,14 @@ class FactCollector:
         self._step_depth = 0
         self._first_step: torch.optim.Optimizer | None = None
         self._module_hooks: list = []
+        self._zero: weakref.WeakSet = weakref.WeakSet()  # DeepSpeed ZeRO optimizers made so far
 
     def install(self) -> None:
         """Hook module calls (removed at the first step) and optimizer steps. Install before anything whose
-        post-step hook may end the trace (TrainingState's stop), so that the first step's state is seen."""
+        post-step hook may end the trace (TrainingState's stop), so that the first step's state is seen. ZeRO's
+        optimizers are no torch optimizers: each is noted when made, to be found by the optimizer it wraps."""
+        for module_name, class_name in ZERO_OPTIMIZERS.items():
+            patch_on_import(module_name, lambda module, name=class_name: self._note_made(getattr(module, name)))
         from torch.nn.modules import module
         from torch.optim import optimizer
         self._module_hooks = [module.register_module_forward_pre_hook(self._before_call),
@@ -285,6 +342,15 @@ class FactCollector:
             found = storages(tree_leaves((args, kwargs)), self.device_type)
             self.facts += facts_of(FACT_BATCH, BATCH_CATEGORIES, found, getattr(self._calls, "began", 0),
                                    "the first model call's arguments")
+
+    def _note_made(self, kind: type) -> None:
+        made = kind.__init__
+
+        def init_and_note(zero: Any, *args: Any, **kwargs: Any) -> None:
+            made(zero, *args, **kwargs)
+            self._zero.add(zero)
+
+        kind.__init__ = init_and_note
 
     def _stop_watching_modules(self) -> None:
         for handle in self._module_hooks:
@@ -335,6 +401,7 @@ class FactCollector:
         self.facts += [Fact(FACT_STATE_BY_RULE, (Category.OPTIMIZER_STATE,), device, 0, nbytes, at, source)
                        for device, nbytes in sorted(by_device.items()) if nbytes > 0]
         self.facts += self._fullest_rank_state(optimizers, by_device, at)
+        self.facts += self._zero_state(optimizers, at)
 
     def _fsdp1_facts(self, at: int) -> list[Fact]:
         """What each FSDP1 unit keeps on this rank by upstream's rules, from its FlatParamHandle: the sharded flat
@@ -384,6 +451,30 @@ class FactCollector:
                                   traced.get(device, 0) + extra, at,
                                   f"rank {rank}'s shards hold {extra} bytes more state than the traced rank's"))
         return facts
+
+    def _zero_state(self, optimizers: list[torch.optim.Optimizer], at: int) -> list[Fact]:
+        """The optimizer state the fullest rank of each ZeRO optimizer's data-parallel group needs, by ZeRO's
+        partition rule and the wrapped optimizer kind's copies per stepped element (in the master weights' dtype):
+        the trace is rank 0's, whose partitions are the largest (the first ranks get the remainder), so a trace
+        that holds less made the wrong partitions or lost their state."""
+        by_device: dict[int, int] = {}
+        sources: list[str] = []
+        for zero in list(self._zero):
+            inner = getattr(zero, "optimizer", None)
+            if not any(inner is o for o in optimizers):
+                continue
+            copies = {state_copies(inner, group) for group in inner.param_groups}
+            params = optimizer_params(inner)
+            if len(copies) != 1 or None in copies or not params or params[0].device.type != self.device_type:
+                continue  # a kind without a known rule, or state kept off the GPU (offload)
+            per_rank = zero_partitions(zero)
+            rank = max(range(len(per_rank)), key=per_rank.__getitem__)
+            device = params[0].device.index or 0
+            by_device[device] = by_device.get(device, 0) + copies.pop() * per_rank[rank] * params[0].element_size()
+            sources.append(f"{type(zero).__name__}: rank {rank}'s partitions of {per_rank[rank]} elements, "
+                           f"{type(inner).__name__} state per element")
+        return [Fact(FACT_ZERO_STATE, (Category.OPTIMIZER_STATE,), device, 0, nbytes, at, "; ".join(sources))
+                for device, nbytes in sorted(by_device.items()) if nbytes > 0]
 
     def _seen(self) -> list[torch.optim.Optimizer]:
         return [o for o in (ref() for ref in self._optimizers) if o is not None]
