@@ -102,3 +102,31 @@ def test_epilog_skips_jobs_with_nothing_to_record(tmp_path):
     store = tmp_path / "records.jsonl"
     done = run("epilog", "--store", str(store), env={"SLURM_JOB_ID": "78", "SLURM_JOB_COMMENT": "mine"})
     assert done.returncode == 0 and not store.exists()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_without_a_reachable_slurm_says_so_in_one_line(tmp_path):
+    """No scontrol on PATH, or a controller nobody answers for (the real scontrol, a port nothing listens on):
+    one line and exit 12, never scontrol's own errors; --json says the same as an object."""
+    import shutil
+
+    gone = run("status", "5", env={"PATH": str(tmp_path)})
+    assert gone.returncode == 12 and gone.stdout == ""
+    assert gone.stderr == "xmem-slurm status: Slurm is not reachable from here (no scontrol on PATH)\n"
+    if shutil.which("scontrol") is None:
+        return
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\nMessageTimeout=1\n")
+    silent = run("status", "5", "--json", env={"SLURM_CONF": str(conf)})
+    assert silent.returncode == 12, silent.stderr
+    assert silent.stderr.splitlines() == [
+        "xmem-slurm status: Slurm is not reachable from here (scontrol: Unable to contact slurm controller)"]
+    answer = json.loads(silent.stdout)
+    assert (answer["error"], answer["exit_code"]) == ("slurm_unreachable", 12)

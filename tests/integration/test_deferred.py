@@ -17,6 +17,7 @@ import pytest
 from xmem.config import load_site_config
 from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
+from xmem.slurm.stamp import comment_fields
 from xmem.slurm.store import read_records
 
 pytestmark = pytest.mark.slurm
@@ -88,6 +89,7 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     assert "estimate queued on partition cpu: the job is held" in sub.stderr
     held = cluster.job(sub.job_id)
     assert (held["JobState"], held["Reason"], xmem_state(held)) == ("PENDING", "JobHeldUser", "pending")
+    assert ";why=GPU+memory+estimate+queued+on+partition+cpu" in held["Comment"]  # the line sbatch showed
     started = time.monotonic()
     info = wait_settled(cluster, sub.job_id)
     print(f"\nfigure: deferred sbatch took {sub.seconds:.2f} s; submission to release "
@@ -97,10 +99,12 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     status = json.loads(cluster.run("xmem-slurm", "status", sub.job_id, "--json").stdout)
     assert (status["estimate"], status["request_before"]) == ("done", "gpu:1")
     assert status["request_now"] == f"TresPerNode={info['TresPerNode']}"
+    assert status["why"].endswith(f" -> --gres={info['TresPerNode'][5:]}")  # the line inline mode would show
     done = cluster.wait(sub.job_id)
     assert done["JobState"] == "COMPLETED"  # the submitted version ran, not the edited one
     out = cluster.output(work, sub.job_id)
     assert "trained on cpu" in out and f"XMEM_PEAK_BYTES={status['stamp']['peak_bytes']}" in out
+    assert f"XMEM_WHY={comment_fields(info['Comment'])['why']}\n" in out  # from the comment, by the TaskProlog
     record = {r.job_id: r for r in read_records(cluster.store)}[sub.job_id]  # the Epilog's record
     assert (record.deferred_state, record.request_before, record.gres) == ("done", "gpu:1", info["TresPerNode"][5:])
 

@@ -22,6 +22,7 @@ from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
 from xmem.slurm.stamp import JobStamp
 from xmem.slurm.store import read_records
+from xmem.text import comment_text, comment_value
 
 pytestmark = pytest.mark.slurm
 
@@ -137,6 +138,26 @@ def test_epilog_record_appears_and_report_summarises_it(cluster, generic):
     assert summary["median_abs_rel_error"] == pytest.approx(median)
 
 
+def status_of(cluster, job_id: str) -> dict:
+    done = cluster.run("xmem-slurm", "status", job_id, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def as_recorded(line: str) -> str:
+    """The user's line at sbatch as the job keeps it (its comment's value rule), read back for people."""
+    return comment_text(comment_value(line.removeprefix("xmem-slurm: ")))
+
+
+def test_status_and_the_job_have_the_users_line_and_the_request_before(cluster, work, generic):
+    _, sub, _, info = generic
+    (line,) = xmem_lines(sub.stderr)
+    status = status_of(cluster, sub.job_id)
+    assert (status["estimate"], status["why"], status["request_before"]) == ("done", as_recorded(line), "gpu:1")
+    assert status["request_now"] == f"TresPerNode={info['TresPerNode']}"
+    assert f"XMEM_WHY={comment_value(line.removeprefix('xmem-slurm: '))}\n" in cluster.output(work, sub.job_id)
+
+
 def test_resubmission_hits_the_cache(cluster, generic):
     path, first, _, first_info = generic
     before = cluster.analyses()
@@ -204,7 +225,7 @@ def test_mps_job_gets_its_pinned_memory_limit(cluster, work, export):
 
 
 def test_job_the_estimator_cannot_handle_runs_unchanged(cluster, work):
-    path = script(work, "broken.sh", "#SBATCH --gres=gpu:1", "python broken.py\n")
+    path = script(work, "broken.sh", "#SBATCH --gres=gpu:1", 'echo "XMEM_WHY=$XMEM_WHY"\npython broken.py\n')
     sub = cluster.sbatch(path)
     assert sub.returncode == 0, sub.stderr
     (line,) = xmem_lines(sub.stderr)
@@ -212,8 +233,12 @@ def test_job_the_estimator_cannot_handle_runs_unchanged(cluster, work):
     assert "RuntimeError" in line or "needs /data/imagenet" in line
     info = cluster.wait(sub.job_id)
     assert info["TresPerNode"] == "gres:gpu:1"
-    assert "xmem:" not in info.get("Comment", "")
+    assert JobStamp.from_comment(info["Comment"]).is_empty()  # no estimate: nothing for the node to enforce
     assert info["JobState"] == "FAILED"  # it ran, and failed as the user's script does
+    # why it went unchanged stays with the job: `status`, and the job's own environment
+    status = status_of(cluster, sub.job_id)
+    assert (status["estimate"], status["why"], status["request_before"]) == ("failed", as_recorded(line), "gpu:1")
+    assert f"XMEM_WHY={comment_value(line.removeprefix('xmem-slurm: '))}\n" in cluster.output(work, sub.job_id)
 
 
 def test_non_python_gpu_job_runs_unchanged(cluster, work):

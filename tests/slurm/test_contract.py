@@ -8,7 +8,8 @@ import pytest
 from tests.slurm.submissions import GIB, PEAKS, decision, request
 from xmem.policy import Decision
 from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, Verdict, reply_for, with_exports
-from xmem.slurm.stamp import JobStamp
+from xmem.slurm.stamp import JobStamp, comment_fields
+from xmem.text import comment_value
 
 
 def test_request_from_lua_json_strips_the_gres_prefix_sbatch_reads_back():
@@ -24,8 +25,10 @@ def test_rewrite_sets_gres_comment_and_exports():
     reply = reply_for(Verdict(decision(), PEAKS), request(gres="gres:gpu:1"), "open")
     stamp = JobStamp(peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:a100:40",
                      action="rewrite")
-    assert reply.set == {"gres": "mps:a100:40", "comment": stamp.comment(),
-                         "export": "ALL," + ",".join(f"{k}={v}" for k, v in stamp.env().items())}
+    why = comment_value(reply.message)  # the user's line, as the comment and the environment hold it
+    assert reply.set == {"gres": "mps:a100:40", "comment": f"{stamp.comment()};why={why};was=gpu:1",
+                         "export": "ALL," + ",".join(f"{k}={v}" for k, v in stamp.env().items()) +
+                                   f",XMEM_WHY={why}"}
     assert reply.message.endswith("-> --gres=mps:a100:40") and reply.reject is None
 
 
@@ -55,15 +58,23 @@ def test_cpu_job_is_untouched_and_silent():
 def test_no_fit_warns_and_changes_nothing():
     reply = reply_for(Verdict(decision(action="no_fit", gres=None, reason="needs 90 GiB: no GPU type fits")),
                       request(gres="gres:gpu:1"), "closed")
-    assert reply.set == {} and reply.reject is None and reply.message.startswith("warning: needs 90 GiB")
+    assert reply.reject is None and reply.message.startswith("warning: needs 90 GiB")
+    assert set(reply.set) == {"comment", "export"}  # the request as written; the reason kept with the job
+    assert comment_fields(reply.set["comment"]) == {"state": "unchanged", "why": comment_value(reply.message),
+                                                    "was": "gpu:1"}
 
 
 def test_estimator_fault_fails_open_with_one_line():
     reply = reply_for(Verdict(None, errors=("user_error: ImportError: no module named foo",)),
-                      request(gres="gres:gpu:1"), "open")
-    assert reply.set == {} and reply.reject is None
+                      request(gres="gres:gpu:1", comment="run 3"), "open")
+    assert reply.reject is None
     assert reply.message == ("cannot estimate this job's GPU memory (user_error: ImportError: no module named foo)"
                              "; submitted unchanged")
+    # the job keeps its request; why, and what it asked for, stay with it (comment, environment)
+    assert reply.set == {"comment": "run 3 xmem:state=failed;why=cannot+estimate+this+job+s+GPU+memory+(user_error:"
+                                    "+ImportError:+no+module+named+foo)+submitted+unchanged;was=gpu:1",
+                         "export": "ALL,XMEM_WHY=cannot+estimate+this+job+s+GPU+memory+(user_error:+ImportError:"
+                                   "+no+module+named+foo)+submitted+unchanged"}
 
 
 def test_estimator_fault_is_refused_when_closed():
@@ -108,3 +119,14 @@ def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
     assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
     assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]
     assert JobStamp.from_comment(reply.set["comment"]).peak_bytes is None  # no MPS limit from it
+
+
+def test_the_users_line_and_request_travel_whatever_the_export_and_the_request():
+    """--export=NONE is the user's: no variable is added (the TaskProlog reads the comment); a job that named
+    no GPU request (a partition's default) was submitted with `none`."""
+    reply = reply_for(Verdict(decision(), PEAKS), request(export="NONE"), "open")
+    assert "export" not in reply.set
+    fields = comment_fields(reply.set["comment"])
+    assert (fields["why"], fields["was"]) == (comment_value(reply.message), "none")
+    again = reply_for(Verdict(decision(), PEAKS), request(comment=reply.set["comment"], gres="gres:gpu:2"), "open")
+    assert again.set["comment"].count("xmem:") == 1 and comment_fields(again.set["comment"])["was"] == "gpu:2"

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from xmem.slurm.contract import FilterRequest, user_request
 from xmem.slurm.deferred import _tres, _with_state, defer, deferring, load_request
 from xmem.slurm.stamp import JobStamp
+from xmem.text import comment_value
 
 
 def site(tmp_path, mode="partition", cpu_partition="cpu"):
@@ -27,8 +28,9 @@ def test_defer_snapshots_the_script_and_holds_the_job(tmp_path):
     request = FilterRequest(script=str(script), argv=(str(script), "x"), user="ann",
                             options={"gres": "gres:gpu:1", "comment": "my run"}, env={"A": "1"}, cwd=str(tmp_path))
     reply, token = defer(str(script), request, site(tmp_path))
-    assert reply.set == {"hold": "set", "comment": "my run xmem:state=pending;was=gpu:1"}
     assert "queued on partition cpu" in reply.message
+    assert reply.set == {"hold": "set", "comment": "my run xmem:state=pending;was=gpu:1;why=" +
+                         comment_value(reply.message)}  # `status` shows the line sbatch showed
     script.write_text("edited\n")
     spool = tmp_path / "cache" / "spool" / token
     snapshot, original = load_request(spool)

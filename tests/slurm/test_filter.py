@@ -13,6 +13,8 @@ import pytest
 from tests.slurm.submissions import PEAKS, decision
 from xmem.slurm.contract import FilterRequest, Verdict
 from xmem.slurm.filter import filter_main, run_filter, wrapped_script
+from xmem.slurm.stamp import comment_fields
+from xmem.text import comment_value
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,9 +50,11 @@ def test_gpu_job_without_a_training_command_fails_open(tmp_path):
     script.write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\n./simulate --steps 10\n")
     rc, out = run(submission(script), config(tmp_path))
     reply = json.loads(out)
-    assert rc == 0 and reply["set"] == {} and reply["reject"] is None
+    assert rc == 0 and "gres" not in reply["set"] and reply["reject"] is None
     assert reply["message"].startswith("cannot estimate this job's GPU memory (not_understood")
     assert reply["message"].endswith("; submitted unchanged")
+    fields = comment_fields(reply["set"]["comment"])  # the job keeps why it went unchanged
+    assert (fields["state"], fields["why"]) == ("failed", comment_value(reply["message"]))
 
 
 def test_gpu_job_without_a_training_command_is_refused_when_closed(tmp_path):
@@ -190,7 +194,9 @@ def test_a_rewrite_slurm_refuses_leaves_the_job_as_written(tmp_path, monkeypatch
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SBATCH_GPUS", "1")
     reply = run_filter(req, site, analyzer=lambda *a, **k: Verdict(decision(), PEAKS))
-    assert reply.set == {} and "Requested node configuration is not available" in reply.message
+    assert set(reply.set) == {"comment", "export"}  # no GPU option: the request as written, and why
+    assert "Requested node configuration is not available" in reply.message
+    assert comment_fields(reply.set["comment"])["why"] == comment_value(reply.message)
     assert reply.message.endswith("submitted as written") and "--gres=mps:a100:40" in reply.message
     assert (bin_dir / "sbatch.args").read_text() == "--test-only --partition=debug --gres=mps:a100:40 --wrap=true 1\n"
     fake.write_text('#!/bin/sh\necho "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\n'

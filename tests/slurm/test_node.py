@@ -96,6 +96,20 @@ def test_prolog_reads_the_comment_when_the_job_exported_nothing():
     assert asked == ["7"] and exports == STAMP.env()
 
 
+def test_prolog_exports_the_users_line_from_the_comment_when_the_job_lacks_it():
+    """A deferred job (rewritten after sbatch) or one submitted unchanged with --export=NONE: the comment's `why`
+    becomes XMEM_WHY; a job whose environment has it is not given it twice."""
+    done = "note " + STAMP.comment() + ";state=done;was=gpu:1;why=needs+8+GiB+->+--gres=mps:40"
+    exports = prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
+                             comment_of=lambda j: done)
+    assert exports == [*STAMP.env().items(), ("XMEM_WHY", "needs+8+GiB+->+--gres=mps:40")]
+    failed = "xmem:state=failed;why=cannot+estimate;was=gpu:1"
+    assert prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
+                          comment_of=lambda j: failed) == [("XMEM_WHY", "cannot+estimate")]
+    assert prolog_exports({"SLURM_JOB_ID": "7", "XMEM_WHY": "cannot+estimate"}, total_bytes_of=lambda t: None,
+                          measure_dir=None, comment_of=lambda j: failed) == []
+
+
 def test_prolog_exports_nothing_for_a_job_xmem_never_saw():
     assert prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir="/m",
                           comment_of=lambda j: "plain comment") == []

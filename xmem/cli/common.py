@@ -30,6 +30,7 @@ from xmem.units import gib_text, size_text
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
                     "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
+EXIT_NO_SLURM = 12  # `status`: Slurm cannot be asked (no scontrol, or it never reached slurmctld)
 # Options that `estimate` and `check` (and `fit`) declare alike: written once, here.
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else.")
 PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",

@@ -205,11 +205,17 @@ def status_command(
     job_id: str = typer.Argument(..., help="The Slurm job id."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
 ) -> None:
-    """Where a job stands with xmem-slurm: estimate pending / done / failed and why, the request before and now."""
+    """Where a job stands with xmem-slurm: estimate pending / done / failed, the line sbatch showed (why), the
+    request before and now. Exit 2: Slurm does not know the job; 12: Slurm cannot be asked from here."""
     from xmem.slurm.deferred import job_status
+    from xmem.slurm.scontrol import SlurmUnreachable
 
     try:
         status = job_status(job_id)
+    except SlurmUnreachable as e:  # one line, not scontrol's pages of DNS retries
+        from xmem.cli.common import EXIT_NO_SLURM, fail
+
+        fail(as_json, EXIT_NO_SLURM, "slurm_unreachable", f"Slurm is not reachable from here ({e})", verb="status")
     except LookupError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xmem.cache import cache_key
-from xmem.slurm.stamp import JobStamp, add_to_comment
+from xmem.slurm.stamp import WHY_ENV, JobStamp, add_to_comment
 from xmem.text import comment_value, one_line
 
 if TYPE_CHECKING:
@@ -181,10 +181,11 @@ def reply_for(verdict: Verdict, request: FilterRequest, failure: str) -> FilterR
     cached = " (cached estimate)" if verdict.cached else ""
     if action == "none":
         return FilterReply()  # no GPU wanted: the job is not ours to touch
-    if action == "excluded":
+    if action == "excluded":  # the site keeps xmem off this job: nothing of ours on it
         return FilterReply(message=f"{reason}; submitted unchanged")
     if action == "no_fit":
-        return FilterReply(message=f"warning: {reason}; submitted unchanged{cached}")
+        line = f"warning: {reason}; submitted unchanged{cached}"
+        return FilterReply(set=recorded(line, request, state="unchanged"), message=line)
     options: dict[str, str] = {}
     if action == "rewrite":
         options.update(rewrite_options(d))
@@ -193,13 +194,24 @@ def reply_for(verdict: Verdict, request: FilterRequest, failure: str) -> FilterR
     else:  # keep: the user's explicit request stands; the estimate still travels with the job
         request_text = user_request(request.options)
         line = f"{reason}; keeping {request_text}{cached}"
-    stamp = stamp_for(d, verdict.peaks, request_text)
-    why = "" if stamp.peak_bytes is not None or action != "keep" else f"why={comment_value(reason)}"
-    options["comment"] = add_to_comment(request.options.get("comment"), stamp, why)
-    export = with_exports(request.options.get("export"), stamp.env())
+    options.update(recorded(line, request, stamp_for(d, verdict.peaks, request_text)))
+    return FilterReply(set=options, message=line)
+
+
+def recorded(line: str, request: FilterRequest, stamp: JobStamp | None = None,
+             state: str | None = None) -> dict[str, str]:
+    """The options that leave the user's line (`why`) and the GPU request as submitted (`was`) on the job, for
+    `xmem-slurm status` and the job itself: the comment's `xmem:` token (the stamp's pairs first; `state` when
+    no request came of the estimate: `failed`, `unchanged`) and the job's environment (the stamp's `XMEM_*`
+    and XMEM_WHY; not with the user's --export=NONE, where the TaskProlog reads the comment)."""
+    stamp = stamp or JobStamp()
+    notes = {"state": state, "why": line, "was": user_request(request.options) or "none"}
+    pairs = ";".join(f"{key}={comment_value(value)}" for key, value in notes.items() if value)
+    options = {"comment": add_to_comment(request.options.get("comment"), stamp, pairs)}
+    export = with_exports(request.options.get("export"), {**stamp.env(), WHY_ENV: comment_value(line)})
     if export is not None:
         options["export"] = export
-    return FilterReply(set=options, message=line)
+    return options
 
 
 HETJOB_NOTICE = ("a heterogeneous job (hetjob): xmem-slurm does not size its components; submitted unchanged")
@@ -223,4 +235,5 @@ def failure_reply(why: str, request: FilterRequest, failure: str) -> FilterReply
         target = request.script or "the script"
         return FilterReply(reject=f"{what}. This site requires an estimate: job refused. "
                                   f"Run `xmem-slurm check {target}` to see why.")
-    return FilterReply(message=f"{what}; submitted unchanged")
+    line = f"{what}; submitted unchanged"
+    return FilterReply(set=recorded(line, request, state="failed"), message=line)

@@ -40,7 +40,7 @@ from xmem.cache import user_cache_dir
 from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, failure_reply, reply_for, user_request
 from xmem.slurm.cache_check import still_offered
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
-from xmem.slurm.scontrol import scontrol_show_job
+from xmem.slurm.scontrol import SlurmUnreachable, scontrol_show_job
 from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
 from xmem.text import comment_text, comment_value, one_line
 
@@ -108,9 +108,9 @@ def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
     was = user_request(request.options) or "none"
-    comment = _with_state(request.options.get("comment"), state_pairs("pending", was))
     message = (f"GPU memory estimate queued on partition {config.deferred.cpu_partition}: the job is held until "
                f"it is done (xmem-slurm status JOBID)")
+    comment = _with_state(request.options.get("comment"), state_pairs("pending", was, why=message))
     return FilterReply(set={"hold": "set", "comment": comment}, message=message), token
 
 
@@ -236,7 +236,7 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) 
             stamp = JobStamp(stamp.peak_bytes, stamp.needed_bytes, stamp.gpu_type, was, "keep")
     if stamp.is_empty():  # nothing estimated (fail-open), or the policy changes nothing (excluded, no fit)
         state = "failed" if note.startswith("cannot estimate") else "unchanged"
-    why = {"why": note} if state != "done" else {}
+    why = {"why": note} if note else {}  # the line the user would have seen inline, whatever the outcome
     comment = _with_state(user_comment, state_pairs(state, was, **why), stamp)
     _scontrol("update", f"JobId={job_id}", f"Comment={comment}")
     if request.options.get("hold"):  # the user's own --hold: theirs to release
@@ -323,8 +323,15 @@ def rescue(spool: Path, job_id: str, config: Any) -> str:
 # --- status --------------------------------------------------------------------------------------------------
 
 def job_status(job_id: str) -> dict[str, Any]:
-    """Where a job stands, from `scontrol show job`: its state and the xmem token of its comment."""
-    fields = scontrol_show_job(job_id)
+    """Where a job stands, from `scontrol show job`: its state and the xmem token of its comment (inline or
+    deferred: `why`, the user's line; `request_before`, the GPU request as submitted). LookupError for a job
+    Slurm does not know; SlurmUnreachable when Slurm cannot be asked."""
+    try:
+        fields = scontrol_show_job(job_id)
+    except FileNotFoundError:
+        raise SlurmUnreachable("no scontrol on PATH") from None
+    except subprocess.TimeoutExpired as e:
+        raise SlurmUnreachable(f"scontrol had no answer in {e.timeout:g} s") from None
     comment = fields.get("Comment", "")
     pairs = comment_fields(comment)
     stamp = JobStamp.from_comment(comment)

@@ -26,7 +26,8 @@ from xmem.cache import NoSlotFree
 from xmem.slurm import deferred
 from xmem.slurm.cache_check import REWRITE_OPTIONS, still_offered
 from xmem.slurm.cluster import test_only_refusal
-from xmem.slurm.contract import HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, failure_reply, key_for, reply_for
+from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, failure_reply, key_for, recorded,
+                                 reply_for)
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
 
@@ -90,7 +91,7 @@ def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config:
     analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
                                analyzer=analyzer, slots=lambda: estimate_slots(config), key=key, usable=usable)
     reply = reply_for(analysis, request, config.failure)
-    return refused_rewrite(reply, job) or reply
+    return refused_rewrite(reply, job, request) or reply
 
 
 # The options that decide where a job may run: with its new GPU request, what Slurm is asked to check.
@@ -98,7 +99,7 @@ PLACEMENT_OPTIONS = ("partition", "account", "qos", "reservation", "constraint",
                      "ntasks-per-node", "nodelist", "exclude", "clusters")
 
 
-def refused_rewrite(reply: FilterReply, job: Any) -> FilterReply | None:
+def refused_rewrite(reply: FilterReply, job: Any, request: FilterRequest) -> FilterReply | None:
     """The reply to send instead of a rewrite Slurm would refuse (`sbatch --test-only` on the job's placement and
     the new GPU request): the job as the user wrote it, and why. None when the reply rewrites nothing, or Slurm
     takes the rewrite (or cannot be asked)."""
@@ -111,8 +112,8 @@ def refused_rewrite(reply: FilterReply, job: Any) -> FilterReply | None:
     if refusal is None:
         return None
     asked = ", ".join(f"--{o}={v}" for o, v in rewritten.items())
-    return FilterReply(message=f"Slurm would refuse the request xmem chose ({asked}: {refusal}); submitted as "
-                               "written")
+    line = f"Slurm would refuse the request xmem chose ({asked}: {refusal}); submitted as written"
+    return FilterReply(set=recorded(line, request, state="unchanged"), message=line)
 
 
 # --- entry point ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from xmem.slurm.scontrol import scontrol_show_job
-from xmem.slurm.stamp import JobStamp, comment_fields
+from xmem.slurm.stamp import WHY_ENV, JobStamp, comment_fields
 from xmem.slurm.store import DEFAULT_STORE, JobRecord
 from xmem.text import comment_text
 from xmem.units import MIB
@@ -62,12 +62,17 @@ def comment_from_scontrol(job_id: str, timeout_s: float = 5.0) -> str | None:
     return comment if comment not in (None, "(null)") else None
 
 
-def job_stamp(env: Mapping[str, str], comment_of: Callable[[str], str | None] = comment_from_scontrol) -> JobStamp:
-    """The stamp from the job's XMEM_* variables, else (e.g. --export=NONE) from its comment."""
+def job_stamp(env: Mapping[str, str],
+              comment_of: Callable[[str], str | None] = comment_from_scontrol) -> tuple[JobStamp, str | None]:
+    """The stamp from the job's XMEM_* variables, else (--export=NONE; a deferred job, whose request was set
+    after sbatch) from its comment, with the comment's `why` (the user's line) when the job's environment lacks
+    it. Slurm is asked only for a job that exported no stamp."""
     stamp = JobStamp.from_env(env)
     if stamp.is_empty() and env.get("SLURM_JOB_ID"):
-        stamp = JobStamp.from_comment(comment_of(env["SLURM_JOB_ID"]))
-    return stamp
+        comment = comment_of(env["SLURM_JOB_ID"])
+        why = None if WHY_ENV in env else comment_fields(comment).get("why")
+        return JobStamp.from_comment(comment), why
+    return stamp, None
 
 
 def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int | None) -> str | None:
@@ -99,10 +104,11 @@ def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], in
                    measure_dir: str | None,
                    comment_of: Callable[[str], str | None] = comment_from_scontrol) -> list[tuple[str, str]]:
     """The (name, value) pairs the TaskProlog exports into the task. Empty for a job xmem-slurm never saw."""
-    stamp = job_stamp(env, comment_of)
+    stamp, why = job_stamp(env, comment_of)
+    exports = [(WHY_ENV, why)] if why else []  # a value as the comment holds it: no quotes, commas or spaces
     if stamp.is_empty():
-        return []
-    exports = list(stamp.env().items())
+        return exports
+    exports = list(stamp.env().items()) + exports
     measure = measure_file_path(measure_dir, os.geteuid(), env.get("SLURM_JOB_ID"))
     if measure and _own_regular_file(measure):
         exports.append(("XMEM_MEASURE_FILE", measure))

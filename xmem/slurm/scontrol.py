@@ -11,6 +11,17 @@ from __future__ import annotations
 import re
 import subprocess
 
+# What scontrol (22.05) says when it never reached slurmctld, as opposed to the controller's own answer: no
+# slurm.conf and no DNS SRV record, a controller name that does not resolve, nobody listening, no reply.
+UNREACHABLE = re.compile(r"Could not establish a configuration source|Unable to establish control machine address"
+                         r"|Unable to contact slurm controller|Unable to resolve|Communication connection failure"
+                         r"|Connection refused|Socket timed out|Zero Bytes were transmitted", re.IGNORECASE)
+
+
+class SlurmUnreachable(LookupError):
+    """scontrol could not reach slurmctld: nothing is known of the job. A LookupError, as every failed `scontrol
+    show job` was before this one was told apart."""
+
 
 def parse_scontrol_record(line: str) -> dict[str, str]:
     """One `scontrol show job|node|partition -o` line as {field: value}. Slurm's field names start with a capital
@@ -19,9 +30,13 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
 
 
 def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
-    """The job's fields as slurmctld has them; LookupError when it does not know the job."""
+    """The job's fields as slurmctld has them; LookupError when it does not know the job, SlurmUnreachable when
+    scontrol never reached slurmctld."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                          timeout=timeout_s, check=False)
     if out.returncode != 0:
+        unreachable = UNREACHABLE.search(out.stderr)
+        if unreachable:
+            raise SlurmUnreachable(f"scontrol: {unreachable.group(0)}")
         raise LookupError(out.stderr.strip() or f"no job {job_id}")
     return parse_scontrol_record(out.stdout)

@@ -2,7 +2,8 @@
 
 Owns its two written forms, one format each: `XMEM_*` variables in the job's environment (what the TaskProlog
 sees) and one `xmem:peak=...;need=...;type=...;req=...;act=...` token in the job's comment (what the Epilog and
-`xmem-slurm status` see), where deferred mode adds its `state=`, `was=`, `why=`, `fix=` pairs. Each value is
+`xmem-slurm status` see), followed by `why=` (the user's line at sbatch, also `XMEM_WHY`) and `was=` (the GPU
+request as submitted) for every job the filter decided on, and deferred mode's `state=` and `fix=`. Each value is
 written by `xmem.text.comment_value`. Pure text: no Slurm calls here.
 """
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from xmem.text import comment_value
 
 COMMENT_TAG = "xmem:"
+# The one line the user saw at sbatch, in the job's environment (its comment's `why=`): what `status` shows.
+WHY_ENV = "XMEM_WHY"
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -
     if state:
         token += (";" if not stamp.is_empty() else "") + state
     # Only a token of ours is replaced: the user's own words (even `xmem:`) pass unchanged.
-    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why)=\S*", "", user_comment or "")
+    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why|was)=\S*", "", user_comment or "")
     return f"{kept} {token}" if kept.strip() else token
 
 

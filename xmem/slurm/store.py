@@ -32,8 +32,10 @@ class JobRecord:
     measured_bytes: int | None = None  # measured peak, if the job or NVML reported one
     measured_by: str | None = None  # "nvml" or "file"
     ended_at: float | None = None  # Unix time the epilog ran
-    deferred_state: str | None = None  # deferred mode's outcome (done, kept, unchanged, failed); None inline
-    request_before: str | None = None  # deferred mode: the request as submitted, before the estimate
+    # the comment's `state=`: deferred mode's outcome (done, kept, unchanged, failed); inline, only a job submitted
+    # unchanged has one (failed: no estimate; unchanged: nothing fits, or Slurm would refuse the rewrite)
+    deferred_state: str | None = None
+    request_before: str | None = None  # the request as submitted, before the estimate (any job the filter saw)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
