@@ -299,6 +299,10 @@ class AllocationRecorder(TorchDispatchMode):
             return self._higher_order(func, args, kwargs)
         name = func._opname
         self.op_counts[name] = self.op_counts.get(name, 0) + 1
+        if _composite_implicit(func):
+            out = self._decomposed(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if not self.state.stopped:
             self._note_unseen_inputs(args, name)
             if name == "convolution" and args[0].dtype == torch.bfloat16:
@@ -306,9 +310,7 @@ class AllocationRecorder(TorchDispatchMode):
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
             if out is shortcuts.NOT_TAKEN:
-                # `aten.to` arrives whole under inference_mode; the fake mode would constant-fold it on a real host
-                # tensor, running the real copy to the device. Its own kernel goes through `_to_copy`, which it won't.
-                out = func.decompose(*args, **kwargs) if func.overloadpacket is aten.to else func(*args, **kwargs)
+                out = func(*args, **kwargs)
         except DataDependentOutputException:
             if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
                 return self.stand_ins.scalar(args[0])
@@ -323,6 +325,16 @@ class AllocationRecorder(TorchDispatchMode):
             return out
         self._note_outputs(out, name, args)
         return out
+
+    def _decomposed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op that autograd would have decomposed (a CompositeImplicitAutograd one) arrives whole where autograd
+        is off (`torch.inference_mode`). A GPU then runs that same decomposition; so do we, with this mode back on,
+        so that its ops come here one by one: each recorded, its temporaries included, and each given its stand-in
+        (`nonzero(as_tuple=True)` is `nonzero`). Sent whole, the fake mode would decompose it out of our sight,
+        raise on the `nonzero` inside, or constant-fold an `aten.to` of a real host tensor by a real copy to the
+        device. NotImplemented where the op has no decomposition after all."""
+        with self:
+            return func.decompose(*args, **kwargs)
 
     def _note_outputs(self, out: Any, name: str, args: tuple) -> None:
         if isinstance(out, torch.Tensor):
@@ -605,6 +617,21 @@ def _on_gpu(tensors: Any) -> bool:
     """Whether a backward starts from a GPU tensor (a CPU-only warm-up loop's backward is no training iteration)."""
     from torch.utils._pytree import tree_leaves
     return any(isinstance(t, FakeTensor) for t in tree_leaves(tensors))
+
+
+_COMPOSITE: dict[Any, bool] = {}  # op overload -> whether it has a CompositeImplicitAutograd kernel
+
+
+def _composite_implicit(func: Any) -> bool:
+    """Whether autograd decomposes this op rather than dispatching it (its CompositeImplicitAutograd kernel, in C++
+    or in Python); asked of the dispatcher once per op. TorchScript's own ops (`prim::device`) have no dispatcher
+    entry at all."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        key, name = torch._C.DispatchKey.CompositeImplicitAutograd, func.name()
+        known = _COMPOSITE[func] = key in func.py_kernels or (
+            torch._C._dispatch_has_kernel(name) and torch._C._dispatch_has_kernel_for_dispatch_key(name, key))
+    return known
 
 
 def _runs_on_host(args: tuple, kwargs: dict) -> bool:

@@ -15,7 +15,8 @@ The rules, chosen so that a memory estimate errs on the large side and loops end
   its answer however often it is asked;
 - data-dependent sizes: every element selected (`nonzero`, `masked_select`, boolean-mask indexing), every value
   distinct (`unique`), `bincount` as long as its input (or `minlength` when larger), tensor-valued
-  `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says.
+  `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says, every box
+  kept by torchvision's `nms`.
 Import only in the tracing child, after `xmem.trace.child.fakecuda`.
 """
 
@@ -117,6 +118,9 @@ class StandIns:
             repeats = x if len(args) == 1 or not isinstance(args[1], torch.Tensor) else args[1]
             size = kwargs.get("output_size") or x.numel() * max(1, repeats.numel())
             return torch.empty(size, dtype=torch.long if repeats is x else x.dtype, device=x.device)
+        if name == "nms":  # torchvision's: the indices of the boxes (N x 4) that it keeps
+            self.warn("nms() assumed every box kept (no real data under fake CUDA)")
+            return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         self.warn(SELECTION_WARNING)
         if name == "nonzero":
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
