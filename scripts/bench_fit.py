@@ -35,9 +35,9 @@ def brute_force(command, vary, site, option, gpu_name, settings, width, cache):
     while high - low > width:
         mid = (low + high) // 2
         if mid not in cache:
-            cache[mid] = estimate(command_at(command, vary, mid), gpus=[gpu_name], **settings).to_json()
+            cache[mid] = estimate(command_at(command, vary, mid), gpus=[gpu_name], **settings)
             used += 1
-        fits = site.margin.needed(job_peak(cache[mid]["gpus"][gpu_name])) <= option.usable_bytes
+        fits = site.margin.needed(job_peak(cache[mid].gpus[gpu_name])) <= option.usable_bytes
         low, high = (mid, high) if fits else (low, mid)
     return low, high, used, time.perf_counter() - started
 

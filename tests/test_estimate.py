@@ -301,3 +301,19 @@ def test_estimate_from_traces_answers_as_the_estimate_that_traced_them(traced):
     assert set(kept) == {"sm80+", "pre-sm80"}  # one trace per class: each GPU type replays its own
     assert {**again.to_json(), "seconds": 0} == {**result.to_json(), "seconds": 0}
     assert again.gpus["T4"].peak_bytes > 0
+
+
+def test_the_busiest_device_is_the_first_to_run_out_else_the_highest_peak():
+    """The one rule the estimate, the pictures and `fit` pick a trace's device by (`busiest_replay`)."""
+    from xmem.estimate import busiest_replay
+    from xmem.simulate import ALLOC, simulate
+
+    ops = {0: [(ALLOC, 1, 64 * MIB, 0)], 1: [(ALLOC, 1, 8 * MIB, 0)], 2: [(ALLOC, 1, 64 * MIB, 0)]}
+
+    def replay(capacities):
+        return lambda device: (ops[device], simulate(ops[device], capacity=capacities.get(device)))
+
+    trace = Trace(events=[])
+    assert busiest_replay(trace, replay({}), devices=[1, 0, 2])[2] == 0  # the highest peak; of equals, the first
+    ran_out = busiest_replay(trace, replay({1: 4 * MIB}), devices=[0, 1, 2])
+    assert ran_out[2] == 1 and ran_out[1].oom is not None  # a smaller peak that ran out counts

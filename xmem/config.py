@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,24 +163,23 @@ def load_site_config(path: str | Path | None = None) -> SiteConfig:
 
 def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
     """Validate a parsed TOML document and build the config. Pure."""
-    _only_keys(data, "", ("partitions", "mig", "mps", "shard", "margin", "policy", "exclude", "estimate",
-                          "catalog", "deferred"))
+    # the sections: SiteConfig's fields that are records, [policy] (SiteConfig's own settings) and [catalog]
+    _only_keys(data, "", (*(f.name for f in fields(SiteConfig) if is_dataclass(f.default)), "policy", "catalog"))
     policy = _table(data, "policy", ("preference", "explicit_request", "failure"))
     config = SiteConfig(
-        partitions=_partitions(_table(data, "partitions", ("default", "from_cluster", "gpu_types"))),
+        partitions=_partitions(_table(data, "partitions", _keys(PartitionsConfig))),
         mig=MigConfig({gpu: _strings(v, f"mig.{gpu}") for gpu, v in _table(data, "mig", None).items()}),
-        mps=_mps(_table(data, "mps", ("enabled", "count_per_gpu", "gpu_types"))),
-        shard=_shard(_table(data, "shard", ("enabled", "per_gpu", "gpu_types"))),
-        margin=_margin(_table(data, "margin", ("relative", "absolute_bytes", "absolute_mib"))),
+        mps=_mps(_table(data, "mps", _keys(MpsConfig))),
+        shard=_shard(_table(data, "shard", _keys(ShardConfig))),
+        margin=_margin(_table(data, "margin", (*_keys(MarginConfig), "absolute_mib"))),
         preference=_preference(_get(policy, "preference", SiteConfig)),
         explicit_request=_choice(_get(policy, "explicit_request", SiteConfig), "policy.explicit_request",
                                  EXPLICIT_MODES),
         failure=_choice(_get(policy, "failure", SiteConfig), "policy.failure", FAILURE_MODES),
-        exclude=_exclude(_table(data, "exclude", ("users", "accounts", "partitions"))),
-        estimate=_estimate(_table(data, "estimate", ("timeout_s", "iterations", "cache_dir", "max_concurrent",
-                                                     "python", "memory_limit_gib", "warm_tracer"))),
+        exclude=_exclude(_table(data, "exclude", _keys(ExcludeConfig))),
+        estimate=_estimate(_table(data, "estimate", _keys(EstimateConfig, memory_limit_bytes="memory_limit_gib"))),
         catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
-        deferred=_deferred(_table(data, "deferred", ("mode", "cpu_partition", "time_limit", "mem"))),
+        deferred=_deferred(_table(data, "deferred", _keys(DeferredConfig))),
     )
     _check_gpu_types(config)
     return config
@@ -316,6 +315,12 @@ def _get(table: Mapping[str, Any], key: str, record: type) -> Any:
     once, on the dataclass (a tuple default as the list TOML would give)."""
     default = record.__dataclass_fields__[key].default
     return table.get(key, list(default) if isinstance(default, tuple) else default)
+
+
+def _keys(record: type, **toml_names: str) -> tuple[str, ...]:
+    """The keys of the section `record` is read from: its fields, each written once, on the dataclass
+    (`toml_names`: a field the file gives under another name, as memory_limit_bytes in GiB)."""
+    return tuple(toml_names.get(f.name, f.name) for f in fields(record))
 
 
 def _only_keys(table: Mapping[str, Any], prefix: str, allowed: tuple[str, ...]) -> None:

@@ -365,17 +365,8 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     """
     overhead = overhead_bytes(gpu, trace.libraries)
     capacity = _capacity(gpu, trace)
-
-    def severity(sim: SimResult) -> tuple[bool, int]:
-        return sim.oom is not None, sim.peak_reserved
-
-    worst: tuple[GpuOps, SimResult, int] | None = None
-    for device in devices if devices is not None else trace_devices(trace):
-        ops, sim = _replay(trace, gpu, config, env, device, capacity, replays)
-        if worst is None or severity(sim) > severity(worst[1]):
-            worst = (ops, sim, device)
-    assert worst is not None  # trace_devices never returns an empty list
-    ops, sim, device = worst
+    ops, sim, device = busiest_replay(trace, lambda d: _replay(trace, gpu, config, env, d, capacity, replays),
+                                      devices)
     peak = sim.peak_reserved + overhead
     unlimited = None
     if sim.oom is not None:
@@ -398,6 +389,14 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     if not with_breakdown:
         return gpu_estimate, {}
     return gpu_estimate, breakdown_at(ops, sim.fullest_peak_index, sim.peak_reserved, overhead)
+
+
+def busiest_replay(trace: Trace, replay: Callable[[int], tuple[GpuOps, SimResult]],
+                   devices: Sequence[int] | None = None) -> tuple[GpuOps, SimResult, int]:
+    """The replay that counts among the trace's devices (`devices`, default all), each made by `replay(device)`:
+    the first to run out of memory, else the highest peak reserved. The estimate's, the pictures' and fit's."""
+    runs = [(*replay(device), device) for device in (devices if devices is not None else trace_devices(trace))]
+    return max(runs, key=lambda run: (run[1].oom is not None, run[1].peak_reserved))
 
 
 def _replay(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None, device: int,

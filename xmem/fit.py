@@ -21,12 +21,15 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from xmem.policy.options import FixedOption
 from xmem.simulate import ALLOC, FREE
+
+if TYPE_CHECKING:
+    from xmem.estimate import Estimate
 
 PLACEHOLDER = "{}"
 MODEL_ROUNDS = 6  # traces guided by the growth model per option before bisection on traces alone
@@ -143,17 +146,17 @@ class Point:
     needs: Mapping[str, int]
 
     @classmethod
-    def from_estimate(cls, value: int, estimate: Mapping[str, Any], names: Mapping[str, str], phases: Phases,
+    def from_estimate(cls, value: int, estimate: Estimate, names: Mapping[str, str], phases: Phases,
                       unlimited_reserved: int) -> Point:
-        """From `Estimate.to_json()`, its GPU types renamed by `names` (catalog name -> the name options use);
+        """From `estimate`, its GPU types renamed by `names` (catalog name -> the name options use);
         `unlimited_reserved`: the peak reserved of a replay with no memory limit (what an OOM type would need
         besides its overhead)."""
         from xmem.policy import job_peak
 
-        gpus = {names.get(name, name): g for name, g in estimate["gpus"].items()}
+        gpus = {names.get(name, name): g for name, g in estimate.gpus.items()}
         peaks = {name: job_peak(g) for name, g in gpus.items()}
-        oom = frozenset(name for name, g in gpus.items() if peaks[name] != g["peak_bytes"])
-        needs = {name: unlimited_reserved + g["overhead_bytes"] if name in oom else peaks[name]
+        oom = frozenset(name for name, g in gpus.items() if peaks[name] != g.peak_bytes)
+        needs = {name: unlimited_reserved + g.overhead_bytes if name in oom else peaks[name]
                  for name, g in gpus.items()}
         return cls(value, peaks, oom, phases, needs)
 

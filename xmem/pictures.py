@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xmem.estimate import allocator_config, capability_class
+from xmem.estimate import allocator_config, busiest_replay, capability_class
 from xmem.gpus import GpuType, overhead_bytes
-from xmem.orchestrate import GpuOps, orchestrate, trace_devices
+from xmem.orchestrate import GpuOps, orchestrate
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, SimResult, simulate
 from xmem.simulate.history import TraceEntry
 from xmem.trace.events import Category, MemEvent, Trace
@@ -55,14 +55,16 @@ def gpu_run(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str]) -
     trace = traces[capability_class(gpu.capability)]
     config = allocator_config(trace, env)
     overhead = overhead_bytes(gpu, trace.libraries)
-    runs = []
-    for device in trace_devices(trace):
+    histories: dict[int, list[TraceEntry]] = {}
+
+    def replay(device: int) -> tuple[GpuOps, SimResult]:
         ops = orchestrate(trace, gpu, env, device=device)
-        history: list[TraceEntry] = []
-        sim = simulate(ops.ops, config, capacity=gpu.total_bytes - overhead, timeline_points=TIMELINE_POINTS,
-                       device_total=gpu.total_bytes, history=history)
-        runs.append(GpuRun(gpu, trace, ops, sim, history, op_sources(trace, ops), overhead))
-    return max(runs, key=lambda run: (run.sim.oom is not None, run.sim.peak_reserved))
+        history = histories.setdefault(device, [])
+        return ops, simulate(ops.ops, config, capacity=gpu.total_bytes - overhead, timeline_points=TIMELINE_POINTS,
+                             device_total=gpu.total_bytes, history=history)
+
+    ops, sim, device = busiest_replay(trace, replay)
+    return GpuRun(gpu, trace, ops, sim, histories[device], op_sources(trace, ops), overhead)
 
 
 def op_sources(trace: Trace, ops: GpuOps) -> list[int]:

@@ -24,8 +24,8 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.common import (EXIT_INTERNAL, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, TRACE_EXIT_CODES, VERBOSE_OPTION,
-                             fail, margin_text, show_options, stdout_to_stderr)
+from xmem.cli.common import (EXIT_INTERNAL, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
+                             TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, stdout_to_stderr)
 from xmem.cli.estimate import shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
@@ -37,7 +37,7 @@ from xmem.units import MIB, gib_text, size_text
 if TYPE_CHECKING:
     from xmem.estimate import Estimate
 
-EXIT_OK, EXIT_NOT_UNDERSTOOD = 0, 8
+EXIT_OK = 0
 # The estimator's codes are `xmem-slurm estimate`'s; the analysis adds its own kinds.
 ANALYSIS_EXIT_CODES = {**TRACE_EXIT_CODES, "unknown_gpu": EXIT_USAGE, "bad_input": EXIT_USAGE,
                        "no_gpu_types": EXIT_USAGE, "not_understood": EXIT_NOT_UNDERSTOOD, "not_as_root": EXIT_USAGE}
@@ -271,7 +271,7 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig, ver
 def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: bool = False) -> None:
     """One command's breakdown at the peak, its self-audit and its warnings."""
     if estimate.breakdown:
-        parts = ", ".join(f"{name.replace('_', ' ')} {_size(n)}" for name, n in
+        parts = ", ".join(f"{name.replace('_', ' ')} {size_text(n, mib_digits=0)}" for name, n in
                           sorted(estimate.breakdown.items(), key=lambda kv: -kv[1]) if n >= MIB)
         console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
@@ -303,10 +303,6 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
 def _show_offers(console: Console, analysis: JobAnalysis) -> None:
     if analysis.options is not None and analysis.options.rows:
         show_options(console, analysis.options)
-
-
-def _size(nbytes: int) -> str:
-    return size_text(nbytes, mib_digits=0)
 
 
 __all__ = ["check_command", "exit_code", "show_analysis"]

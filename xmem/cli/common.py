@@ -28,6 +28,7 @@ from xmem.trace import TraceError, privileges
 from xmem.units import gib_text, size_text
 
 EXIT_INTERNAL, EXIT_USAGE = 1, 2
+EXIT_NOT_UNDERSTOOD = 8  # `check`: a batch script whose training command xmem cannot read
 TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
                     "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
 EXIT_NO_SLURM = 12  # `status`: Slurm cannot be asked (no scontrol, or it never reached slurmctld)
@@ -101,7 +102,7 @@ def show_options(console: Console, options: OptionTable) -> None:
     for column in ("GPU", "request", "usable", "peak", "with margin", "fits"):
         table.add_column(column, justify="right" if column in ("usable", "peak", "with margin") else "left")
     for row in options.rows:
-        slack = _whole_mib(abs(row.slack_bytes))
+        slack = size_text(abs(row.slack_bytes), mib_digits=0)
         mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"
         picked = " [bold]<- picked[/]" if row.chosen else ""
         table.add_row(escape(row.gpu_type), escape(row.request), gib_text(row.usable_bytes),
@@ -112,12 +113,9 @@ def show_options(console: Console, options: OptionTable) -> None:
         console.print(f"picked: {escape(chosen.description)}: {escape(options.reason)}")
     if miss is not None:
         what = "next cheaper offer" if chosen is not None else "closest offer"
-        console.print(f"{what}, does not fit: {escape(miss.description)}, {_whole_mib(-miss.slack_bytes)} short "
+        short = size_text(-miss.slack_bytes, mib_digits=0)
+        console.print(f"{what}, does not fit: {escape(miss.description)}, {short} short "
                       f"(needs {gib_text(miss.needed_bytes)}, gives {gib_text(miss.usable_bytes)})")
-
-
-def _whole_mib(nbytes: int) -> str:
-    return size_text(nbytes, mib_digits=0)
 
 
 @contextmanager

@@ -178,15 +178,15 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
         table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
     for g in sorted(result.gpus.values(), key=lambda g: g.total_bytes):
         needed = margin.needed(g.unlimited_peak_bytes or g.peak_bytes)
-        peak, headroom, verdict = _size(g.peak_bytes), _size(g.headroom_bytes), "[green]fits[/]"
+        peak, headroom, verdict = size_text(g.peak_bytes), size_text(g.headroom_bytes), "[green]fits[/]"
         if g.fits and needed > g.total_bytes:
             verdict = "[yellow]fits without the margin only[/]"
         if not g.fits:
             # the replay stopped where the real job would crash: show what it would need, and torch's own words
             needs = g.unlimited_peak_bytes or g.peak_bytes
-            peak, headroom = f"needs {_size(needs)}", f"-{_size(needs - g.total_bytes)}"
+            peak, headroom = f"needs {size_text(needs)}", f"-{size_text(needs - g.total_bytes)}"
             verdict = "[red]does not fit[/]" + (f" (out of memory: {_tried(g.oom.message)})" if g.oom else "")
-        table.add_row(g.gpu, peak, _size(needed), _size(g.total_bytes), headroom, verdict)
+        table.add_row(g.gpu, peak, size_text(needed), size_text(g.total_bytes), headroom, verdict)
     console.print(table)
     console.print(f"fits: the peak with the site margin ({margin_text(margin)}) is at most the GPU's memory, as in "
                   "`check` and `fit`", highlight=False)
@@ -198,7 +198,7 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
         parts.add_column("share", justify="right")
         for category, nbytes in sorted(result.breakdown.items(), key=lambda kv: -kv[1]):
             share = f"{100 * nbytes / peak:.1f} %" if peak else "-"
-            parts.add_row(PART_NAMES.get(category, category.replace("_", " ")), _size(nbytes), share)
+            parts.add_row(PART_NAMES.get(category, category.replace("_", " ")), size_text(nbytes), share)
         console.print(parts)
     for reason in result.suspect_reasons:
         console.print(f"[red]suspect:[/] {reason}", highlight=False)
@@ -211,10 +211,6 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
         f"{result.iterations} iteration(s)"
     console.print(f"{traced} traced in {result.seconds:.1f} s"
                   f" (torch {result.torch_version or 'unknown'}).", highlight=False)
-
-
-def _size(nbytes: int) -> str:
-    return size_text(nbytes)
 
 
 def _tried(oom_message: str) -> str:

@@ -20,20 +20,19 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.common import EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text, stdout_to_stderr
+from xmem.cli.common import (EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text,
+                             stdout_to_stderr)
 from xmem.config import MarginConfig, SiteConfig, load_site_config
-from xmem.estimate import allocator_config, capability_class  # the job's allocator settings, as estimated
+from xmem.estimate import allocator_config, busiest_replay, capability_class  # the job's replay, as estimated
 from xmem.estimate import estimate as run_estimate
 from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary, phase_peaks
 from xmem.gpus import GpuType, find_gpu
-from xmem.orchestrate import orchestrate, trace_devices
+from xmem.orchestrate import GpuOps, orchestrate
 from xmem.policy import estimate_types
 from xmem.policy.options import FixedOption, fixed_options
-from xmem.simulate import simulate
-from xmem.units import MIB, size_text
+from xmem.simulate import SimResult, simulate
+from xmem.units import MIB, gib_text, size_text
 from xmem.trace.events import Trace
-
-GIB = 1 << 30
 
 
 @app.command("fit", cls=JsonErrorsCommand)
@@ -104,9 +103,10 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
             result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog,
                                   keep_traces=traces, on_progress=update, **settings)
         if not result.used_cuda:
-            return Point.from_estimate(value, result.to_json(), names, {}, 0)
-        phases, reserved = _unlimited(traces, catalog[result.breakdown_gpu], settings.get("env"))
-        return Point.from_estimate(value, result.to_json(), names, phases, reserved)
+            return Point.from_estimate(value, result, names, {}, 0)
+        largest = max((catalog[name] for name in result.gpus), key=lambda g: g.total_bytes)  # as fit always read
+        phases, reserved = _unlimited(traces, largest, settings.get("env"))
+        return Point.from_estimate(value, result, names, phases, reserved)
 
     return find_limits(vary, options, trace, site.margin.needed, resolution=step), options
 
@@ -125,20 +125,18 @@ def _progress(err: Console, wanted: bool, what: str) -> Iterator[Callable[[str],
 def _unlimited(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None
                ) -> tuple[dict[str, dict[str, int]], int]:
     """On `gpu`, the tensors at each phase's peak and the peak reserved of a replay with no memory limit (what the
-    job needs where the estimate's replay ran out of memory), over its trace's devices (the busiest counts, as in
-    the estimate)."""
+    job needs where the estimate's replay ran out of memory), on the busiest of its trace's devices (as in the
+    estimate)."""
     trace = traces[capability_class(gpu.capability)]
     job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
     config = allocator_config(trace, job_env)
-    phases: dict[str, dict[str, int]] = {}
-    reserved = 0
-    for device in trace_devices(trace):
+
+    def replay(device: int) -> tuple[GpuOps, SimResult]:
         ops = orchestrate(trace, gpu, job_env, device=device)
-        for phase, live in phase_peaks(ops.ops, ops.labels).items():
-            if sum(live.values()) > sum(phases.get(phase, {}).values()):
-                phases[phase] = live
-        reserved = max(reserved, simulate(ops.ops, config).peak_reserved)
-    return phases, reserved
+        return ops, simulate(ops.ops, config)
+
+    ops, sim, _device = busiest_replay(trace, replay)
+    return phase_peaks(ops.ops, ops.labels), sim.peak_reserved
 
 
 def _site_types(site: SiteConfig) -> list[str]:
@@ -162,7 +160,7 @@ def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str
         for name, value in limits.items():
             shown = "[red]none[/] (not even " + str(vary.low) + ")" if value is None else str(value)
             shown = f"at least {value} (the top of the range)" if result.at_least(value) else shown
-            table.add_row(gpu, name, f"{usable[gpu, name] / GIB:.2f} GiB", shown)
+            table.add_row(gpu, name, gib_text(usable[gpu, name]), shown)
     console.print(table)
     values = ", ".join(str(p.value) for p in result.points)
     console.print(f"{result.traces} traces ({vary.name} = {values}) in {result.seconds:.1f} s; "
@@ -209,8 +207,8 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
     job = parse_jobscript(text, path=os.path.abspath(script), script_args=list(args), submit_cwd=os.getcwd(),
                           cli_options=cli_options, env=dict(os.environ))
     if not job.commands:
-        fail(as_json, 8, "not_understood", "; ".join(str(p) for p in job.problems) or "no training command found",
-             verb=verb)
+        fail(as_json, EXIT_NOT_UNDERSTOOD, "not_understood",
+             "; ".join(str(p) for p in job.problems) or "no training command found", verb=verb)
     command = job.commands[0]
     env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
     settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,

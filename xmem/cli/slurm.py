@@ -17,7 +17,7 @@ import typer
 
 from xmem.cli import app
 from xmem.slurm.store import DEFAULT_STORE
-from xmem.units import GIB
+from xmem.units import gib_text
 
 ConfigOption = typer.Option(None, "--config", help="Site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml).")
 # The store's and the measure directory's variables are read when the command runs (xmem.slurm.node.NodeSettings).
@@ -230,5 +230,5 @@ def status_command(
         typer.echo(f"to run it as submitted: {status['fix']}")
     stamp = status["stamp"]
     if stamp and stamp.get("peak_bytes"):
-        typer.echo(f"peak {stamp['peak_bytes'] / GIB:.2f} GiB on {stamp['gpu_type']}, request sized for "
-                   f"{(stamp['needed_bytes'] or 0) / GIB:.2f} GiB")
+        typer.echo(f"peak {gib_text(stamp['peak_bytes'])} on {stamp['gpu_type']}, request sized for "
+                   f"{gib_text(stamp['needed_bytes'] or 0)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xmem.config import SiteConfig
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, mig_profile
@@ -207,20 +207,14 @@ def gpus_per_node(request: SbatchRequest) -> int:
     return request.gpus_on_node
 
 
-def job_peak(gpu_estimate: GpuEstimate | Mapping[str, Any]) -> int:
+def job_peak(g: GpuEstimate) -> int:
     """The bytes a job needs on one GPU type, from its estimate there: the peak, or one byte more than the GPU
     holds when the replay ran out of memory (`fits` false): the peak reached before an out-of-memory stop is not
     the job's, so it must never size a request; the type and its slices then do not fit, and a larger type (or the
-    user's request) is chosen. The JSON form (`GpuEstimate.to_json()`) is taken where estimates come back from a
-    file (xmem.fit's and scripts/bench_fit.py's traces)."""
-    g = gpu_estimate
-    if isinstance(g, Mapping):
-        peak, fits, oom, total = int(g["peak_bytes"]), g.get("fits", True), g.get("oom"), g.get("total_bytes")
-    else:
-        peak, fits, oom, total = g.peak_bytes, g.fits, g.oom, g.total_bytes
-    if fits and oom is None:
-        return peak
-    return max(peak, int(total or 0) + 1)
+    user's request) is chosen."""
+    if g.fits and g.oom is None:
+        return g.peak_bytes
+    return max(g.peak_bytes, g.total_bytes + 1)
 
 
 def peak_for(gpu_type: str, peaks: Mapping[str, int], catalog: Mapping[str, GpuType]) -> int | None:

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from xmem.config import SiteConfig
 from xmem.jobscript.directives import GPU_GRES_NAMES, DirectiveError, parse_gpus, parse_gres
+from xmem.policy.rules import ACTIONS
 
-ACTIONS = frozenset({"none", "excluded", "keep", "no_fit", "rewrite"})
+if TYPE_CHECKING:
+    from xmem.jobscript import JobScript
+
 REWRITE_OPTIONS = frozenset({"gres", "gpus", "gpus-per-node", "gpus-per-task"})
 NUMBERS = ("peak_bytes", "needed_bytes", "granted_bytes")
 WORD = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
@@ -33,7 +37,7 @@ def valid_analysis(entry: Mapping[str, Any]) -> bool:
             and isinstance(errors, list) and all(_text(e) for e in errors))
 
 
-def still_offered(verdict: Any, job: Any, config: Any, user: str | None = None) -> bool:
+def still_offered(verdict: Any, job: JobScript | None, config: SiteConfig, user: str | None = None) -> bool:
     """True when a cached `xmem.slurm.contract.Verdict` may be used for `job` (an xmem.jobscript.JobScript): what
     it does not rewrite changes nothing; a rewrite must be the one `xmem.analyze.decide_on_peaks` makes now (an
     edited entry, or a cluster that no longer offers it, makes a miss)."""

@@ -120,20 +120,15 @@ class Verdict:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, cached: bool = False) -> Verdict:
         """The verdict back from `to_json()`; ValueError (TypeError for a field Decision lacks) when `data` is
-        not one (a damaged cache entry)."""
-        decision, peaks, errors = data.get("decision"), data.get("peaks") or {}, data.get("errors") or []
-        from xmem.policy import ACTIONS, Decision
+        not one (a damaged cache entry): what it may hold is `xmem.slurm.cache_check.valid_analysis`'s to say."""
+        from xmem.policy import Decision
+        from xmem.slurm.cache_check import valid_analysis
 
-        if not (isinstance(decision, Mapping) and decision.get("action") in ACTIONS
-                and all(isinstance(v, str) or v is None for k, v in decision.items() if k in _DECISION_TEXT)
-                and all(isinstance(v, int) or v is None for k, v in decision.items() if k.endswith("_bytes"))
-                and isinstance(peaks, Mapping) and all(isinstance(v, int) for v in peaks.values())
-                and isinstance(errors, list)):
+        decision = data.get("decision")
+        if not (isinstance(decision, Mapping) and valid_analysis(data)):
             raise ValueError("not a verdict")
-        return cls(decision=Decision(**decision), peaks=peaks, errors=tuple(map(str, errors)), cached=cached)
-
-
-_DECISION_TEXT = ("reason", "gres", "gpus", "option", "kind", "gpu_type")
+        return cls(decision=Decision(**decision), peaks=data.get("peaks", {}),
+                   errors=tuple(data.get("errors", [])), cached=cached)
 
 
 def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:

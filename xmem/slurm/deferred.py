@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from xmem.cache import user_cache_dir
+from xmem.config import SiteConfig
 from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, failure_reply, reply_for, user_request
 from xmem.slurm.cache_check import still_offered
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
@@ -64,20 +65,20 @@ class RequestLost(RuntimeError):
     """Slurm refused the new GPU request and putting the old one back: the job must not run so."""
 
 
-def spool_root(config: Any) -> Path:
+def spool_root(config: SiteConfig) -> Path:
     """Per user, under the cache directory (the user's home: visible from the CPU partition's nodes)."""
     return user_cache_dir(config.estimate.cache_dir) / "spool"
 
 
 # --- in the filter: snapshot and defer ------------------------------------------------------------------------
 
-def deferring(config: Any) -> bool:
+def deferring(config: SiteConfig) -> bool:
     """Deferred mode: estimates that are not cached run as jobs on the CPU partition."""
     deferred = getattr(config, "deferred", None)
     return bool(deferred and deferred.mode == "partition" and deferred.cpu_partition)
 
 
-def defer_reply(script: str, request: FilterRequest, config: Any) -> FilterReply:
+def defer_reply(script: str, request: FilterRequest, config: SiteConfig) -> FilterReply:
     """The filter's reply for a submission deferred: held, with the token for post-submit; or, when it cannot be
     deferred, the site's failure rule."""
     if why := cannot_defer(request):
@@ -95,7 +96,7 @@ def cannot_defer(request: FilterRequest) -> str | None:
     return None
 
 
-def defer(script: str, request: FilterRequest, config: Any) -> tuple[FilterReply, str]:
+def defer(script: str, request: FilterRequest, config: SiteConfig) -> tuple[FilterReply, str]:
     """Snapshot the submission and answer sbatch: hold the job, mark it pending. Returns the reply and the token
     the Lua side hands to post-submit (`submit`)."""
     token = uuid.uuid4().hex
@@ -150,7 +151,7 @@ def _with_state(user_comment: str | None, state: str, stamp: JobStamp | None = N
 
 # --- post-submit: the estimation job and its watchdog ---------------------------------------------------------
 
-def submit(token: str, job_id: str, config: Any, python: str = sys.executable) -> str:
+def submit(token: str, job_id: str, config: SiteConfig, python: str = sys.executable) -> str:
     """Submit the estimation job and its watchdog for held job `job_id`; returns the line for the user."""
     spool = spool_root(config) / token
     env = own_sbatch_env(os.environ)
@@ -189,7 +190,7 @@ def load_request(spool: Path) -> tuple[FilterRequest, str]:
     return request, data["original_script"]
 
 
-def run(spool: Path, job_id: str, config: Any) -> str:
+def run(spool: Path, job_id: str, config: SiteConfig) -> str:
     """Runs as the estimation job. Returns what happened, one line (also in the job's comment). Always cold: a
     warm tracer started here would outlive the job on the estimation node (0.7 GiB for its idle time), and no
     later estimate of this user is sure to land on the same node to use it."""
@@ -209,7 +210,7 @@ def run(spool: Path, job_id: str, config: Any) -> str:
     return outcome
 
 
-def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: Any) -> str:
+def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: SiteConfig) -> str:
     """Carry the filter's reply over to the held job, then release it (or cancel it on a refusal)."""
     was = user_request(request.options) or "none"
     user_comment = request.options.get("comment")
@@ -306,7 +307,7 @@ def _cancel_watchdog(spool: Path) -> None:
 
 # --- the watchdog: the estimation job died ----------------------------------------------------------------------
 
-def rescue(spool: Path, job_id: str, config: Any) -> str:
+def rescue(spool: Path, job_id: str, config: SiteConfig) -> str:
     """Runs when the estimation job failed, timed out or was cancelled: apply the site's failure mode, so the
     GPU job is never left held."""
     request, original = load_request(spool)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from xmem.cache import NoSlotFree
+from xmem.config import SiteConfig
 from xmem.slurm import deferred
 from xmem.slurm.cache_check import REWRITE_OPTIONS, still_offered
 from xmem.slurm.cluster import test_only_refusal
@@ -52,9 +53,9 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
         os.unlink(path)
 
 
-def run_filter(request: FilterRequest, config: Any, *,
+def run_filter(request: FilterRequest, config: SiteConfig, *,
                analyzer: Callable[..., Verdict] = analyze_submission) -> FilterReply:
-    """One submission, start to reply. `config` is an xmem.config.SiteConfig; its estimate timeout bounds the
+    """One submission, start to reply. The site `config`'s estimate timeout bounds the
     wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze_submission`'s signature."""
     deadline = time.monotonic() + config.estimate.timeout_s
 
@@ -79,7 +80,7 @@ def run_filter(request: FilterRequest, config: Any, *,
             return failure_reply(f"cannot read {e.filename}: {e.strerror}", request, config.failure)
 
 
-def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config: Any,
+def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config: SiteConfig,
                   analyzer: Callable[[str, FilterRequest, Any], Verdict], *, job: Any = None) -> FilterReply:
     """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now; a rewrite
     Slurm would refuse is not made (`refused_rewrite`)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot, file_digest, user_cache_dir
+from xmem.config import SiteConfig
 from xmem.slurm.cache_check import valid_analysis
 from xmem.slurm.contract import FilterRequest, Verdict, key_for
 
@@ -35,7 +36,7 @@ def _error_text(error: Any) -> str:
     return str(error)
 
 
-def analyze_submission(script: str, request: FilterRequest, config: Any, *,
+def analyze_submission(script: str, request: FilterRequest, config: SiteConfig, *,
                        deadline: float | None = None) -> Verdict:
     """Run the real analysis (parse, estimate, policy), done by `deadline` (time.monotonic(); default: the site's
     estimate timeout from now). Imported here: torch loads only on a cache miss."""
@@ -105,22 +106,22 @@ def command_files(job: Any, request: FilterRequest, script: str) -> list[str]:
 
 
 
-def analysis_cache(config: Any) -> AnalysisCache:
+def analysis_cache(config: SiteConfig) -> AnalysisCache:
     """The site's analysis cache: the user's private part of the cache directory, entries checked on read."""
     return AnalysisCache(user_cache_dir(config.estimate.cache_dir) / "analyses", validate=valid_analysis)
 
 
-def config_digest(config: Any) -> str:
+def config_digest(config: SiteConfig) -> str:
     """The site config's part of the cache key: its bytes, not its name."""
     return file_digest(config.source) if config.source else ""
 
 
-def estimate_slots(config: Any) -> contextlib.AbstractContextManager:
+def estimate_slots(config: SiteConfig) -> contextlib.AbstractContextManager:
     """One of the host's estimate slots, waiting at most the site's estimate timeout."""
     return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
 
 
-def cached_analysis(script: str, request: FilterRequest, config: Any, *, cache: AnalysisCache,
+def cached_analysis(script: str, request: FilterRequest, config: SiteConfig, *, cache: AnalysisCache,
                     config_digest: str, files: Sequence[str] = (),
                     analyzer: Callable[[str, FilterRequest, Any], Verdict] = analyze_submission,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None,

@@ -36,7 +36,7 @@ from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
-from xmem.units import GIB
+from xmem.units import gib_words
 
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
 NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
@@ -342,7 +342,7 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
     if number == signal.SIGXCPU:
         return TraceError("timeout", f"the trace used up its CPU-time limit {when}", output=output)
     if _out_of_memory(run.output) or number == signal.SIGKILL:
-        limit = f"; the trace's own limit is {_gib(memory_limit_bytes)}" if memory_limit_bytes else ""
+        limit = f"; the trace's own limit is {gib_words(memory_limit_bytes)}" if memory_limit_bytes else ""
         return TraceError("memory_limit", f"the tracer was killed by signal {number} ({name}) {when}, most likely "
                                           f"for host memory (the node's out-of-memory killer{limit}: "
                                           "estimate.memory_limit_gib in the site config)", output=output)
@@ -355,7 +355,8 @@ def _classified(error: TraceError, memory_limit_bytes: int) -> TraceError:
     if error.kind != "user_error" or not memory_limit_bytes or not _out_of_memory(error.message):
         return error
     return TraceError("memory_limit", f"the program needed more host memory than the trace may use "
-                                      f"({_gib(memory_limit_bytes)}: estimate.memory_limit_gib in the site config): "
+                                      f"({gib_words(memory_limit_bytes)}: estimate.memory_limit_gib in the site "
+                                      "config): "
                                       f"{error.message}", error.user_traceback, error.output)
 
 
@@ -369,9 +370,6 @@ def _signal_name(number: int) -> str:
     except ValueError:
         return "unknown signal"
 
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:g} GiB"
 
 
 def _read_tail(log: Any) -> str:
