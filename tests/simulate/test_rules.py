@@ -344,3 +344,17 @@ def test_snapshot_lists_each_segment_with_its_blocks_in_address_order():
     ]
     assert sum(s.total_size for s in segments) == allocator.total_allocated_memory
     assert not any(s.is_expandable for s in segments)
+
+
+def test_a_block_is_spliced_only_between_neighbours():
+    """Block::splice's own check, as upstream asserts it: linking a block between two blocks that are not
+    neighbours would lose the blocks between them (and let try_merge_blocks join memory that is not adjacent)."""
+    from xmem.simulate.allocator import Block, BlockPool
+
+    pool = BlockPool(is_small=False)
+    first, second, third = (Block(0, MiB, i * MiB, pool) for i in range(3))
+    second.splice(first, None)
+    third.splice(second, None)
+    Block(0, MiB, 3 * MiB, pool).splice(second, third)  # neighbours: fine
+    with pytest.raises(AssertionError):
+        Block(0, MiB, 4 * MiB, pool).splice(first, third)  # `second` and the block after it lie between

@@ -6,7 +6,8 @@ snapshots) and its decisions, one function per upstream rule and under upstream'
 `alloc_block`, `release_block`, `release_available_cached_blocks`, `release_cached_blocks`,
 `garbage_collect_cached_blocks`, `malloc`, `free`, `empty_cache`, and for expandable segments
 `find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`; `snapshot` lists the segments.
-The rules are re-stated from reading upstream (see shared/notes/torch-allocator.md, Part A), not copied.
+The rules are re-stated from reading upstream's `c10/cuda/CUDACachingAllocator.cpp`, each function beside the
+upstream function of its name (`Block::splice`, `DeviceCachingAllocator::alloc_found_block` ...), not copied.
 
 What is not modelled, on purpose:
 - `record_stream` / cross-stream uses: a freed block goes back to its pool at once (no deferred `free_block`, no
@@ -76,11 +77,14 @@ class Block:
         return self.prev is not None or self.next is not None
 
     def splice(self, before: Block | None, after: Block | None) -> None:
-        """Block::splice: link this block between `before` and `after`."""
+        """Block::splice: link this block between `before` and `after`, which must be neighbours (upstream asserts
+        it: a block list that lost a link would merge blocks that are not adjacent)."""
         if before is not None:
+            assert before.next is after
             before.next = self
         self.prev = before
         if after is not None:
+            assert after.prev is before
             after.prev = self
         self.next = after
 
@@ -353,6 +357,7 @@ class DeviceCachingAllocator:
         """DeviceCachingAllocator::try_merge_blocks: absorb a free neighbour of the same mapped state."""
         if src is None or src.allocated or src.mapped != dst.mapped:
             return 0
+        assert dst.is_split() and src.is_split()  # as upstream: neighbours are parts of one split segment
         if dst.prev is src:  # [src dst]
             dst.ptr = src.ptr
             dst.prev = src.prev
