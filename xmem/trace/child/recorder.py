@@ -28,6 +28,7 @@ import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
 from xmem.trace.child.fakecuda import FakeCuda
+from xmem.trace.child.known_values import KnownValues
 from xmem.trace.child.standins import StandIns, guess_truth
 
 aten = torch.ops.aten
@@ -252,6 +253,8 @@ class AllocationRecorder(TorchDispatchMode):
         self._lock = threading.RLock()
         self._shortcuts = shortcuts.enabled()  # read here, in the job's environment (a warm tracer imports earlier)
         self.stand_ins = StandIns(self.warn, lambda: (state.iteration, state.phase))
+        self.known = KnownValues()  # values of GPU tensors copied from the host, which the stand-ins answer with
+        self.stand_ins.known_value = self.known.value
         self._connect()
 
     def _connect(self) -> None:
@@ -307,6 +310,7 @@ class AllocationRecorder(TorchDispatchMode):
             self._note_unseen_inputs(args, name)
             if name == "convolution" and args[0].dtype == torch.bfloat16:
                 self._arch_question()  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
+        plan = None if self.state.stopped else self.known.plan(func, args, kwargs)
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
             if out is shortcuts.NOT_TAKEN:
@@ -315,14 +319,17 @@ class AllocationRecorder(TorchDispatchMode):
             if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
                 return self.stand_ins.scalar(args[0])
             if func in (aten.equal.default, aten.allclose.default):
-                return self.stand_ins.equal(func._opname)
+                return self.stand_ins.equal(func._opname, args)
             raise
         except DynamicOutputShapeException:
-            out = self.stand_ins.dynamic_shape(func, args, kwargs)
+            out = self.known.made_on_host(plan, args[0].device)
+            if out is None:
+                out = self.stand_ins.dynamic_shape(func, args, kwargs)
             if out is None:
                 raise
         if self.state.stopped:
             return out
+        self.known.keep(plan, out)
         self._note_outputs(out, name, args)
         return out
 

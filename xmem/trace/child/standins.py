@@ -17,6 +17,8 @@ The rules, chosen so that a memory estimate errs on the large side and loops end
   distinct (`unique`), `bincount` as long as its input (or `minlength` when larger), tensor-valued
   `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says, every box
   kept by torchvision's `nms`.
+A tensor whose real value is known (copied from the host: `xmem.trace.child.known_values`) is answered with it
+instead, for every kind above; a boolean mask so known selects its real count even from a tensor that is not.
 Import only in the tracing child, after `xmem.trace.child.fakecuda`.
 """
 
@@ -57,6 +59,8 @@ class StandIns:
         self.where = where
         # told of each stand-in for a tensor's value (the self-audit flags one for a host tensor: xmem.trace.child.facts)
         self.on_stand_in: Callable[[torch.Tensor, str], None] = lambda tensor, what: None
+        # the real value of a fake tensor where it is known, else None (the recorder's KnownValues.value)
+        self.known_value: Callable[[Any], torch.Tensor | None] = lambda tensor: None
         self._true_answers: dict[tuple, int] = {}
         # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
         # that is: xmem.trace.child.attribution).
@@ -69,6 +73,10 @@ class StandIns:
 
     # ---- scalars ------------------------------------------------------------------------------------------------
     def scalar(self, tensor: torch.Tensor) -> Any:
+        value = self.known_value(tensor)
+        if value is not None:
+            with unset_fake_temporarily():
+                return value.item()
         self.on_stand_in(tensor, "tensor.item()")
         self.warn(SCALAR_WARNING)
         self._note_asker()
@@ -93,7 +101,11 @@ class StandIns:
                   "answered False from then on, to end the loop")
         return False
 
-    def equal(self, op: str) -> bool:
+    def equal(self, op: str, args: tuple = ()) -> bool:
+        values = [self.known_value(arg) for arg in args[:2]]
+        if len(values) == 2 and all(value is not None for value in values):
+            with unset_fake_temporarily():
+                return getattr(torch, op)(*values, *args[2:])
         self.warn(f"torch.{op}() on fake CUDA tensors answered True (no real data under fake CUDA)")
         self._note_asker()
         return True
@@ -121,22 +133,33 @@ class StandIns:
         if name == "nms":  # torchvision's: the indices of the boxes (N x 4) that it keeps
             self.warn("nms() assumed every box kept (no real data under fake CUDA)")
             return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-        self.warn(SELECTION_WARNING)
         if name == "nonzero":
+            self.warn(SELECTION_WARNING)
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
         if name == "masked_select":
-            return torch.empty(torch.broadcast_shapes(x.shape, args[1].shape).numel(), dtype=x.dtype,
-                               device=x.device)
+            return torch.empty(self._selected(args[1], torch.broadcast_shapes(x.shape, args[1].shape)),
+                               dtype=x.dtype, device=x.device)
         if name == "index" and len(args) > 1:
             indices: list = []
             for index in args[1]:
                 if index is not None and index.dtype in (torch.bool, torch.uint8):
-                    indices.extend(torch.empty(index.numel(), dtype=torch.long, device=index.device)
+                    selected = self._selected(index, index.shape)
+                    indices.extend(torch.empty(selected, dtype=torch.long, device=index.device)
                                    for _ in range(index.dim()))
                 else:
                     indices.append(index)
             return func(x, indices)
         return None  # no rule: the caller re-raises
+
+    def _selected(self, mask: torch.Tensor, shape: torch.Size) -> int:
+        """How many elements a boolean mask broadcast to `shape` selects: its real count where its value is known,
+        else every element (warned)."""
+        value = self.known_value(mask)
+        if value is None:
+            self.warn(SELECTION_WARNING)
+            return shape.numel()
+        with unset_fake_temporarily():
+            return int(value.broadcast_to(shape).count_nonzero())
 
     # ---- Python-level ways out of a tensor ---------------------------------------------------------------------
     def install_python_protocols(self) -> None:
@@ -149,6 +172,9 @@ class StandIns:
         def numpy(tensor: torch.Tensor, *, force: bool = False) -> Any:
             if not isinstance(tensor, FakeTensor):
                 return original_numpy(tensor, force=force)
+            value = stand_ins.known_value(tensor)
+            if value is not None:  # a private copy: the program may write into the array
+                return original_numpy(value, force=force).copy()
             stand_ins.on_stand_in(tensor, "tensor.numpy()")
             stand_ins._note_asker()
             stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
@@ -157,6 +183,9 @@ class StandIns:
         def tolist(tensor: torch.Tensor) -> Any:
             if not isinstance(tensor, FakeTensor):
                 return original_tolist(tensor)
+            value = stand_ins.known_value(tensor)
+            if value is not None:
+                return original_tolist(value)
             stand_ins.on_stand_in(tensor, "tensor.tolist()")
             stand_ins._note_asker()
             stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
