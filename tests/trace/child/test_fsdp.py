@@ -470,6 +470,54 @@ def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
         reasons[0]
 
 
+# (forward_prefetch, backward_prefetch, limit_all_gathers) -> the most blocks gathered at once in a steady forward and
+# backward (iteration 1), besides the root unit, which FULL_SHARD keeps gathered from its forward to the end of
+# backward: three LoRA-like blocks at world 2, each a unit. Upstream (_runtime_utils):
+# - forward: a unit is gathered in its pre-forward (_pre_forward_unshard) and freed in its post-forward; with
+#   forward_prefetch that pre-forward also gathers the next unit of the first iteration's order
+#   (_prefetch_handle, get_handle_to_forward_prefetch; none in the first iteration, whose order is being recorded):
+#   1 block, or 2;
+# - backward: a unit is gathered in its pre-backward hook (unless prefetched) and freed in its post-backward hook,
+#   which runs once autograd reaches the split of its flat parameter into views (_use_unsharded_views); autograd
+#   runs ready nodes latest made first. BACKWARD_PRE gathers the previous unit in the pre-backward hook, after this
+#   one; BACKWARD_POST in the post-backward hook, after freeing this one. Without forward_prefetch a unit's views are
+#   made after the previous unit's forward ops, so its post-backward runs before the previous unit's ops: 2 blocks
+#   (PRE) or 1 (POST). With forward_prefetch a unit's views are made in the previous unit's pre-forward, before that
+#   unit's ops, whose backward (and pre-backward hook, which gathers it) therefore runs before this unit is freed:
+#   one more, 3 (PRE) or 2 (POST);
+# - limit_all_gathers only makes the host wait for a GPU event before an all-gather (_unshard: the rate limiter): the
+#   allocations and frees come in the same order, so it changes none of these.
+PREFETCH_CONFIGS = {
+    (False, "PRE", True): (1, 2),
+    (True, "PRE", True): (2, 3),
+    (True, "POST", True): (2, 2),
+    (False, "POST", False): (1, 1),
+}
+
+
+def most_alive_at_once(result, iteration: int, phase: str, nbytes: int) -> int:
+    return max(sum(alloc.nbytes == nbytes and alloc.category == Category.UNSHARDED_PARAMETER for alloc in live.values())
+               for e, live in walk(result) if e.iteration == iteration and e.phase == phase)
+
+
+@pytest.mark.parametrize("config", PREFETCH_CONFIGS, ids=lambda c: "fwd{:d}-{}-limit{:d}".format(*c))
+def test_fsdp1_prefetch_settings_set_how_many_units_are_gathered_at_once(config):
+    forward_prefetch, backward_prefetch, limit = config
+    world, blocks = 2, 3
+    result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"), "--blocks",
+                        str(blocks), "--forward-prefetch", str(int(forward_prefetch)), "--backward-prefetch",
+                        backward_prefetch, "--limit", str(int(limit))], iterations=2)
+    block = math.ceil(sum(numel for numel, _ in LORA_BLOCK) / world) * world * FP32  # the padded unsharded flat
+    root = math.ceil(sum(numel for numel, _ in LORA_HEAD) / world) * world * FP32
+    assert block != root
+    forward, backward = PREFETCH_CONFIGS[config]
+    assert most_alive_at_once(result, 1, "forward", block) == forward
+    assert most_alive_at_once(result, 1, "backward", block) == backward
+    # the root unit stays gathered beside them: the peak of all gathered parameters is theirs and its
+    assert peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER, since=1) == \
+        root + max(forward, backward) * block
+
+
 def test_fsdp1_cpu_offload_is_not_modelled_and_says_so():
     # FlatParamHandle.flat_param_to moves each shard to the host by `.data =`, which a fake keeps on its device
     with pytest.raises(TraceError) as failure:
