@@ -1,7 +1,8 @@
 """FSDP as rank 0 of N runs it, traced from small programs (tests/scripts/): FSDP2 (`fully_shard`) with a bf16
 MixedPrecisionPolicy under torchrun, and Lightning Fabric's FSDP strategy (FSDP1) and ModelParallelStrategy (FSDP2)
-launched as `python train.py --devices N`, and FSDP1 units that mix frozen and trainable parameters (LoRA-like
-adapters) under torchrun at world sizes 2, 4 and 8. Each category is pinned by figures derived by hand from the layer
+launched as `python train.py --devices N`, FSDP1 and FSDP2 units that mix frozen and trainable parameters (LoRA-like
+adapters) under torchrun at world sizes 2, 4 and 8, FSDP1's hybrid strategies over 2 nodes, and how many FSDP1 units
+its prefetch settings keep gathered at once. Each category is pinned by figures derived by hand from the layer
 shapes and the upstream functions that make each buffer (torch/distributed/fsdp/_fully_shard/ for FSDP2,
 _flat_param.py for FSDP1): the fp32 shards (parameters, gradients, AdamW's two moments) and the bf16 unsharded
 parameters that live only while their unit runs (freed by `storage.resize_(0)`). This build only: each trace
