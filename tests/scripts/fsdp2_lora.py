@@ -2,13 +2,15 @@
 Linear(256, 256) with a trainable rank-8 adapter beside it (down 256->8, up 8->256, no bias), each block its own
 unit, the root unit holding a head Linear(256, 16). AdamW steps the trainable parameters only. Options (argv):
 --mp none|bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce), --frozen base|base+head (base+head: only the
-adapters train, as peft's get_peft_model leaves a model, so the root unit has no gradient)."""
+adapters train, as peft's get_peft_model leaves a model, so the root unit has no gradient), --hsdp 1 (HSDP: a 2-D
+mesh, replicated across the nodes and sharded within each, as torchrun --nnodes gives them)."""
 import argparse
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 WIDTH, RANK, CLASSES = 256, 8, 16
@@ -30,6 +32,7 @@ class Adapted(nn.Module):
 parser = argparse.ArgumentParser()
 parser.add_argument("--mp", default="none")
 parser.add_argument("--frozen", default="base")
+parser.add_argument("--hsdp", type=int, default=0)
 args = parser.parse_args()
 
 dist.init_process_group("nccl")
@@ -38,9 +41,14 @@ model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES).requires_g
 model.cuda()
 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp == "bf16" \
     else MixedPrecisionPolicy()
+mesh = None
+if args.hsdp:
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh("cuda", (dist.get_world_size() // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
 for block in model[:2]:
-    fully_shard(block, mp_policy=policy)
-fully_shard(model, mp_policy=policy)
+    fully_shard(block, mp_policy=policy, mesh=mesh)
+fully_shard(model, mp_policy=policy, mesh=mesh)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 for step in range(3):
     model(torch.randn(8, WIDTH, device="cuda")).sum().backward()

@@ -222,6 +222,22 @@ def test_fsdp2_lora_shards_frozen_parameters_but_reduces_and_steps_the_trainable
         assert sizes(scatter_inputs) == figures["reduce_input"]
     assert audit(result) == ()
 
+
+def test_fsdp2_hsdp_shards_within_a_node_and_replicates_across_nodes():
+    # a 2-D mesh (replicate across 2 nodes, shard over each node's 2 GPUs): FSDPParam shards on the mesh's shard
+    # dimension only, and the gradients' all-reduce across the replicas is in place (foreach_reduce)
+    result = run_trace(["torchrun", "--nnodes=2", "--nproc_per_node=2", str(SCRIPTS / "fsdp2_lora.py"), "--hsdp", "1"],
+                       iterations=2)
+    figures = fsdp2_lora_figures(2, "none", "base")
+    held = live_at_first_step(result)
+    assert held["parameter"] == figures["parameter"] != fsdp2_lora_figures(4, "none", "base")["parameter"]
+    assert held["gradient"] == figures["gradient"]
+    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
+    assert sizes(state) == figures["optimizer_state"]
+    assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
+    assert audit(result) == ()
+
+
 # ---- Fabric(strategy="fsdp", precision="bf16-mixed"): FSDP1, the whole model one unit (fabric_fsdp.py) ----------
 # Linear(128, 512), GELU, Linear(512, 128), LayerNorm(128), Linear(128, 4): one flat parameter. With
 # use_orig_params (Fabric's default) FSDP1 aligns each parameter to 16 bytes (4 fp32 elements): every numel here is
