@@ -34,7 +34,9 @@ def test_mlp_adamw_breakdown_has_parameters_gradients_and_adam_states(tmp_path):
     assert b["parameter"] == PARAM_BYTES
     assert b["gradient"] == PARAM_BYTES
     assert b["optimizer_state"] >= 2 * PARAM_BYTES  # exp_avg and exp_avg_sq (+ step counters)
-    assert data["breakdown_gpu"] == "H100-SXM5-80GB"  # the larger of the two
+    assert data["breakdown_gpu"] == "A100-SXM4-40GB"  # the first asked for that the job fits
+    assert b == data["breakdowns"]["A100-SXM4-40GB"]
+    b = data["breakdowns"]["H100-SXM5-80GB"]
     assert b["workspace"] == 2 * 32 * 2**20  # Hopper cuBLAS workspaces: forward thread and autograd thread
     assert sum(b.values()) == data["gpus"]["H100-SXM5-80GB"]["peak_bytes"]
     a100 = data["gpus"]["A100-SXM4-40GB"]

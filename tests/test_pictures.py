@@ -299,3 +299,155 @@ def test_a_run_out_of_memory_is_drawn_and_its_snapshot_ends_in_the_oom(tmp_path)
     assert last["action"] == "oom" and last["size"] >= t4["oom"]["requested"]
     assert last["device_free"] == t4["capacity_bytes"] - t4["oom"]["reserved"]
     assert replay_totals(trace)[1] == t4["peak_reserved_bytes"]
+
+
+# --- what the plot shows, in its pixels (issue 23) ----------------------------------------------------------------
+
+def rendered(fig) -> "object":
+    """The figure's pixels (rows from the top), as the PNG holds them."""
+    import numpy as np
+
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+
+
+def pixel_of(fig, ax, x: float, y: float) -> tuple[int, int]:
+    """(row, column) of data point (x, y) in `rendered(fig)`."""
+    px, py = ax.transData.transform((x, y))
+    return int(round(fig.bbox.height - py)), int(round(px))
+
+
+def rgb(colour: str, alpha: float = 1.0) -> tuple[int, ...]:
+    """A colour as drawn with `alpha` over white."""
+    from matplotlib.colors import to_rgb
+
+    return tuple(round(255 * (alpha * c + 1 - alpha)) for c in to_rgb(colour))
+
+
+def close_to(pixel, colour: tuple[int, ...], tolerance: int = 6) -> bool:
+    return all(abs(int(p) - c) <= tolerance for p, c in zip(pixel, colour))
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """In-process estimates that keep their traces: the training program on T4 then A100 (it fits both), and one
+    that runs out of memory on both (a batch of 200,000 rows of 4096)."""
+    from xmem.cli.pictures import KeepingEstimator
+
+    folder = tmp_path_factory.mktemp("kept")
+    (folder / "train.py").write_text(TRAIN)
+    (folder / "oom.py").write_text(TRAIN.replace("Block(512), Block(512)", "Block(4096)")
+                                   .replace("randn(384, 512", "randn(200000, 4096"))
+    keeper = KeepingEstimator()
+    for program in ("train.py", "oom.py"):
+        keeper([PYTHON, program], gpus=["t4", "a100"], cwd=folder)
+    return folder, keeper.runs
+
+
+def test_every_category_has_its_own_colour_and_none_is_red_or_green():
+    from xmem.estimate import OVERHEAD
+    from xmem.report_plots import CATEGORY_COLOURS, FITS_COLOUR, OVER_COLOUR
+    from xmem.trace.events import Category
+
+    assert set(CATEGORY_COLOURS) == {*Category, OVERHEAD}
+    colours = list(CATEGORY_COLOURS.values())
+    assert len(set(colours)) == len(colours)
+    assert not {OVER_COLOUR, FITS_COLOUR} & set(colours)
+
+
+def test_each_category_is_drawn_in_its_colour(kept):
+    """Whatever else a run holds, a category's band has the table's colour (tab10 by position made red mean the
+    activations in one picture and the temporaries in another)."""
+    import numpy as np
+
+    from xmem.gpus import load_catalog
+    from xmem.pictures import category_curves, gpu_run
+    from xmem.report_plots import CATEGORY_ORDER, category_colour, draw_run
+    from xmem.units import GIB
+
+    _folder, runs = kept
+    run = gpu_run(runs[0].traces, load_catalog()["T4"], dict(os.environ))
+    fig = draw_run(run)
+    pixels, ax = rendered(fig), fig.axes[0]
+    at = [index for index, _a, _r in run.sim.timeline]
+    curves = category_curves(run, at)
+    order = [c for c in CATEGORY_ORDER if c in curves and curves[c].any()]
+    checked = set()
+    for category in order:
+        below = run.overhead + sum((curves[c] for c in order[: order.index(category)]), np.zeros(len(at)))
+        thickest = int(np.argmax(curves[category][:-1]))
+        height = curves[category][thickest]
+        row, column = pixel_of(fig, ax, (at[thickest] + at[thickest + 1]) / 2, (below[thickest] + height / 2) / GIB)
+        top, _ = pixel_of(fig, ax, 0, (below[thickest] + height) / GIB)
+        if row - top < 4:
+            continue  # thinner than a few pixels: its edges blur it
+        assert close_to(pixels[row, column], rgb(category_colour(category), 0.75)), (category, pixels[row, column])
+        checked.add(category)
+    assert {"parameter", "gradient", "optimizer_state"} <= checked, checked
+
+
+def test_the_peak_marker_sits_on_the_reserved_peak_and_names_op_and_module(kept):
+    from xmem.gpus import load_catalog
+    from xmem.pictures import gpu_run
+    from xmem.report_plots import RESERVED_COLOUR, draw_run
+    from xmem.units import GIB
+
+    _folder, runs = kept
+    run = gpu_run(runs[0].traces, load_catalog()["T4"], dict(os.environ))
+    fig = draw_run(run)
+    ax = fig.axes[0]
+    index = run.sim.peak_reserved_index
+    reserved = dict((i, r) for i, _a, r in run.sim.timeline)
+    assert reserved[index] == run.sim.peak_reserved and max(reserved.values()) == run.sim.peak_reserved
+    peak = (run.sim.peak_reserved + run.overhead) / GIB
+    pixels = rendered(fig)
+    row, column = pixel_of(fig, ax, index, peak)
+    assert close_to(pixels[row - 3, column], rgb(RESERVED_COLOUR), 40)  # the marker's body, above the line
+    label = next(t.get_text() for t in ax.texts if t.get_text().startswith("peak reserved"))
+    event = run.event_of(index)
+    assert f"{peak:.2f} GiB: {event.op}" in label
+    assert (f"in {event.module}" if event.module else "outside any module") in label
+
+
+def test_a_gpu_the_job_does_not_fit_is_drawn_with_what_it_needs(kept, tmp_path):
+    """The default type drawn is the one the answer shows: here neither fits, so the larger (A100, not the first
+    asked); the title and a red level say what the job needs (the estimate's unlimited_peak_bytes)."""
+    from xmem.cli.pictures import write_pictures
+    from xmem.report_plots import OVER_COLOUR
+
+    _folder, runs = kept
+    run = runs[1]
+    a100 = run.estimate.gpus["A100-SXM4-40GB"]
+    assert not a100.fits and a100.unlimited_peak_bytes > a100.total_bytes
+    assert run.estimate.breakdown_gpu == "A100-SXM4-40GB"
+    lines = write_pictures(run, plot=str(tmp_path / "oom.png"), snapshot=None)
+    assert lines == [f"wrote {tmp_path / 'oom.png'} (memory over the run on A100-SXM4-40GB)"]
+    from matplotlib.image import imread
+
+    pixels = (imread(tmp_path / "oom.png")[..., :3] * 255).round().astype(int)
+    red = abs(pixels - rgb(OVER_COLOUR)).max(axis=2) <= 6
+    dots = (red[:, 1:] & ~red[:, :-1]).sum(axis=1)  # red runs per row: a dotted level across the chart has ~170;
+    assert dots.max() > 100  # the out-of-memory label's row ~40, its box's edge 1
+
+
+def test_the_needs_level_and_title(kept):
+    from xmem.gpus import load_catalog
+    from xmem.pictures import gpu_run
+    from xmem.report_plots import draw_run
+    from xmem.units import GIB
+
+    _folder, runs = kept
+    t4 = runs[1].estimate.gpus["T4"]
+    fig = draw_run(gpu_run(runs[1].traces, load_catalog()["T4"], dict(os.environ)),
+                   needs_bytes=t4.unlimited_peak_bytes)
+    assert f"does not fit: the job needs {t4.unlimited_peak_bytes / GIB:.1f} GiB, the T4 has 15.0 GiB" in \
+        fig.axes[0].get_title()
+    assert fig.axes[0].get_ylim()[1] >= t4.unlimited_peak_bytes / GIB
+
+
+def test_the_default_type_drawn_is_the_first_asked_that_fits(kept, tmp_path):
+    from xmem.cli.pictures import write_pictures
+
+    _folder, runs = kept
+    assert runs[0].estimate.breakdown_gpu == "T4"  # asked first, and the job fits it
+    assert write_pictures(runs[0], plot=str(tmp_path / "x.png"), snapshot=None)[0].endswith("on T4)")

@@ -91,10 +91,11 @@ class GpuEstimate:
 class Estimate:
     """The whole answer for one command: every requested GPU type, and what was live at the peak.
 
-    `breakdown` is taken on `breakdown_gpu`, the requested type with the most memory (the one least likely to stop
-    at an OOM): bytes live per category at the peak (SimResult.fullest_peak_index), plus `allocator_slack` (peak
-    reserved minus the live tensors' requested bytes: rounding, unsplit remainders, cached free blocks) and `overhead`
-    (context and libraries). Its values add up to that type's `peak_bytes`.
+    `breakdown` is taken on `breakdown_gpu`, the GPU type the answer shows (`shown_gpu`: the first asked for on
+    which the job runs to its end): bytes live per category at the peak (SimResult.fullest_peak_index), plus
+    `allocator_slack` (peak reserved minus the live tensors' requested bytes: rounding, unsplit remainders, cached
+    free blocks) and `overhead` (context and libraries). Its values add up to that type's `peak_bytes`.
+    `breakdowns` holds the same for every GPU type estimated (a site's pick may be another type).
 
     `suspect_reasons`: where a trace contradicts the facts of its own run (`xmem.audit`); a suspect estimate may be
     far below what the job needs, so nothing should shrink a request on it.
@@ -113,6 +114,7 @@ class Estimate:
     suspect_reasons: tuple[str, ...] = ()
     sandbox: str = ""  # what kept the traced program's writes out of the user's files
     forward_only: bool = False  # no training step was traced: the peak of what the program ran (Trace.forward_only)
+    breakdowns: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # by GPU type
 
     @property
     def suspect(self) -> bool:
@@ -134,6 +136,7 @@ class Estimate:
             "suspect_reasons": list(self.suspect_reasons),
             "sandbox": self.sandbox,
             "forward_only": self.forward_only,
+            "breakdowns": {name: dict(parts) for name, parts in self.breakdowns.items()},
         }
 
     @classmethod
@@ -145,7 +148,8 @@ class Estimate:
                    iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
                    suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
-                   forward_only=d.get("forward_only", False))
+                   forward_only=d.get("forward_only", False),
+                   breakdowns={name: dict(parts) for name, parts in d.get("breakdowns", {}).items()})
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
@@ -191,9 +195,8 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
 
     job_env = dict(env) if env is not None else dict(os.environ)  # the tracer runs the job with this env too
     config = allocator_config(first, job_env)
-    biggest = max(targets, key=lambda g: g.total_bytes).name
     results: dict[str, GpuEstimate] = {}
-    breakdown: dict[str, int] = {}
+    breakdowns: dict[str, dict[str, int]] = {}
     # GPU types that replay the same ops (same trace, same cuBLAS workspace) share a replay where it is exact.
     same_ops = Counter((capability_class(g.capability), cublas_workspace_bytes(g, job_env)) for g in targets)
     devices = {id(t): trace_devices(t) for t in traces.values()}  # one scan of each trace's events
@@ -208,16 +211,16 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
             on_progress(f"simulating the caching allocator on {gpu.name}")
         cls = capability_class(gpu.capability)
         shared = same_ops[cls, cublas_workspace_bytes(gpu, job_env)] > 1
-        results[gpu.name], parts = estimate_gpu(traces[cls], gpu, config, job_env,
-                                                with_breakdown=gpu.name == biggest,
-                                                replays=replays if shared else None,
-                                                devices=devices[id(traces[cls])])
-        breakdown = parts or breakdown
+        results[gpu.name], breakdowns[gpu.name] = estimate_gpu(traces[cls], gpu, config, job_env,
+                                                               with_breakdown=True,
+                                                               replays=replays if shared else None,
+                                                               devices=devices[id(traces[cls])])
+    shown = shown_gpu(list(results.values()))
     return Estimate(
         command=tuple(command),
         gpus=results,
-        breakdown=breakdown,
-        breakdown_gpu=biggest,
+        breakdown=breakdowns[shown],
+        breakdown_gpu=shown,
         iterations=min(t.iterations for t in traces.values()),
         seconds=time.perf_counter() - started,
         warnings=_warnings(traces, {d for ds in devices.values() for d in ds}),
@@ -227,7 +230,15 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
         suspect_reasons=_audit(traces),
         sandbox=first.sandbox,
         forward_only=any(t.forward_only for t in traces.values()),
+        breakdowns=breakdowns,
     )
+
+
+def shown_gpu(gpus: Sequence[GpuEstimate]) -> str:
+    """The GPU type an answer shows (its breakdown, its row marked in the table, the plot's default), of `gpus` in
+    the order asked: the first on which the job runs to its end, else the one with the most memory (whose replay
+    went furthest). Where a site config picks a request, the pick's type is shown instead (`xmem.cli.common`)."""
+    return next((g.gpu for g in gpus if g.fits), max(gpus, key=lambda g: g.total_bytes).gpu)
 
 
 def resolve_gpus(names: Sequence[str] | None, catalog: Mapping[str, GpuType]) -> list[GpuType]:
@@ -500,7 +511,7 @@ def _no_cuda_estimate(command: Sequence[str], targets: Sequence[GpuType], trace:
         for gpu in targets
     }
     return Estimate(command=tuple(command), gpus=gpus, breakdown={},
-                    breakdown_gpu=max(targets, key=lambda g: g.total_bytes).name, iterations=trace.iterations,
+                    breakdown_gpu=shown_gpu(list(gpus.values())), iterations=trace.iterations,
                     seconds=seconds, warnings=tuple(dict.fromkeys([*trace.warnings, NO_CUDA_WARNING])),
                     libraries=tuple(trace.libraries), used_cuda=False, torch_version=trace.torch_version,
                     sandbox=trace.sandbox)

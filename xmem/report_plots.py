@@ -1,8 +1,8 @@
 """PNG figures for people who would rather look than read: an estimate's memory over its traced iterations, and a
 site's estimates against what its jobs really used.
 
-Owns the drawing (matplotlib, Agg backend: no display needed): colours, labels, the peak's annotation. The data
-come from `xmem.pictures.GpuRun` and `xmem.slurm.store` records.
+Owns the drawing (matplotlib, Agg backend: no display needed): the one colour table of every picture, labels, the
+peak's annotation. The data come from `xmem.pictures.GpuRun` and `xmem.slurm.store` records.
 Must not: compute estimates or read the store itself.
 """
 
@@ -10,19 +10,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from xmem.estimate import OVERHEAD
 from xmem.pictures import GpuRun, category_curves, describe_op
 from xmem.trace.events import Category
 from xmem.units import GIB, MIB
 
-# Bottom to top; categories the trace has but this list lacks go on top, in name order.
-ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": "#d62728"}  # the peak's and the OOM's labels
+# The one colour table of every picture: a category has its colour wherever it is drawn, whatever else the run
+# holds; red only ever says "more than there is" (out of memory, what a job that does not fit needs, a job that
+# used more than estimated) and green "fits" (the chosen slice, a job within its estimate), so no category is
+# either.
+OVER_COLOUR, FITS_COLOUR = "#d62728", "#2ca02c"
+CATEGORY_COLOURS = {
+    OVERHEAD: "#bdbdbd",  # CUDA context + libraries
+    Category.PARAMETER: "#1f77b4",
+    Category.UNSHARDED_PARAMETER: "#aec7e8",  # FSDP's gathered weights: the parameters' colour, lighter
+    Category.BUFFER: "#9edae5",
+    Category.GRADIENT: "#ff7f0e",
+    Category.OPTIMIZER_STATE: "#bcbd22",
+    Category.ACTIVATION: "#9467bd",
+    Category.TEMPORARY: "#c5b0d5",  # the activations' colour, lighter
+    Category.INPUT: "#e377c2",
+    Category.WORKSPACE: "#8c564b",
+    Category.OTHER: "#7f7f7f",
+}
+ALLOCATED_COLOUR, RESERVED_COLOUR, GPU_COLOUR = "#525252", "black", "#08519c"
+ALERT_BOX = {"boxstyle": "round", "fc": "white", "ec": OVER_COLOUR}  # what does not fit
+PEAK_BOX = {"boxstyle": "round", "fc": "white", "ec": RESERVED_COLOUR}
 ZOOM_BELOW = 4  # the y axis stops short of the GPU's memory when the peak is under a quarter of it
+# Bottom to top; categories the trace has but this list lacks go on top, in name order.
 # Unsharded: FSDP's gathered weights, beside the shards.
-CATEGORY_ORDER = (Category.PARAMETER, Category.UNSHARDED_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE,
-                  Category.ACTIVATION, Category.TEMPORARY, Category.WORKSPACE, Category.OTHER)
+CATEGORY_ORDER = (Category.PARAMETER, Category.UNSHARDED_PARAMETER, Category.BUFFER, Category.GRADIENT,
+                  Category.OPTIMIZER_STATE, Category.ACTIVATION, Category.TEMPORARY, Category.INPUT,
+                  Category.WORKSPACE, Category.OTHER)
 
 
 def _pyplot():
@@ -35,10 +58,20 @@ def _pyplot():
 
 
 def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, slice_name: str = "",
-             title: str = "") -> None:
-    """Memory over the run on `run.gpu`, as the GPU would show it (the context and libraries at the bottom): the
-    live tensors stacked by category, allocated and reserved as lines, the GPU's memory and the chosen slice as
-    levels, and the peak marked with the op that reached it."""
+             title: str = "", needs_bytes: int | None = None) -> None:
+    """Memory over the run on `run.gpu` (see `draw_run`), written to `path`."""
+    plt = _pyplot()
+    fig = draw_run(run, slice_bytes=slice_bytes, slice_name=slice_name, title=title, needs_bytes=needs_bytes)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_run(run: GpuRun, *, slice_bytes: int | None = None, slice_name: str = "", title: str = "",
+             needs_bytes: int | None = None) -> Any:
+    """The figure of memory over the run on `run.gpu`, as the GPU would show it (the context and libraries at the
+    bottom): the live tensors stacked by category, allocated and reserved as lines, the GPU's memory and the chosen
+    slice as levels, the reserved peak marked with the op and module that reached it, and, where the job does not
+    fit (`needs_bytes`: what it would need), that need as a level and in the title."""
     plt = _pyplot()
     sim = run.sim
     at = [index for index, _allocated, _reserved in sim.timeline]
@@ -46,23 +79,30 @@ def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, s
     allocated = np.asarray([a for _i, a, _r in sim.timeline]) + run.overhead
     reserved = np.asarray([r for _i, _a, r in sim.timeline]) + run.overhead
     curves = category_curves(run, at)
+    # a category that holds nothing in the whole run is left out of the legend; the others keep their colours
     order = [c for c in CATEGORY_ORDER if c in curves] + sorted(set(curves) - set(CATEGORY_ORDER))
+    order = [c for c in order if curves[c].any()]
     fig, ax = plt.subplots(figsize=(15, 6.5), dpi=110)
     stacks = [np.full(len(x), run.overhead)] + [curves[c] for c in order]
     names = ["CUDA context + libraries"] + [c.replace("_", " ") for c in order]
-    colours = ["#bdbdbd"] + [plt.get_cmap("tab10")(i) for i in range(len(order))]
+    colours = [category_colour(c) for c in (OVERHEAD, *order)]
     ax.stackplot(x, [s / GIB for s in stacks], labels=names, colors=colours, alpha=0.75, step="post")
-    ax.step(x, allocated / GIB, where="post", color="black", lw=1.2, label="allocated (memory_allocated)")
-    ax.step(x, reserved / GIB, where="post", color="#d62728", lw=1.6, label="reserved + overhead (what NVML shows)")
+    ax.step(x, allocated / GIB, where="post", color=ALLOCATED_COLOUR, lw=1.0, label="allocated (memory_allocated)")
+    ax.step(x, reserved / GIB, where="post", color=RESERVED_COLOUR, lw=1.6,
+            label="reserved + overhead (what NVML shows)")
     peak = sim.peak_reserved + run.overhead
     # a small job on a large GPU: zoom on the job (the curves would be a flat line at the bottom), say so
     top = max(run.gpu.total_bytes, slice_bytes or 0) if run.gpu.total_bytes < ZOOM_BELOW * peak else \
         max(peak * 1.25, min(slice_bytes or 0, ZOOM_BELOW * peak))
+    top = max(top, needs_bytes or 0)
     above = " (above the chart)" if run.gpu.total_bytes > top else ""
-    ax.axhline(run.gpu.total_bytes / GIB, color="#1f77b4", ls="--", lw=1.4,
+    ax.axhline(run.gpu.total_bytes / GIB, color=GPU_COLOUR, ls="--", lw=1.4,
                label=f"{run.gpu.name}: {run.gpu.total_bytes / GIB:.1f} GiB{above}")
+    if needs_bytes:
+        ax.axhline(needs_bytes / GIB, color=OVER_COLOUR, ls=":", lw=1.8,
+                   label=f"the job needs {needs_bytes / GIB:.1f} GiB: does not fit")
     if slice_bytes:
-        ax.axhline(slice_bytes / GIB, color="#2ca02c", ls="-.", lw=1.6,
+        ax.axhline(slice_bytes / GIB, color=FITS_COLOUR, ls="-.", lw=1.6,
                    label=f"chosen: {slice_name} {slice_bytes / GIB:.1f} GiB".replace("  ", " ")
                    + (" (above the chart)" if slice_bytes > top else ""))
     last = sim.oom.index if sim.oom is not None else len(run.ops.ops) - 1  # the replay stops at an OOM
@@ -74,12 +114,20 @@ def plot_run(run: GpuRun, path: str | Path, *, slice_bytes: int | None = None, s
     ax.set_ylim(0, top / GIB * 1.08)
     ax.set_xlabel("allocator events (alloc/free, in program order)")
     ax.set_ylabel("GPU memory (GiB)")
-    ax.set_title(title or f"Predicted GPU memory on {run.gpu.name}")
+    title = title or f"Predicted GPU memory on {run.gpu.name}"
+    if needs_bytes:
+        title += (f"\ndoes not fit: the job needs {needs_bytes / GIB:.1f} GiB, the {run.gpu.name} has "
+                  f"{run.gpu.total_bytes / GIB:.1f} GiB")
+    ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # off the curves
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def category_colour(category: str) -> str:
+    """A category's colour in every picture (`CATEGORY_COLOURS`; one the table lacks is drawn as "other")."""
+    return CATEGORY_COLOURS.get(category, CATEGORY_COLOURS[Category.OTHER])
 
 
 def _mark_iterations(ax, run: GpuRun, last: int) -> None:
@@ -92,21 +140,24 @@ def _mark_iterations(ax, run: GpuRun, last: int) -> None:
 
 
 def _mark_peak(ax, run: GpuRun, last: int) -> None:
+    """The marker on the reserved line where it first reaches its peak (what NVML would show), named by the op
+    whose request took it there and that op's module."""
     index = run.sim.peak_reserved_index
     peak = (run.sim.peak_reserved + run.overhead) / GIB
-    ax.plot([index], [peak], marker="v", color="#d62728", ms=9)
+    ax.plot([index], [peak], marker="v", color=RESERVED_COLOUR, ms=9, ls="none", label="_peak")
     right = index > 0.6 * last  # the label goes where there is room
-    ax.annotate(f"peak {peak:.2f} GiB: {describe_op(run, index)}", (index, peak), xytext=(-10 if right else 10, 14),
-                textcoords="offset points", ha="right" if right else "left", fontsize=9,
-                bbox=ALERT_BOX)
+    module = "" if (event := run.event_of(index)) is None or event.module else ", outside any module"
+    ax.annotate(f"peak reserved {peak:.2f} GiB: {describe_op(run, index)}{module}", (index, peak),
+                xytext=(-10 if right else 10, 14), textcoords="offset points", ha="right" if right else "left",
+                fontsize=9, bbox=PEAK_BOX)
 
 
 def _mark_oom(ax, run: GpuRun) -> None:
     oom = run.sim.oom
-    ax.axvline(oom.index, color="#d62728", lw=2)
+    ax.axvline(oom.index, color=OVER_COLOUR, lw=2)
     ax.annotate(f"out of memory: {describe_op(run, oom.index)} asked for {oom.requested / GIB:.2f} GiB",
                 (oom.index, 0.5), xycoords=("data", "axes fraction"), xytext=(-8, 0), textcoords="offset points",
-                ha="right", fontsize=9, annotation_clip=False, color="#d62728",
+                ha="right", fontsize=9, annotation_clip=False, color=OVER_COLOUR,
                 bbox=ALERT_BOX)
 
 
@@ -124,8 +175,8 @@ def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, t
         under = measured > estimated
         top = max(estimated.max(), measured.max()) * 1.1
         ax.plot([0, top], [0, top], color="grey", ls="--", lw=1, label="measured = estimate")
-        ax.scatter(estimated[~under], measured[~under], color="#1f77b4", s=22, label="within the estimate")
-        ax.scatter(estimated[under], measured[under], color="#d62728", s=22, label="used more than estimated")
+        ax.scatter(estimated[~under], measured[~under], color=FITS_COLOUR, s=22, label="within the estimate")
+        ax.scatter(estimated[under], measured[under], color=OVER_COLOUR, s=22, label="used more than estimated")
         ax.set_xlim(0, top)
         ax.set_ylim(0, top)
         median = float(np.median(measured - estimated)) * GIB / MIB
@@ -143,4 +194,4 @@ def plot_store(points: dict[str, Sequence[tuple[int, int]]], path: str | Path, t
     plt.close(fig)
 
 
-__all__ = ["plot_run", "plot_store"]
+__all__ = ["CATEGORY_COLOURS", "category_colour", "draw_run", "plot_run", "plot_store"]

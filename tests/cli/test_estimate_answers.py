@@ -81,3 +81,62 @@ def test_warnings_that_stay_say_what_to_do():
                             "torch.compile was ignored: the eager program was traced (compiled code often needs "
                             "less)"], verbose=False)
     assert len(lines) == 2 and "measure one run on a GPU" in lines[0] and "--verbose shows them" in lines[1]
+
+
+def test_each_warning_that_stays_is_said_in_plain_words_with_what_to_do():
+    """The tracer's words (fake tensors, stand-ins) stay in the JSON; the terminal says what it means for the job."""
+    from xmem.cli.estimate import shown_warnings
+    from xmem.trace.child.fakecuda import GRAPH_WARNING, memory_size_warning
+    from xmem.trace.child.standins import SELECTION_WARNING
+
+    made = [SELECTION_WARNING, GRAPH_WARNING, memory_size_warning(80 * 2**30),
+            "a condition on tensor data was answered True 100 times at one place; answered False from then on, "
+            "to end the loop", "torch.equal() on fake CUDA tensors answered True (no real data under fake CUDA)",
+            "tensor.tolist() returned ones (no real data under fake CUDA)",
+            "the job used 2 GPUs; figures are for the busiest one"]
+    lines = shown_warnings(made, verbose=False)
+    assert len(lines) == len(made)
+    for line in lines:
+        assert not any(jargon in line for jargon in ("fake", "stand-in", "traced eagerly", "answered True")), line
+    assert "every element was counted as selected" in lines[0] and "upper bound" in lines[0]
+    assert "it was shown 80.0 GiB" in lines[2] and "(--gpu)" in lines[2]
+    assert "ended after 100 rounds" in lines[3] and "--iterations" in lines[3]
+    assert "torch.equal" in lines[4] and ".tolist()" in lines[5] and "2 GPUs" in lines[6]
+    checkpoint = ("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
+                  "host-side code that reads their values gets stand-ins")
+    assert shown_warnings([checkpoint], verbose=False) == [
+        "[dim]1 more note(s) of the tracer, which do not change the figures: --verbose shows them[/]"]
+    assert checkpoint in shown_warnings([checkpoint], verbose=True)[0]
+
+
+def test_the_gpu_type_shown_is_the_first_asked_that_fits_else_the_largest():
+    from tests.estimates import gpu_estimate
+    from xmem.estimate import shown_gpu
+
+    small, mid, large = (gpu_estimate(10, total=8 << 30, fits=False, name="RTX-4060-8GB"),
+                         gpu_estimate(10, total=12 << 30, name="RTX-3060-12GB"),
+                         gpu_estimate(10, total=80 << 30, name="H100-SXM5-80GB"))
+    assert shown_gpu([small, mid, large]) == "RTX-3060-12GB"  # not the largest: the first asked that fits
+    assert shown_gpu([large, mid]) == "H100-SXM5-80GB"
+    none_fit = [small, gpu_estimate(10, total=12 << 30, fits=False, name="RTX-3060-12GB")]
+    assert shown_gpu(none_fit) == "RTX-3060-12GB"  # nothing fits: the one whose replay went furthest
+
+
+@pytest.mark.slow
+def test_table_marks_the_type_shown_below_and_a_site_pick_moves_it(record):
+    """The table's mark, the breakdown and --plot's default are one GPU type: the first that fits, or the pick."""
+    from xmem.cli.common import shown_gpu
+    from xmem.gpus import load_catalog
+
+    result = Estimate.from_json(record)
+    assert result.breakdown_gpu == "RTX-3060-12GB" and set(result.breakdowns) == {"RTX-4060-8GB", "RTX-3060-12GB"}
+    for picked in (None, "rtx4060"):
+        shown = shown_gpu(result, picked, load_catalog())
+        console = Console(record=True, width=220)
+        show_estimate(console, result, shown=shown)
+        text = console.export_text()
+        marked = [line.split()[1] for line in text.splitlines() if line.rstrip(" │").endswith("*")]
+        assert marked == [shown] and f"At the peak on {shown}" in text and f"*: {shown}, the GPU type" in text
+        parts = result.breakdowns[shown]
+        assert f"{parts['overhead'] / MIB:.1f} MiB" in text
+    assert shown == "RTX-4060-8GB"

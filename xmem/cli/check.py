@@ -25,7 +25,8 @@ from rich.table import Table
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.common import (EXIT_INTERNAL, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
-                             TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, stdout_to_stderr)
+                             TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, shown_gpu,
+                             stdout_to_stderr)
 from xmem.cli.estimate import shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
@@ -251,12 +252,15 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig, ver
                       "[/]" + (f"  ({escape('; '.join(extra))})" if extra else ""))
     for problem in job.problems:
         console.print(f"[yellow]not understood:[/] {escape(str(problem))}")
-    _show_estimates(console, analysis, site)
+    chosen = analysis.options.chosen if analysis.options is not None else None
+    picked = chosen.gpu_type if chosen is not None else None
+    _show_estimates(console, analysis, site, chosen.gres_type if chosen is not None else None)
     for estimate in analysis.estimates:
         if estimate.skipped:
             console.print(f"[yellow]skipped:[/] {escape(estimate.skipped)}")
         if estimate.estimate is not None:
-            _show_estimate(console, estimate.command.line_no, estimate.estimate, verbose)
+            shown = shown_gpu(estimate.estimate, picked, site.catalog())
+            _show_estimate(console, estimate.command.line_no, estimate.estimate, verbose, shown)
     _show_offers(console, analysis)
     for note in analysis.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -268,24 +272,31 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig, ver
         console.print(f"[bold]Decision:[/] {escape(what)}: {escape(decision.reason)}")
 
 
-def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: bool = False) -> None:
-    """One command's breakdown at the peak, its self-audit and its warnings."""
-    if estimate.breakdown:
+def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: bool = False,
+                   shown: str = "") -> None:
+    """One command's breakdown at the peak on the GPU type shown (`shown_gpu`: the site's pick, else the
+    estimate's), its self-audit and its warnings."""
+    shown = shown if shown in estimate.breakdowns else estimate.breakdown_gpu  # a record from before `breakdowns`
+    breakdown = estimate.breakdowns.get(shown, estimate.breakdown)
+    if breakdown:
         parts = ", ".join(f"{name.replace('_', ' ')} {size_text(n, mib_digits=0)}" for name, n in
-                          sorted(estimate.breakdown.items(), key=lambda kv: -kv[1]) if n >= MIB)
-        console.print(f"line {line_no}, at the peak on {escape(str(estimate.breakdown_gpu))}: {escape(parts)}")
+                          sorted(breakdown.items(), key=lambda kv: -kv[1]) if n >= MIB)
+        console.print(f"line {line_no}, at the peak on {escape(str(shown))}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
         console.print(f"[red]suspect:[/] {escape(reason)}")
     for line in shown_warnings(estimate.warnings, verbose):
         console.print(line)
 
 
-def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -> None:
+def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig, picked: Optional[str] = None) -> None:
+    """The peak per GPU type; the site's pick (`picked`, its GRES type: the type shown below and drawn by --plot)
+    marked *."""
     if not analysis.peaks:
         return
     table = Table(title="Predicted peak GPU memory per rank",
                   caption=f"fits: the peak with the site margin ({margin_text(site.margin)}) is at most the GPU's "
-                          "memory, as in `estimate` and `fit`")
+                          "memory, as in `estimate` and `fit`" + ("; *: the type picked, shown below and drawn by "
+                                                                   "--plot" if picked else ""))
     for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
         table.add_column(column, justify="left" if column == "GPU type" else "right")
     catalog = site.catalog()
@@ -296,7 +307,8 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig) -
         # job_peak: a replay that ran out of memory needs more than the GPU, whatever it reached before
         whole = gres_memory_bytes(site.mig.parent_of(gpu_type) or gpu_type, None, catalog)
         shown = "[red]out of memory[/]" if whole and peak > whole else gib_text(peak)
-        table.add_row(gpu_type, shown, f"{style}{gib_text(needed)}", gib_text(total) if total else "?")
+        mark = " *" if picked and gpu_type == picked else ""
+        table.add_row(gpu_type + mark, shown, f"{style}{gib_text(needed)}", gib_text(total) if total else "?")
     console.print(table)
 
 

@@ -9,7 +9,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -21,7 +21,7 @@ from typer.core import TyperCommand
 
 from xmem.config import ConfigError, MarginConfig
 from xmem.estimate import BadJobSettingError
-from xmem.gpus import CatalogError, UnknownGpuError
+from xmem.gpus import CatalogError, GpuType, UnknownGpuError, find_gpu
 from xmem.policy.options import OptionTable
 from xmem.text import one_line
 from xmem.trace import TraceError, privileges
@@ -88,6 +88,20 @@ def fail_on_error(as_json: bool, e: Exception, verb: str = "estimate") -> NoRetu
         fail(as_json, TRACE_EXIT_CODES.get(e.kind, EXIT_INTERNAL), e.kind, e.message, e.user_traceback,
              e.last_lines(), verb=verb)
     fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb=verb)  # our bug
+
+
+def shown_gpu(result: Any, picked: str | None = None, catalog: Mapping[str, GpuType] | None = None) -> str:
+    """The one GPU type an answer shows (the breakdown, the table's mark, the plot's default): the site's pick
+    (`picked`: `OptionRow.gpu_type`, a MIG slice's parent) where one was made and estimated, else the estimate's
+    own (`xmem.estimate.shown_gpu`: the first type asked for on which the job runs to its end)."""
+    if picked and catalog is not None:
+        try:
+            name = find_gpu(picked, catalog).name
+        except UnknownGpuError:
+            name = ""
+        if name in result.gpus:
+            return name
+    return result.breakdown_gpu
 
 
 def margin_text(margin: MarginConfig) -> str:

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from xmem.cli import app
 from xmem.cli.common import (EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
-                              fail_on_error, margin_text, show_options, stdout_to_stderr)
+                              fail_on_error, margin_text, show_options, shown_gpu, stdout_to_stderr)
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, Estimate, estimate as run_estimate
@@ -41,17 +41,42 @@ QUIET_WARNINGS = (
     "the program's files were protected",  # trace/runner.py: the sandbox at work
     "the job takes GPU-dependent code paths",  # estimate.py: traced once per GPU class, as it should be
     "GradScaler assumed finite gradients",  # trace/fakecuda.py: every step taken, the memory of a step counted
+    "checkpoint tensors loaded to the host past",  # trace/child/weights.py: as the host model tensors above
 )
-# What a person can do about the warnings that stay, by how their makers begin them (the what is theirs).
-WARNING_ADVICE = {
-    "nonzero()/boolean-mask selections assumed every element": "the figures are an upper bound for those "
-                                                                "selections: nothing to do",
-    "a condition on tensor data was answered True": "if the job's memory depends on how long that loop runs, "
-                                                    "trace more steps (--iterations)",
-    "CUDA graphs were traced eagerly": "the graph's pool is not in the figures: ask for more than them, or "
-                                       "measure one run on a GPU",
-    "the program read the GPU's memory size": "estimate for the GPU type (--gpu) the job will get",
-}
+# The warnings that stay, said for people with what to do, by a pattern of their makers' words (whose groups fill
+# the {}s); the makers' own words stay in the JSON's `warnings` and show with --verbose. Unmatched: shown as made.
+UPPER_BOUND = "the figures are an upper bound there: nothing to do"
+PLAIN_WARNINGS = (
+    (r"nonzero\(\)/boolean-mask selections assumed every element",
+     "the program selects GPU values by a condition (nonzero, a boolean mask): with no GPU the values are unknown, "
+     f"so every element was counted as selected; {UPPER_BOUND}"),
+    (r"unique\(\) assumed every value distinct",
+     f"torch.unique of GPU values was counted as if every value were distinct; {UPPER_BOUND}"),
+    (r"bincount\(\) assumed",
+     f"torch.bincount of GPU values was counted with one bin per element; {UPPER_BOUND}"),
+    (r"nms\(\) assumed every box kept",
+     f"non-maximum suppression (torchvision's nms) of GPU boxes was counted as keeping every box; {UPPER_BOUND}"),
+    (r"repeat_interleave\(\) with tensor repeats assumed",
+     f"repeat_interleave with repeats held on the GPU was counted at its largest; {UPPER_BOUND}"),
+    (r"a condition on tensor data was answered True (\d+) times",
+     "a loop of the program waits on values computed on the GPU: with no GPU to compute them it was ended after "
+     "{} rounds; if the job's memory grows with that loop, trace more steps (--iterations) or measure on a GPU"),
+    (r"torch\.(\w+)\(\) on fake CUDA tensors answered True",
+     "the program compares GPU tensors (torch.{}): with no GPU they were taken as equal; if the job's path "
+     "depends on it, the figures are for the path where they are equal"),
+    (r"tensor\.(numpy|tolist)\(\) returned ones",
+     "the program reads GPU values on the host (.{}()): with no GPU it got ones; if the job's path depends on "
+     "them, the figures are for that path"),
+    (r"CUDA graphs were traced eagerly",
+     "the program uses CUDA graphs: their private memory pool is not in the figures; ask for more than them, or "
+     "measure one run on a GPU"),
+    (r"the program read the GPU's memory size \(traced with ([\d.]+ GiB)\)",
+     "the program reads the GPU's memory size (it was shown {}) and may size its work by it, so on a GPU, MIG "
+     "slice or MPS share of another size it may use another amount: estimate for the GPU type the job will get "
+     "(--gpu)"),
+    (r"the job used (\d+) GPUs",
+     "the program used {} GPUs: the figures are per GPU, for the one that holds the most"),
+)
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
@@ -76,7 +101,8 @@ def estimate_command(
                                               "/etc/xmem/xmem.toml)."),
     plot: Optional[str] = PLOT_OPTION,
     plot_gpu: Optional[str] = typer.Option(None, "--plot-gpu", metavar="TYPE",
-                                           help="GPU type of --plot and --snapshot (default: the first estimated)."),
+                                           help="GPU type of --plot and --snapshot (default: the one shown: the "
+                                                "first --gpu the job fits, or the site's pick with --config)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
                                            help="Write the simulated run as a torch.cuda.memory snapshot "
                                                 "(for torch.cuda._memory_viz / pytorch.org/memory_viz)."),
@@ -101,7 +127,7 @@ def estimate_command(
                                   **({"options": options.to_json()} if options else {})}) + "\n")
             out.flush()
         else:
-            show_estimate(Console(), result, site.margin, verbose)
+            show_estimate(Console(), result, site.margin, verbose, shown=_shown(result, options, site))
             if options is not None and options.rows:
                 show_options(Console(), options)
         if traces is not None:
@@ -110,6 +136,12 @@ def estimate_command(
         fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e)
+
+
+def _shown(result: Estimate, options: OptionTable | None, site: SiteConfig) -> str:
+    """The GPU type the answer shows: the site's pick with --config, else the estimate's (`shown_gpu`)."""
+    chosen = options.chosen if options is not None else None
+    return shown_gpu(result, chosen.gpu_type if chosen is not None else None, site.catalog())
 
 
 def _site_options(result: Estimate, site: SiteConfig) -> OptionTable | None:
@@ -162,17 +194,25 @@ def shown_warnings(warnings: Sequence[str], verbose: bool) -> list[str]:
     with --verbose), and a note saying how many were left out. Rich markup; escaped text."""
     shown = [w for w in warnings if verbose or not w.startswith(QUIET_WARNINGS)]
     hidden = len(warnings) - len(shown)
-    advice = [next((f" ({todo})" for start, todo in WARNING_ADVICE.items() if w.startswith(start)), "")
-              for w in shown]
-    return [f"[yellow]warning:[/] {escape(w + a)}" for w, a in zip(shown, advice)] + (
-        [f"[dim]note: {hidden} note(s) of the tracer that do not change the figures: --verbose shows them[/]"]
+    return [f"[yellow]warning:[/] {escape(plain_warning(w))}" for w in shown] + (
+        [f"[dim]{hidden} more note(s) of the tracer, which do not change the figures: --verbose shows them[/]"]
         if hidden else [])
 
 
+def plain_warning(warning: str) -> str:
+    """A warning in a user's words with what to do (`PLAIN_WARNINGS`), else as its maker said it."""
+    for pattern, plain in PLAIN_WARNINGS:
+        if found := re.match(pattern, warning):
+            return plain.format(*found.groups())
+    return warning
+
+
 def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig(),
-                  verbose: bool = False) -> None:
-    """The estimate for people: one row per GPU type, then the breakdown at the peak, why the estimate is suspect
-    (if it is), warnings and time. "fits" applies the site margin, as `check` and `fit` do."""
+                  verbose: bool = False, shown: str | None = None) -> None:
+    """The estimate for people: one row per GPU type, then the breakdown at the peak on the type shown (`shown`,
+    default the estimate's `breakdown_gpu`; its row is marked, --plot draws it), why the estimate is suspect (if it
+    is), warnings and time. "fits" applies the site margin, as `check` and `fit` do."""
+    shown = shown if shown in result.breakdowns else result.breakdown_gpu  # a record from before `breakdowns`
     table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
     for column in ("GPU type", "predicted peak", "with margin", "GPU memory", "headroom", "verdict"):
         table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
@@ -186,17 +226,21 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
             needs = g.unlimited_peak_bytes or g.peak_bytes
             peak, headroom = f"needs {size_text(needs)}", f"-{size_text(needs - g.total_bytes)}"
             verdict = "[red]does not fit[/]" + (f" (out of memory: {_tried(g.oom.message)})" if g.oom else "")
+        verdict += " [bold]*[/]" if g.gpu == shown and result.breakdown else ""
         table.add_row(g.gpu, peak, size_text(needed), size_text(g.total_bytes), headroom, verdict)
     console.print(table)
     console.print(f"fits: the peak with the site margin ({margin_text(margin)}) is at most the GPU's memory, as in "
                   "`check` and `fit`", highlight=False)
     if result.breakdown:
-        peak = sum(result.breakdown.values())
-        parts = Table(title=f"At the peak on {result.breakdown_gpu}")
+        console.print(f"*: {shown}, the GPU type shown below and drawn by --plot", highlight=False)
+    breakdown = result.breakdowns.get(shown, result.breakdown)
+    if breakdown:
+        peak = sum(breakdown.values())
+        parts = Table(title=f"At the peak on {shown}")
         parts.add_column("category")
         parts.add_column("memory", justify="right")
         parts.add_column("share", justify="right")
-        for category, nbytes in sorted(result.breakdown.items(), key=lambda kv: -kv[1]):
+        for category, nbytes in sorted(breakdown.items(), key=lambda kv: -kv[1]):
             share = f"{100 * nbytes / peak:.1f} %" if peak else "-"
             parts.add_row(PART_NAMES.get(category, category.replace("_", " ")), size_text(nbytes), share)
         console.print(parts)

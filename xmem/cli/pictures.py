@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xmem.cli.common import shown_gpu
 from xmem.gpus import GpuType, UnknownGpuError, find_gpu, load_catalog
 from xmem.text import one_line
 
@@ -79,7 +80,9 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
     """Replay `run` on the GPU type to draw and write the files asked for; lines for people saying what was written.
 
     `chosen`: the site's pick (`xmem.policy.options.OptionRow`: gpu_type, request, usable_bytes), drawn as a level
-    when it is on the GPU type drawn. The type drawn is `gpu_name`, else the pick's, else the first estimated.
+    when it is on the GPU type drawn. The type drawn is `gpu_name`, else the one the answer shows
+    (`xmem.cli.common.shown_gpu`: the pick's, else the estimate's breakdown type). Where the job does not fit it,
+    the picture says what the job needs (`GpuEstimate.unlimited_peak_bytes`).
     """
     from xmem.memory_snapshot import write_snapshot
     from xmem.pictures import gpu_run
@@ -87,7 +90,9 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
     if not run.estimate.used_cuda:
         raise PictureError("no picture: the program never used CUDA")
     catalog = run.catalog if run.catalog is not None else load_catalog(catalog_overrides)
-    gpu = _gpu_to_draw(run, gpu_name or (chosen.gpu_type if chosen is not None else None), catalog)
+    gpu = _gpu_to_draw(run, gpu_name or shown_gpu(run.estimate, chosen.gpu_type if chosen is not None else None,
+                                                  catalog), catalog)
+    estimated = run.estimate.gpus[gpu.name]
     on_drawn = chosen is not None and find_gpu(chosen.gpu_type, catalog).name == gpu.name
     replay = gpu_run(run.traces, gpu, run.env)
     written = []
@@ -96,6 +101,7 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
 
         plot_run(replay, plot, slice_bytes=chosen.usable_bytes if on_drawn else None,
                  slice_name=chosen.request if on_drawn else "",
+                 needs_bytes=None if estimated.fits else estimated.unlimited_peak_bytes or estimated.peak_bytes,
                  title=f"Predicted GPU memory on {gpu.name}\n"
                        f"{one_line(' '.join(run.command), TITLE_COMMAND_MAX_CHARS)}")
         written.append(f"wrote {plot} (memory over the run on {gpu.name})")
@@ -106,10 +112,8 @@ def write_pictures(run: KeptRun, *, plot: str | None, snapshot: str | None, gpu_
     return written
 
 
-def _gpu_to_draw(run: KeptRun, name: str | None, catalog: Mapping[str, GpuType]) -> GpuType:
+def _gpu_to_draw(run: KeptRun, name: str, catalog: Mapping[str, GpuType]) -> GpuType:
     estimated = list(run.estimate.gpus)
-    if name is None:
-        return catalog[estimated[0]]
     try:
         gpu = find_gpu(name, catalog)
     except UnknownGpuError as e:
