@@ -181,3 +181,19 @@ def test_a_hetjob_is_named_as_one_sbatch_leaves_unchanged(workdir):
     done = check(str(workdir / "het.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
     assert done.returncode == 0, done.stderr
     assert "heterogeneous job (#SBATCH hetjob, line 3): sbatch through xmem leaves it unchanged" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_type_picked_is_the_one_shown_marked_and_drawn(workdir):
+    """One GPU type shown (issue 23): the example site picks a MIG slice of an H100; the table marks the slice,
+    the breakdown is the H100's (the slice's parent, as the slice is estimated) and --plot draws the H100 with the
+    slice as its level."""
+    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\npython train.py 1024\n")
+    done = check("job.sh", "--config", str(EXAMPLE_CONFIG), "--plot", "job.png", cwd=workdir, COLUMNS="160")
+    assert done.returncode == 0, done.stderr
+    assert "Decision: request --gres=gpu:1g.10gb:1" in done.stdout
+    marked = [line.split("│")[1].strip() for line in done.stdout.splitlines() if line.startswith("│")
+              and line.split("│")[1].strip().endswith("*")]
+    assert marked == ["1g.10gb *"]
+    assert "line 3, at the peak on H100-SXM5-80GB: " in done.stdout
+    assert "wrote job.png (memory over the run on H100-SXM5-80GB)" in done.stderr
