@@ -45,7 +45,7 @@ TORCH_PINS = ("torch==2.14.1", "torchvision==0.29.1")
 # releases exclude: like a user's own environment, it gets a venv of its own (VENV-litgpt).
 PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "ultralytics==8.4.190", "open_clip_torch[training]==3.3.0",
                      "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0", "chemprop==2.3.1", "pykeen==1.11.1",
-                     "lightly==1.6.0", "nequip==0.19.1"),
+                     "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
                 "litgpt": ("litgpt==0.5.13", "requests")}  # requests: jsonargparse reads configs by URL
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
@@ -55,7 +55,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 @dataclass(frozen=True)
 class Program:
     """One shipped program: `argv` as typed in an activated venv ({work}: the package's fixtures, {out}: a fresh
-    output folder); `model` builds the same model on the CPU at the dtype it trains in (the lower bound)."""
+    output folder); `model` builds the same model on the CPU at the dtype it trains in (the lower bound); `env`: the
+    variables its docs have users set (the same placeholders)."""
 
     name: str
     package: str
@@ -456,6 +457,47 @@ def nequip_args(*overrides: str) -> tuple[str, ...]:
     return ("nequip-train", "-cp", "{work}", "-cn", "train", *overrides)
 
 
+# nnU-Net finds its data sets through three variables (raw, preprocessed, results), as its docs have users set them
+NNUNET_ENV = (("nnUNet_raw", "{work}/raw"), ("nnUNet_preprocessed", "{work}/preprocessed"),
+              ("nnUNet_results", "{out}/results"))
+NNUNET_DATASET = "Dataset001_Blobs"
+
+
+def fixtures_nnunet(work: Path) -> None:
+    """A 2D data set in nnU-Net's raw layout (grey noise pictures, a square blob as the label, dataset.json), then
+    planned and preprocessed by nnU-Net's own command, as its docs have users do before training."""
+    from PIL import Image
+
+    rng = random.Random(8)
+    raw = work / "raw" / NNUNET_DATASET
+    for folder in ("imagesTr", "labelsTr"):
+        (raw / folder).mkdir(parents=True, exist_ok=True)
+    cases = 6  # nnU-Net's default split is 5-fold cross-validation
+    for i in range(cases):
+        Image.frombytes("L", (64, 64), bytes(rng.randrange(256) for _ in range(64 * 64))).save(
+            raw / "imagesTr" / f"case{i:03d}_0000.png")
+        x, y = rng.randrange(8, 40), rng.randrange(8, 40)
+        blob = bytes(int(x <= c % 64 < x + 16 and y <= c // 64 < y + 16) for c in range(64 * 64))
+        Image.frombytes("L", (64, 64), blob).save(raw / "labelsTr" / f"case{i:03d}.png")
+    (raw / "dataset.json").write_text(json.dumps({"channel_names": {"0": "noise"}, "file_ending": ".png",
+                                                  "labels": {"background": 0, "blob": 1}, "numTraining": cases}))
+    env = {**os.environ, **{k: v.format(work=work, out=work) for k, v in NNUNET_ENV}}
+    subprocess.run([str(Path(sys.executable).parent / "nnUNetv2_plan_and_preprocess"), "-d", "1", "-c", "2d",
+                    "-np", "1", "-npfp", "1"], env=env, check=True, stdout=subprocess.DEVNULL)  # its errors: stderr
+
+
+def nnunet_model(deep_supervision: bool) -> Callable[[Path], Any]:
+    """The network nnU-Net's trainer builds from the plans the fixtures made (one input channel, two labels)."""
+    def build(work: Path) -> Any:
+        from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+        from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
+
+        plans = PlansManager(str(work / "preprocessed" / NNUNET_DATASET / "nnUNetPlans.json"))
+        return nnUNetTrainer.build_network_architecture(plans, plans.get_configuration("2d"), 1, 2,
+                                                        deep_supervision)
+    return build
+
+
 PROGRAMS: list[Program] = [
     # accelerate: the scripts its `accelerate test` and its own test suite launch
     Program("accelerate-test-sync", "accelerate", ("python", "-m", "accelerate.test_utils.scripts.test_sync"),
@@ -509,11 +551,15 @@ PROGRAMS: list[Program] = [
     Program("nequip-f32", "nequip", nequip_args(), nequip_model("float32", 1)),
     Program("nequip-f64-lmax2", "nequip", nequip_args("training_module.model.model_dtype=float64",
                                                       "training_module.model.l_max=2"), nequip_model("float64", 2)),
+    # nnunetv2: its trainer (fold 0 of the 2d configuration) on a data set planned and preprocessed by nnU-Net
+    Program("nnunet-2d", "nnunetv2", ("nnUNetv2_train", "1", "2d", "0"), nnunet_model(True), NNUNET_ENV),
+    Program("nnunet-2d-nodeepsup", "nnunetv2", ("nnUNetv2_train", "1", "2d", "0", "-tr",
+                                                "nnUNetTrainerNoDeepSupervision"), nnunet_model(False), NNUNET_ENV),
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
-                                               "nequip": fixtures_nequip}
+                                               "nequip": fixtures_nequip, "nnunetv2": fixtures_nnunet}
 
 
 # --- running ----------------------------------------------------------------------------------------------------
@@ -543,13 +589,14 @@ def last_line(text: str) -> str:
 def run_program(program: Program, venv: Path, work: Path, iterations: int, timeout: float) -> Record:
     out = Path(tempfile.mkdtemp(prefix=program.name + "-", dir=work))
     argv = [a.format(work=work / program.package, out=out) for a in program.argv]
+    env = tuple((k, v.format(work=work / program.package, out=out)) for k, v in program.env)  # same placeholders
     command = [str(ROOT / ".venv" / "bin" / "xmem-slurm"), "estimate", "--json", "--gpu", GPU,
                "--iterations", str(iterations), "--timeout", str(timeout), "--python", str(venv / "bin" / "python"),
                "--", *argv]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, cwd=out, timeout=timeout + 120,
-                              env=program_env(venv, work, program.env))
+                              env=program_env(venv, work, env))
         code, stdout, stderr = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as e:
         code, stdout, stderr = 7, "", f"no answer within {timeout + 120:.0f} s"
