@@ -225,7 +225,7 @@ def zero_partitions(zero: Any) -> list[int]:
     has stepped there, from the trainable parameters' sizes. ZeRO-3 steps one sub-group per call of the wrapped
     optimizer (stage3 _optimizer_step): only the sub-groups whose fp32 partition has state so far count."""
     import torch.distributed as dist
-    if type(zero).__name__ == ZERO_OPTIMIZERS["deepspeed.runtime.zero.stage3"]:
+    if any(kind.__name__ == ZERO_OPTIMIZERS["deepspeed.runtime.zero.stage3"] for kind in type(zero).__mro__):
         stepped = {id(t) for t in zero.optimizer.state}
         per_group = [zero3_partitions([p.ds_numel for p in group], dist.get_world_size(group=process_group))
                      for group, process_group, fp32 in zip(zero.fp16_groups, zero.sub_group_process_groups,
@@ -468,6 +468,8 @@ class FactCollector:
             if len(copies) != 1 or None in copies or not params or params[0].device.type != self.device_type:
                 continue  # a kind without a known rule, or state kept off the GPU (offload)
             per_rank = zero_partitions(zero)
+            if not per_rank:
+                continue
             rank = max(range(len(per_rank)), key=per_rank.__getitem__)
             device = params[0].device.index or 0
             by_device[device] = by_device.get(device, 0) + copies.pop() * per_rank[rank] * params[0].element_size()
