@@ -143,7 +143,7 @@ class TrainingState:
                 self._end_if_forward_only()
             self._events_before = self.gpu_events()
         self._forward_depth += 1
-        if self.phase == Phase.OTHER:
+        if self.phase == Phase.OTHER or self._forward_in_closure():
             self.phase = Phase.FORWARD
             if not self.started:
                 self.started = True
@@ -158,6 +158,16 @@ class TrainingState:
                 self._first_pass_at = time.monotonic()
             if self.gpu_peak() > self._peak:
                 self._peak, self._peak_rose_at = self.gpu_peak(), self.forward_passes
+
+    def _forward_in_closure(self) -> bool:
+        """A forward pass inside an optimizer's step: the step's closure (`optimizer.step(closure)`, which torch's
+        optimizers run under `enable_grad` while their own update runs without grad; Lightning's loop trains so).
+        Its tensors are activations as in a plain loop, whoever runs the loop."""
+        return self.phase == Phase.OPTIMIZER and self._forward_depth == 1 and torch.is_grad_enabled()
+
+    def _after_forward(self) -> str:
+        """The phase a backward pass of a forward returns to: the step whose closure ran both, else none."""
+        return Phase.OPTIMIZER if self._step_depth else Phase.OTHER
 
     def _end_if_forward_only(self) -> None:
         now = time.monotonic()
@@ -179,7 +189,7 @@ class TrainingState:
             try:
                 result = run(*args, **kwargs)
             finally:
-                self.phase = Phase.OTHER if outer == Phase.FORWARD else outer
+                self.phase = self._after_forward() if outer == Phase.FORWARD else outer
             if outer != Phase.BACKWARD and not self._step_depth and not len(self._optimizers) and \
                     _on_gpu(args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))):
                 self.on_backward_end()  # before the last iteration's StopTracing
@@ -560,6 +570,10 @@ class AllocationRecorder(TorchDispatchMode):
                 self.label(param, Category.PARAMETER)
 
     def _label_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        # a step with a closure made its gradients after it began (the closure runs forward and backward)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self.label(param.grad, Category.GRADIENT)
         for per_param in optimizer.state.values():
             for value in per_param.values():
                 if isinstance(value, torch.Tensor):
