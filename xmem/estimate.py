@@ -364,6 +364,8 @@ class SharedReplays:
     limits: dict[tuple, set[tuple[int, int]]]
     done: dict[tuple, tuple[GpuOps, dict[tuple[int, int], SimResult] | None]] = dataclasses.field(default_factory=dict)
     unlimited: dict[tuple, SimResult] = dataclasses.field(default_factory=dict)  # by key: the replay with no limit
+    # by (ops, op index): the tensors live there, per category (every type's breakdown is kept: one scan per peak)
+    tensors_at: dict[tuple[int, int], dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
@@ -399,7 +401,12 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     )
     if not with_breakdown:
         return gpu_estimate, {}
-    return gpu_estimate, breakdown_at(ops, sim.fullest_peak_index, sim.peak_reserved, overhead)
+    if replays is None:
+        return gpu_estimate, breakdown_at(ops, sim.fullest_peak_index, sim.peak_reserved, overhead)
+    key = (id(ops), sim.fullest_peak_index)  # shared ops live as long as `replays`: their id is theirs
+    if key not in replays.tensors_at:
+        replays.tensors_at[key] = tensors_at(ops, sim.fullest_peak_index)
+    return gpu_estimate, with_slack(replays.tensors_at[key], sim.peak_reserved, overhead)
 
 
 def busiest_replay(trace: Trace, replay: Callable[[int], tuple[GpuOps, SimResult]],
@@ -458,18 +465,26 @@ def breakdown_at(ops: GpuOps, index: int, reserved: int, overhead: int) -> dict[
     `allocator_slack` is `reserved` minus the live tensors' requested bytes: rounding, unsplit remainders and
     cached free blocks.
     """
+    return with_slack(tensors_at(ops, index), reserved, overhead)
+
+
+def tensors_at(ops: GpuOps, index: int) -> dict[str, int]:
+    """Bytes live per category just after `ops.ops[index]` (as requested, before rounding)."""
     live: dict[int, tuple[str, int]] = {}
     for (action, block, nbytes, _stream), (category, _phase, _iteration) in zip(ops.ops[: index + 1], ops.labels):
         if action == ALLOC:
             live[block] = (category, nbytes)
         elif action == FREE:
             live.pop(block, None)
-    breakdown: dict[str, int] = {}
+    tensors: dict[str, int] = {}
     for category, nbytes in live.values():
-        breakdown[category] = breakdown.get(category, 0) + nbytes
-    breakdown[ALLOCATOR_SLACK] = reserved - sum(breakdown.values())
-    breakdown[OVERHEAD] = overhead
-    return breakdown
+        tensors[category] = tensors.get(category, 0) + nbytes
+    return tensors
+
+
+def with_slack(tensors: Mapping[str, int], reserved: int, overhead: int) -> dict[str, int]:
+    """The breakdown: `tensors` plus the allocator's slack (`reserved` minus their bytes) and the overhead."""
+    return {**tensors, ALLOCATOR_SLACK: reserved - sum(tensors.values()), OVERHEAD: overhead}
 
 
 def allocator_config(trace: Trace, env: Mapping[str, str]) -> AllocatorConfig:
