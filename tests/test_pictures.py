@@ -451,3 +451,17 @@ def test_the_default_type_drawn_is_the_first_asked_that_fits(kept, tmp_path):
     _folder, runs = kept
     assert runs[0].estimate.breakdown_gpu == "T4"  # asked first, and the job fits it
     assert write_pictures(runs[0], plot=str(tmp_path / "x.png"), snapshot=None)[0].endswith("on T4)")
+
+
+def test_estimate_with_a_site_config_draws_the_picked_type_and_its_request(tmp_path):
+    """estimate --config draws as check does: the type the site picks (the example site: a MIG slice of an H100),
+    not the first estimated, with the chosen request named."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    run = xmem("estimate", "--config", str(REPO / "etc" / "xmem.toml"), "--gpu", "a100", "--gpu", "h100",
+               "--plot", "site.png", "--", PYTHON, "train.py", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "wrote site.png (memory over the run on H100-SXM5-80GB)" in run.stderr
+    assert "picked: MIG 1g.10gb" in run.stdout
+    assert "*: H100-SXM5-80GB, the GPU type shown below and drawn by --plot" in run.stdout  # A100 fits first
+    assert "At the peak on H100-SXM5-80GB" in run.stdout
+    assert (tmp_path / "site.png").read_bytes().startswith(PNG_MAGIC)

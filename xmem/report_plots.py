@@ -132,8 +132,8 @@ def category_colour(category: str) -> str:
 
 def _mark_iterations(ax, run: GpuRun, last: int) -> None:
     for iteration, start in sorted(run.ops.iteration_starts.items()):
-        if start > last:
-            break
+        if start >= last > 0:
+            break  # an iteration that starts where the drawing ends: its label would be cut at the edge
         ax.axvline(start, color="grey", ls=":", lw=0.8)
         ax.annotate(f"iteration {iteration}", (start, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
