@@ -102,6 +102,12 @@ def test_each_warning_that_stays_is_said_in_plain_words_with_what_to_do():
     assert "it was shown 80.0 GiB" in lines[2] and "(--gpu)" in lines[2]
     assert "ended after 100 rounds" in lines[3] and "--iterations" in lines[3]
     assert "torch.equal" in lines[4] and ".tolist()" in lines[5] and "2 GPUs" in lines[6]
+    forward = ("traced forward passes only (40 on the GPU, no backward pass or optimizer step, up to the trace's time "
+               "limit, the peak still rising): the estimate is the peak of what the program ran")
+    assert shown_warnings([forward], verbose=False) == [
+        "[yellow]warning:[/] the program ran 40 forward passes and no backward pass or optimizer step (until the "
+        "trace's time limit, the peak still rising): the figures are the peak of what it ran, right for evaluation "
+        "or inference; a training job that steps later than that needs a longer trace (--timeout)"]
     checkpoint = ("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
                   "host-side code that reads their values gets stand-ins")
     assert shown_warnings([checkpoint], verbose=False) == [

@@ -74,6 +74,9 @@ PLAIN_WARNINGS = (
      "the program reads the GPU's memory size (it was shown {}) and may size its work by it, so on a GPU, MIG "
      "slice or MPS share of another size it may use another amount: estimate for the GPU type the job will get "
      "(--gpu)"),
+    (r"traced forward passes only \((\d+) on the GPU, ([^,]+), up to (.+)\): ",
+     "the program ran {} forward passes and {} (until {}): the figures are the peak of what it ran, right for "
+     "evaluation or inference; a training job that steps later than that needs a longer trace (--timeout)"),
     (r"the job used (\d+) GPUs",
      "the program used {} GPUs: the figures are per GPU, for the one that holds the most"),
 )
