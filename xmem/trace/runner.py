@@ -41,6 +41,7 @@ from xmem.units import gib_words
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
 NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
                    "output lines say why")
+NO_CUDA_SILENT = "the program ended without using the GPU (torch.cuda.device_count() was {gpus}) and printed nothing"
 SCRATCH_PREFIX = "xmem-trace-"  # then the estimating process's pid: stale ones are found by it
 MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no timeout
 # The share of the timeout after which the tracer decides a program still short of its first step on what it ran
@@ -102,7 +103,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
                                      output=run.output[-OUTPUT_TAIL:]), memory_limit_bytes)
     trace = Trace.from_json(payload)
     if not trace.used_cuda:  # a 0-byte answer would send a GPU job out with no memory to spare
-        raise TraceError("no_cuda", NO_CUDA_MESSAGE.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
+        said = NO_CUDA_MESSAGE if run.output.strip() else NO_CUDA_SILENT  # no lines to point at: say so
+        raise TraceError("no_cuda", said.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
     trace.sandbox = ended.get("protection", "unknown")
     if not trace.sandbox.startswith("namespaces"):  # a weaker protection: say so where people look
         trace.warnings.append(f"the program's files were protected by the {trace.sandbox}")

@@ -7,7 +7,8 @@ what the program printed. It is the fake GPU's when any exception of the chain i
 - raised by xmem's own code (its innermost frame is in the xmem package), unless marked `errors.as_on_a_gpu`
   or a path's own answer relayed by the sandbox's file APIs (a missing file: the program's, as on the cluster);
 - a limit of torch's fake tensor mode: an exception class defined by its modules (UnsupportedOperatorException,
-  DataDependentOutputException, ...), except the one that restates a real op's check (FAKE_MODE_AS_ON_A_GPU);
+  DataDependentOutputException, ...), except the one that restates a real op's check (FAKE_MODE_AS_ON_A_GPU), or
+  the refusal of torch.library.custom_op's fake kernel for an op registered without one (CUSTOM_OP_FILE);
 - the CUDA driver or runtime: an exception class of a CUDA binding package (CUDA_BINDINGS);
 and, unless the program's own `raise` statement made it (its words are then its own):
 - a CUDA library's file named in the error (a failed load: this machine has no driver, and the fake GPU none);
@@ -45,6 +46,8 @@ PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirect
 FAKE_MODE_MODULES = ("torch._subclasses.fake_", "torch.fx.experimental.symbolic_shapes")
 # ...but for these, which restate a check the real op makes on a GPU too (tensors of one op on two devices).
 FAKE_MODE_AS_ON_A_GPU = ("FakeTensorDeviceMismatchError",)
+# Where torch.library.custom_op's fake kernel refuses an op that has none of its own (no register_fake).
+CUSTOM_OP_FILE = os.path.join("torch", "_library", "custom_ops.py")
 # Packages that bind the CUDA driver or runtime themselves: their own exceptions mean the driver answered.
 CUDA_BINDINGS = ("cupy", "cupy_backends", "pycuda", "cuda.bindings", "cuda.cuda", "cuda.cudart", "numba.cuda")
 # A CUDA library's file name in a failed load ("libcudart.so.12: cannot open shared object file").
@@ -106,6 +109,8 @@ def _what_we_lack(error: BaseException) -> str | None:
     if module.startswith(FAKE_MODE_MODULES) and isinstance(error, RuntimeError) and \
             type(error).__name__ not in FAKE_MODE_AS_ON_A_GPU:  # (not its cache's control flow, _BypassDispatchCache)
         return said
+    if origin is not None and origin.name == "fake_impl" and origin.filename.endswith(CUSTOM_OP_FILE):
+        return f"an op with no fake kernel ({said})"  # torch.library.custom_op without register_fake: runs on a GPU
     if module.startswith(CUDA_BINDINGS):
         return f"{module.split('.')[0]} calls the CUDA driver directly ({said})"
     if origin is not None and _is_users(origin.filename) and (origin.line or "").lstrip().startswith("raise"):

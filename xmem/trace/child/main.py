@@ -88,6 +88,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
     preload()
+    _quiet_fake_mode_raises()
     import xmem.trace.child.fakecuda as fakecuda
     import xmem.trace.child.shortcuts as shortcuts
     from xmem.trace.child.recorder import AllocationRecorder, NoStepInTime, StopTracing, TrainingState
@@ -237,6 +238,15 @@ class ModulePaths:
 
     def innermost(self) -> str:
         return self.stack[-1] if self.stack else ""
+
+def _quiet_fake_mode_raises() -> None:
+    """torch's fake mode logs, with torch's frames (about 25 lines on the program's stderr), an exception it raises
+    on: a meta kernel's check (a shape mismatch), a TypeError. The exception itself goes on to the program, and the
+    failure is told from it (its one line, the program's own traceback): the log only pushed the program's last
+    output lines out of what a failed estimate shows. Its other records pass."""
+    import logging
+    logging.getLogger("torch._subclasses.fake_tensor").addFilter(lambda record: record.exc_info is None)
+
 
 def _run_user_program(command: list[str]) -> None:
     if command[0] == "-m":
