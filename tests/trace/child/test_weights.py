@@ -215,3 +215,28 @@ def test_a_host_load_past_the_trace_memory_limit_is_fake(tmp_path):
     assert trace.iterations == 2
     assert any(w.startswith("checkpoint tensors loaded to the host past the trace's memory limit are fake")
                for w in trace.warnings)
+
+
+RESAVED = """import torch
+model = torch.nn.Linear(64, 64).cuda()
+torch.save({"model": model.state_dict(), "host": torch.full((4096,), 2.0)}, "last.pt")
+checkpoint = torch.load("last.pt", map_location="cpu")  # mapped
+checkpoint["model"] = {name: value.half() for name, value in checkpoint["model"].items()}
+torch.save(checkpoint, "last.pt")  # the file its live tensors are mapped from, saved over
+assert float(checkpoint["host"].sum()) == 8192.0  # still readable: the mapped file lives on
+assert float(torch.load("last.pt", map_location="cpu")["host"].sum()) == 8192.0  # the new file has the name
+optimizer = torch.optim.SGD(model.parameters())
+for _ in range(2):
+    model(torch.randn(2, 64, device="cuda")).sum().backward(); optimizer.step()
+"""
+
+
+def test_a_mapped_checkpoint_saved_over_keeps_its_tensors(tmp_path):
+    """ultralytics' strip_optimizer loads its checkpoint to the CPU and saves the result under the same name: a load
+    maps the file, so truncating it there killed the program with SIGBUS at the next read of those tensors."""
+    from xmem.trace import run_trace
+    script = tmp_path / "resaved.py"
+    script.write_text(RESAVED)
+    trace = run_trace([sys.executable, str(script)], iterations=2, cwd=str(tmp_path), timeout=300)
+    assert trace.iterations == 2
+    assert not (tmp_path / "last.pt").exists()  # written in the sandbox only

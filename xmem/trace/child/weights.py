@@ -56,6 +56,7 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
 
 _fake_context: FakeContext | None = None
 MAPPED = "_xmem_mapped"  # the attribute marking a tensor of a memory-mapped torch checkpoint (real, unread)
+_mapped_files: set[tuple[int, int]] = set()  # (device, inode) of each checkpoint file a load mapped
 
 
 def install(fake_context: FakeContext) -> None:
@@ -218,6 +219,10 @@ def _make_load(original: Callable) -> Callable:
             _say("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
                  "host-side code that reads their values gets stand-ins")
             return fake
+        if kwargs.get("mmap") and is_path:
+            identity = _file_identity(f)
+            if identity is not None:
+                _mapped_files.add(identity)
         for leaf in pytree.tree_leaves(real):
             if isinstance(leaf, torch.Tensor) and kwargs.get("mmap"):
                 setattr(leaf, MAPPED, True)
@@ -307,9 +312,33 @@ def _make_save(original: Callable) -> Callable:
         kwargs.pop("_use_new_zipfile_serialization", None)
         if not isinstance(f, (str, os.PathLike)):
             return original(obj, f, *args, **kwargs)
+        if _file_identity(f) in _mapped_files:
+            return _save_beside(original, obj, f, args, kwargs)
         with open(f, "wb") as file:  # torch's writer would open a path from C++, past the fallback sandbox
             return original(obj, file, *args, **kwargs)
     return save
+
+
+def _save_beside(original: Callable, obj: Any, f: Any, args: tuple, kwargs: dict) -> None:
+    """Save over a checkpoint that a load mapped, whose tensors may still be alive (ultralytics' strip_optimizer
+    saves the checkpoint it has just loaded under the same name). Truncated in place, the file would take the pages
+    from under them (SIGBUS at their next read), where the program, whose load read the file into memory, loses
+    nothing: the new file is written beside it and takes its name, and the mapped one lives on, unnamed."""
+    beside = f"{os.fsdecode(f)}.xmem-{os.getpid()}"
+    with open(beside, "wb") as file:
+        original(obj, file, *args, **kwargs)
+    os.replace(beside, f)
+
+
+def _file_identity(path: Any) -> tuple[int, int] | None:
+    """(device, inode) of the file a path names, opened through Python's `open` as the fallback sandbox redirects
+    it; None where it cannot be opened."""
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _fakes_as_metadata(save_records: Callable) -> Callable:
