@@ -128,7 +128,6 @@ class Trace:
     capability: tuple[int, int] = (9, 0)  # compute capability the trace pretended to have
     arch_sensitive: bool = False  # True if a capability-dependent choice was taken (SDPA backend, bf16 check...)
     used_cuda: bool = False
-    threads: int = 1  # host threads that issued GPU work (forward thread, autograd device thread...)
     alloc_conf: str = ""  # PYTORCH_(CUDA_)ALLOC_CONF seen in the job's environment
     seconds: float = 0.0
     torch_version: str = ""
@@ -140,6 +139,9 @@ class Trace:
     forward_passes: int = 0
     unstepped_optimizers: int = 0  # optimizers the program made but never stepped, in a forward-only trace
     peak_rising: bool = False  # a forward-only trace ended by its time limit while the GPU's peak still rose
+    # diagnostics, no figure depends on them: why ops went FakeTensorMode's own way, not the tracer's quick key
+    # (xmem.trace.child.shortcuts), counted by reason
+    quick_key_misses: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}
@@ -150,7 +152,7 @@ class Trace:
 
     @classmethod
     def from_json(cls, d: dict) -> "Trace":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in _TRACE_FIELDS}  # a field a saved trace has but Trace no longer does
         d["events"] = [MemEvent(*row) for row in d.get("events", [])]
         d["capability"] = tuple(d.get("capability", (9, 0)))
         facts = d.get("facts")
@@ -163,3 +165,6 @@ class Trace:
     @classmethod
     def load(cls, path: Path) -> "Trace":
         return cls.from_json(json.loads(path.read_text()))
+
+
+_TRACE_FIELDS = frozenset(f.name for f in dataclasses.fields(Trace))

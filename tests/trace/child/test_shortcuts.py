@@ -259,7 +259,7 @@ def test_a_host_tensor_copied_to_the_gpu_gives_what_the_fake_mode_gives():
                             (metadata(out), out.constant is None, out.untyped_storage().nbytes())
     quick = mode._cached_dispatch_impl.__self__
     host_keys = [key for key in quick.known if key[0] is aten._to_copy.default and key[5][0] == "host"]
-    assert len(host_keys) >= len(copies) and all(quick.known[key] is not None for key in host_keys)
+    assert len(host_keys) >= len(copies) and all(type(quick.known[key]) is tuple for key in host_keys)
     assert all(key[5][2] != torch.Size([]) for key in host_keys)  # the one-element tensor was never keyed
     for (name, *call), result in results.items():
         if name == "quick":
@@ -286,3 +286,23 @@ def test_the_quick_key_is_off_with_the_other_shortcuts(monkeypatch):
     assert "_cached_dispatch_impl" not in vars(shortcuts.fake_mode())
     monkeypatch.setenv(shortcuts.SWITCH_ENV, "1")
     assert isinstance(vars(shortcuts.fake_mode())["_cached_dispatch_impl"].__self__, shortcuts.QuickKeyCache)
+
+
+def test_calls_that_miss_the_quick_key_are_counted_by_reason():
+    """As upstream counts its cache's bypasses by reason, each call that goes upstream's way is counted with why
+    (the trace's `quick_key_misses`): an op upstream never caches, with upstream's reason (a composite op, which
+    arrives whole under inference_mode); a one-element host tensor's copy to the GPU (a constant upstream may
+    memoise)."""
+    FakeTensorMode.cache_clear()
+    scalar = torch.tensor(2.0)
+    with shortcuts.fake_mode(allow_non_fake_inputs=True) as mode:
+        x = torch.empty(4, 8)
+        for _ in range(3):
+            with torch.inference_mode():
+                x.flatten()
+            scalar.to("cuda:0")
+    FakeTensorMode.cache_clear()
+    misses = shortcuts.quick_key_misses(mode)
+    assert misses["an op upstream does not cache: CompositeImplicitAutograd"] == 3
+    assert misses[shortcuts._MISS_HOST_TENSOR] == 3
+    assert shortcuts.quick_key_misses(FakeTensorMode()) == {}

@@ -108,6 +108,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     progress("running the program")
     started = time.monotonic()
     outcome: BaseException | None = None
+    fake_mode = None
     try:
         with shortcuts.fake_mode(allow_non_fake_inputs=True) as fake_mode, recorder, modules:
             _enter_in_new_threads(fake_mode, recorder)
@@ -130,6 +131,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         raise _failure_from(outcome, recorder.stand_ins.asked_in)
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
+    trace.quick_key_misses = shortcuts.quick_key_misses(fake_mode)
     if trace.used_cuda and trace.iterations == 0:
         _without_training(trace, state, len(fake.optimizers))
     return trace

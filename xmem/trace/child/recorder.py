@@ -3,7 +3,7 @@
 Owns `TrainingState` (phase and iteration, from autograd/optimizer/module hooks; the stop after N iterations) and
 `AllocationRecorder` (a TorchDispatchMode above FakeTensorMode that sees every ATen op, notes each new CUDA storage
 and, through `weakref.finalize`, the moment it dies, which is when the caching allocator would get `free()`).
-Also supplies stand-in values where fake tensors have no data (`.item()`, `nonzero`), each noted once as a warning.
+Where fake tensors have no data (`.item()`, `nonzero`) it asks `xmem.trace.child.standins.StandIns` for a value.
 Import only in the tracing child, after the shim and `xmem.trace.child.fakecuda`.
 """
 
@@ -230,7 +230,7 @@ class TrainingState:
 
 
 class AllocationRecorder(TorchDispatchMode):
-    """Records every CUDA storage allocation and free in program order, plus what ran (ops, libraries, threads).
+    """Records every CUDA storage allocation and free in program order, plus what ran (ops, libraries).
 
     Enter it inside (above) the FakeTensorMode. Storages are identified by their StorageImpl address while alive.
     Per-op work is kept small: a dict increment and a look at the outputs.
@@ -245,7 +245,6 @@ class AllocationRecorder(TorchDispatchMode):
         self.category: dict[int, str] = {}  # block -> category (refined after the fact)
         self.op_counts: dict[str, int] = {}
         self.libraries: set[str] = set()
-        self.threads: set[int] = set()
         self.warnings: list[str] = []
         self.arch_sensitive = False
         self.alloc_conf: str | None = None  # the allocator setting, read at the first allocation as torch does
@@ -422,7 +421,6 @@ class AllocationRecorder(TorchDispatchMode):
                watch: bool = True) -> None:
         state = self.state
         nbytes = storage.nbytes()
-        self.threads.add(threading.get_ident())  # once per new storage, not per output (views, in-place results)
         if self.alloc_conf is None:  # the caching allocator reads its setting once, when it first allocates
             setting = alloc_conf_setting(os.environ)
             self.alloc_conf = setting[1] if setting else ""
@@ -586,7 +584,7 @@ class AllocationRecorder(TorchDispatchMode):
         events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER)) for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
-                     arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows), threads=max(1, len(self.threads)),
+                     arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows),
                      alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__)
 
 

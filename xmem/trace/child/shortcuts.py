@@ -19,6 +19,7 @@ with them is known exactly: the speed of a trace, not its content (a shortcut's 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -114,7 +115,15 @@ def _fits(value: Any, first: list) -> bool:
 
 _PLAIN_ARGUMENT_TYPES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device,
                                    torch.layout, torch.memory_format})
-_NO_QUICK_KEY = object()  # a call the quick key cannot describe: the upstream path
+_NO_QUICK_KEY = object()  # not yet in the quick-key map
+# Why a call went the upstream way (`QuickKeyCache.misses`), as upstream counts its own cache's bypasses by reason
+# (`FakeTensorMode.cache_bypasses`): a quick key is a tuple, a miss its reason (a str).
+_MISS_SHAPE_ENV = "a shape env or the cache crosscheck"
+_MISS_HOST_TENSOR = "a host tensor of at most one element, or not dense, copied to the GPU"
+_MISS_CONSTANT = "a fake tensor holding a constant"
+_MISS_OTHER_MODE = "a fake tensor of another fake mode"
+_MISS_NO_RECIPE = "a host copy whose first result is not a plain new tensor"
+_MISS_NOT_CACHED = "an op upstream does not cache"
 _HOST_COPY = torch.ops.aten._to_copy.default
 _HOST_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -156,6 +165,12 @@ def fake_mode(**options: Any) -> FakeTensorMode:
     return mode
 
 
+def quick_key_misses(mode: FakeTensorMode | None) -> dict[str, int]:
+    """Why calls of `mode` (made by `fake_mode`) went the upstream way, counted by reason; {} without the quick key."""
+    cache = getattr(getattr(mode, "_cached_dispatch_impl", None), "__self__", None)
+    return dict(cache.misses) if isinstance(cache, QuickKeyCache) else {}
+
+
 class QuickKeyCache:
     """The quick-key map of one fake mode, in front of its upstream cache lookup."""
 
@@ -165,18 +180,21 @@ class QuickKeyCache:
         self.upstream = functools.partial(FakeTensorMode._cached_dispatch_impl, mode)
         self.guard_data_pointer = torch._C._set_warn_deprecated_on_mutable_data_ptr \
             if mode._allow_unsafe_data_ptr_access else torch._C._set_throw_on_mutable_data_ptr  # as __new__ does
-        self.known: dict[tuple, tuple | None] = {}  # quick key -> (upstream key, entry, outputs' recipe)
+        self.known: dict[tuple, tuple | str] = {}  # quick key -> (upstream key, entry, outputs' recipe) or a miss
         self.hits = 0  # calls answered through the quick key
+        self.misses: collections.Counter[str] = collections.Counter()  # calls that went upstream, by reason
         self.wrappers: dict[torch.device, dict] = {}  # device -> the Python state FakeTensor() gives a tensor there
 
     def dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         quick = self._quick_key(func, args, kwargs)
-        if quick is _NO_QUICK_KEY:
+        if type(quick) is str:
+            self.misses[quick] += 1
             return self.upstream(func, types, args, kwargs)
         known = self.known.get(quick, _NO_QUICK_KEY)
         if known is _NO_QUICK_KEY:
             return self._learn(quick, func, types, args, kwargs)
-        if known is None:
+        if type(known) is str:
+            self.misses[known] += 1
             return self.upstream(func, types, args, kwargs)
         key, entry, recipe = known
         output = self._outputs(*recipe, args) if recipe is not None else \
@@ -219,7 +237,9 @@ class QuickKeyCache:
         if func is _HOST_COPY and type(args[0]) is not FakeTensor:  # uncached upstream: its result is the recipe
             output = self.upstream(func, types, args, kwargs)
             recipe = _host_copy_recipe(self.mode, output, args[0])
-            self.known[quick] = (None, None, recipe) if recipe is not None else None
+            self.known[quick] = (None, None, recipe) if recipe is not None else _MISS_NO_RECIPE
+            if recipe is None:
+                self.misses[_MISS_NO_RECIPE] += 1
             return output
         return self._upstream_once(quick, func, types, args, kwargs)
 
@@ -233,8 +253,9 @@ class QuickKeyCache:
             key = mode._cache_key(state, func, args, kwargs)
         except api.bypass as bypass:
             FakeTensorMode.cache_bypasses[bypass.reason] += 1
-            self.known[quick] = key = None
+            key, why = None, bypass.reason
         if key is None:  # dispatched outside the handler, as upstream does: an op's own error has no cache context
+            self._missed(quick, why)
             return mode._dispatch_impl(func, types, args, kwargs)
         entry = cache.get(key)
         if entry is None:
@@ -253,38 +274,52 @@ class QuickKeyCache:
         else:
             output = mode._output_from_cache_entry(state, entry, key, func, args)
             FakeTensorMode.cache_hits += 1
-        self.known[quick] = (key, entry, _recipe(func, entry)) if type(entry) is api.valid_entry else None
+        if type(entry) is api.valid_entry:
+            self.known[quick] = (key, entry, _recipe(func, entry))
+        else:
+            self._missed(quick, getattr(entry, "reason", "not a plain entry"))
         return output
+
+    def _missed(self, quick: tuple, upstream_reason: str) -> None:
+        """`quick` goes the upstream way from now on, for upstream's reason (a bypass reason of its cache)."""
+        self.known[quick] = miss = f"{_MISS_NOT_CACHED}: {upstream_reason}"
+        self.misses[miss] += 1
 
     def _quick_key(self, func: Any, args: Any, kwargs: Any) -> Any:
         """The call as a tuple of everything upstream's key is made of (the op, the global state it reads, each
-        tensor's metadata, each other argument with its type), or _NO_QUICK_KEY."""
+        tensor's metadata, each other argument with its type), or why there is none (a str)."""
         if self.mode.shape_env is not None or self.mode.cache_crosscheck_enabled:
-            return _NO_QUICK_KEY
+            return _MISS_SHAPE_ENV
         parts = [func, torch.get_default_dtype(), torch._C._get_default_device(),
                  torch.is_inference_mode_enabled(), self.proxy_mode() is not None]
         if func is _HOST_COPY and args and type(args[0]) in _HOST_TENSOR_TYPES:
             host = _host_tensor_key(args[0])
             if host is None or len(args) != 1:
-                return _NO_QUICK_KEY
+                return _MISS_HOST_TENSOR
             parts.append(host)
             target = kwargs.get("device")
             if type(target) is torch.device and target.type == "cuda" and target.index is None:
                 parts.append(torch.cuda.current_device())  # where a "cuda" without an index lands
-        elif not self._add_arguments(parts, args):
-            return _NO_QUICK_KEY
+        else:
+            miss = self._add_arguments(parts, args)
+            if miss:
+                return miss
         if kwargs:
             parts.append(tuple(kwargs))
-            if not self._add_arguments(parts, kwargs.values()):
-                return _NO_QUICK_KEY
+            miss = self._add_arguments(parts, kwargs.values())
+            if miss:
+                return miss
         return tuple(parts)
 
-    def _add_arguments(self, parts: list, values: Any) -> bool:
+    def _add_arguments(self, parts: list, values: Any) -> str:
+        """Each value's part of the quick key added to `parts`; "" when all have one, else why one has not."""
         for value in values:
             kind = type(value)
             if kind is FakeTensor:
-                if value.fake_mode is not self.mode or value.constant is not None:
-                    return False
+                if value.fake_mode is not self.mode:
+                    return _MISS_OTHER_MODE
+                if value.constant is not None:
+                    return _MISS_CONSTANT
                 parts.append((value.dtype, value.shape, value.stride(), value.fake_device, value.layout,
                               value.storage_offset(), value.untyped_storage().nbytes(), value.requires_grad,
                               value.is_conj(), value.is_neg(), value.is_inference()))
@@ -294,11 +329,12 @@ class QuickKeyCache:
             elif kind is list or kind is tuple:
                 parts.append(kind)
                 parts.append(len(value))
-                if not self._add_arguments(parts, value):
-                    return False
+                miss = self._add_arguments(parts, value)
+                if miss:
+                    return miss
             else:  # a real tensor, a symbolic value, a callable...: upstream decides
-                return False
-        return True
+                return f"an argument of type {kind.__name__}"
+        return ""
 
 
 def _host_tensor_key(tensor: torch.Tensor) -> tuple | None:
