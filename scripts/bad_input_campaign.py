@@ -762,7 +762,7 @@ def contain_main(venv: Path) -> int:
     started = time.monotonic()
     results = contain_cases(venv)
     time.sleep(2)
-    servers = [line for line in leftover_processes() if "xmem.trace.warm import main" in line]  # idle, by design
+    servers = [line for line in leftover_processes() if "xmem.trace.child.warm_server import main" in line]  # idle, by design
     procs = [line for line in leftover_processes() if line not in servers]
     for line in servers:
         sh("kill", line.split(": ", 1)[1].split()[0])
@@ -939,7 +939,7 @@ def requests_cases(clusters: dict[str, dict[str, str]], venv: Path) -> list[tupl
                         env={"XMEM_WARM_TRACER": "1"})
     held = req_request(job, part, "partition") == "HELD"
     time.sleep(3)
-    left = [line for line in req_processes() if "xmem.trace.warm" in line]
+    left = [line for line in req_processes() if "xmem.trace.child.warm_server" in line]
     record("deferred_warm_tracer", ["left held"] * held + ["leftover processes"] * bool(left) + ["lost"] * (job is None),
            job, cluster=part)
 

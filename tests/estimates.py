@@ -1,7 +1,7 @@
-"""Hand-made `xmem.estimate.Estimate` records, for the tests of what follows an estimate (analysis, policy, filter):
+"""Hand-made `xmem.estimate_record.Estimate` records, for the tests of what follows an estimate (analysis, policy, filter):
 the fields those stages read, the rest plain."""
 
-from xmem.estimate import Estimate, GpuEstimate
+from xmem.estimate_record import Estimate, GpuEstimate
 from xmem.simulate import OomInfo
 
 GIB = 1 << 30

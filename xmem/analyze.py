@@ -22,7 +22,7 @@ from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_
 from xmem.policy.options import OptionRow, OptionTable, option_table
 
 if TYPE_CHECKING:
-    from xmem.estimate import Estimate
+    from xmem.estimate_record import Estimate
     from xmem.gpus import GpuType
     from xmem.slurm.cluster import ClusterInfo
 

@@ -1,8 +1,10 @@
 """The estimate pipeline: trace the job once per capability class, then per GPU type orchestrate, simulate and
 add the non-allocator overhead.
 
-Owns the `Estimate` record (what `xmem-slurm estimate --json` prints, what policy and the Slurm glue consume) and
-the breakdown at the peak. Pure apart from the trace: no caching here (the Slurm glue caches whole estimates).
+Owns the breakdown at the peak and the replays behind it (`busiest_replay`, shared between GPU types). The record
+it makes is `xmem.estimate_record` (its names are importable from here too); the other capability classes' traces
+run beside the first through `xmem.trace_scheduler`. Pure apart from the trace: no caching here (the Slurm glue
+caches whole estimates).
 """
 
 from __future__ import annotations
@@ -18,17 +20,15 @@ from typing import Any
 
 from xmem.audit import audit
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
+from xmem.estimate_record import ALLOCATOR_SLACK, OVERHEAD, Estimate, GpuEstimate, shown_gpu
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
-from xmem.simulate import ALLOC, FREE, AllocatorConfig, OomInfo, SimResult, simulate, simulate_limits
+from xmem.simulate import ALLOC, FREE, AllocatorConfig, SimResult, simulate, simulate_limits
 from xmem.trace import run_trace
-from xmem.trace.runner import sigterm_raises
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
+from xmem.trace_scheduler import TracesBeside
 
 NO_CUDA_WARNING = "the program never used CUDA"
-# The breakdown's parts beside the memory categories (xmem.trace.events.Category): named once, here.
-ALLOCATOR_SLACK = "allocator_slack"
-OVERHEAD = "overhead"
 # Compute capability 8.0 (Ampere) is where the GPU-dependent choices a trace can take change: bf16 support,
 # the flash-attention SDPA backend, TF32. One trace per side of it is enough.
 CAPABILITY_SPLIT = (8, 0)
@@ -36,120 +36,6 @@ CAPABILITY_SPLIT = (8, 0)
 
 class BadJobSettingError(ValueError):
     """The job's environment holds a setting the estimate cannot use (e.g. a malformed PYTORCH_CUDA_ALLOC_CONF)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuEstimate:
-    """The predicted peak of the job on one GPU type."""
-
-    gpu: str
-    total_bytes: int
-    peak_bytes: int  # what NVML would show: peak reserved + overhead
-    peak_reserved_bytes: int
-    peak_allocated_bytes: int
-    overhead_bytes: int  # CUDA context + libraries, outside the caching allocator
-    capacity_bytes: int  # what the caching allocator may reserve: total - overhead
-    fits: bool
-    oom: OomInfo | None
-    fragmentation: float
-    traced_capability: tuple[int, int]
-    # where the replay ran out of memory: the peak (with overhead) of the same replay with no memory limit, i.e.
-    # what the job would need; None where it fits
-    unlimited_peak_bytes: int | None = None
-
-    @property
-    def headroom_bytes(self) -> int:
-        return self.total_bytes - self.peak_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_reserved_bytes": self.peak_reserved_bytes,
-            "peak_allocated_bytes": self.peak_allocated_bytes,
-            "overhead_bytes": self.overhead_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "total_bytes": self.total_bytes,
-            "fits": self.fits,
-            "oom": dataclasses.asdict(self.oom) if self.oom is not None else None,
-            "fragmentation": self.fragmentation,
-            "traced_capability": list(self.traced_capability),
-            "unlimited_peak_bytes": self.unlimited_peak_bytes,
-        }
-
-    @classmethod
-    def from_json(cls, name: str, d: Mapping[str, Any]) -> GpuEstimate:
-        oom = d.get("oom")
-        return cls(gpu=name, total_bytes=d["total_bytes"], peak_bytes=d["peak_bytes"],
-                   peak_reserved_bytes=d["peak_reserved_bytes"], peak_allocated_bytes=d["peak_allocated_bytes"],
-                   overhead_bytes=d["overhead_bytes"], capacity_bytes=d["capacity_bytes"], fits=d["fits"],
-                   oom=OomInfo(**oom) if oom is not None else None, fragmentation=d["fragmentation"],
-                   traced_capability=tuple(d.get("traced_capability", (0, 0))),
-                   unlimited_peak_bytes=d.get("unlimited_peak_bytes"))
-
-
-@dataclass(frozen=True, slots=True)
-class Estimate:
-    """The whole answer for one command: every requested GPU type, and what was live at the peak.
-
-    `breakdown` is taken on `breakdown_gpu`, the GPU type the answer shows (`shown_gpu`: the first asked for on
-    which the job runs to its end): bytes live per category at the peak (SimResult.fullest_peak_index), plus
-    `allocator_slack` (peak reserved minus the live tensors' requested bytes: rounding, unsplit remainders, cached
-    free blocks) and `overhead` (context and libraries). Its values add up to that type's `peak_bytes`.
-    `breakdowns` holds the same for every GPU type estimated (a site's pick may be another type).
-
-    `suspect_reasons`: where a trace contradicts the facts of its own run (`xmem.audit`); a suspect estimate may be
-    far below what the job needs, so nothing should shrink a request on it.
-    """
-
-    command: tuple[str, ...]
-    gpus: dict[str, GpuEstimate]
-    breakdown: dict[str, int]
-    breakdown_gpu: str
-    iterations: int
-    seconds: float
-    warnings: tuple[str, ...]
-    libraries: tuple[str, ...]
-    used_cuda: bool
-    torch_version: str
-    suspect_reasons: tuple[str, ...] = ()
-    sandbox: str = ""  # what kept the traced program's writes out of the user's files
-    forward_only: bool = False  # no training step was traced: the peak of what the program ran (Trace.forward_only)
-    breakdowns: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # by GPU type
-
-    @property
-    def suspect(self) -> bool:
-        return bool(self.suspect_reasons)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "command": list(self.command),
-            "gpus": {name: g.to_json() for name, g in self.gpus.items()},
-            "breakdown": dict(self.breakdown),
-            "breakdown_gpu": self.breakdown_gpu,
-            "iterations": self.iterations,
-            "seconds": round(self.seconds, 3),
-            "warnings": list(self.warnings),
-            "libraries": list(self.libraries),
-            "used_cuda": self.used_cuda,
-            "torch_version": self.torch_version,
-            "suspect": self.suspect,
-            "suspect_reasons": list(self.suspect_reasons),
-            "sandbox": self.sandbox,
-            "forward_only": self.forward_only,
-            "breakdowns": {name: dict(parts) for name, parts in self.breakdowns.items()},
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Estimate:
-        """The record back from `to_json()` (e.g. from a cache)."""
-        return cls(command=tuple(d["command"]),
-                   gpus={name: GpuEstimate.from_json(name, g) for name, g in d["gpus"].items()},
-                   breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
-                   iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
-                   libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
-                   suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
-                   forward_only=d.get("forward_only", False),
-                   breakdowns={name: dict(parts) for name, parts in d.get("breakdowns", {}).items()})
 
 
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
@@ -234,13 +120,6 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
     )
 
 
-def shown_gpu(gpus: Sequence[GpuEstimate]) -> str:
-    """The GPU type an answer shows (its breakdown, its row marked in the table, the plot's default), of `gpus` in
-    the order asked: the first on which the job runs to its end, else the one with the most memory (whose replay
-    went furthest). Where a site config picks a request, the pick's type is shown instead (`xmem.cli.common`)."""
-    return next((g.gpu for g in gpus if g.fits), max(gpus, key=lambda g: g.total_bytes).gpu)
-
-
 def resolve_gpus(names: Sequence[str] | None, catalog: Mapping[str, GpuType]) -> list[GpuType]:
     """The requested GPU types, in the order given, without repeats; every catalog type for None or []."""
     if not names:
@@ -282,7 +161,7 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
                          timeout=timeout, python=python, on_progress=progress, device_count=gpus_per_node,
                          memory_limit_bytes=memory_limit_bytes, warm_tracer=warm_tracer, cancel=cancel)
 
-    others = _TracesBeside({cls: representative[cls] for cls in order[1:]}, trace, on_progress)
+    others = TracesBeside({cls: representative[cls] for cls in order[1:]}, trace, on_progress)
 
     def first_progress(line: str) -> None:
         if line == ARCH_SENSITIVE_PROGRESS:
@@ -299,56 +178,6 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
         return {order[0]: first, **others.results()}
     others.cancel()
     return {cls: first for cls in order}
-
-
-class _TracesBeside:
-    """The other capability classes' traces, each run in a thread of its own once `start` is called (by the first
-    trace's progress), until `results` has them all or `cancel` stops them."""
-
-    def __init__(self, gpus: dict[str, GpuType], trace: Callable[..., Trace],
-                 on_progress: Callable[[str], None] | None) -> None:
-        self.gpus, self.trace, self.on_progress = gpus, trace, on_progress
-        self.cancelled = threading.Event()
-        self.lock = threading.Lock()
-        self.threads: dict[str, threading.Thread] = {}
-        self.outcomes: dict[str, Trace | BaseException] = {}
-
-    def start(self) -> None:
-        with self.lock:
-            if self.threads or self.cancelled.is_set():
-                return
-            for cls in self.gpus:
-                self.threads[cls] = threading.Thread(target=self._run, args=(cls,), daemon=True,
-                                                     name=f"xmem trace {cls}")
-                self.threads[cls].start()
-
-    def results(self) -> dict[str, Trace]:
-        self.start()
-        try:
-            with sigterm_raises():  # as while the first trace ran: the cleanup below runs
-                for thread in self.threads.values():
-                    while thread.is_alive():  # in steps: a signal (Ctrl-C, SIGTERM) still reaches this thread
-                        thread.join(0.2)
-        except BaseException:
-            self.cancel()
-            raise
-        for cls in self.gpus:
-            if isinstance(self.outcomes[cls], BaseException):
-                raise self.outcomes[cls]
-        return dict(self.outcomes)  # type: ignore[arg-type]
-
-    def cancel(self) -> None:
-        with self.lock:
-            self.cancelled.set()
-        for thread in self.threads.values():
-            thread.join()
-
-    def _run(self, cls: str) -> None:
-        progress = (lambda line: self.on_progress(f"{cls}: {line}")) if self.on_progress is not None else None
-        try:
-            self.outcomes[cls] = self.trace(self.gpus[cls], progress, self.cancelled)
-        except BaseException as error:  # noqa: BLE001 - given to the caller by results()
-            self.outcomes[cls] = error
 
 
 def device_name(gpu: GpuType) -> str:

@@ -29,7 +29,7 @@ from xmem.policy.options import FixedOption
 from xmem.simulate import ALLOC, FREE
 
 if TYPE_CHECKING:
-    from xmem.estimate import Estimate
+    from xmem.estimate_record import Estimate
 
 PLACEHOLDER = "{}"
 MODEL_ROUNDS = 6  # traces guided by the growth model per option before bisection on traces alone

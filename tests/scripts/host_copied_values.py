@@ -1,7 +1,8 @@
 """A graph-pooling training loop (as chemprop's aggregation does it): a node-to-graph index made on the host, moved to
 the GPU, and its max sizing the pooled tensor. A valid GPU script: exits non-zero if a value it reads from a GPU
 tensor copied from the host is not the real one. Widths 1000 (pooled) and 777 (pooled after an unknown write)
-let the test find the two allocations."""
+let the test find the two allocations; the weights' positive entries (2 * 8 bytes for each) show whether the weights'
+values were followed (they must not be: a stand-in selects every entry)."""
 import sys
 
 import torch
@@ -27,6 +28,10 @@ for step in range(3):
     check("cpu numpy", int(index.cpu().numpy()[-1]), 5)
     check("masked rows", nodes[index > 3].shape[0], 2)  # a known mask selects from an unknown tensor
     check("equal", torch.equal(index, index + 0), True)
+    features = torch.arange(8.0).reshape(2, 4)  # float data: known as well
+    check("allclose", torch.allclose(features.cuda(), (features + 1).cuda() - 1), True)
+    check("float differs", torch.allclose(features.cuda(), features.cuda() * 2), False)
+    torch.nonzero(model.weight.detach() > 0)  # a parameter's values are never followed
     shifted = index.clone()
     shifted += 1  # written by an op on known values: still known
     check("after a known write", int(shifted.max()), 6)

@@ -1,4 +1,4 @@
-"""The warm tracer (xmem.trace.warm): a job it runs equals the cold trace and sees nothing of the job before it,
+"""The warm tracer (xmem.trace.warm, its server xmem.trace.child.warm_server): a job it runs equals the cold trace and sees nothing of the job before it,
 another user cannot reach it, an estimate goes on cold when it is stale or dies mid-way, and SIGTERM stops a job.
 
 One server (started as the first estimate would start it) serves the module, in a socket directory of its own;
@@ -245,11 +245,11 @@ def test_sigterm_stops_a_warm_job(warm_on, tmp_path):
 
 HUGE_PAGES_CHECK = """
 import os, sys
-from xmem.trace import warm
+from xmem.trace.child import warm_server
 data = bytearray(os.urandom(1 << 20) * 64)  # 64 MiB of the process's own data
 def huge():
     return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
-before, asked = huge(), warm.collapse_into_huge_pages()
+before, asked = huge(), warm_server.collapse_into_huge_pages()
 if not asked:
     print("refused"); sys.exit(0)
 pid = os.fork()

@@ -36,7 +36,7 @@ from xmem.trace import privileges
 from xmem.units import MIB, gib_text, size_text
 
 if TYPE_CHECKING:
-    from xmem.estimate import Estimate
+    from xmem.estimate_record import Estimate
 
 EXIT_OK = 0
 # The estimator's codes are `xmem-slurm estimate`'s; the analysis adds its own kinds.

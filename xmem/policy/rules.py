@@ -22,7 +22,7 @@ from xmem.jobscript import SbatchRequest, parse_gpus
 from xmem.units import gib_words, size_words
 
 if TYPE_CHECKING:
-    from xmem.estimate import GpuEstimate
+    from xmem.estimate_record import GpuEstimate
 
 ACTIONS = ("rewrite", "keep", "none", "excluded", "no_fit")
 

@@ -15,9 +15,9 @@ and are born fake past it, so a 7B model built on the CPU costs no host memory. 
 tensor get stand-ins (`standins.py`), each kind warned once.
 
 Two sides, two folders. This package is the estimator's side: `runner` (the child process, its sandbox and
-limits), `sandbox`, `warm` (the pre-loaded tracer server and its client), `shim` (building the native part),
-`command` (the command's program, read by `xmem.launchers`), `privileges`; `events` (the Trace record) and `errors`
-are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
+limits), `sandbox`, `warm` (the client of the pre-loaded tracer, whose server is `child.warm_server`), `shim`
+(building the native part), `command` (the command's program, read by `xmem.launchers`), `privileges`; `events`
+(the Trace record) and `errors` are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
 """
 
 from xmem.trace.errors import TraceError

@@ -441,7 +441,7 @@ def _lower_limit(which: int, soft: int, hard: int) -> None:
 
 
 def become_tracer(argv: list[str], env: dict) -> None:
-    """How the tracer process turns into the tracer: exec its command. The warm tracer (xmem.trace.warm), which has
+    """How the tracer process turns into the tracer: exec its command. The warm tracer's job (xmem.trace.child.warm_server), which has
     torch loaded already, replaces this with a run of the tracing child in the same process."""
     os.execvpe(argv[0], argv, env)
 

@@ -36,4 +36,10 @@ def test_a_tensor_written_from_gpu_data_is_no_longer_known(pooled):
 def test_a_known_mask_selects_its_real_count(pooled):
     # nodes[index > 3]: 2 of the 10 rows (a stand-in takes all 10), once per iteration; nothing else has 2 rows
     assert sizes(pooled).count(2 * 1000 * FLOAT) == 2
-    assert SELECTION_WARNING not in pooled.warnings
+
+
+def test_float_copies_are_known_but_parameters_are_not_followed(pooled):
+    # the script checked allclose on float copies (it exits non-zero on a wrong answer); nonzero() of the weights'
+    # sign is the stand-in's every element, 2 int64 indices each, once per iteration
+    assert sizes(pooled).count(1000 * 1000 * 2 * 8) == 2
+    assert SELECTION_WARNING in pooled.warnings

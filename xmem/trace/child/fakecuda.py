@@ -257,7 +257,24 @@ def _device_index(device: Any) -> int:
 
 
 def _patch_torch_cuda(fake: FakeCuda) -> None:
-    cuda = torch.cuda
+    """torch.cuda answers as a GPU would, surface by surface (each answer's maker below says what it covers)."""
+    answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake), **_random_answers(fake),
+               **_graph_answers(fake)}
+    for name, answer in answers.items():
+        setattr(torch.cuda, name, answer)
+    torch.cuda.random.manual_seed = torch.cuda.random.manual_seed_all = answers["manual_seed"]
+    # Modules that imported these names before the patch keep the originals; the common ones are re-pointed.
+    torch.cuda.memory.empty_cache = answers["empty_cache"]
+    torch.cuda.memory.memory_allocated = answers["memory_allocated"]
+    torch.cuda.memory.max_memory_allocated = answers["max_memory_allocated"]
+    _patch_accelerator(fake, answers)
+    # The optimizer's CUDA-graph health check asks the real runtime; there is no capture here.
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.graphs.is_current_stream_capturing = lambda: False
+
+
+def _device_answers(fake: FakeCuda) -> dict[str, Any]:
+    """The devices: how many, which is current, what each is (name, capability, bf16), and the runtime's state."""
 
     def set_device(device: Any) -> None:
         fake.current_device = _device_index(device)
@@ -270,23 +287,12 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         fake.on_arch_question()
         return fake.properties
 
-    def empty_cache() -> None:
-        fake.on_empty_cache()
-
-    def memory_stats(device: Any = None) -> dict[str, int]:
-        return {"allocated_bytes.all.current": fake.live_bytes(), "allocated_bytes.all.peak": fake.peak_bytes(),
-                "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
-
-    def mem_get_info(device: Any = None) -> tuple[int, int]:
-        total = fake.ask_total_memory()
-        return total - fake.live_bytes(), total
-
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         # upstream: native from sm80; older GPUs (CUDA >= 11) emulate it, which counts unless excluded
         fake.on_arch_question()
         return fake.bf16_supported or including_emulation
 
-    answers: dict[str, Any] = dict(
+    return dict(
         is_available=lambda: True,
         device_count=lambda: fake.device_count,
         current_device=lambda: fake.current_device,
@@ -302,12 +308,39 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         init=lambda: None,
         synchronize=lambda device=None: None,
         ipc_collect=lambda: None,
+        # torch.cuda's deferred-initialisation queue: callbacks would reach the real runtime (is_initialized is
+        # True here, so upstream runs them at once); none of them matters without a device
+        _lazy_call=lambda callable, **kwargs: None,
+    )
+
+
+def _stream_answers(fake: FakeCuda) -> dict[str, Any]:
+    """Streams and events: made and switched, never waited on."""
+    return dict(
         Stream=FakeStream,
         Event=FakeEvent,
         current_stream=lambda device=None: fake.current_stream,
         default_stream=lambda device=None: fake.default_stream,
         stream=fake.use_stream,
         set_stream=lambda stream: setattr(fake, "current_stream", stream),
+    )
+
+
+def _memory_answers(fake: FakeCuda) -> dict[str, Any]:
+    """The memory counters and the cache, from the recorder's live bytes (the program's own view of them)."""
+
+    def empty_cache() -> None:
+        fake.on_empty_cache()
+
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {"allocated_bytes.all.current": fake.live_bytes(), "allocated_bytes.all.peak": fake.peak_bytes(),
+                "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        total = fake.ask_total_memory()
+        return total - fake.live_bytes(), total
+
+    return dict(
         memory_allocated=lambda device=None: fake.live_bytes(),
         max_memory_allocated=lambda device=None: fake.peak_bytes(),
         memory_reserved=lambda device=None: fake.live_bytes(),
@@ -320,6 +353,12 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         mem_get_info=mem_get_info,
         empty_cache=empty_cache,
         set_per_process_memory_fraction=lambda fraction, device=None: None,
+    )
+
+
+def _random_answers(fake: FakeCuda) -> dict[str, Any]:
+    """The GPU's random generators: the host's state stands in; seeding does nothing (no kernel draws)."""
+    return dict(
         get_rng_state=lambda device="cuda": torch.get_rng_state(),
         get_rng_state_all=lambda: [torch.get_rng_state() for _ in range(fake.device_count)],
         set_rng_state=lambda new_state, device="cuda": None,
@@ -329,24 +368,16 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
         seed=lambda: None,
         seed_all=lambda: None,
         initial_seed=lambda: torch.initial_seed(),
-        # torch.cuda's deferred-initialisation queue: callbacks would reach the real runtime (is_initialized is
-        # True here, so upstream runs them at once); none of them matters without a device
-        _lazy_call=lambda callable, **kwargs: None,
+    )
+
+
+def _graph_answers(fake: FakeCuda) -> dict[str, Any]:
+    """CUDA graphs: captured work runs eagerly (and says so)."""
+    return dict(
         CUDAGraph=_eager_graph_class(fake),
         graph=_eager_graph_context(fake),
         make_graphed_callables=_graphed_callables_unchanged(fake),
     )
-    for name, answer in answers.items():
-        setattr(cuda, name, answer)
-    torch.cuda.random.manual_seed = torch.cuda.random.manual_seed_all = answers["manual_seed"]
-    # Modules that imported these names before the patch keep the originals; the common ones are re-pointed.
-    torch.cuda.memory.empty_cache = empty_cache
-    torch.cuda.memory.memory_allocated = answers["memory_allocated"]
-    torch.cuda.memory.max_memory_allocated = answers["max_memory_allocated"]
-    _patch_accelerator(fake, answers)
-    # The optimizer's CUDA-graph health check asks the real runtime; there is no capture here.
-    cuda.is_current_stream_capturing = lambda: False
-    torch.cuda.graphs.is_current_stream_capturing = lambda: False
 
 
 def _patch_accelerator(fake: FakeCuda, cuda_answers: dict[str, Any]) -> None:

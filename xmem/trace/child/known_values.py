@@ -7,16 +7,17 @@ pools a graph batch into `torch.zeros(batch.max() + 1, ...)`). Their values are 
 the stand-ins ask it first.
 
 The rules:
-- kept: the integer and boolean results (at most PER_TENSOR_BYTES each, TOTAL_BYTES alive in all) of a copy from a
-  host tensor (`.to("cuda")`, `.cuda()`, `copy_` of a host tensor into a GPU one), and of any op whose tensor
-  arguments all have known values or are host tensors, one at least known (`batch.max().int() + 1`, `mask.sum()`,
-  a view, `mask.cpu()`): the op runs again on the host copies, on the CPU. Never an op that draws random numbers:
-  on the host it would draw from the program's own generator, which a GPU's draws leave alone;
+- kept: the results (at most PER_TENSOR_BYTES each, TOTAL_BYTES alive in all) of a copy from a host tensor
+  (`.to("cuda")`, `.cuda()`, `copy_` of a host tensor into a GPU one), and of any op whose tensor arguments all
+  have known values or are host tensors, one at least known (`batch.max().int() + 1`, `mask.sum()`, a view,
+  `torch.cat(batches)`, `mask.cpu()`): the op runs again on the host copies, on the CPU. Never an op on a host
+  parameter or a tensor that requires grad (a model's weights: following them would run its training on the host,
+  and the values a program reads from a model, losses and metrics, stay stand-ins), nor one that draws random
+  numbers (on the host it would draw from the program's own generator, which a GPU's draws leave alone);
 - forgotten: once the tensor's storage (through any view of it) is written in place by a dispatched op (`add_`,
   `index_put_`, `copy_`, an `out=` argument), unless that op's own result is kept again;
 - held in a side table keyed by the fake tensor's identity and dropped when it dies (an attribute on the tensor
   would travel into the program's checkpoints), as a private copy (the program may reuse its host buffer).
-Floating tensors are not kept: the values a program reads from them (losses, metrics) come from fake parameters.
 
 Upstream FakeTensor's `constant` cannot serve: it is kept only for tensors of at most one element
 (`CONSTANT_NUMEL_LIMIT`), dropped by a copy to another device, so a GPU tensor copied from the host never has one;
@@ -153,6 +154,8 @@ class KnownValues:
 
     def _on_host(self, value: Any, known: list, written: set, fresh: bool) -> Any:
         if isinstance(value, FakeTensor):
+            if value.requires_grad:  # a parameter (loaded by copy_ into it), or computed from one
+                return _UNKNOWN
             if fresh:  # copy_'s destination: every element is overwritten, its old values never matter
                 with unset_fake_temporarily():
                     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_CPU)
@@ -162,8 +165,8 @@ class KnownValues:
             known[0] = True
             return _host_clone(host) if id(value) in written else host  # kept values are never written
         if isinstance(value, torch.Tensor):
-            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.device.type != "cpu":
-                return _UNKNOWN  # another subclass, a meta tensor
+            if type(value) is not torch.Tensor or value.requires_grad or value.device.type != "cpu":
+                return _UNKNOWN  # a parameter, another subclass, a meta tensor
             known[1] = True
             return value
         if isinstance(value, torch.device):
@@ -223,8 +226,7 @@ def _host_clone(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _keepable(tensor: torch.Tensor) -> bool:
-    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) and \
-        tensor.numel() * tensor.element_size() <= PER_TENSOR_BYTES
+    return tensor.numel() * tensor.element_size() <= PER_TENSOR_BYTES
 
 
 def _tensors(out: Any) -> list:

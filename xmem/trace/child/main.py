@@ -154,7 +154,7 @@ _preloaded = False  # the shim and torch are loaded in this process (the warm tr
 
 def preload() -> None:
     """Load the shim, then torch and the tracer's modules, once per process. Nothing here may depend on the job:
-    the warm tracer (xmem.trace.warm) calls it before forking one child per job (the shim reads $XMEM_FAKE_SM and
+    the warm tracer's server (xmem.trace.child.warm_server) calls it before forking one child per job (the shim reads $XMEM_FAKE_SM and
     $XMEM_FAKE_DEVICE_COUNT at its first use, not at load)."""
     global _preloaded
     if _preloaded:
