@@ -79,11 +79,13 @@ for step in range(2):
 """
 
 
-def fit(tmp_path, program: str, vary: str, *command: str) -> dict:
+def fit(tmp_path, program: str, vary: str, *command: str, step: str | None = "1") -> dict:
+    """`fit --json` of `program` on the site above; `step` None: the default resolution."""
     (tmp_path / "site.toml").write_text(SITE)
     (tmp_path / "train.py").write_text(program)
     argv = [sys.executable, "-m", "xmem.cli", "fit", "--json", "--config", str(tmp_path / "site.toml"),
-            "--iterations", "2", "--step", "1", "--vary", vary, "--", PYTHON, "train.py", *command]
+            "--iterations", "2", *(["--step", step] if step else []), "--vary", vary, "--", PYTHON, "train.py",
+            *command]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -112,6 +114,20 @@ def test_batch_size_limit_per_offer_matches_the_hand_derivation(tmp_path):
     # 1..2000 on estimates would take 11 per offer
     assert result["traces"] <= 3 + 4 * len(limits), result["traced_values"]
     assert result["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_a_linear_job_is_fitted_in_at_most_8_traces(tmp_path):
+    """Issue 23: with the default resolution (multiples of 8 here), the MLP above, whose memory grows linearly with
+    the batch, is answered for both offers in at most 8 traces, each answer confirmed by its trace and the next
+    multiple's, within the hand derivation's bounds."""
+    result = fit(tmp_path, MLP, "batch-size=1..2000", "--batch-size", "{}", step=None)
+    assert result["resolution"] == 8
+    assert result["traces"] <= 8 and result["traces"] == len(result["traced_values"]), result["traced_values"]
+    for option, capacity in (("whole", GIB), ("1g.256mb", GIB // 4)):
+        limit, usable = result["limits"]["tiny"][option], capacity / (1 + MARGIN)
+        assert limit % 8 == 0 and {limit, limit + 8} <= set(result["traced_values"]), (option, result)
+        assert math.floor((usable - 22 * MIB) / (3 * MIB)) - 8 < limit <= (usable - 2 * MIB) / (3 * MIB)
 
 
 @pytest.mark.slow
