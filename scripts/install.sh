@@ -53,10 +53,23 @@ torch_requirements() {
 make_venv() {  # make_venv DIR EXTRAS TORCH-REQUIREMENTS...
   local dir=$1 extras=$2; shift 2
   [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
-  quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@"
-  # The torch requirements again, so that no extra's dependency can replace the build chosen above.
-  quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
+  # One pip run: the torch requirements beside the extras, so that no extra's dependency can pick another build.
+  # Skipped when DIR holds what its last run here installed, for the same arguments and pyproject.toml: pip would
+  # change nothing, and its resolver and the editable build cost 15-20 s of CPU per environment.
+  local stamp=$dir/.xmem-install
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$(install_key "$dir" "$extras" "$@")" ]; then
+    quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
+    install_key "$dir" "$extras" "$@" > "$stamp"
+  fi
   "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
+}
+
+# install_key DIR EXTRAS REQUIREMENTS...: what make_venv asked for and the distributions DIR holds (any pip run
+# into DIR since, one that upgrades or removes a package, changes it).
+install_key() {
+  local dir=$1; shift
+  printf '%s\n' "$REPO" "$@" "$(sha256sum < pyproject.toml)"
+  ls "$dir"/lib/python*/site-packages | grep '\.dist-info$'
 }
 
 # world_usable PATH: every directory above PATH lets others in, and PATH lets them read (and run) it.
