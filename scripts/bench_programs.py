@@ -204,7 +204,7 @@ def picture(path: Path, rng: random.Random, size: int = 64) -> None:
     from PIL import Image
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.frombytes("RGB", (size, size), bytes(rng.randrange(256) for _ in range(size * size * 3))).save(path)
+    Image.frombytes("RGB", (size, size), rng.randbytes(size * size * 3)).save(path)
 
 
 # ultralytics label lines per task (normalised coordinates): a box, a polygon, a box with 3 keypoints, a rotated box
@@ -214,22 +214,32 @@ YOLO_LABELS = {"detect": "{c} 0.5 0.5 0.4 0.3", "segment": "{c} 0.3 0.3 0.7 0.3 
 YOLO_CONFIGS = {"detect": "yolo11n.yaml", "segment": "yolo11n-seg.yaml", "classify": "yolo11n-cls.yaml",
                 "pose": "yolo11n-pose.yaml", "obb": "yolo11n-obb.yaml"}  # model configs ultralytics ships
 YOLO_EXTRA = {"pose": "kpt_shape: [3, 3]\nflip_idx: [0, 1, 2]\n"}
+# ultralytics' default batch; its nominal batch (nbs) of 64 makes an optimizer step of 64 / 16 = 4 batches. The
+# training set holds the batches of 3 steps (xmem-slurm's default --iterations) and one more, so that the traced
+# steps are whole batches inside the first epoch (with 8 pictures, its only step came at its end, and the trace
+# went on into the final evaluation).
+YOLO_BATCH = 16
+YOLO_STEP_BATCHES = 64 // YOLO_BATCH
+YOLO_TRAIN_IMAGES = (3 * YOLO_STEP_BATCHES + 1) * YOLO_BATCH
+YOLO_VAL_IMAGES = 8
 
 
 def fixtures_ultralytics(work: Path) -> None:
     """Per task a data set in the YOLO layout (images/, labels/, a data YAML) of generated pictures; for
     classification a folder per class."""
     rng = random.Random(3)
+    splits = {"train": YOLO_TRAIN_IMAGES, "val": YOLO_VAL_IMAGES}
     for task, label in YOLO_LABELS.items():
         root = work / task
-        for i in range(8):
-            picture(root / "images" / "train" / f"{i}.jpg", rng)
-            (root / "labels" / "train").mkdir(parents=True, exist_ok=True)
-            (root / "labels" / "train" / f"{i}.txt").write_text(label.format(c=i % 2) + "\n")
-        (work / f"{task}.yaml").write_text(f"path: {root}\ntrain: images/train\nval: images/train\n"
+        for split, count in splits.items():
+            (root / "labels" / split).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                picture(root / "images" / split / f"{i}.jpg", rng)
+                (root / "labels" / split / f"{i}.txt").write_text(label.format(c=i % 2) + "\n")
+        (work / f"{task}.yaml").write_text(f"path: {root}\ntrain: images/train\nval: images/val\n"
                                            f"names:\n  0: cat\n  1: dog\n{YOLO_EXTRA.get(task, '')}")
-    for split in ("train", "val"):
-        for i in range(8):
+    for split, count in splits.items():
+        for i in range(count):
             picture(work / "classify" / split / ("cat", "dog")[i % 2] / f"{i}.jpg", rng)
 
 
@@ -248,7 +258,7 @@ def yolo_model(task: str) -> Callable[[Path], Any]:
 def yolo_args(task: str) -> tuple[str, ...]:
     data = "{work}/classify" if task == "classify" else "{work}/" + task + ".yaml"
     model = YOLO_CONFIGS[task]
-    return ("yolo", task, "train", f"data={data}", f"model={model}", "epochs=1", "imgsz=64", "batch=4",
+    return ("yolo", task, "train", f"data={data}", f"model={model}", "epochs=1", "imgsz=64", f"batch={YOLO_BATCH}",
             "workers=0", "device=0", "plots=False", "project={out}")
 
 

@@ -52,6 +52,23 @@ def test_fixtures_made_without_the_package_are_what_its_program_reads(tmp_path):
     assert len(images) == 16 and Image.open(images[0]).size == (64, 64)
 
 
+def test_yolo_data_sets_hold_the_traced_steps_inside_the_first_epoch(tmp_path):
+    """ultralytics accumulates batches up to its nominal batch of 64 before each optimizer step (round(64 / batch)
+    batches, at most an epoch's): each yolo program's training set must hold the batches of 3 steps (xmem-slurm's
+    default --iterations) and more, or the trace runs into the epoch's end (8 pictures at batch 4: one step)."""
+    made = bench("--fixtures", "ultralytics", "--work", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    for line in bench("--list", "--package", "ultralytics").stdout.splitlines():
+        args = dict(arg.split("=", 1) for arg in line.split()[2:] if "=" in arg)
+        batch = int(args["batch"])
+        task = line.split()[0].removeprefix("yolo-")
+        images = list((tmp_path / task).glob("**/train/**/*.jpg"))
+        assert len(images) > 3 * max(round(64 / batch), 1) * batch, task
+        if task != "classify":
+            assert args["data"].endswith(f"{task}.yaml")
+            assert all((tmp_path / task / "labels" / "train" / f"{image.stem}.txt").exists() for image in images)
+
+
 @pytest.mark.slow
 def test_a_shipped_program_is_estimated_and_checked_against_its_model_state(tmp_path):
     out = tmp_path / "programs.json"
