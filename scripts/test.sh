@@ -11,7 +11,11 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 export XMEM_TEST_CPU_PYTHON="$PWD/.venv-cpu/bin/python"
 set +e
-.venv/bin/python -m pytest -ra --durations=25 "$@"
+# Two workers (pytest-xdist), one per core of the CI machine: most of a test's time is its traced program, one
+# single-threaded process. Not `-n auto`: in a container it may count the host's cores, and each worker holds torch
+# and its traces (2-3 GB). tests/conftest.py keeps the Slurm tests, and those sharing a module's fixture, each
+# on one worker. A later -n wins: `bash scripts/test.sh -n 0` runs the tests in one process.
+.venv/bin/python -m pytest -ra --durations=25 -n 2 --dist loadgroup "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected" (e.g. a -k filter that matches nothing): not a failure of the code.
