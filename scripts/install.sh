@@ -58,8 +58,13 @@ make_venv() {  # make_venv DIR EXTRAS TORCH-REQUIREMENTS...
   # change nothing, and its resolver and the editable build cost 15-20 s of CPU per environment.
   local stamp=$dir/.xmem-install
   if [ "$(cat "$stamp" 2>/dev/null)" != "$(install_key "$dir" "$extras" "$@")" ]; then
+    # A word before the long wait: pip is quiet here, and a first install downloads and unpacks gigabytes.
+    echo "installing into $dir: xmem-slurm [$extras] $* (a first install downloads up to about 3 GiB and" \
+         "takes several minutes; README.md, Quick start)..."
+    local started=$SECONDS
     quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
     install_key "$dir" "$extras" "$@" > "$stamp"
+    echo "installed into $dir in $((SECONDS - started)) s"
   fi
   "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
 }
