@@ -381,7 +381,11 @@ def _storages_in_key_order(obj: Any, pickle_module: Any, protocol: Any) -> list[
             return None
 
     StorageCollector(_Discard(), protocol=protocol).dump(obj)
-    return list(order.values())
+    # the class is garbage in a cycle (as every class) that holds `order` through its method's closure until the
+    # collector runs: emptied here, or the saved GPU tensors would outlive the program's last reference to them
+    storages = list(order.values())
+    order.clear()
+    return storages
 
 
 class _Discard:
