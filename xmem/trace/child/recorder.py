@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
+import xmem.trace.child.fft as fft
 import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
@@ -340,7 +341,28 @@ class AllocationRecorder(TorchDispatchMode):
             return out
         self.known.keep(plan, out)
         self._note_outputs(out, name, args)
+        if name in fft.FFT_OPS and isinstance(out, torch.Tensor) and out.device.type == "cuda":
+            self._fft_scratch(name, args, kwargs, out.device.index or 0)
         return out
+
+    def _fft_scratch(self, op: str, args: tuple, kwargs: dict, device: int) -> None:
+        """What cuFFT's path takes besides the output while the op runs (xmem.trace.child.fft): blocks made and
+        freed right after the output, in upstream's order. bf16 takes another path from sm80: a capability question."""
+        bf16_r2c = op == "_fft_r2c" and args[0].dtype == torch.bfloat16
+        capability = self.fake.ask_capability() if bf16_r2c else self.fake.capability
+        blocks: dict[int, tuple[int, int]] = {}
+        stream, state = self.fake.current_stream.stream_id, self.state
+        for step in fft.scratch(op, args, kwargs, capability):
+            if step[0] == fft.ALLOC:
+                block, nbytes = next(self._block_ids), step[2]
+                blocks[step[1]] = block, nbytes
+                self.category[block] = step[3]
+                self.live_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            else:
+                (block, nbytes), self.live_bytes = blocks[step[1]], self.live_bytes - blocks[step[1]][1]
+            self.rows.append([step[0], block, nbytes, device, stream, op, self.module_path(), state.phase,
+                              state.iteration])
 
     def _decomposed(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op that autograd would have decomposed (a CompositeImplicitAutograd one) arrives whole where autograd
