@@ -352,7 +352,12 @@ class AllocationRecorder(TorchDispatchMode):
         capability = self.fake.ask_capability() if bf16_r2c else self.fake.capability
         blocks: dict[int, tuple[int, int]] = {}
         stream, state = self.fake.current_stream.stream_id, self.state
-        for step in fft.scratch(op, args, kwargs, capability):
+        try:
+            steps = fft.scratch(op, args, kwargs, capability)
+        except (RuntimeError, ValueError, IndexError, TypeError) as error:  # a layout the rule did not foresee
+            self.warn(f"cuFFT's work area and copies were left out of an FFT call ({op}: {error})")
+            return
+        for step in steps:
             if step[0] == fft.ALLOC:
                 block, nbytes = next(self._block_ids), step[2]
                 blocks[step[1]] = block, nbytes
