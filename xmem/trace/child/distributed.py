@@ -42,6 +42,8 @@ def install(fake: Any) -> None:
     _patch_fsdp_module_move()
     _patch_fsdp_storage_checks()
     _patch_lightning_launchers()
+    _patch_distributed_checkpoint_save()
+    _patch_fsdp2_post_forward_shards()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -92,11 +94,13 @@ def _patch_object_collectives(dist: Any) -> None:
         if root_is_me(group, dst, group_dst) and object_gather_list is not None:
             object_gather_list[:] = [_received(obj) for _ in object_gather_list]
 
-    def scatter_object_list(output_list: list, input_list: Any = None, src: Any = None, group: Any = None,
-                            group_src: Any = None, weights_only: bool = False) -> None:
+    def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: Any = None,
+                            src: Any = None, group: Any = None, group_src: Any = None,
+                            weights_only: bool = False) -> None:  # upstream's argument names: callers pass them
         root_is_me(group, src, group_src)
-        if input_list is not None:  # the root's list (or, elsewhere, a list this rank passed anyway)
-            output_list[0] = _received(input_list[(group or c10d._get_default_group()).rank()])
+        if scatter_object_input_list is not None:  # the root's list (or, elsewhere, a list this rank passed anyway)
+            rank = (group or c10d._get_default_group()).rank()
+            scatter_object_output_list[0] = _received(scatter_object_input_list[rank])
 
     def send_object_list(object_list: Any, dst: Any = None, group: Any = None, device: Any = None,
                          group_dst: Any = None, use_batch: bool = False, weights_only: bool = False) -> None: ...
@@ -235,6 +239,63 @@ def _patch_fsdp_storage_checks() -> None:
 
     patch_on_import("torch.distributed.fsdp._flat_param", patch)
     patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
+
+
+def _patch_fsdp2_post_forward_shards() -> None:
+    """fully_shard(reshard_after_forward=N) keeps, from a unit's forward to its backward, each parameter's 1/N slice
+    of its all-gather output, cloned so that the output can be freed (FSDPParam.to_sharded_post_forward:
+    _sharded_post_forward_param_data), and all-gathers from it again in backward: a partly gathered parameter,
+    labelled as the unsharded parameters are (made by an op in forward, it would be an activation)."""
+
+    def patch(fsdp_param: Any) -> None:
+        param_class = fsdp_param.FSDPParam
+        reshard = param_class.to_sharded_post_forward
+
+        def to_sharded_post_forward(self: Any) -> None:
+            reshard(self)
+            _fake_cuda.on_module_tensor(self._sharded_post_forward_param_data, Category.UNSHARDED_PARAMETER)
+
+        param_class.to_sharded_post_forward = to_sharded_post_forward
+
+    patch_on_import("torch.distributed.fsdp._fully_shard._fsdp_param", patch)
+
+
+def _patch_distributed_checkpoint_save() -> None:
+    """torch.distributed.checkpoint's save (and async_save) over more than one rank is not modelled: its
+    coordinator merges every rank's save plan (_DistWrapper.reduce_scatter: gather_object, then
+    DefaultSavePlanner.create_global_plan checks that the ranks' chunks cover each tensor), and the stand-in of
+    gather_object can only give the traced rank's own plan for the others'; its writer copies each GPU tensor's bytes
+    to the host, which a fake tensor has none of. Named, not guessed (the GPU memory of the save itself is the state
+    dict it is given: its host copies are made one tensor at a time)."""
+    import sys
+
+    def patch(saver: Any) -> None:
+        import torch.distributed as dist
+
+        def refuse(original: Any) -> Any:
+            import functools
+
+            @functools.wraps(original)
+            def save(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("no_dist") or not dist.is_initialized() or dist.get_world_size() < 2:
+                    return original(*args, **kwargs)
+                from xmem.trace.errors import NotModelled
+                raise NotModelled(f"torch.distributed.checkpoint.{original.__name__} over {dist.get_world_size()} "
+                                  "ranks (the ranks' merged save plan)")
+            return save
+
+        for name in ("save", "async_save"):
+            if hasattr(saver, name):
+                setattr(saver, name, refuse(getattr(saver, name)))
+
+    def patch_package(checkpoint: Any) -> None:
+        saver = sys.modules["torch.distributed.checkpoint.state_dict_saver"]  # imported by the package
+        for name in ("save", "async_save"):
+            if hasattr(checkpoint, name):
+                setattr(checkpoint, name, getattr(saver, name))
+
+    patch_on_import("torch.distributed.checkpoint.state_dict_saver", patch)
+    patch_on_import("torch.distributed.checkpoint", patch_package)
 
 
 # Where Lightning (Fabric, Trainer; either package layout) starts the other ranks of `python train.py` itself
