@@ -39,6 +39,7 @@ def install(fake: Any) -> None:
     _patch_spawn()
     _patch_data_parallel_transfers()
     _patch_device_mesh()
+    _patch_dtensor()
     _patch_fsdp_module_move()
     _patch_fsdp_storage_checks()
     _patch_lightning_launchers()
@@ -163,6 +164,92 @@ def _patch_device_mesh() -> None:
         if inspect.isfunction(member) and (name == "__init__" or not name.startswith("__")):
             setattr(mesh_class, name, on_real_tensors(member))
     device_mesh.init_device_mesh = on_real_tensors(device_mesh.init_device_mesh)
+
+
+# ---- DTensor (tensor parallelism, FSDP2's sharded parameters) -----------------------------------------------------
+_dtensor_types: tuple[type, ...] = ()  # DTensor, once torch.distributed.tensor is imported
+
+
+def _patch_dtensor() -> None:
+    """DTensor's op dispatch runs as upstream's eager path runs it, its local ops in sight of the recorder.
+
+    A DTensor op (C++ fast path, torch/csrc/autograd/python_variable.cpp dispatchDTensorOp; the Python tail in
+    torch/distributed/tensor/_dispatch.py) first propagates shardings: it runs the op once on global-shape fake
+    tensors made from the specs to learn the output's metadata (ShardingPropagator._propagate_tensor_meta_non_cached,
+    under the fake mode it detects: ours). On a GPU that is metadata only, so it runs with the recorder paused. Then
+    it redistributes the arguments the chosen strategy needs (OpDispatcher.redistribute_local_args:
+    _redistribute.redistribute_local_tensor, e.g. a Replicate bias divided into a Partial one by RowwiseParallel's
+    addmm) and runs the op on the local shards: those allocations are the rank's, recorded one by one because the
+    recorder lets DTensor dispatch first (`dispatches_itself`), as upstream's own MemTracker does
+    (torch/distributed/_tools/mem_tracker.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def patch_api(api: Any) -> None:
+        global _dtensor_types
+        _dtensor_types = (api.DTensor,)
+
+    def patch_sharding_prop(sharding_prop: Any) -> None:
+        propagator = sharding_prop.ShardingPropagator
+        propagate = propagator._propagate_tensor_meta_non_cached
+
+        def propagate_unrecorded(self: Any, op_schema: Any) -> Any:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+            mode = _get_current_dispatch_mode()
+            if mode is None or isinstance(mode, FakeTensorMode) or not getattr(mode, "records_allocations", False):
+                return propagate(self, op_schema)
+            with _pop_mode_temporarily():  # the recorder; the fake mode (an infra mode) stays
+                return propagate(self, op_schema)
+
+        propagator._propagate_tensor_meta_non_cached = propagate_unrecorded
+
+    patch_on_import("torch.distributed.tensor._api", patch_api)
+    patch_on_import("torch.distributed.tensor._sharding_prop", patch_sharding_prop)
+    patch_on_import("torch.distributed._symmetric_memory", _refuse_symmetric_memory)
+
+
+SYMMETRIC_MEMORY_GAP = ("symmetric memory (torch.distributed._symmetric_memory: async tensor parallelism's and "
+                        "SymmetricMemory's peer-to-peer buffers, allocated outside the caching allocator)")
+
+
+def _refuse_symmetric_memory(module: Any) -> None:
+    """Buffers in symmetric memory (`empty`, `rendezvous`, and `get_symm_mem_workspace`, which async TP's fused
+    all-gather-matmul and matmul-reduce-scatter take) come from their own allocator (CUDA virtual memory mapped by
+    every rank of the group), which neither the fake GPU nor the caching allocator's model holds: not modelled,
+    named. Only marking a group (`enable_symm_mem_for_group`) allocates nothing and passes."""
+    from xmem.trace.errors import NotModelled
+
+    def refuse(name: str) -> Any:
+        def not_modelled(*args: Any, **kwargs: Any) -> Any:
+            raise NotModelled(f"{SYMMETRIC_MEMORY_GAP}: {name}")
+        return not_modelled
+
+    for name in ("empty", "rendezvous", "get_symm_mem_workspace"):
+        if hasattr(module, name):
+            setattr(module, name, refuse(f"torch.distributed._symmetric_memory.{name}"))
+
+
+def dispatches_itself(types: Any) -> bool:
+    """Whether an op on tensors of `types` (its __torch_dispatch__ argument) is DTensor's to dispatch first: the
+    recorder returns NotImplemented for it, and DTensor's local ops come back to the recorder."""
+    return bool(_dtensor_types) and any(issubclass(kind, _dtensor_types) for kind in types)
+
+
+def is_wait_tensor(func: Any) -> bool:
+    """`_c10d_functional.wait_tensor`: on a GPU it returns the tensor it waited for (torch/csrc/distributed/c10d/
+    Functional.cpp: wait_tensor), while its meta kernel, which the fake mode runs, allocates a new one
+    (upstream's MemTracker answers it with its input for this reason). Under a fake mode torch's functional
+    collectives wait at once (_functional_collectives._maybe_wrap_tensor: _are_we_tracing), so every all-gather,
+    reduce-scatter and all-reduce of DTensor's redistribution would count its output twice."""
+    global _wait_tensor
+    if _wait_tensor is None:
+        try:
+            _wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+        except (AttributeError, RuntimeError):  # a torch built without distributed
+            _wait_tensor = False
+    return func is _wait_tensor
+
+
+_wait_tensor: Any = None
 
 
 def _patch_fsdp_module_move() -> None:

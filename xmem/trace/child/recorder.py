@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 import xmem.trace.child.fft as fft
+import xmem.trace.child.distributed as distributed
 import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
@@ -287,6 +288,7 @@ class AllocationRecorder(TorchDispatchMode):
         state.gpu_peak = lambda: self.peak_bytes
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
+    records_allocations = True  # how distributed.py tells this mode from others on the stack
     supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -295,10 +297,14 @@ class AllocationRecorder(TorchDispatchMode):
             device = shortcuts.device_of(func, args)
             if device is not shortcuts.NOT_TAKEN:
                 return device
+        if distributed.dispatches_itself(types):
+            return NotImplemented  # DTensor dispatches first; its local ops come back here (see distributed.py)
         if _runs_on_host(args, kwargs):
             # Only what the GPU would hold is fake: host work runs for real, with real values, below the fake mode.
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if distributed.is_wait_tensor(func):
+            return args[0]  # what the GPU's wait_tensor returns (see distributed.py)
         with self._lock:
             try:
                 return self._dispatch(func, args, kwargs)

@@ -1,0 +1,110 @@
+"""Tensor parallelism (and 2-D FSDP x TP) as torchtitan lays it out, launched by torchrun, at toy sizes: a token
+embedding, one feed-forward block (LayerNorm, w1: Linear(D, H), GELU, w2: Linear(H, D), a residual add), a final
+LayerNorm and an output head Linear(D, V, bias=False), trained with AdamW on cross-entropy.
+
+--sp 0: tensor parallelism alone (Megatron style): embedding RowwiseParallel (input Replicate, output Replicate),
+        w1 ColwiseParallel, w2 RowwiseParallel, head ColwiseParallel (output Replicate); no LayerNorm (a plain
+        parameter beside DTensors would not step in one foreach group).
+--sp 1: with sequence parallelism: embedding output Shard(1), the LayerNorms SequenceParallel, the block's input
+        gathered by PrepareModuleInput (Shard(1) -> Replicate), w2's output Shard(1), the head's input Shard(1).
+--loss-parallel 1: the head's output stays sharded on the vocabulary (Shard(-1), a DTensor) and the cross-entropy
+        runs under loss_parallel(), as torchtitan's loss_parallel option does.
+--dp N: a 2-D mesh ("dp", "tp") of N x world/N: TP on "tp", then fully_shard on "dp" for the block and the root.
+--batch, --seq: the token batch (B, S); D, H, V by --dim, --hidden, --vocab.
+"""
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--sp", type=int, default=0)
+parser.add_argument("--dp", type=int, default=1)
+parser.add_argument("--loss-parallel", type=int, default=0)
+parser.add_argument("--batch", type=int, default=2)
+parser.add_argument("--seq", type=int, default=16)
+parser.add_argument("--dim", type=int, default=64)
+parser.add_argument("--hidden", type=int, default=256)
+parser.add_argument("--vocab", type=int, default=512)
+parser.add_argument("--steps", type=int, default=3)
+args = parser.parse_args()
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim) if norm else nn.Identity()
+        self.ffn = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, norm: bool) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.block = Block(dim, hidden, norm)
+        self.norm = nn.LayerNorm(dim) if norm else nn.Identity()
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.tok(tokens))))
+
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+world = dist.get_world_size()
+mesh = init_device_mesh("cuda", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
+tp = mesh["tp"]
+model = Model(args.vocab, args.dim, args.hidden, norm=bool(args.sp)).cuda()
+if args.sp:
+    plan = {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "block.norm": SequenceParallel(),
+        "block.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "block.ffn.w1": ColwiseParallel(),
+        "block.ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if args.loss_parallel else Replicate(),
+                                use_local_output=not args.loss_parallel),
+    }
+else:
+    plan = {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "block.ffn.w1": ColwiseParallel(),
+        "block.ffn.w2": RowwiseParallel(),
+        "head": ColwiseParallel(output_layouts=Shard(-1) if args.loss_parallel else Replicate(),
+                                use_local_output=not args.loss_parallel),
+    }
+parallelize_module(model, tp, plan)
+if args.dp > 1:
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model.block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(args.steps):
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+    logits = model(tokens)
+    with loss_parallel() if args.loss_parallel else contextlib.nullcontext():
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
