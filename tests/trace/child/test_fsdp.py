@@ -432,20 +432,26 @@ def reduce_allocations(result, iteration: int) -> list[int]:
             and e.category != Category.UNSHARDED_PARAMETER and (e.op == "cat" or e.stream != 0)]
 
 
-@pytest.mark.parametrize("config", FSDP1_CONFIGS, ids=lambda c: "-".join(map(str, c)))
-def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_trainable_parameters(config):
-    world, orig, strategy, mp, reduce, frozen = config
-    result = fsdp1_traced(*config)
-    figures = fsdp1_figures(*config)
+def assert_as_fsdp1_figures(result, figures: dict[str, list[int]]) -> None:
+    """The trace holds what `fsdp1_figures` derives: at the first step the sharded flat parameters and gradients
+    (frozen elements' gradients included) and no unsharded parameter (every unit resharded, one without gradients
+    too), the optimizer state of the first step, and a steady iteration's gathers and reduce buffers."""
     held = live_at_first_step(result)
     assert held["parameter"] == figures["parameter"]
-    assert held["gradient"] == figures["gradient"]  # frozen elements' gradients included
-    assert Category.UNSHARDED_PARAMETER not in held  # every unit resharded, the one without gradients too
+    assert held["gradient"] == figures["gradient"]
+    assert Category.UNSHARDED_PARAMETER not in held
     state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
     assert sizes(state) == figures["optimizer_state"]
     assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
     assert unsharded_per_pass(result, 1, "backward") == figures["unsharded_backward"]
     assert reduce_allocations(result, 1) == figures["reduce"]
+
+
+@pytest.mark.parametrize("config", FSDP1_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_trainable_parameters(config):
+    world, orig, strategy, mp, reduce, frozen = config
+    result = fsdp1_traced(*config)
+    assert_as_fsdp1_figures(result, fsdp1_figures(*config))
     reasons = audit(result)
     if orig and frozen != "none" and strategy != "NO_SHARD":
         # the adapters lie at the end of each block's flat parameter: the last rank's shard holds them, rank 0's
@@ -469,18 +475,10 @@ def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
     world, nodes, orig, strategy, mp, reduce = config
     result = fsdp1_traced(world, orig, strategy, mp, reduce, "base", nodes=nodes)
     figures = fsdp1_figures(world, orig, strategy, mp, reduce, "base", nodes=nodes)
-    held = live_at_first_step(result)
-    # each rank keeps 1 / (GPUs per node) of every flat parameter and of its gradient, not 1 / world
-    assert held["parameter"] == figures["parameter"] != fsdp1_figures(world, orig, "FULL_SHARD", mp, reduce,
-                                                                      "base")["parameter"]
-    assert held["gradient"] == figures["gradient"]
-    assert Category.UNSHARDED_PARAMETER not in held
-    state = [e for e in allocs(result, "optimizer_state") if e.iteration == 0]
-    assert sizes(state) == figures["optimizer_state"]
-    assert unsharded_per_pass(result, 1, "forward") == figures["unsharded_forward"]
-    assert unsharded_per_pass(result, 1, "backward") == figures["unsharded_backward"]
-    # the inter-node all-reduce of the sharded gradient is in place: nothing beyond the reduce-scatter's buffers
-    assert reduce_allocations(result, 1) == figures["reduce"]
+    # each rank keeps 1 / (GPUs per node) of every flat parameter and of its gradient, not 1 / world; the inter-node
+    # all-reduce of the sharded gradient is in place: nothing beyond the reduce-scatter's buffers
+    assert figures["parameter"] != fsdp1_figures(world, orig, "FULL_SHARD", mp, reduce, "base")["parameter"]
+    assert_as_fsdp1_figures(result, figures)
     # the adapters lie in the last shard of the node's group: its last rank steps 2 x 2 x 4096 fp32 moments more
     reasons = audit(result)
     assert len(reasons) == 1 and f"rank {world // nodes - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in \
