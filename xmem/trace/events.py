@@ -108,6 +108,9 @@ FACT_STATE_BY_RULE = "the optimizer state its kind requires"
 # A fact no trace can hold (no categories): a value the GPU would not hold was made up, so the traced program may
 # not be the one the GPU would run (a model sized from CPU tensor values).
 FACT_HOST_STAND_IN = "a value of a tensor outside the GPU was a stand-in"
+# DTensor parameters (tensor parallelism, fully_shard's shards), by upstream's placement rule from their global
+# shapes and meshes (xmem.trace.child.facts.dtensor_local_numel)
+FACT_DTENSOR_PARAMETERS = "the DTensor parameters' local shards on this rank, by their placements"
 # FSDP1 units, by upstream's rules from their FlatParamHandles (xmem.trace.child.facts.fsdp1_*)
 FACT_FSDP_PARAMETERS = "the FSDP units' sharded flat parameters"
 FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements included"

@@ -10,6 +10,8 @@ the whole module (2 iterations); the figures are derived by hand from upstream's
 Sizes (tp_block.py's defaults): batch B=2, sequence S=16, model D=64, hidden H=256, vocabulary V=512, fp32; every
 sharded dimension divides by the mesh sizes used here, so no padding."""
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +20,7 @@ from tests.torch_builds import SCRIPTS
 from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.errors import TraceError
-from xmem.trace.events import Category
+from xmem.trace.events import FACT_DTENSOR_PARAMETERS, Category
 
 B, S, D, H, V = 2, 16, 64, 256, 512
 FP32 = 4
@@ -184,6 +186,18 @@ def test_each_rank_holds_its_shards_their_gradients_and_adamw_state(config):
     assert held["gradient"] == figures["gradient"]
     assert allocated(result, Category.OPTIMIZER_STATE, 0) == figures["optimizer_state"]
     assert audit(result) == ()
+
+
+def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
+    plan, world, dp, result = config
+    # every parameter here is a DTensor; no dimension is padded, so the placements' rule gives rank 0's storages
+    facts = [f for f in result.facts if f.what == FACT_DTENSOR_PARAMETERS]
+    assert [(f.device, f.nbytes) for f in facts] == [(0, sum(held_figures(plan, world, dp)["parameter"]))]
+    # a trace that held the shards as something else (or not at all) is suspect, by that fact among others
+    relabelled = copy.copy(result)
+    relabelled.events = [dataclasses.replace(e, category=Category.TEMPORARY) if e.category == Category.PARAMETER
+                         else e for e in result.events]
+    assert any(reason.startswith(FACT_DTENSOR_PARAMETERS) for reason in audit(relabelled))
 
 
 def test_collectives_allocate_what_upstream_redistribution_allocates(config):

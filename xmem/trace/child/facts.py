@@ -152,6 +152,20 @@ def fsdp2_sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(module.parameters()) if is_unit else []
 
 
+def dtensor_local_numel(tensor: torch.Tensor) -> int | None:
+    """Elements of this rank's local shard of a DTensor by upstream's placement rule (torch/distributed/tensor/
+    _utils.py compute_local_shape_and_global_offset: each Shard(d) on a mesh dimension keeps torch.chunk's piece of
+    dimension d for this rank's coordinate, Replicate and Partial the whole), from its global shape, mesh and
+    placements alone; None for any other tensor. Padding (fully_shard keeps its shards in buffers of ceil(rows / N)
+    rows) is not counted: the storages may hold more, never less."""
+    placements, mesh = getattr(tensor, "placements", None), getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None or not hasattr(tensor, "_local_tensor"):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    return math.prod(shape)
+
+
 def fsdp1_shard_numel(handle: Any) -> int:
     """Elements of each rank's shard of the unit's flat parameter (FlatParamHandle._get_shard: torch.chunk over
     the shard group, the last chunks padded to the first's size); the whole of it when not sharded."""
@@ -373,6 +387,7 @@ class FactCollector:
             self.facts += facts_of(FACT_MODEL_STATE, (Category.PARAMETER, Category.BUFFER), model, at,
                                    "parameters and buffers of the modules called before the first step")
             self.facts += self._fsdp1_facts(at)
+            self.facts += self._dtensor_facts(at)
         optimizers = self._seen()
         kinds = ", ".join(type(o).__name__ for o in optimizers)
         params = [p for o in optimizers for p in optimizer_params(o)]
@@ -426,6 +441,27 @@ class FactCollector:
             facts += [Fact(what, (category,), device, count, nbytes, at, rule)
                       for device, (count, nbytes) in sorted(found.items())]
         return facts
+
+    def _dtensor_facts(self, at: int) -> list[Fact]:
+        """What the DTensor parameters of the modules called so far (tensor parallelism's shards, fully_shard's)
+        hold on this rank by their placements (dtensor_local_numel), not by the local tensors the fake run made: a
+        trace whose meshes or shards went wrong holds less than this."""
+        from xmem.trace.events import FACT_DTENSOR_PARAMETERS
+        found: dict[int, list[int]] = {}  # device -> [parameters, bytes]
+        seen: set[int] = set()
+        for root in list(self._roots):
+            for param in root.parameters():
+                local = getattr(param, "_local_tensor", None)
+                if id(param) in seen or local is None or local.device.type != self.device_type:
+                    continue
+                seen.add(id(param))
+                numel = dtensor_local_numel(param)
+                if numel is not None:
+                    total = found.setdefault(local.device.index or 0, [0, 0])
+                    total[0], total[1] = total[0] + 1, total[1] + numel * param.element_size()
+        return [Fact(FACT_DTENSOR_PARAMETERS, (Category.PARAMETER,), device, 0, nbytes, at,
+                     f"compute_local_shape_and_global_offset of {count} DTensor parameter(s)")
+                for device, (count, nbytes) in sorted(found.items()) if nbytes > 0]
 
     def _fullest_rank_state(self, optimizers: list[torch.optim.Optimizer], traced: dict[int, int],
                             at: int) -> list[Fact]:
