@@ -14,6 +14,9 @@ drops it. Options (argv):
   True / False);
 --offload 0|1: the state dict configs' offload_to_cpu, or StateDictOptions(cpu_offload=...);
 --rank0 0|1: FullStateDictConfig(rank0_only=...) (fsdp1, full);
+--optim 0|1: the optimizer's state dict too, beside the model's (FSDP.optim_state_dict under the same
+  state_dict_type, its default optimizer config: offload_to_cpu; or get_optimizer_state_dict with the same options),
+  as accelerate saves both;
 --save torch|dcp: torch.save on rank 0 (full) or per rank (sharded), or torch.distributed.checkpoint.save."""
 import argparse
 import functools
@@ -36,6 +39,7 @@ parser.add_argument("--mp", default="none")
 parser.add_argument("--kind", default="none")
 parser.add_argument("--offload", type=int, default=0)
 parser.add_argument("--rank0", type=int, default=1)
+parser.add_argument("--optim", type=int, default=0)
 parser.add_argument("--save", default="torch")
 args = parser.parse_args()
 
@@ -90,9 +94,11 @@ if args.api == "fsdp1":
         else:
             kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=bool(args.offload))
         with FSDP.state_dict_type(model, kind, config):
-            return model.state_dict()
+            state = model.state_dict()
+            return {"model": state, "optim": FSDP.optim_state_dict(model, optimizer)} if args.optim else state
 else:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.mp == "bf16" else MixedPrecisionPolicy()
     reshard = {"true": True, "false": False}[args.reshard] if args.reshard in ("true", "false") else int(args.reshard)
@@ -102,7 +108,9 @@ else:
 
     def model_state() -> dict:
         options = StateDictOptions(full_state_dict=args.kind == "full", cpu_offload=bool(args.offload))
-        return get_model_state_dict(model, options=options)
+        state = get_model_state_dict(model, options=options)
+        return {"model": state, "optim": get_optimizer_state_dict(model, optimizer, options=options)} if args.optim \
+            else state
 
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 folder = tempfile.mkdtemp()

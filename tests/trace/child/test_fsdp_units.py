@@ -28,12 +28,13 @@ HEAD = [(16, 256), (16,)]
 
 # name -> (world, the script's options); the name says what each trace shows
 CONFIGS = {
-    "fsdp1-w2-ac_inside-bf16-full": (2, ["--api", "fsdp1", "--ac", "inside", "--mp", "bf16", "--kind", "full"]),
+    "fsdp1-w2-ac_inside-bf16-full+optim": (2, ["--api", "fsdp1", "--ac", "inside", "--mp", "bf16", "--kind", "full",
+                                               "--optim", "1"]),
     "fsdp1-w4-ac_around-full_offload": (4, ["--api", "fsdp1", "--ac", "around", "--kind", "full", "--offload", "1"]),
     "fsdp1-w8-sharded": (8, ["--api", "fsdp1", "--kind", "sharded"]),
     "fsdp2-w8-ac_inside-full_offload": (8, ["--api", "fsdp2", "--ac", "inside", "--kind", "full", "--offload", "1"]),
     "fsdp2-w8-reshard_false-sharded": (8, ["--api", "fsdp2", "--reshard", "false", "--kind", "sharded"]),
-    "fsdp2-w8-reshard_2-full": (8, ["--api", "fsdp2", "--reshard", "2", "--kind", "full"]),
+    "fsdp2-w8-reshard_2-full+optim": (8, ["--api", "fsdp2", "--reshard", "2", "--kind", "full", "--optim", "1"]),
 }
 TRACES: dict[str, object] = {}
 
@@ -107,7 +108,7 @@ def inner_allocations(result, phase: str) -> list:
     return [e for e in allocs(result, phase=phase) if e.iteration == 1 and ".inner." in e.module]
 
 
-@on("fsdp1-w2-ac_inside-bf16-full", "fsdp1-w4-ac_around-full_offload", "fsdp2-w8-ac_inside-full_offload")
+@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp2-w8-ac_inside-full_offload")
 def test_activation_checkpointing_in_fsdp_units_recomputes_without_gathering_again(units):
     name, result = units
     world, api = CONFIGS[name][0], option(name, "--api", "")
@@ -163,7 +164,7 @@ def live_unsharded_after_forward(result) -> int:
     return held
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full+optim")
 def test_fsdp2_reshard_after_forward_sets_what_each_block_keeps_until_its_backward(units):
     name, result = units
     reshard = option(name, "--reshard", "true")
@@ -214,7 +215,7 @@ def traced_save(result) -> tuple[list[int], int, int]:
     return replayed([(e.action, e.nbytes) for e in save_events(result)])
 
 
-def fsdp1_save(world: int, kind: str, offload: bool) -> list[tuple[str, int]]:
+def fsdp1_save(world: int, kind: str, offload: bool, optim: bool = False) -> list[tuple[str, int]]:
     """Rank 0's GPU allocations and frees while FSDP1 (use_orig_params) makes a state dict, by upstream's rules:
     - nn.Module.state_dict runs each FSDP module's pre-hook before its children and its post-hook after them, so the
       root unit is unsharded first and resharded last, each block unsharded and resharded in turn inside it
@@ -229,7 +230,14 @@ def fsdp1_save(world: int, kind: str, offload: bool) -> list[tuple[str, int]]:
       tensors; on exit it is allocated again and copied back from the host (_restore_unsharded_flat_param_from_cpu)
       before _reshard frees it: each unit's flat parameter twice, one at a time;
     - SHARDED_STATE_DICT (offload_to_cpu ignored while unsharding): the post-hook keeps rank 0's dim-0 chunk of each
-      parameter, cloned (_shard_utils._create_chunk_sharded_tensor: chunks[rank].clone()), as a ShardedTensor."""
+      parameter, cloned (_shard_utils._create_chunk_sharded_tensor: chunks[rank].clone()), as a ShardedTensor;
+    - the optimizer's state dict (FSDP.optim_state_dict with use_orig_params, its default full config:
+      offload_to_cpu), taken while the model's is held: per unit, in the order of the sorted parameter names (the
+      blocks, then the root's head), _allgather_orig_param_states allocates the unit's padded unsharded flat state
+      (empty: the state's dtype, fp32) and, per tensor state (AdamW's exp_avg, exp_avg_sq), rank 0's flat shard of it
+      (torch.cat of its views' states and of empty padding: ceil(numel / N) elements), which it all-gathers into
+      the flat state; each parameter's view of that is copied to the host (_unflatten_orig_param_states). The second
+      shard is made while the first is still named (local_shard); both and the flat state die when it returns."""
     root, block = flat(HEAD, world), flat(BLOCK, world)
     kept = (lambda shape: numel(shape) * FP32) if kind == "full" else (lambda shape: dim0_chunk(shape, world) * FP32)
     events = [("alloc", root)] + ([("free", root)] if offload else [])  # the root's pre-hook
@@ -239,17 +247,22 @@ def fsdp1_save(world: int, kind: str, offload: bool) -> list[tuple[str, int]]:
         events.append(("free", block))
     if offload:  # the root's post-hook: restored from the host, then resharded
         events += [("alloc", root), ("free", root)]
-    else:  # the root's post-hook: the head's clones, then resharded; the program drops the dict after saving it
+    else:  # the root's post-hook: the head's clones, then resharded
         events += [("alloc", kept(shape)) for shape in HEAD] + [("free", root)]
-        events += [("free", kept(shape)) for shape in BLOCK * 2 + HEAD]
+    for unit in [block, block, root] if optim else []:
+        shard = unit // world
+        events += [("alloc", unit), ("alloc", shard), ("alloc", shard), ("free", shard), ("free", shard),
+                   ("free", unit)]
+    # the program drops the dict after saving it
+    events += [] if offload else [("free", kept(shape)) for shape in BLOCK * 2 + HEAD]
     return events
 
 
-@on("fsdp1-w2-ac_inside-bf16-full", "fsdp1-w4-ac_around-full_offload", "fsdp1-w8-sharded")
+@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp1-w8-sharded")
 def test_fsdp1_state_dict_on_rank_0_gathers_each_unit_in_full_precision_and_keeps_what_upstream_keeps(units):
     name, result = units
     world, kind, offload = CONFIGS[name][0], option(name, "--kind", ""), option(name, "--offload", "0") == "1"
-    made, peak, left = replayed(fsdp1_save(world, kind, offload))
+    made, peak, left = replayed(fsdp1_save(world, kind, offload, optim=option(name, "--optim", "0") == "1"))
     assert traced_save(result) == (made, peak, left)
     assert left == 0  # torch.save keeps no reference: the dict's GPU tensors die with it, before the next batch
     gathers = {e.category for e in save_events(result) if e.action == "alloc" and e.op == "resize_"}
@@ -265,34 +278,37 @@ def test_fsdp1_state_dict_figures_in_one_number_each():
     assert replayed(fsdp1_save(8, "sharded", False))[1] == 4112 * FP32 + 262912 * FP32 + 2 * 262912 // 8 * FP32
 
 
-def fsdp2_save(kind: str, offload: bool) -> list[tuple[str, int]]:
+def fsdp2_save(kind: str, offload: bool, optim: bool = False) -> list[tuple[str, int]]:
     """Rank 0's GPU allocations and frees for FSDP2's state dict, by upstream's rules: model.state_dict() gives the
     sharded DTensor parameters (nothing allocated), and a sharded state dict is that (with cpu_offload, host copies
     of the shards: _offload_state_dict_to_cpu). A full one: _maybe_full_or_cpu_state_dict -> _gather_state_dict
     redistributes each, in the dict's order, from Shard(0) to Replicate: one all-gather output of the whole parameter
     (funcol.all_gather_tensor; dims divide evenly, so no padding and no copy; wait_tensor returns it); with
     cpu_offload (ranks_only=(0,)) _iterate_state_dict replaces it by its host copy (ret.to(cpu)) at once, so it dies
-    there; without, every gathered parameter stays on the GPU until the dict is dropped."""
+    there; without, every gathered parameter stays on the GPU until the dict is dropped. The optimizer's
+    (get_optimizer_state_dict with the same options, after the model's) goes the same way through each parameter's
+    state in the optimizer's order: AdamW's step (a host scalar, nothing), exp_avg and exp_avg_sq (sharded DTensors,
+    each all-gathered whole)."""
     if kind == "sharded":
         return []
+    gathered = [numel(shape) * FP32 for shape in BLOCK * 2 + HEAD]
+    gathered += [n for n in gathered for _moment in range(2)] if optim else []
     events: list[tuple[str, int]] = []
-    for shape in BLOCK * 2 + HEAD:
-        events.append(("alloc", numel(shape) * FP32))
-        if offload:
-            events.append(("free", numel(shape) * FP32))
-    events += [] if offload else [("free", numel(shape) * FP32) for shape in BLOCK * 2 + HEAD]
-    return events
+    for nbytes in gathered:
+        events += [("alloc", nbytes)] + ([("free", nbytes)] if offload else [])
+    return events + ([] if offload else [("free", nbytes) for nbytes in gathered])
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full+optim")
 def test_fsdp2_state_dict_on_rank_0_gathers_each_parameter_whole_when_full(units):
     name, result = units
-    kind, offload = option(name, "--kind", ""), option(name, "--offload", "0") == "1"
-    made, peak, left = replayed(fsdp2_save(kind, offload))
+    kind, offload, optim = option(name, "--kind", ""), option(name, "--offload", "0") == "1", option(name, "--optim",
+                                                                                                 "0") == "1"
+    made, peak, left = replayed(fsdp2_save(kind, offload, optim))
     assert traced_save(result) == (made, peak, left)
-    if kind == "full":  # one parameter at a time, or the whole model
-        assert peak == (max(made) if offload else sum(made)) == (524288 if offload else 2 * 262912 * FP32 + 4112 *
-                                                                 FP32)
+    if kind == "full":  # one parameter at a time, or the whole model (and its two moments)
+        assert peak == (max(made) if offload else sum(made)) == (524288 if offload else (3 if optim else 1) * (
+            2 * 262912 + 4112) * FP32)
         assert all(e.op == "all_gather_into_tensor" for e in save_events(result) if e.action == "alloc")
 
 

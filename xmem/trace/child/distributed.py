@@ -45,6 +45,7 @@ def install(fake: Any) -> None:
     _patch_lightning_launchers()
     _patch_distributed_checkpoint_save()
     _patch_fsdp2_post_forward_shards()
+    _patch_fsdp1_optim_state_dict()
     import torch.nn.parallel
     import torch.nn.parallel.distributed
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
@@ -345,6 +346,87 @@ def _patch_fsdp2_post_forward_shards() -> None:
         param_class.to_sharded_post_forward = to_sharded_post_forward
 
     patch_on_import("torch.distributed.fsdp._fully_shard._fsdp_param", patch)
+
+
+def _patch_fsdp1_optim_state_dict() -> None:
+    """FSDP1's optimizer state dict with use_orig_params (`FSDP.optim_state_dict`, what accelerate saves) learns what
+    the other ranks hold by all_gather_object: the names of the parameters each rank's optimizer has state for
+    (`_optim_utils._map_param_key_to_optim_keys`) and, per unit, each rank's state shapes
+    (`_allgather_state_info`), from which it sizes the flat state it all-gathers. The object collectives' stand-in
+    answers with the traced rank's own objects, which is wrong where the shards differ: a parameter that lies
+    wholly outside rank 0's shard has no state there, upstream found none anywhere and stopped ("... is not in the
+    optimizer state"). Each other rank's answer is made as that rank would make it: its optimizer holds state for
+    every trainable parameter with elements in its shard (a 1-D view of them: `_use_sharded_views`), with the state
+    names, dtypes and scalars of the traced rank's (one optimizer's state looks alike for every parameter)."""
+    current: dict[str, Any] = {}  # the unit being gathered and a state to copy the layout of
+
+    def patch(optim_utils: Any) -> None:
+        map_keys, gather_info = optim_utils._map_param_key_to_optim_keys, optim_utils._allgather_state_info
+        gather_unit = optim_utils._gather_all_orig_param_state
+
+        def map_param_key_to_optim_keys(optim_state_dict: Any, group: Any, param_key_to_param: Any,
+                                        param_to_fqns: Any, fqn_to_fsdp_param_info: Any,
+                                        merge_keys: bool = False) -> Any:
+            keys, local = map_keys(optim_state_dict, group, param_key_to_param, param_to_fqns,
+                                   fqn_to_fsdp_param_info, merge_keys=merge_keys)
+            current["template"] = next((state for state in optim_state_dict["state"].values() if state), None)
+            if merge_keys:  # every trainable FSDP parameter has state on the ranks whose shards hold it
+                keys = sorted({*keys, *(optim_utils._OptimStateKey(tuple(param_to_fqns[param]), True)
+                                        for param in param_key_to_param.values() if param.requires_grad
+                                        and param_to_fqns[param][0] in fqn_to_fsdp_param_info)})
+            return keys, local
+
+        def gather_all_orig_param_state(fsdp_param_info: Any, *args: Any, **kwargs: Any) -> Any:
+            current["unit"] = fsdp_param_info
+            try:
+                return gather_unit(fsdp_param_info, *args, **kwargs)
+            finally:
+                current.pop("unit", None)
+
+        def allgather_state_info(fsdp_state: Any, input_states: dict) -> list:
+            gathered = gather_info(fsdp_state, input_states)  # the traced rank's, for every rank
+            unit, template = current.get("unit"), current.get("template")
+            if unit is None or fsdp_state.world_size < 2:
+                return gathered
+            if template is None:
+                from xmem.trace.errors import NotModelled
+                raise NotModelled("FSDP1's optimizer state dict on a rank whose shards hold no optimizer state")
+            for rank in range(1, fsdp_state.world_size):
+                gathered[rank] = {fqn: _state_info(optim_utils, unit, fqn, rank, template) for fqn in input_states}
+            return gathered
+
+        optim_utils._map_param_key_to_optim_keys = map_param_key_to_optim_keys
+        optim_utils._gather_all_orig_param_state = gather_all_orig_param_state
+        optim_utils._allgather_state_info = allgather_state_info
+
+    patch_on_import("torch.distributed.fsdp._optim_utils", patch)
+
+
+def _state_info(optim_utils: Any, unit: Any, fqn: str, rank: int, template: dict) -> Any:
+    """The StateInfo rank `rank` gives for `fqn` in `_allgather_state_info`: nothing where its shard holds none of
+    the parameter, else the template's state with each tensor of more than 0 dimensions as long as its part."""
+    flat = unit.handle.flat_param
+    shard = flat._sharded_size.numel()
+    begin, end = rank * shard, (rank + 1) * shard  # the rank's range of the padded flat parameter
+    held, offset, index = 0, 0, 0
+    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if not is_padding:
+            if index == unit.param_indices[fqn]:
+                held = max(0, min(offset + numel, end) - max(offset, begin))
+                break
+            index += 1
+        offset += numel
+    info = optim_utils.StateInfo({}, {}, {})
+    if held == 0:
+        return info
+    for name, value in template.items():
+        if not torch.is_tensor(value):
+            info.non_tensors[name] = value
+        elif value.dim() == 0:
+            info.scalar_tensors[name] = value.cpu()
+        else:
+            info.tensors[name] = optim_utils._PosDimTensorInfo(torch.Size([held]), value.dtype)
+    return info
 
 
 def _patch_distributed_checkpoint_save() -> None:
