@@ -33,7 +33,8 @@ CONFIGS = {
     "fsdp1-w4-ac_around-full_offload": (4, ["--api", "fsdp1", "--ac", "around", "--kind", "full", "--offload", "1"]),
     "fsdp1-w8-sharded": (8, ["--api", "fsdp1", "--kind", "sharded"]),
     "fsdp2-w8-ac_inside-full_offload": (8, ["--api", "fsdp2", "--ac", "inside", "--kind", "full", "--offload", "1"]),
-    "fsdp2-w8-reshard_false-sharded": (8, ["--api", "fsdp2", "--reshard", "false", "--kind", "sharded"]),
+    "fsdp2-w8-reshard_false-sharded_offload+optim": (8, ["--api", "fsdp2", "--reshard", "false", "--kind", "sharded",
+                                                         "--offload", "1", "--optim", "1"]),
     "fsdp2-w8-reshard_2-full+optim": (8, ["--api", "fsdp2", "--reshard", "2", "--kind", "full", "--optim", "1"]),
 }
 TRACES: dict[str, object] = {}
@@ -164,7 +165,7 @@ def live_unsharded_after_forward(result) -> int:
     return held
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full+optim")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim")
 def test_fsdp2_reshard_after_forward_sets_what_each_block_keeps_until_its_backward(units):
     name, result = units
     reshard = option(name, "--reshard", "true")
@@ -289,7 +290,7 @@ def fsdp2_save(kind: str, offload: bool, optim: bool = False) -> list[tuple[str,
     (get_optimizer_state_dict with the same options, after the model's) goes the same way through each parameter's
     state in the optimizer's order: AdamW's step (a host scalar, nothing), exp_avg and exp_avg_sq (sharded DTensors,
     each all-gathered whole)."""
-    if kind == "sharded":
+    if kind == "sharded":  # with cpu_offload, host copies of the shards (_offload_state_dict_to_cpu): nothing either
         return []
     gathered = [numel(shape) * FP32 for shape in BLOCK * 2 + HEAD]
     gathered += [n for n in gathered for _moment in range(2)] if optim else []
@@ -299,7 +300,7 @@ def fsdp2_save(kind: str, offload: bool, optim: bool = False) -> list[tuple[str,
     return events + ([] if offload else [("free", nbytes) for nbytes in gathered])
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded", "fsdp2-w8-reshard_2-full+optim")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim")
 def test_fsdp2_state_dict_on_rank_0_gathers_each_parameter_whole_when_full(units):
     name, result = units
     kind, offload, optim = option(name, "--kind", ""), option(name, "--offload", "0") == "1", option(name, "--optim",
