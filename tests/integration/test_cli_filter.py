@@ -142,7 +142,8 @@ def test_the_users_line_is_short_and_only_for_a_job_slurm_took(cluster, sbatch, 
 def users_processes(user) -> str:
     import subprocess
 
-    return subprocess.run(["ps", "-u", user.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
+    # -ww: whole command lines (ps cuts them at 80 columns into a pipe, where "slow.py" never showed)
+    return subprocess.run(["ps", "-ww", "-u", user.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
 
 
 def test_sbatch_killed_mid_estimate_leaves_no_process_and_no_file(cluster, submitter, work):
