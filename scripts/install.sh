@@ -136,12 +136,19 @@ site_install() {
        "XMEM_STORE=$PREFIX/var/lib/records.jsonl"
 }
 
-command -v g++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; }
+command -v g++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 g++ >/dev/null; }
 if [ -n "$PREFIX" ]; then
   site_install
   exit 0
 fi
 read -r extras reqs <<< "$(torch_requirements)"
 # shellcheck disable=SC2086
-make_venv .venv "$extras" $reqs
-if [ "${XMEM_WITH_CPU_BUILD:-0}" = 1 ]; then make_venv .venv-cpu test,bench torch==2.13.0; fi
+if [ "${XMEM_WITH_CPU_BUILD:-0}" = 1 ]; then
+  # Both environments at once: pip installs (and byte-compiles) on one core, so two runs take little more than the
+  # larger one. `wait PID` returns that run's status, so a failing pip still fails the script.
+  make_venv .venv "$extras" $reqs & main_pid=$!
+  make_venv .venv-cpu test,bench torch==2.13.0 & cpu_pid=$!
+  wait "$main_pid"; wait "$cpu_pid"
+else
+  make_venv .venv "$extras" $reqs
+fi
