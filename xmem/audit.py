@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from xmem.trace.events import FACT_STEPPED, Fact, MemEvent, Trace
+from xmem.trace.events import FACT_OFFLOADED, FACT_STEPPED, Fact, MemEvent, Trace
 from xmem.units import MIB
 
 # Facts and trace count the same storages by the same size, so they match exactly when the trace is right; the
@@ -28,7 +28,8 @@ def audit(trace: Trace) -> tuple[str, ...]:
         return ()
     reasons = [reason for fact, held in zip(trace.facts, held_at(trace.events, [f.at_event for f in trace.facts]))
                if (reason := shortfall(fact, held))]
-    if trace.used_cuda and trace.iterations > 0 and not any(f.what == FACT_STEPPED for f in trace.facts):
+    stepped = (FACT_STEPPED, FACT_OFFLOADED)  # a parameter on the GPU, or one a wrapper's offload keeps on the host
+    if trace.used_cuda and trace.iterations > 0 and not any(f.what in stepped for f in trace.facts):
         reasons.append("no parameter on the GPU was stepped by an optimizer, although the trace completed "
                        f"{trace.iterations} step(s) on the GPU")
     if trace.forward_only and trace.unstepped_optimizers:

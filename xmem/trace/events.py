@@ -117,6 +117,11 @@ FACT_FSDP_GRADIENTS = "the FSDP units' sharded gradients, frozen elements includ
 FACT_FULLEST_RANK_STATE = "the optimizer state of the rank whose FSDP shards hold the most trainable elements"
 # DeepSpeed ZeRO's optimizers, by its partition rules from the trainable parameters (xmem.trace.child.facts.zero_*)
 FACT_ZERO_STATE = "the optimizer state of the rank whose ZeRO partitions are the largest"
+# Parameters an optimizer steps on the host because FSDP's or ZeRO's CPU offload keeps them there (0 bytes of the
+# GPU's by upstream's rules: a fact that any trace holds, which tells the audit that a step without a GPU parameter
+# is right)
+FACT_OFFLOADED = "the parameters the optimizers step on the host, offloaded there by their wrapper"
+
 
 
 @dataclass(slots=True)

@@ -17,7 +17,6 @@ from tests.trace.child.test_scripts import allocs, sizes
 from tests.torch_builds import SCRIPTS
 from xmem.audit import audit
 from xmem.trace import run_trace
-from xmem.trace.errors import TraceError
 from xmem.trace.events import Category
 
 FP32, BF16 = 4, 2
@@ -531,10 +530,3 @@ def test_fsdp1_prefetch_settings_set_how_many_units_are_gathered_at_once(config)
     # the root unit stays gathered beside them: the peak of all gathered parameters is theirs and its
     assert peak_live(result, lambda e: e.category == Category.UNSHARDED_PARAMETER, since=1) == \
         root + max(forward, backward) * block
-
-
-def test_fsdp1_cpu_offload_is_not_modelled_and_says_so():
-    # FlatParamHandle.flat_param_to moves each shard to the host by `.data =`, which a fake keeps on its device
-    with pytest.raises(TraceError) as failure:
-        run_trace(["torchrun", "--nproc_per_node=2", str(SCRIPTS / "fsdp1_lora.py"), "--offload", "1"], iterations=2)
-    assert failure.value.kind == "not_modelled" and "CPUOffload(offload_params=True)" in str(failure.value)

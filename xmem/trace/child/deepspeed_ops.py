@@ -6,7 +6,9 @@ not compile: `OpBuilder.load` answers instead, for the ops whose kernels only wr
 allocated before the launch (as `xmem.trace.child.triton_launch` does for Triton): FusedAdam's `multi_tensor_adam`
 (`deepspeed/ops/csrc/adam/multi_tensor_adam.cu`: the multi-tensor apply passes its addresses in the kernel's
 arguments; the moments come from FusedAdam.step's own `zeros_like`). Their calls are checked (every tensor on the
-GPU) and skipped. Any other op (CPUAdam for offload, async_io, the transformer kernels, ...) is not modelled: named.
+GPU) and skipped; so are DeepSpeedCPUAdam's (`cpu_adam`, ZeRO-Offload's optimizer), whose host kernel writes in
+place into host tensors (checked on the host). Any other op (async_io, the transformer kernels, ...) is not
+modelled: named.
 
 Where ZeRO reads GPU values back to decide (overflow and gradient-norm checks, ZeRO-3's rank-0 list broadcasts), the
 checks still run and answer what a real rank 0 with finite gradients gets; accelerate's DummyOptim (the HF
@@ -47,12 +49,29 @@ def _in_place_kernel(op: str, function: str) -> Callable[..., None]:
 # op name (OpBuilder.NAME) -> the functions of its module whose kernels write in place and allocate nothing
 IN_PLACE_OPS = {"fused_adam": ("multi_tensor_adam",)}
 
+# The same for host ops: DeepSpeedCPUAdam (ZeRO's offload_optimizer to the CPU, ZeRO-Offload) steps the fp32
+# partitions ZeRO keeps on the host (`csrc/adam/cpu_adam.cpp`: adam_update writes the parameter and its two moments
+# in place, which DeepSpeedCPUAdam.step made before with zeros_like on the CPU; create_adam and destroy_adam keep the
+# op's host-side settings per optimizer id): every tensor on the host, nothing on the GPU.
+HOST_OPS = {"cpu_adam": ("create_adam", "destroy_adam", "adam_update", "adam_rollback")}
+
+
+def _host_kernel(op: str, function: str) -> Callable[..., None]:
+    def launch(*args: Any) -> None:
+        for tensor in _tensors(args):
+            if tensor.device.type != "cpu":  # the host kernel would read a GPU address
+                raise as_on_a_gpu(RuntimeError(f"{op}.{function}: expected a CPU tensor, got one on {tensor.device}"))
+    launch.__name__ = function
+    return launch
+
 
 def install(builder_module: Any) -> None:
     """Make DeepSpeed's op builders hand out checked-and-skipped launches instead of compiling."""
     op_builder = builder_module.OpBuilder
 
     def load(self: Any, verbose: bool = False) -> Any:
+        if self.name in HOST_OPS:
+            return types.SimpleNamespace(**{name: _host_kernel(self.name, name) for name in HOST_OPS[self.name]})
         functions = IN_PLACE_OPS.get(self.name)
         if functions is None:
             raise NotModelled(f"DeepSpeed's compiled op {self.name} ({type(self).__name__})")

@@ -42,6 +42,7 @@ def install(fake: Any) -> None:
     _patch_dtensor()
     _patch_fsdp_module_move()
     _patch_fsdp_storage_checks()
+    _patch_fsdp_offload()
     _patch_lightning_launchers()
     _patch_distributed_checkpoint_save()
     _patch_fsdp2_post_forward_shards()
@@ -298,20 +299,6 @@ def _patch_fsdp_storage_checks() -> None:
     def patch(flat_param: Any) -> None:
         flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
         flat_param._same_storage = lambda a, b: storage_of(a) == storage_of(b)
-        handle_class = flat_param.FlatParamHandle
-        move = handle_class.flat_param_to
-
-        def flat_param_to(self: Any, *args: Any, **kwargs: Any) -> None:
-            # CPU offload moves the shard to the host by `flat_param.data = ...`: a fake keeps its device, and
-            # the memory it keeps on the host against what the GPU holds is not modelled
-            if self._offload_params:
-                from xmem.trace.errors import NotModelled
-                raise NotModelled("FSDP1 with CPUOffload(offload_params=True): its parameters and gradients kept "
-                                  "on the host")
-            move(self, *args, **kwargs)
-
-        handle_class.flat_param_to = flat_param_to
-
     def patch_runtime(runtime: Any) -> None:
         def catch_all_reshard(state: Any) -> None:
             handle = state._handle
@@ -327,6 +314,244 @@ def _patch_fsdp_storage_checks() -> None:
 
     patch_on_import("torch.distributed.fsdp._flat_param", patch)
     patch_on_import("torch.distributed.fsdp._runtime_utils", patch_runtime)
+
+
+def _patch_fsdp2_post_forward_shards() -> None:
+    """fully_shard(reshard_after_forward=N) keeps, from a unit's forward to its backward, each parameter's 1/N slice
+    of its all-gather output, cloned so that the output can be freed (FSDPParam.to_sharded_post_forward:
+    _sharded_post_forward_param_data), and all-gathers from it again in backward: a partly gathered parameter,
+    labelled as the unsharded parameters are (made by an op in forward, it would be an activation)."""
+
+    def patch(fsdp_param: Any) -> None:
+        param_class = fsdp_param.FSDPParam
+        reshard = param_class.to_sharded_post_forward
+
+        def to_sharded_post_forward(self: Any) -> None:
+            reshard(self)
+            _fake_cuda.on_module_tensor(self._sharded_post_forward_param_data, Category.UNSHARDED_PARAMETER)
+
+        param_class.to_sharded_post_forward = to_sharded_post_forward
+
+    patch_on_import("torch.distributed.fsdp._fully_shard._fsdp_param", patch)
+
+
+def _patch_fsdp1_optim_state_dict() -> None:
+    """FSDP1's optimizer state dict with use_orig_params (`FSDP.optim_state_dict`, what accelerate saves) learns what
+    the other ranks hold by all_gather_object: the names of the parameters each rank's optimizer has state for
+    (`_optim_utils._map_param_key_to_optim_keys`) and, per unit, each rank's state shapes
+    (`_allgather_state_info`), from which it sizes the flat state it all-gathers. The object collectives' stand-in
+    answers with the traced rank's own objects, which is wrong where the shards differ: a parameter that lies
+    wholly outside rank 0's shard has no state there, upstream found none anywhere and stopped ("... is not in the
+    optimizer state"). Each other rank's answer is made as that rank would make it: its optimizer holds state for
+    every trainable parameter with elements in its shard (a 1-D view of them: `_use_sharded_views`), with the state
+    names, dtypes and scalars of the traced rank's (one optimizer's state looks alike for every parameter)."""
+    current: dict[str, Any] = {}  # the unit being gathered and a state to copy the layout of
+
+    def patch(optim_utils: Any) -> None:
+        map_keys, gather_info = optim_utils._map_param_key_to_optim_keys, optim_utils._allgather_state_info
+        gather_unit = optim_utils._gather_all_orig_param_state
+
+        def map_param_key_to_optim_keys(optim_state_dict: Any, group: Any, param_key_to_param: Any,
+                                        param_to_fqns: Any, fqn_to_fsdp_param_info: Any,
+                                        merge_keys: bool = False) -> Any:
+            keys, local = map_keys(optim_state_dict, group, param_key_to_param, param_to_fqns,
+                                   fqn_to_fsdp_param_info, merge_keys=merge_keys)
+            current["template"] = next((state for state in optim_state_dict["state"].values() if state), None)
+            if merge_keys:  # every trainable FSDP parameter has state on the ranks whose shards hold it
+                keys = sorted({*keys, *(optim_utils._OptimStateKey(tuple(param_to_fqns[param]), True)
+                                        for param in param_key_to_param.values() if param.requires_grad
+                                        and param_to_fqns[param][0] in fqn_to_fsdp_param_info)})
+            return keys, local
+
+        def gather_all_orig_param_state(fsdp_param_info: Any, *args: Any, **kwargs: Any) -> Any:
+            current["unit"] = fsdp_param_info
+            try:
+                return gather_unit(fsdp_param_info, *args, **kwargs)
+            finally:
+                current.pop("unit", None)
+
+        def allgather_state_info(fsdp_state: Any, input_states: dict) -> list:
+            gathered = gather_info(fsdp_state, input_states)  # the traced rank's, for every rank
+            unit, template = current.get("unit"), current.get("template")
+            if unit is None or fsdp_state.world_size < 2:
+                return gathered
+            if template is None:
+                from xmem.trace.errors import NotModelled
+                raise NotModelled("FSDP1's optimizer state dict on a rank whose shards hold no optimizer state")
+            for rank in range(1, fsdp_state.world_size):
+                gathered[rank] = {fqn: _state_info(optim_utils, unit, fqn, rank, template) for fqn in input_states}
+            return gathered
+
+        optim_utils._map_param_key_to_optim_keys = map_param_key_to_optim_keys
+        optim_utils._gather_all_orig_param_state = gather_all_orig_param_state
+        optim_utils._allgather_state_info = allgather_state_info
+
+    patch_on_import("torch.distributed.fsdp._optim_utils", patch)
+
+
+def _state_info(optim_utils: Any, unit: Any, fqn: str, rank: int, template: dict) -> Any:
+    """The StateInfo rank `rank` gives for `fqn` in `_allgather_state_info`: nothing where its shard holds none of
+    the parameter, else the template's state with each tensor of more than 0 dimensions as long as its part."""
+    flat = unit.handle.flat_param
+    shard = flat._sharded_size.numel()
+    begin, end = rank * shard, (rank + 1) * shard  # the rank's range of the padded flat parameter
+    held, offset, index = 0, 0, 0
+    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if not is_padding:
+            if index == unit.param_indices[fqn]:
+                held = max(0, min(offset + numel, end) - max(offset, begin))
+                break
+            index += 1
+        offset += numel
+    info = optim_utils.StateInfo({}, {}, {})
+    if held == 0:
+        return info
+    for name, value in template.items():
+        if not torch.is_tensor(value):
+            info.non_tensors[name] = value
+        elif value.dim() == 0:
+            info.scalar_tensors[name] = value.cpu()
+        else:
+            info.tensors[name] = optim_utils._PosDimTensorInfo(torch.Size([held]), value.dtype)
+    return info
+
+
+def _patch_distributed_checkpoint_save() -> None:
+    """torch.distributed.checkpoint's save (and async_save) over more than one rank is not modelled: its
+    coordinator merges every rank's save plan (_DistWrapper.reduce_scatter: gather_object, then
+    DefaultSavePlanner.create_global_plan checks that the ranks' chunks cover each tensor), and the stand-in of
+    gather_object can only give the traced rank's own plan for the others'; its writer copies each GPU tensor's bytes
+    to the host, which a fake tensor has none of. Named, not guessed (the GPU memory of the save itself is the state
+    dict it is given: its host copies are made one tensor at a time)."""
+    import sys
+
+    def patch(saver: Any) -> None:
+        import torch.distributed as dist
+
+        def refuse(original: Any) -> Any:
+            import functools
+
+            @functools.wraps(original)
+            def save(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("no_dist") or not dist.is_initialized() or dist.get_world_size() < 2:
+                    return original(*args, **kwargs)
+                from xmem.trace.errors import NotModelled
+                raise NotModelled(f"torch.distributed.checkpoint.{original.__name__} over {dist.get_world_size()} "
+                                  "ranks (the ranks' merged save plan)")
+            return save
+
+        for name in ("save", "async_save"):
+            if hasattr(saver, name):
+                setattr(saver, name, refuse(getattr(saver, name)))
+
+    def patch_package(checkpoint: Any) -> None:
+        saver = sys.modules["torch.distributed.checkpoint.state_dict_saver"]  # imported by the package
+        for name in ("save", "async_save"):
+            if hasattr(checkpoint, name):
+                setattr(checkpoint, name, getattr(saver, name))
+
+    patch_on_import("torch.distributed.checkpoint.state_dict_saver", patch)
+    patch_on_import("torch.distributed.checkpoint", patch_package)
+
+
+def _patch_fsdp_offload() -> None:
+    """FSDP's CPU offload, FSDP1's `CPUOffload(offload_params=True)` and FSDP2's `CPUOffloadPolicy`, run as upstream
+    runs them; what the GPU holds follows from upstream's own code, with host tensors kept host-side (fakecuda's
+    `.data` assignment takes the device of what it is given):
+    - FSDP1 (_flat_param.py, _runtime_utils.py): the sharded FlatParameter lives on the host (`_local_shard`,
+      pinned), and so does the sharded gradient (`_cpu_grad`, made beside it). Each unshard first copies the host
+      shard to the GPU (`pre_unshard` -> `flat_param_to(device)`), then all-gathers it into the padded unsharded
+      parameter; reshard points the parameter back at the host shard. In backward the unsharded gradient and the
+      reduce-scatter output are on the GPU; the output (`_saved_grad_shard`) is copied into `_cpu_grad`
+      (`_offload_grad`) and kept until the end of backward (`_finalize_params`: `prepare_gradient_for_optim`), when
+      `_cpu_grad` becomes the parameter's gradient: the optimizer steps on the host and makes nothing on the GPU.
+    - FSDP2 (_fully_shard/_fsdp_param.py, _fsdp_collectives.py): `fully_shard` moves the unit's tensors to the GPU
+      (`_move_states_to_device`), shards them there and moves each padded shard to the host (`_init_sharded_param`:
+      `.cpu()`, pinned or not: pinning is host memory). Each all-gather input is the shard copied to the GPU
+      (`all_gather_inputs`: `.to(device)`); each sharded gradient, a view of the reduce-scatter output, is copied
+      to the host (`foreach_reduce`: `.to("cpu")`) and the output freed at once.
+    Upstream's offloaded tensors are host tensors with values; here a unit's host parameters and buffers that are
+    still real become fake host tensors before FSDP takes them (as a model too large for the host budget is built),
+    so that FSDP's moves between host and GPU keep one object, as they do on a GPU; host code that reads their
+    values gets stand-ins."""
+
+    def become_fake_host_tensors(modules: list[nn.Module], keep: set[int]) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if mode is None:
+            return
+
+        def to_fake(tensor: torch.Tensor) -> torch.Tensor:
+            if (isinstance(tensor, FakeTensor) or id(tensor) in keep or tensor.device.type != "cpu"
+                    or type(tensor) not in (torch.Tensor, nn.Parameter)):
+                return tensor
+            with unset_fake_temporarily():
+                return mode.from_tensor(tensor.detach())
+
+        for module in modules:
+            module._apply(to_fake, recurse=False)  # the fake-aware _apply: replaced, optimizers rebound
+
+    def patch_fsdp1(fsdp_file: Any) -> None:
+        init_handle = fsdp_file._init_param_handle_from_module  # _init_utils', as FullyShardedDataParallel calls it
+
+        def init_handle_offloaded(state: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if state.cpu_offload.offload_params:
+                nested = fsdp_file.FullyShardedDataParallel
+                managed, queue = [], [module]
+                while queue:  # as upstream walks a unit's modules: not into nested FSDP instances
+                    current = queue.pop()
+                    managed.append(current)
+                    queue.extend(child for child in current.children() if not isinstance(child, nested))
+                become_fake_host_tensors(managed, {id(p) for p in state._ignored_params})
+            return init_handle(state, module, *args, **kwargs)
+
+        fsdp_file._init_param_handle_from_module = init_handle_offloaded
+
+    def patch_fsdp2(fsdp_init: Any) -> None:
+        managed_states = fsdp_init._get_managed_states
+
+        def managed_states_fake_on_host(modules: list[nn.Module], ignored_params: Any = None, *args: Any,
+                                        **kwargs: Any) -> Any:
+            # a host model's tensors, which `_move_states_to_device` then moves by `.data =` (a real tensor cannot
+            # take fake GPU data; a unit built on the GPU or on meta is left as it is)
+            become_fake_host_tensors(list(modules), {id(p) for p in ignored_params or ()})
+            return managed_states(modules, ignored_params, *args, **kwargs)
+
+        fsdp_init._get_managed_states = managed_states_fake_on_host
+
+    def gathering(tensor: torch.Tensor) -> None:
+        """The GPU copy of an offloaded shard, made to be all-gathered: with what FSDP gathers in the breakdown."""
+        if tensor.device.type == "cuda":
+            _fake_cuda.on_module_tensor(tensor, Category.UNSHARDED_PARAMETER)
+
+    def label_fsdp1_copy_in(flat_param_module: Any) -> None:
+        handle_class = flat_param_module.FlatParamHandle
+        pre_unshard = handle_class.pre_unshard
+
+        def pre_unshard_labelled(self: Any) -> bool:
+            ran = pre_unshard(self)
+            if self._offload_params:
+                gathering(self.flat_param)
+            return ran
+
+        handle_class.pre_unshard = pre_unshard_labelled
+
+    def label_fsdp2_copy_in(fsdp_param: Any) -> None:
+        inputs = fsdp_param.FSDPParam.all_gather_inputs
+
+        def all_gather_inputs(self: Any) -> list[torch.Tensor]:
+            tensors = inputs.fget(self)
+            if self.offload_to_cpu:
+                for tensor in tensors:
+                    gathering(tensor)
+            return tensors
+
+        fsdp_param.FSDPParam.all_gather_inputs = property(all_gather_inputs)
+
+    patch_on_import("torch.distributed.fsdp.fully_sharded_data_parallel", patch_fsdp1)
+    patch_on_import("torch.distributed.fsdp._fully_shard._fsdp_init", patch_fsdp2)
+    patch_on_import("torch.distributed.fsdp._flat_param", label_fsdp1_copy_in)
+    patch_on_import("torch.distributed.fsdp._fully_shard._fsdp_param", label_fsdp2_copy_in)
 
 
 def _patch_fsdp2_post_forward_shards() -> None:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from xmem.trace.events import (FACT_BATCH, FACT_FSDP_GRADIENTS, FACT_FSDP_PARAMETERS, FACT_FULLEST_RANK_STATE,
                                FACT_GRADIENTS, FACT_HOST_STAND_IN, FACT_MODEL_STATE, FACT_STATE,
-                               FACT_STATE_BY_RULE, FACT_STEPPED, FACT_ZERO_STATE, Category, Fact)
+                               FACT_OFFLOADED, FACT_STATE_BY_RULE, FACT_STEPPED, FACT_ZERO_STATE, Category, Fact)
 from xmem.trace.child.on_import import patch_on_import
 
 # Trace categories a batch may carry: anything but model and optimizer state (a batch made on the GPU is born
@@ -196,6 +196,23 @@ def fsdp1_trainable_per_rank(handle: Any) -> list[int]:
     ranks = handle.world_size if handle.uses_sharded_strategy else 1
     return [sum(max(0, min(end, (r + 1) * shard) - max(begin, r * shard)) for begin, end in trainable)
             for r in range(ranks)]
+
+
+def offloaded_shards(roots: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The host tensors in which FSDP's CPU offload keeps the units' shards inside the module trees `roots`, which
+    an optimizer steps on the host: FSDP1's FlatParameter of each handle with `_offload_params` and, with
+    use_orig_params, the original parameters viewing it; FSDP2's sharded parameters whose FSDPParam has
+    `offload_to_cpu`."""
+    found: list[torch.Tensor] = []
+    for handle in fsdp1_units(roots):
+        if handle._offload_params:
+            found += [handle.flat_param, *(handle.flat_param._params or ())]
+    for root in roots:
+        for module in root.modules():
+            if fsdp2_sharded_parameters(module):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    found += [p.sharded_param for p in group.fsdp_params if p.offload_to_cpu]
+    return found
 
 
 def fsdp1_units(roots: Iterable[torch.nn.Module]) -> list[Any]:
@@ -393,6 +410,7 @@ class FactCollector:
         params = [p for o in optimizers for p in optimizer_params(o)]
         self.facts += facts_of(FACT_STEPPED, (Category.PARAMETER,), storages(params, self.device_type), at,
                                f"param_groups of {kinds}")
+        self.facts += self._offloaded(params, kinds, at)
         grads = storages((p.grad for p in params), self.device_type)
         self.facts += facts_of(FACT_GRADIENTS, (Category.GRADIENT,), grads, at, f".grad of the parameters of {kinds}")
 
@@ -417,6 +435,22 @@ class FactCollector:
                        for device, nbytes in sorted(by_device.items()) if nbytes > 0]
         self.facts += self._fullest_rank_state(optimizers, by_device, at)
         self.facts += self._zero_state(optimizers, at)
+
+    def _offloaded(self, params: list[torch.Tensor], kinds: str, at: int) -> list[Fact]:
+        """FACT_OFFLOADED when the optimizers step host tensors that a wrapper's CPU offload keeps there: FSDP's
+        host shards (offloaded_shards) or the fp32 partitions of a ZeRO optimizer offloading its optimizer
+        (stage_1_and_2's `cpu_offload`, stage3's `offload_optimizer`): by upstream's rules none of them is on the
+        GPU at the step."""
+        wrappers = {id(t): "FSDP's CPU offload" for t in offloaded_shards(list(self._roots))}
+        for zero in list(self._zero):
+            if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
+                wrappers.update({id(t): f"{type(zero).__name__}'s offload_optimizer"
+                                 for t in optimizer_params(zero.optimizer)})
+        host = [wrappers[id(p)] for p in params if id(p) in wrappers and p.device.type != self.device_type]
+        if not host:
+            return []
+        return [Fact(FACT_OFFLOADED, (Category.PARAMETER,), 0, 0, 0, at,
+                     f"{len(host)} parameter(s) of {kinds}: {', '.join(dict.fromkeys(host))}")]
 
     def _fsdp1_facts(self, at: int) -> list[Fact]:
         """What each FSDP1 unit keeps on this rank by upstream's rules, from its FlatParamHandle: the sharded flat

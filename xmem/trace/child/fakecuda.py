@@ -201,6 +201,7 @@ def install(fake: FakeCuda) -> None:
     _patch_optimizer_defaults(fake)
     _patch_torch_cuda(fake)
     _patch_tensor_and_data(fake)
+    _data_assignment_takes_its_device()
     _patch_grad_scaler(fake)
     _patch_cuda_data_functions()
     attention.install(fake)
@@ -421,6 +422,22 @@ def _patch_tensor_and_data(fake: FakeCuda) -> None:
         loader_init(self, *args, **kwargs)
 
     torch.utils.data.DataLoader.__init__ = single_process_loader_init
+
+
+def _data_assignment_takes_its_device() -> None:
+    """`tensor.data = other` makes `tensor` `other`'s tensor, device included (TensorImpl::set_data shallow-copies
+    the impl). A FakeTensor's device is a Python attribute (`fake_device`) that set_data leaves as it was, so a GPU
+    fake given host data (`.data = t.cpu()`: FSDP's CPU offload moves its flat parameter, its views and their
+    gradients so, back and forth) still said cuda, and every op on it made GPU memory. Here the fake takes the
+    device of the fake it is given."""
+    data = torch._C.TensorBase.data
+
+    def set_data(self: FakeTensor, new: torch.Tensor) -> None:
+        data.__set__(self, new)
+        if isinstance(new, FakeTensor):
+            self.fake_device = new.fake_device
+
+    FakeTensor.data = property(lambda self: data.__get__(self, type(self)), set_data)
 
 
 def _patch_grad_scaler(fake: FakeCuda) -> None:
