@@ -10,6 +10,9 @@ LayerNorm and an output head Linear(D, V, bias=False), trained with AdamW on cro
 --loss-parallel 1: the head's output stays sharded on the vocabulary (Shard(-1), a DTensor) and the cross-entropy
         runs under loss_parallel(), as torchtitan's loss_parallel option does.
 --dp N: a 2-D mesh ("dp", "tp") of N x world/N: TP on "tp", then fully_shard on "dp" for the block and the root.
+--meta 1: built on the meta device and materialised after sharding (to_empty, then reset_parameters), as
+        torchtitan initialises: no rank ever holds a whole parameter.
+--dropout P: dropout on the sequence-parallel (DTensor) output of the block's norm (SequenceParallel only).
 --batch, --seq: the token batch (B, S); D, H, V by --dim, --hidden, --vocab.
 """
 import argparse
@@ -29,6 +32,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--sp", type=int, default=0)
 parser.add_argument("--dp", type=int, default=1)
 parser.add_argument("--loss-parallel", type=int, default=0)
+parser.add_argument("--meta", type=int, default=0)
+parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--dim", type=int, default=64)
@@ -52,10 +57,11 @@ class Block(nn.Module):
     def __init__(self, dim: int, hidden: int, norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim) if norm else nn.Identity()
+        self.dropout = nn.Dropout(args.dropout)
         self.ffn = FeedForward(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ffn(self.norm(x))
+        return x + self.ffn(self.dropout(self.norm(x)))
 
 
 class Model(nn.Module):
@@ -75,11 +81,13 @@ torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 world = dist.get_world_size()
 mesh = init_device_mesh("cuda", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
 tp = mesh["tp"]
-model = Model(args.vocab, args.dim, args.hidden, norm=bool(args.sp)).cuda()
+with torch.device("meta" if args.meta else "cuda"):
+    model = Model(args.vocab, args.dim, args.hidden, norm=bool(args.sp))
 if args.sp:
     plan = {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "block.norm": SequenceParallel(),
+        "block.dropout": SequenceParallel(),
         "block.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "block.ffn.w1": ColwiseParallel(),
         "block.ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
@@ -100,6 +108,11 @@ if args.dp > 1:
     from torch.distributed.fsdp import fully_shard
     fully_shard(model.block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+if args.meta:
+    model.to_empty(device="cuda")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for step in range(args.steps):
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")

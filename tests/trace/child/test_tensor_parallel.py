@@ -27,16 +27,19 @@ FP32 = 4
 ACTIVATION = B * S * D * FP32  # one (B, S, D) activation
 LOGITS = B * S * V * FP32  # the whole (B, S, V) logits
 
-# (plan, world, data-parallel size): "tp" tensor parallelism alone; "sp" with sequence parallelism; "lp" sequence
-# parallelism with the loss computed on vocabulary-sharded logits (loss_parallel); "2d" sequence parallelism on the
-# mesh's "tp" dimension and fully_shard over its "dp" dimension (torchtitan's FSDP x TP)
-CONFIGS = [("tp", 2, 1), ("tp", 8, 1), ("lp", 4, 1), ("2d", 4, 2), ("2d", 8, 2)]
+# (plan, world, data-parallel size, more options): "tp" tensor parallelism alone; "lp" sequence parallelism (with a
+# dropout on the sequence-sharded norm output: a DTensor random op) and the loss computed on vocabulary-sharded
+# logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard over its "dp"
+# dimension (torchtitan's FSDP x TP), at world 8 built on the meta device and materialised after sharding, as
+# torchtitan initialises
+CONFIGS = [("tp", 2, 1, ()), ("tp", 8, 1, ()), ("lp", 4, 1, ("--dropout", "0.1")), ("2d", 4, 2, ()),
+           ("2d", 8, 2, ("--meta", "1"))]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-world{c[1]}")
 def config(request):
-    plan, world, dp = request.param
-    options = ["--sp", str(int(plan != "tp")), "--dp", str(dp), "--loss-parallel", str(int(plan == "lp"))]
+    plan, world, dp, more = request.param
+    options = ["--sp", str(int(plan != "tp")), "--dp", str(dp), "--loss-parallel", str(int(plan == "lp")), *more]
     result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "tp_block.py"), *options],
                        iterations=2)
     return plan, world, dp, result
@@ -186,6 +189,24 @@ def test_each_rank_holds_its_shards_their_gradients_and_adamw_state(config):
     assert held["gradient"] == figures["gradient"]
     assert allocated(result, Category.OPTIMIZER_STATE, 0) == figures["optimizer_state"]
     assert audit(result) == ()
+    meta = world == 8 and dp > 1
+    if meta:  # built on meta: each parameter is made once, as its shard
+        made = sorted(e.nbytes for e in result.events if e.action == "alloc" and e.category == Category.PARAMETER)
+        assert made == figures["parameter"]
+    # built on the GPU, the whole embedding (V x D) exists before distribute_tensor cuts it; from meta, never
+    before = [e.nbytes for e in result.events if e.action == "alloc" and e.iteration < 0]
+    assert (V * D * FP32 in before) == (not meta)
+
+
+def test_dropout_on_a_sequence_shard_draws_its_mask_locally(config):
+    plan, world, dp, result = config
+    if plan != "lp":
+        pytest.skip("no dropout in this configuration")
+    # SequenceParallel on the dropout: native_dropout on the local (B, S / tp, D) shard, run by DTensor's RNG
+    # tracker (OffsetBasedRNGTracker: run_dtensor_rng_op), its fp32 output and its bool mask
+    drawn = [e.nbytes for e in result.events if e.action == "alloc" and e.iteration == 1 and e.phase == "forward"
+             and e.op == "run_dtensor_rng_op"]
+    assert drawn == [ACTIVATION // world, ACTIVATION // world // FP32]
 
 
 def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
