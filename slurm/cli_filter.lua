@@ -236,7 +236,10 @@ function slurm_cli_pre_submit(options, pack_offset)
           ',"hetjob":', hetjob_on_command_line() and "true" or "false",
           ',"user":', json_string(os.getenv("USER")), ',"env":', slurm.json_env() or "{}", '}')
   f:close()
-  local cmd = command_prefix() .. "timeout " .. TIMEOUT_S .. " " .. FILTER .. " --request " .. shquote(input) ..
+  -- The filter's stderr is /dev/null. Only when sbatch's stderr is a terminal does the filter get a copy of it (fd 3,
+  -- named by XMEM_PROGRESS_FD), for its progress line during an estimate that is not cached (xmem.slurm.inline).
+  local cmd = "p=; if [ -t 2 ]; then exec 3>&2; p=3; fi; XMEM_PROGRESS_FD=$p " .. command_prefix() ..
+              "timeout " .. TIMEOUT_S .. " " .. FILTER .. " --request " .. shquote(input) ..
               (own_pid() and (" --sbatch-pid " .. own_pid()) or "") .. " </dev/null 2>/dev/null; echo \"exit=$?\""
   local p = io.popen(cmd)
   local out = p and p:read("*a") or ""

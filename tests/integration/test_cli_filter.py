@@ -185,6 +185,8 @@ def test_an_edited_cache_entry_slurm_would_refuse_is_not_used(cluster, sbatch, w
     assert first.returncode == 0, first.stderr
     want = cluster.job(first.job_id)["TresPerNode"]
     (entry,) = cluster.analyses(user) - before
+    # estimated now, with stderr a pipe: no progress line (test_progress.py: on a terminal), the one line as before
+    assert first.stderr.startswith("xmem-slurm: ") and "estimating" not in first.stderr and "\r" not in first.stderr
     data = json.loads(entry.read_text())
     assert data["decision"]["gres"] == want.removeprefix("gres:")
     data["decision"]["gres"] = "gpu:8,mps:100"

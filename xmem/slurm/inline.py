@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +141,7 @@ def cached_analysis(script: str, request: FilterRequest, config: SiteConfig, *, 
     hit = cache_hit(cache, key, usable)
     if hit is not None:
         return hit
-    with slots() if slots else contextlib.nullcontext():
+    with estimate_progress(script, request, config), slots() if slots else contextlib.nullcontext():
         hit = cache_hit(cache, key, usable)  # a burst of the same job: the first slot holder's result serves the others
         if hit is not None:
             return hit
@@ -168,3 +171,119 @@ def _same_files(key: str, script: str, request: FilterRequest, config_digest: st
         return key_for(script, request, config_digest, list(files)) == key
     except OSError:
         return False
+
+
+# --- the wait, on the submitter's terminal ------------------------------------------------------------------------
+
+# Set by cli_filter.lua to the descriptor that holds sbatch's own stderr, only when that is a terminal (the filter's
+# stderr is /dev/null: nothing it prints by accident reaches the user or the job).
+PROGRESS_FD_ENV = "XMEM_PROGRESS_FD"
+TICK_S = 1.0
+
+
+@contextlib.contextmanager
+def estimate_progress(script: str, request: FilterRequest, config: SiteConfig) -> Iterator[None]:
+    """While a submission waits for an estimate (a cache miss: an estimate slot, then the trace), one line on
+    sbatch's terminal, its seconds counted in place and ended with a newline before sbatch goes on (the line stays:
+    it says why this sbatch took long). Nothing when sbatch's stderr is not a terminal, under `sbatch --quiet`, or
+    outside cli_filter.lua. Every write is the ticker thread's, which blocks SIGTTOU (a background write to a
+    `stty tostop` terminal would otherwise stop the filter): a terminal that does not take the text (paused,
+    gone) costs the submission at most `TICK_S`, never the estimate."""
+    fd = _progress_terminal(request)
+    if fd is None:
+        yield
+        return
+    name = "the --wrap command" if request.script is None else os.path.basename(script)
+    ticker = _Ticker(fd, name, getattr(getattr(config, "estimate", None), "timeout_s", None))
+    restore = _sigterm_exits()  # a `timeout` kill ends the line too (the Lua side's notice then starts a new one)
+    ticker.start()
+    try:
+        yield
+    finally:
+        ticker.stop()
+        restore()
+
+
+def _progress_terminal(request: FilterRequest) -> int | None:
+    """A private (close-on-exec) copy of the descriptor cli_filter.lua passed, if it is a terminal and progress is
+    wanted; the passed one is closed, so no process this filter starts holds the user's terminal."""
+    value = os.environ.pop(PROGRESS_FD_ENV, "")
+    if not value.isdigit():
+        return None
+    passed = int(value)
+    try:
+        if request.options.get("quiet") in (None, "", "0") and os.isatty(passed):  # "0": no --quiet
+            return os.dup(passed)
+        return None
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(passed)
+
+
+def _sigterm_exits() -> Callable[[], None]:
+    """SIGTERM raises SystemExit until the returned function is called (what xmem.trace.runner.sigterm_raises does
+    during a trace, here also during the wait for a slot), so that the line is ended. Only where it is ours to change:
+    the main thread, SIGTERM's default action."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+class _Ticker:
+    """The progress line's thread: `\r` and the line with the seconds so far, once a second, then a newline."""
+
+    def __init__(self, fd: int, name: str, limit_s: float | None) -> None:
+        self.fd, self.name, self.limit_s = fd, name, limit_s
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="xmem-progress", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(TICK_S)
+
+    def line(self) -> str:
+        """The line now, never wider than the terminal (`\r` returns to the start of the last row only): the
+        script's name is shortened, then left out, before the seconds are."""
+        try:
+            width = os.get_terminal_size(self.fd).columns or 80
+        except OSError:
+            width = 80
+        seconds = int(time.monotonic() - self.started)
+        limit = f", at most {self.limit_s:.0f} s" if self.limit_s else ""
+        tail = f" (not cached{limit})... {seconds} s"
+        room = width - 1 - len("xmem-slurm: estimating GPU memory of ") - len(tail)
+        name = self.name if len(self.name) <= room else "..." + self.name[len(self.name) - room + 3:]
+        short = f"xmem-slurm: estimating... {seconds} s"
+        lines = [f"xmem-slurm: estimating GPU memory of {name}{tail}"] if room >= 8 or name == self.name else []
+        lines += [f"xmem-slurm: estimating GPU memory{tail}", short]
+        return next((line for line in lines if len(line) < width), short[:width - 1])
+
+    def _run(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+        try:
+            while True:
+                self._write("\r" + self.line())
+                if self.done.wait(TICK_S):
+                    break
+            self._write("\r" + self.line() + "\n")
+        except OSError:
+            pass  # the terminal is gone: the submission goes on without the line
+        finally:
+            os.close(self.fd)
+
+    def _write(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")
+        while data:
+            data = data[os.write(self.fd, data):]
+
