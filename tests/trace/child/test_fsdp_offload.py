@@ -275,3 +275,15 @@ def test_zero3_offload_param_gathers_each_parameter_from_its_host_partition(zero
     # and released within the iteration: nothing of them is on the GPU between steps
     freed = {e.block for e in steady if e.action == "free"}
     assert all(e.block in freed for e in gathered)
+    # the peak: as weight 0's gradient partition is normed, in L0's backward. Gathered: the biases (ds_persist:
+    # numel <= stage3_param_persistence_threshold, 1000) and weight 0 (kept from its forward to its backward: once
+    # the coordinator's trace is complete it releases a module's parameters only if they do not recur within
+    # stage3_max_reuse_distance, 1e9 elements); the reduce bucket (reduce_bucket_size in bf16, made once);
+    # autograd's gradients of weight 0 and bias 0; partition_grads' GPU copy of weight 0's gradient partition
+    # (grad_buffer.to(device), after its copy into the host buffer) and _constant_buffered_norm2's fp64 copy of it;
+    # three fp64 norms (weight 2's and bias 2's kept in norm_for_param_grads, weight 0's being taken); the loss,
+    # the engine's two scalars of it and its ones_like
+    w0, b0 = DS_PARAMS[0], DS_PARAMS[1]
+    part = math.ceil(w0 / world)
+    assert steady_peak(result) == ((DS_PARAMS[1] + DS_PARAMS[3]) * BF16 + REDUCE_BUCKET * BF16 + w0 * BF16
+                                   + (w0 + b0) * BF16 + part * BF16 + part * FP64 + 3 * FP64 + 4 * FP32)
