@@ -13,6 +13,9 @@ LayerNorm and an output head Linear(D, V, bias=False), trained with AdamW on cro
 --meta 1: built on the meta device and materialised after sharding (to_empty, then reset_parameters), as
         torchtitan initialises: no rank ever holds a whole parameter.
 --dropout P: dropout on the sequence-parallel (DTensor) output of the block's norm (SequenceParallel only).
+--fake-world N: run alone as rank 0 of a world of N over torch's fake process group (its collectives do nothing;
+        every buffer is still allocated), started as `python tp_block.py`: rank 0's memory on one real GPU, for a
+        GPU check of the traced figures (the data are meaningless, the allocations are rank 0's).
 --batch, --seq: the token batch (B, S); D, H, V by --dim, --hidden, --vocab.
 """
 import argparse
@@ -34,6 +37,7 @@ parser.add_argument("--dp", type=int, default=1)
 parser.add_argument("--loss-parallel", type=int, default=0)
 parser.add_argument("--meta", type=int, default=0)
 parser.add_argument("--dropout", type=float, default=0.0)
+parser.add_argument("--fake-world", type=int, default=0)
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--dim", type=int, default=64)
@@ -76,8 +80,13 @@ class Model(nn.Module):
         return self.head(self.norm(self.block(self.tok(tokens))))
 
 
-dist.init_process_group("nccl")
-torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+if args.fake_world:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    torch.cuda.set_device(0)
+else:
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 world = dist.get_world_size()
 mesh = init_device_mesh("cuda", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
 tp = mesh["tp"]

@@ -31,8 +31,10 @@ LOGITS = B * S * V * FP32  # the whole (B, S, V) logits
 # dropout on the sequence-sharded norm output: a DTensor random op) and the loss computed on vocabulary-sharded
 # logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard over its "dp"
 # dimension (torchtitan's FSDP x TP), at world 8 built on the meta device and materialised after sharding, as
-# torchtitan initialises
-CONFIGS = [("tp", 2, 1, ()), ("tp", 8, 1, ()), ("lp", 4, 1, ("--dropout", "0.1")), ("2d", 4, 2, ()),
+# torchtitan initialises. TP at world 8 runs as `python tp_block.py --fake-world 8` (rank 0 alone over torch's fake
+# process group, no launcher): the form in which one real GPU can measure rank 0's memory; it must give the figures
+# a torchrun launch gives
+CONFIGS = [("tp", 2, 1, ()), ("tp", 8, 1, ("--fake-world", "8")), ("lp", 4, 1, ("--dropout", "0.1")), ("2d", 4, 2, ()),
            ("2d", 8, 2, ("--meta", "1"))]
 
 
@@ -40,8 +42,8 @@ CONFIGS = [("tp", 2, 1, ()), ("tp", 8, 1, ()), ("lp", 4, 1, ("--dropout", "0.1")
 def config(request):
     plan, world, dp, more = request.param
     options = ["--sp", str(int(plan != "tp")), "--dp", str(dp), "--loss-parallel", str(int(plan == "lp")), *more]
-    result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "tp_block.py"), *options],
-                       iterations=2)
+    launcher = ["python"] if "--fake-world" in more else ["torchrun", f"--nproc_per_node={world}"]
+    result = run_trace([*launcher, str(SCRIPTS / "tp_block.py"), *options], iterations=2)
     return plan, world, dp, result
 
 
