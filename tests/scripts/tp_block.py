@@ -10,6 +10,8 @@ LayerNorm and an output head Linear(D, V, bias=False), trained with AdamW on cro
 --loss-parallel 1: the head's output stays sharded on the vocabulary (Shard(-1), a DTensor) and the cross-entropy
         runs under loss_parallel(), as torchtitan's loss_parallel option does.
 --dp N: a 2-D mesh ("dp", "tp") of N x world/N: TP on "tp", then fully_shard on "dp" for the block and the root.
+--replicate R: with --dp, a 3-D mesh ("replicate", "dp", "tp") of R x N x world/(R N): fully_shard on the 2-D
+        ("replicate", "dp") mesh (HSDP: replicated across R groups, sharded within each), TP on "tp".
 --meta 1: built on the meta device and materialised after sharding (to_empty, then reset_parameters), as
         torchtitan initialises: no rank ever holds a whole parameter.
 --dropout P: dropout on the sequence-parallel (DTensor) output of the block's norm (SequenceParallel only).
@@ -38,6 +40,7 @@ parser.add_argument("--loss-parallel", type=int, default=0)
 parser.add_argument("--meta", type=int, default=0)
 parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--fake-world", type=int, default=0)
+parser.add_argument("--replicate", type=int, default=1)
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--dim", type=int, default=64)
@@ -88,7 +91,8 @@ else:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 world = dist.get_world_size()
-mesh = init_device_mesh("cuda", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
+mesh = init_device_mesh("cuda", (args.replicate, args.dp, world // args.dp // args.replicate),
+                        mesh_dim_names=("replicate", "dp", "tp"))
 tp = mesh["tp"]
 with torch.device("meta" if args.meta else "cuda"):
     model = Model(args.vocab, args.dim, args.hidden, norm=bool(args.sp))
@@ -115,8 +119,9 @@ else:
 parallelize_module(model, tp, plan)
 if args.dp > 1:
     from torch.distributed.fsdp import fully_shard
-    fully_shard(model.block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    data_parallel = mesh["replicate", "dp"] if args.replicate > 1 else mesh["dp"]
+    fully_shard(model.block, mesh=data_parallel)
+    fully_shard(model, mesh=data_parallel)
 if args.meta:
     model.to_empty(device="cuda")
     for module in model.modules():

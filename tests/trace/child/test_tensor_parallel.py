@@ -27,24 +27,26 @@ FP32 = 4
 ACTIVATION = B * S * D * FP32  # one (B, S, D) activation
 LOGITS = B * S * V * FP32  # the whole (B, S, V) logits
 
-# (plan, world, data-parallel size, more options): "tp" tensor parallelism alone; "lp" sequence parallelism (with a
-# dropout on the sequence-sharded norm output: a DTensor random op) and the loss computed on vocabulary-sharded
-# logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard over its "dp"
-# dimension (torchtitan's FSDP x TP), at world 8 built on the meta device and materialised after sharding, as
-# torchtitan initialises. TP at world 8 runs as `python tp_block.py --fake-world 8` (rank 0 alone over torch's fake
+# (plan, world, fully_shard's shard group, its replicas, more options): "tp" tensor parallelism alone; "lp" sequence
+# parallelism (with a dropout on the sequence-sharded norm output: a DTensor random op) and the loss computed on
+# vocabulary-sharded logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard
+# over its "dp" dimension (torchtitan's FSDP x TP); "3d" the same with fully_shard over a 2-D ("replicate", "dp")
+# mesh (HSDP x TP: each rank holds what it holds in the dp x tp world of one replica; the replicas' gradients are
+# all-reduced in place), built on the meta device and materialised after sharding, as torchtitan initialises. TP at world 8 runs as `python tp_block.py --fake-world 8` (rank 0 alone over torch's fake
 # process group, no launcher): the form in which one real GPU can measure rank 0's memory; it must give the figures
 # a torchrun launch gives
-CONFIGS = [("tp", 2, 1, ()), ("tp", 8, 1, ("--fake-world", "8")), ("lp", 4, 1, ("--dropout", "0.1")), ("2d", 4, 2, ()),
-           ("2d", 8, 2, ("--meta", "1"))]
+CONFIGS = [("tp", 2, 1, 1, ()), ("tp", 8, 1, 1, ("--fake-world", "8")), ("lp", 4, 1, 1, ("--dropout", "0.1")),
+           ("2d", 4, 2, 1, ()), ("3d", 8, 2, 2, ("--meta", "1"))]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-world{c[1]}")
 def config(request):
-    plan, world, dp, more = request.param
-    options = ["--sp", str(int(plan != "tp")), "--dp", str(dp), "--loss-parallel", str(int(plan == "lp")), *more]
+    plan, world, dp, replicate, more = request.param
+    options = ["--sp", str(int(plan != "tp")), "--dp", str(dp), "--replicate", str(replicate),
+               "--loss-parallel", str(int(plan == "lp")), *more]
     launcher = ["python"] if "--fake-world" in more else ["torchrun", f"--nproc_per_node={world}"]
     result = run_trace([*launcher, str(SCRIPTS / "tp_block.py"), *options], iterations=2)
-    return plan, world, dp, result
+    return plan, world // replicate, dp, result, more  # the figures are those of one replica's dp x tp world
 
 
 # ---- what each rank holds -----------------------------------------------------------------------------------------
@@ -184,14 +186,14 @@ def allocated(result, category: str, iteration: int) -> list[int]:
 
 # ---- the tests ----------------------------------------------------------------------------------------------------
 def test_each_rank_holds_its_shards_their_gradients_and_adamw_state(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     figures = held_figures(plan, world, dp)
     held = live_at_first_step(result)
     assert held["parameter"] == figures["parameter"]
     assert held["gradient"] == figures["gradient"]
     assert allocated(result, Category.OPTIMIZER_STATE, 0) == figures["optimizer_state"]
     assert audit(result) == ()
-    meta = world == 8 and dp > 1
+    meta = "--meta" in more
     if meta:  # built on meta: each parameter is made once, as its shard
         made = sorted(e.nbytes for e in result.events if e.action == "alloc" and e.category == Category.PARAMETER)
         assert made == figures["parameter"]
@@ -201,7 +203,7 @@ def test_each_rank_holds_its_shards_their_gradients_and_adamw_state(config):
 
 
 def test_dropout_on_a_sequence_shard_draws_its_mask_locally(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     if plan != "lp":
         pytest.skip("no dropout in this configuration")
     # SequenceParallel on the dropout: native_dropout on the local (B, S / tp, D) shard, run by DTensor's RNG
@@ -212,7 +214,7 @@ def test_dropout_on_a_sequence_shard_draws_its_mask_locally(config):
 
 
 def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     # every parameter here is a DTensor; no dimension is padded, so the placements' rule gives rank 0's storages
     facts = [f for f in result.facts if f.what == FACT_DTENSOR_PARAMETERS]
     assert [(f.device, f.nbytes) for f in facts] == [(0, sum(held_figures(plan, world, dp)["parameter"]))]
@@ -224,7 +226,7 @@ def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
 
 
 def test_collectives_allocate_what_upstream_redistribution_allocates(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     figures = collective_figures(plan, world // dp)
     for iteration in (0, 1):
         assert collectives(result, iteration, "forward") == figures["forward"]
@@ -237,7 +239,7 @@ def test_collectives_allocate_what_upstream_redistribution_allocates(config):
 def test_redistributions_inside_an_op_are_recorded(config):
     # DTensor redistributes an op's arguments inside its dispatch when the op's strategy needs other placements
     # (OpDispatcher.redistribute_local_args); those buffers live only within the op, yet count at the peak
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     tp = world // dp
     ops = [e for e in result.events if e.action == "alloc" and e.iteration == 1]
     # RowwiseParallel's addmm: its matmul is Partial, so its Replicate bias is made Partial first
@@ -255,7 +257,7 @@ def test_redistributions_inside_an_op_are_recorded(config):
 
 
 def test_logits_are_gathered_whole_unless_the_loss_is_parallel(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     tp = world // dp
     forward = [e.nbytes for e in result.events if e.action == "alloc" and e.iteration == 1 and e.phase == "forward"]
     # the head's local logits (B, S, V / tp) always; the whole (B, S, V) only when they are gathered
@@ -270,7 +272,7 @@ def test_logits_are_gathered_whole_unless_the_loss_is_parallel(config):
 
 
 def test_fully_shard_over_tp_gathers_the_tp_shards_per_unit(config):
-    plan, world, dp, result = config
+    plan, world, dp, result, more = config
     if dp == 1:
         pytest.skip("no fully_shard in this configuration")
     tp = world // dp
@@ -290,6 +292,12 @@ def test_fully_shard_over_tp_gathers_the_tp_shards_per_unit(config):
     backward = collectives(result, 1, "backward")
     expected = collective_figures(plan, tp)["backward"] + all_reduce(D * FP32) * 4
     assert sorted(backward) == sorted(expected)
+    # the embedding's gradient is still made whole (Replicate, V x D) by its backward, then cut to the TP shard
+    # (a clone of V / tp rows) before the reduce-scatter, which makes the FSDP shard of it
+    made = [(e.op, e.nbytes) for e in result.events if e.action == "alloc" and e.iteration == 1
+            and e.phase == "backward"]
+    whole = made.index(("embedding_dense_backward", V * D * FP32))
+    assert ("clone", V // tp * D * FP32) in made[whole:]
 
 
 def test_symmetric_memory_is_not_modelled_and_says_so():
