@@ -4,7 +4,9 @@ Owns the patches of `torch.distributed.init_process_group` (torch's fake process
 rank and world size as the launcher said), of `torch.multiprocessing.spawn` (rank 0 runs in-process), of the
 device-to-device transfers of single-process `nn.DataParallel`, and of `DistributedDataParallel` (a stand-in that
 runs the wrapped module and allocates the gradient buckets the C++ Reducer would; the real one reads parameter data
-while it is built).
+while it is built). For DTensor (tensor parallelism, fully_shard's parameters) it owns what the recorder needs to see
+its dispatch as a GPU runs it (`dispatches_itself`, `is_wait_tensor`, sharding propagation unrecorded) and refuses
+symmetric memory (not modelled).
 Import only in the tracing child, after `xmem.trace.child.fakecuda`.
 """
 
