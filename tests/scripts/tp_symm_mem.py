@@ -1,4 +1,4 @@
-"""Async tensor parallelism's first step, launched by torchrun: symmetric memory enabled for the TP group and a
+"""Async tensor parallelism's first step (launched by torchrun, or alone as a world of one): symmetric memory enabled for the TP group and a
 buffer allocated in it (torch.distributed._symmetric_memory.empty + rendezvous), as async TP's fused
 all-gather-matmul does for its peer-to-peer buffers; then a tiny training step."""
 import os
@@ -9,7 +9,7 @@ import torch.distributed._symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
 dist.init_process_group("nccl")
-torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("tp",))
 group = mesh.get_group()
 symm_mem.enable_symm_mem_for_group(group.group_name)
