@@ -18,6 +18,8 @@ LayerNorm and an output head Linear(D, V, bias=False), trained with AdamW on cro
 --fake-world N: run alone as rank 0 of a world of N over torch's fake process group (its collectives do nothing;
         every buffer is still allocated), started as `python tp_block.py`: rank 0's memory on one real GPU, for a
         GPU check of the traced figures (the data are meaningless, the allocations are rank 0's).
+--checkpoint 1: the block under activation checkpointing (torch.utils.checkpoint, non-reentrant), recomputed in
+        backward with its collectives, as torchtitan's full activation checkpointing wraps each block.
 --batch, --seq: the token batch (B, S); D, H, V by --dim, --hidden, --vocab.
 """
 import argparse
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -41,6 +44,7 @@ parser.add_argument("--meta", type=int, default=0)
 parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--fake-world", type=int, default=0)
 parser.add_argument("--replicate", type=int, default=1)
+parser.add_argument("--checkpoint", type=int, default=0)
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=16)
 parser.add_argument("--dim", type=int, default=64)
@@ -80,7 +84,12 @@ class Model(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.block(self.tok(tokens))))
+        x = self.tok(tokens)
+        if args.checkpoint:
+            x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        else:
+            x = self.block(x)
+        return self.head(self.norm(x))
 
 
 if args.fake_world:

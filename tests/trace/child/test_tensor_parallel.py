@@ -28,14 +28,15 @@ ACTIVATION = B * S * D * FP32  # one (B, S, D) activation
 LOGITS = B * S * V * FP32  # the whole (B, S, V) logits
 
 # (plan, world, fully_shard's shard group, its replicas, more options): "tp" tensor parallelism alone; "lp" sequence
-# parallelism (with a dropout on the sequence-sharded norm output: a DTensor random op) and the loss computed on
-# vocabulary-sharded logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard
+# parallelism (with a dropout on the sequence-sharded norm output: a DTensor random op; the block under activation
+# checkpointing) and the loss computed on vocabulary-sharded logits (loss_parallel); "2d" sequence parallelism on the mesh's "tp" dimension and fully_shard
 # over its "dp" dimension (torchtitan's FSDP x TP); "3d" the same with fully_shard over a 2-D ("replicate", "dp")
 # mesh (HSDP x TP: each rank holds what it holds in the dp x tp world of one replica; the replicas' gradients are
 # all-reduced in place), built on the meta device and materialised after sharding, as torchtitan initialises. TP at world 8 runs as `python tp_block.py --fake-world 8` (rank 0 alone over torch's fake
 # process group, no launcher): the form in which one real GPU can measure rank 0's memory; it must give the figures
 # a torchrun launch gives
-CONFIGS = [("tp", 2, 1, 1, ()), ("tp", 8, 1, 1, ("--fake-world", "8")), ("lp", 4, 1, 1, ("--dropout", "0.1")),
+CONFIGS = [("tp", 2, 1, 1, ()), ("tp", 8, 1, 1, ("--fake-world", "8")),
+           ("lp", 4, 1, 1, ("--dropout", "0.1", "--checkpoint", "1")),
            ("2d", 4, 2, 1, ()), ("3d", 8, 2, 2, ("--meta", "1"))]
 
 
@@ -125,7 +126,7 @@ def reduce_scatter(whole: int, n: int) -> list[tuple[str, int]]:
     return [("cat", whole), ("reduce_scatter_tensor", whole // n)]
 
 
-def collective_figures(plan: str, tp: int) -> dict[str, list[tuple[str, int]]]:
+def collective_figures(plan: str, tp: int, checkpointed: bool = False) -> dict[str, list[tuple[str, int]]]:
     """The collectives' buffers (op, bytes) of one forward and one backward, in program order (style.py):
     TP alone -
       forward: the embedding's _MaskPartial output all-reduced to Replicate (output_layouts); w2's Partial output
@@ -141,7 +142,10 @@ def collective_figures(plan: str, tp: int) -> dict[str, list[tuple[str, int]]]:
       backward: each in reverse, the conjugate collective (the head's input gradient reduce-scattered, w2's output
       gradient gathered, the block input's gradient reduce-scattered, the embedding's output gradient gathered).
     loss_parallel (lp): the head's logits stay Shard(-1) (no gather); the loss all-reduces three (B x S) vectors
-      (tensor/parallel/loss.py: the max and the sum of exponentials of log_softmax, the target's logit)."""
+      (tensor/parallel/loss.py: the max and the sum of exponentials of log_softmax, the target's logit).
+    A checkpointed block (non-reentrant torch.utils.checkpoint) is recomputed when backward reaches it, after the
+    head's input gradient is reduce-scattered: its input gathered again, then early stop (the recompute ends at the
+    last tensor backward needs, w2's matmul, so w2's reduce-scatter is not redone)."""
     if plan == "tp":
         return {"forward": all_reduce(ACTIVATION) + all_reduce(ACTIVATION) + all_gather(LOGITS),
                 "backward": all_reduce(ACTIVATION) + all_reduce(ACTIVATION)}
@@ -149,7 +153,8 @@ def collective_figures(plan: str, tp: int) -> dict[str, list[tuple[str, int]]]:
     head = all_gather(ACTIVATION)
     rows = B * S * FP32
     loss = all_gather(LOGITS) if plan != "lp" else all_reduce(rows) * 3
-    backward = (reduce_scatter(ACTIVATION, tp) + all_gather(ACTIVATION) + reduce_scatter(ACTIVATION, tp)
+    recompute = all_gather(ACTIVATION) if checkpointed else []
+    backward = (reduce_scatter(ACTIVATION, tp) + recompute + all_gather(ACTIVATION) + reduce_scatter(ACTIVATION, tp)
                 + all_gather(ACTIVATION))
     return {"forward": sequence + head + loss, "backward": backward}
 
@@ -208,9 +213,10 @@ def test_dropout_on_a_sequence_shard_draws_its_mask_locally(config):
         pytest.skip("no dropout in this configuration")
     # SequenceParallel on the dropout: native_dropout on the local (B, S / tp, D) shard, run by DTensor's RNG
     # tracker (OffsetBasedRNGTracker: run_dtensor_rng_op), its fp32 output and its bool mask
-    drawn = [e.nbytes for e in result.events if e.action == "alloc" and e.iteration == 1 and e.phase == "forward"
-             and e.op == "run_dtensor_rng_op"]
-    assert drawn == [ACTIVATION // world, ACTIVATION // world // FP32]
+    for phase in ("forward", "backward"):  # drawn again (same RNG state) when checkpointing recomputes the block
+        drawn = [e.nbytes for e in result.events if e.action == "alloc" and e.iteration == 1 and e.phase == phase
+                 and e.op == "run_dtensor_rng_op"]
+        assert drawn == [ACTIVATION // world, ACTIVATION // world // FP32]
 
 
 def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
@@ -227,7 +233,7 @@ def test_the_audit_checks_the_dtensor_shards_by_their_placements(config):
 
 def test_collectives_allocate_what_upstream_redistribution_allocates(config):
     plan, world, dp, result, more = config
-    figures = collective_figures(plan, world // dp)
+    figures = collective_figures(plan, world // dp, "--checkpoint" in more)
     for iteration in (0, 1):
         assert collectives(result, iteration, "forward") == figures["forward"]
     if dp == 1:  # under fully_shard the post-backward hooks add their own (see the 2-D test)
