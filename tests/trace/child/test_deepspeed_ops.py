@@ -149,3 +149,85 @@ def test_hf_trainer_hands_zero_the_moved_parameters(stage):
     assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32
     # the first step's state (both groups at ZeRO-2) is what ZeRO's partition rule asks of the fullest rank
     assert zero_state_fact(trace).nbytes == 2 * (numel // WORLD) * FP32 and audit(trace) == ()
+
+
+# ---- ZeRO 1 at world 4 and ZeRO 3 at world 8, through the engine (deepspeed_zero.py, same MLP and config) ---------
+WEIGHTS = [256 * 512, 512 * 16]  # numels above stage3_param_persistence_threshold (1000)
+BIASES = [512, 16]  # at or under it: persistent in ZeRO-3
+AT_WORLD: dict[tuple[int, int], object] = {}
+
+
+def traced_at(stage: int, world: int):
+    if (stage, world) not in AT_WORLD:
+        AT_WORLD[stage, world] = run_trace(["torchrun", f"--nproc_per_node={world}",
+                                            str(SCRIPTS / "deepspeed_zero.py"), "--stage", str(stage)], iterations=2)
+    return AT_WORLD[stage, world]
+
+
+def live_at_end_of(trace, iteration: int, phase: str) -> list[int]:
+    """Sizes of the storages live just after the last event of `phase` in `iteration`."""
+    live, last = {}, None
+    for e in trace.events:
+        if e.action == "alloc":
+            live[e.block] = e.nbytes
+        elif e.action == "free":
+            live.pop(e.block, None)
+        if e.iteration == iteration and e.phase == phase:
+            last = sorted(live.values())
+    assert last is not None
+    return last
+
+
+def test_zero1_at_world_4_partitions_only_the_optimizer_state_and_reduces_after_backward():
+    world = 4
+    trace = traced_at(1, world)
+    assert trace.iterations == 2
+    partition = NUMEL // world  # 34 948: NUMEL divides by 2 x 4 (nccl_start_alignment_factor x dp), no padding
+    # __init__ as at stage 2: the model's bf16 parameters, the flat bf16 group (bit16_groups_flat, whole) and rank 0's
+    # fp32 partition of it (single_partition_of_fp32_groups)
+    built = sizes([e for e in allocs(trace, Category.PARAMETER) if e.iteration < 0])
+    assert built == sorted([256 * 512 * BF16, 512 * BF16, 512 * 16 * BF16, 16 * BF16, NUMEL * BF16, partition * FP32])
+    for iteration in (0, 1):
+        made = [e for e in trace.events if e.action == "alloc" and e.iteration == iteration]
+        # setup_buckets (first gradient hook: contiguous_gradients installs the hooks at stage 1 too): one reduce
+        # bucket of reduce_bucket_size elements in the model's dtype (_gradient_reduction_buffer_dtype: no
+        # grad_accum attribute)
+        assert sizes(e for e in made if e.phase == "backward" and e.nbytes == REDUCE_BUCKET * BF16) == \
+            [REDUCE_BUCKET * BF16]
+        # the step's gradient partition: get_flat_partition of rank 0's part in fp32, once per step
+        assert sizes(e for e in made if e.category == Category.GRADIENT) == [partition * FP32]
+    # stage 1 (partition_gradients False, no overlap_comm): process_gradients only sets the bucket up; nothing is
+    # reduced or cleared in backward (reduce_gradients runs after it), so every parameter's whole bf16 gradient is
+    # live when backward ends, beside the bucket (ZeRO-2 clears the other ranks' gradients as it reduces them)
+    live = live_at_end_of(trace, 1, "backward")
+    for nbytes in [256 * 512 * BF16, 512 * BF16, 512 * 16 * BF16, REDUCE_BUCKET * BF16]:
+        assert nbytes in live
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2  # FusedAdam's two moments
+    fact = zero_state_fact(trace)
+    assert fact.nbytes == 2 * partition * FP32 and audit(trace) == ()
+
+
+def test_zero3_at_world_8_gathers_only_the_parameters_above_the_persistence_threshold_in_forward():
+    world = 8
+    trace = traced_at(3, world)
+    assert trace.iterations == 2
+    # _partition_param: ceil(numel / 8) elements of each parameter (17 474 in all, 2 of the last bias); the fp32
+    # flat partition, its gradient partition (once per step) and FusedAdam's two moments of it
+    partition = sum(-(-numel // world) for numel in (256 * 512, 512, 512 * 16, 16))
+    assert partition == 16384 + 64 + 1024 + 2
+    assert sizes(e for e in allocs(trace, Category.PARAMETER) if e.iteration < 0 and e.nbytes == partition * FP32) \
+        == [partition * FP32]
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+    for iteration in (0, 1):
+        assert sizes(e for e in allocs(trace, Category.GRADIENT) if e.iteration == iteration) == [partition * FP32]
+    # a steady iteration: the parameters whose numel is at or under stage3_param_persistence_threshold (the biases,
+    # ds_persist: mark_persistent_parameters) are all-gathered by the previous step's _post_step, before the batch;
+    # the forward's fetches gather the others whole in bf16 (the coordinator never releases persistent ones:
+    # __params_to_release skips them; release_and_reset_all at the step drops every gathered one)
+    gathered = [e for e in allocs(trace, Category.PARAMETER) if e.iteration == 1]
+    assert sizes(e for e in gathered if e.phase == "forward") == sorted(n * BF16 for n in WEIGHTS)
+    assert sizes(e for e in gathered if e.phase != "forward") == sorted(n * BF16 for n in BIASES)
+    order = [(e.phase, e.category == Category.INPUT) for e in trace.events if e.iteration == 1 and
+             e.action == "alloc" and (e.category == Category.INPUT or e in gathered and e.phase != "forward")]
+    assert order[:3] == [("other", False), ("other", False), ("other", True)]  # both biases, then the batch
+    assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()

@@ -411,6 +411,12 @@ FSDP1_CONFIGS = [
     (8, True, "SHARD_GRAD_OP", "bf16", "bf16", "base"),
     (2, True, "NO_SHARD", "none", "fp32", "base"),
     (4, False, "FULL_SHARD", "bf16", "bf16", "none"),
+    # the same rules at the other worlds (coverage.md): use_orig_params=False at 2 and 8, SHARD_GRAD_OP at 2 and 4,
+    # NO_SHARD at 4 and 8 (every rank holds every flat parameter whole, whatever the world)
+    (2, False, "SHARD_GRAD_OP", "bf16", "fp32", "none"),
+    (4, True, "SHARD_GRAD_OP", "bf16", "bf16", "base"),
+    (4, True, "NO_SHARD", "none", "fp32", "base+head"),
+    (8, False, "NO_SHARD", "none", "fp32", "none"),
 ]
 
 
