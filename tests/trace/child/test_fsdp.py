@@ -196,7 +196,8 @@ def fsdp2_lora_figures(world: int, mp: str, frozen: str) -> dict[str, list[int]]
     }
 
 
-@pytest.mark.parametrize("config", [(2, "none", "base"), (4, "bf16", "base+head")], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("config", [(2, "none", "base"), (4, "bf16", "base+head"), (8, "bf16", "base")],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_fsdp2_lora_shards_frozen_parameters_but_reduces_and_steps_the_trainable_ones_only(config):
     world, mp, frozen = config
     key = ("fsdp2_lora.py", *config)
@@ -472,6 +473,8 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
 HYBRID_CONFIGS = [
     (4, 2, True, "HYBRID_SHARD", "none", "fp32"),
     (8, 2, True, "_HYBRID_SHARD_ZERO2", "bf16", "bf16"),
+    (8, 2, True, "HYBRID_SHARD", "bf16", "fp32"),  # 2 x 4: the blocks gathered again for backward
+    (4, 2, True, "_HYBRID_SHARD_ZERO2", "none", "fp32"),  # 2 x 2: kept from forward to backward
 ]
 
 
@@ -492,7 +495,7 @@ def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
 
 # (forward_prefetch, backward_prefetch, limit_all_gathers) -> the most blocks gathered at once in a steady forward and
 # backward (iteration 1), besides the root unit, which FULL_SHARD keeps gathered from its forward to the end of
-# backward: three LoRA-like blocks at world 2, each a unit. Upstream (_runtime_utils):
+# backward: three LoRA-like blocks at world 2 (4 and 8 for two of them), each a unit. Upstream (_runtime_utils):
 # - forward: a unit is gathered in its pre-forward (_pre_forward_unshard) and freed in its post-forward; with
 #   forward_prefetch that pre-forward also gathers the next unit of the first iteration's order
 #   (_prefetch_handle, get_handle_to_forward_prefetch; none in the first iteration, whose order is being recorded):
@@ -507,11 +510,13 @@ def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
 #   one more, 3 (PRE) or 2 (POST);
 # - limit_all_gathers only makes the host wait for a GPU event before an all-gather (_unshard: the rate limiter): the
 #   allocations and frees come in the same order, so it changes none of these.
-PREFETCH_CONFIGS = {
-    (False, "PRE", True): (1, 2),
-    (True, "PRE", True): (2, 3),
-    (True, "POST", True): (2, 2),
-    (False, "POST", False): (1, 1),
+PREFETCH_CONFIGS = {  # (forward_prefetch, backward_prefetch, limit_all_gathers, world): none of it depends on world
+    (False, "PRE", True, 2): (1, 2),
+    (True, "PRE", True, 2): (2, 3),
+    (True, "POST", True, 2): (2, 2),
+    (False, "POST", False, 2): (1, 1),
+    (True, "PRE", False, 4): (2, 3),
+    (False, "POST", True, 8): (1, 1),
 }
 
 
@@ -520,10 +525,10 @@ def most_alive_at_once(result, iteration: int, phase: str, nbytes: int) -> int:
                for e, live in walk(result) if e.iteration == iteration and e.phase == phase)
 
 
-@pytest.mark.parametrize("config", PREFETCH_CONFIGS, ids=lambda c: "fwd{:d}-{}-limit{:d}".format(*c))
+@pytest.mark.parametrize("config", PREFETCH_CONFIGS, ids=lambda c: "fwd{:d}-{}-limit{:d}-w{}".format(*c))
 def test_fsdp1_prefetch_settings_set_how_many_units_are_gathered_at_once(config):
-    forward_prefetch, backward_prefetch, limit = config
-    world, blocks = 2, 3
+    forward_prefetch, backward_prefetch, limit, world = config
+    blocks = 3
     result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"), "--blocks",
                         str(blocks), "--forward-prefetch", str(int(forward_prefetch)), "--backward-prefetch",
                         backward_prefetch, "--limit", str(int(limit))], iterations=2)
