@@ -157,11 +157,12 @@ BIASES = [512, 16]  # at or under it: persistent in ZeRO-3
 AT_WORLD: dict[tuple[int, int], object] = {}
 
 
-def traced_at(stage: int, world: int):
-    if (stage, world) not in AT_WORLD:
-        AT_WORLD[stage, world] = run_trace(["torchrun", f"--nproc_per_node={world}",
-                                            str(SCRIPTS / "deepspeed_zero.py"), "--stage", str(stage)], iterations=2)
-    return AT_WORLD[stage, world]
+def traced_at(stage: int, world: int, *options: str):
+    if (stage, world, *options) not in AT_WORLD:
+        AT_WORLD[stage, world, *options] = run_trace(["torchrun", f"--nproc_per_node={world}",
+                                                      str(SCRIPTS / "deepspeed_zero.py"), "--stage", str(stage),
+                                                      *options], iterations=2)
+    return AT_WORLD[stage, world, *options]
 
 
 def live_at_end_of(trace, iteration: int, phase: str) -> list[int]:
@@ -230,4 +231,25 @@ def test_zero3_at_world_8_gathers_only_the_parameters_above_the_persistence_thre
     order = [(e.phase, e.category == Category.INPUT) for e in trace.events if e.iteration == 1 and
              e.action == "alloc" and (e.category == Category.INPUT or e in gathered and e.phase != "forward")]
     assert order[:3] == [("other", False), ("other", False), ("other", True)]  # both biases, then the batch
+    assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()
+
+
+def test_zero2_overlap_comm_at_world_4_double_buffers_the_bucket_and_reduces_on_its_own_stream():
+    world = 4
+    trace = traced_at(2, world, "--overlap", "1")
+    partition = NUMEL // world
+    for iteration in (0, 1):
+        made = [e for e in trace.events if e.action == "alloc" and e.iteration == iteration]
+        # setup_buckets: with overlap_comm a second buffer of reduce_bucket_size elements beside the first (the
+        # bucket being reduced and the one being filled), both dropped at the end of backward (_release_ipg_buffers)
+        buckets = [e for e in made if e.phase == "backward" and e.nbytes == REDUCE_BUCKET * BF16]
+        assert len(buckets) == 2
+        freed = {e.block: e.iteration for e in trace.events if e.action == "free"}
+        assert all(freed.get(e.block) == iteration for e in buckets)
+        # average_tensor runs on reduction_stream under overlap_comm: the reduction's buffers are not on the default
+        # stream (without overlap, as in the ZeRO-1 trace, they are)
+        assert any(e.stream != 0 for e in made if e.phase not in ("forward", "backward", "optimizer"))
+        assert sizes(e for e in made if e.category == Category.GRADIENT) == [partition * FP32]
+    assert all(e.stream == 0 for e in traced_at(1, 4).events if e.action == "alloc")
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
     assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()
