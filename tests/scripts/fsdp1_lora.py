@@ -7,7 +7,8 @@ SHARD_GRAD_OP | NO_SHARD, --mp none|bf16 (MixedPrecision: bf16 params, fp32 or b
 mixes; base+head: all but the adapters, as peft's get_peft_model leaves it, so the root unit has no gradient),
 --offload 1: CPUOffload(offload_params=True), the model left on the host as upstream requires then; --blocks N (2),
 --forward-prefetch 0|1, --backward-prefetch PRE|POST|NONE (BACKWARD_PRE, FSDP's default), --limit 1|0
-(limit_all_gathers, default on)."""
+(limit_all_gathers, default on), --buffers 1: each block scales its output by an fp32 buffer of WIDTH elements (with
+--mp bf16, MixedPrecision's buffer_dtype is bf16)."""
 import argparse
 import os
 
@@ -30,9 +31,12 @@ class Adapted(nn.Module):
         self.down = nn.Linear(WIDTH, RANK, bias=False)
         self.up = nn.Linear(RANK, WIDTH, bias=False)
         self.base.requires_grad_("base" not in FROZEN)
+        if BUFFERS:
+            self.register_buffer("scale", torch.ones(WIDTH))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.base(x) + self.up(self.down(x)))
+        out = torch.relu(self.base(x) + self.up(self.down(x)))
+        return out * self.scale if BUFFERS else out
 
 
 parser = argparse.ArgumentParser()
@@ -46,8 +50,9 @@ parser.add_argument("--blocks", type=int, default=2)
 parser.add_argument("--forward-prefetch", type=int, default=0)
 parser.add_argument("--backward-prefetch", default="PRE")
 parser.add_argument("--limit", type=int, default=1)
+parser.add_argument("--buffers", type=int, default=0)
 args = parser.parse_args()
-FROZEN = args.frozen
+FROZEN, BUFFERS = args.frozen, bool(args.buffers)
 
 dist.init_process_group("nccl")
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -57,7 +62,8 @@ model = model if args.offload else model.cuda()
 precision = None
 if args.mp == "bf16":
     precision = MixedPrecision(param_dtype=torch.bfloat16,
-                               reduce_dtype=torch.float32 if args.reduce == "fp32" else torch.bfloat16)
+                               reduce_dtype=torch.float32 if args.reduce == "fp32" else torch.bfloat16,
+                               buffer_dtype=torch.bfloat16 if BUFFERS else None)
 model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Adapted}), use_orig_params=bool(args.orig),
              sharding_strategy=ShardingStrategy[args.strategy], mixed_precision=precision,
              device_id=torch.cuda.current_device() if args.offload else None,

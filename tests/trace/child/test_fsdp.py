@@ -469,6 +469,26 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
         assert reasons == ()
 
 
+def test_fsdp1_mixed_precision_buffer_dtype_keeps_each_buffer_whole_in_bf16_on_every_rank():
+    # fsdp1_lora.py --buffers 1: each block holds an fp32 buffer of 256 elements. FSDP1 flattens parameters only:
+    # buffers stay whole on every rank, whatever the world. The root's lazy init (_lazy_init:
+    # _cast_buffers_to_dtype_and_device) sets each buffer's .data to a copy in MixedPrecision.buffer_dtype, so the
+    # fp32 storage (made by model.cuda()) goes and a bf16 one stays through training; the flat parameters, gradients,
+    # gathers and reduce buffers are those of the same configuration without buffers
+    world, config = 8, (8, True, "FULL_SHARD", "bf16", "fp32", "base")
+    result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp1_lora.py"), "--strategy",
+                        "FULL_SHARD", "--mp", "bf16", "--reduce", "fp32", "--frozen", "base", "--buffers", "1"],
+                       iterations=2)
+    assert_as_fsdp1_figures(result, fsdp1_figures(*config))
+    assert live_at_first_step(result)["buffer"] == [256 * BF16] * 2
+    made = allocs(result, Category.BUFFER)
+    freed = {e.block for e in result.events if e.action == "free"}
+    assert sorted(e.nbytes for e in made if e.block in freed) == [256 * FP32] * 2  # the fp32 originals, cast once
+    assert sorted(e.nbytes for e in made if e.block not in freed) == [256 * BF16] * 2
+    reasons = audit(result)  # the adapters lie in the last rank's shards, as in FSDP1_CONFIGS
+    assert len(reasons) == 1 and f"rank {world - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in reasons[0]
+
+
 # (world, nodes, use_orig_params, hybrid strategy, param dtype, reduce dtype): LoRA-like units (base frozen)
 HYBRID_CONFIGS = [
     (4, 2, True, "HYBRID_SHARD", "none", "fp32"),
