@@ -1,7 +1,7 @@
 """FSDP2 (fully_shard) fine-tuning of LoRA-like adapters, launched by torchrun: two blocks, each a frozen base
 Linear(256, 256) with a trainable rank-8 adapter beside it (down 256->8, up 8->256, no bias), each block its own
 unit, the root unit holding a head Linear(256, 16). AdamW steps the trainable parameters only. Options (argv):
---mp none|bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce), --frozen base|base+head (base+head: only the
+--mp none|bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce, or bf16 by --reduce bf16), --frozen base|base+head (base+head: only the
 adapters train, as peft's get_peft_model leaves a model, so the root unit has no gradient), --hsdp 1 (HSDP: a 2-D
 mesh, replicated across the nodes and sharded within each, as torchrun --nnodes gives them)."""
 import argparse
@@ -33,13 +33,15 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mp", default="none")
 parser.add_argument("--frozen", default="base")
 parser.add_argument("--hsdp", type=int, default=0)
+parser.add_argument("--reduce", default="fp32")
 args = parser.parse_args()
 
 dist.init_process_group("nccl")
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 model = nn.Sequential(Adapted(), Adapted(), nn.Linear(WIDTH, CLASSES).requires_grad_("head" not in args.frozen))
 model.cuda()
-policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp == "bf16" \
+reduce_dtype = torch.bfloat16 if args.reduce == "bf16" else torch.float32
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if args.mp == "bf16" \
     else MixedPrecisionPolicy()
 mesh = None
 if args.hsdp:

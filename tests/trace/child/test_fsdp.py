@@ -167,7 +167,7 @@ def fsdp2_lora_units(frozen: str) -> list[list[tuple[tuple[int, ...], bool]]]:
     return [FSDP2_LORA_BLOCK, FSDP2_LORA_BLOCK, head]
 
 
-def fsdp2_lora_figures(world: int, mp: str, frozen: str) -> dict[str, list[int]]:
+def fsdp2_lora_figures(world: int, mp: str, frozen: str, reduce: str = "fp32") -> dict[str, list[int]]:
     """What FSDP2 keeps on rank 0 when a unit mixes frozen and trainable parameters, from the upstream code
     (torch/distributed/fsdp/_fully_shard/): every parameter, frozen or not, is sharded on dim 0 into its own padded
     buffer (FSDPParam._init_sharded_param) and all-gathered whole for the unit's forward and, but for the root
@@ -178,8 +178,11 @@ def fsdp2_lora_figures(world: int, mp: str, frozen: str) -> dict[str, list[int]]
     dtype); a unit with none reduces nothing and keeps no gradient. AdamW's two moments of the trainable shards
     only. Per unit the flat all-gather output (foreach_all_gather: all_gather_comm.allocate) in the compute dtype,
     and with a bf16 param_dtype the flat bf16 copy of the shards (_get_param_all_gather_inputs: the foreach-copy
-    input); in fp32 the shards are the copy-in's inputs as they are."""
+    input); in fp32 the shards are the copy-in's inputs as they are. A bf16 reduce_dtype makes the reduce-scatter
+    input (and output) bf16 (foreach_reduce: reduce_scatter_comm.allocate(dtype=reduce_dtype)), and the sharded
+    gradients the fp32 copy of that output (_to_dtype_if_needed to the parameters' dtype)."""
     compute = BF16 if mp == "bf16" else FP32
+    reduced = BF16 if reduce == "bf16" else FP32
     units = fsdp2_lora_units(frozen)
     trained = [[shape for shape, trainable in unit if trainable] for unit in units]
     gathered = [[dim0_padded(shape, world) * compute for shape, _ in unit] for unit in units]
@@ -190,22 +193,23 @@ def fsdp2_lora_figures(world: int, mp: str, frozen: str) -> dict[str, list[int]]
                                   for _moment in range(2)),
         "unsharded_forward": sorted(n for unit in gathered for n in unit),
         "unsharded_backward": sorted(n for unit in gathered[:-1] for n in unit),
-        "reduce_input": sorted(sum(dim0_padded(shape, world) for shape in unit) * FP32 for unit in trained if unit),
+        "reduce_input": sorted(sum(dim0_padded(shape, world) for shape in unit) * reduced for unit in trained if unit),
         "all_gather": sorted(n for unit in gathered for n in [sum(unit)] + ([sum(unit) // world] if mp == "bf16"
                                                                            else [])),
     }
 
 
-@pytest.mark.parametrize("config", [(2, "none", "base"), (4, "bf16", "base+head"), (8, "bf16", "base")],
+@pytest.mark.parametrize("config", [(2, "none", "base", "fp32"), (4, "bf16", "base+head", "fp32"),
+                                    (8, "bf16", "base", "fp32"), (2, "bf16", "base", "bf16")],
                          ids=lambda c: "-".join(map(str, c)))
 def test_fsdp2_lora_shards_frozen_parameters_but_reduces_and_steps_the_trainable_ones_only(config):
-    world, mp, frozen = config
+    world, mp, frozen, reduce = config
     key = ("fsdp2_lora.py", *config)
     if key not in TRACES:
         TRACES[key] = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "fsdp2_lora.py"), "--mp", mp,
-                                 "--frozen", frozen], iterations=2)
+                                 "--frozen", frozen, "--reduce", reduce], iterations=2)
     result = TRACES[key]
-    figures = fsdp2_lora_figures(world, mp, frozen)
+    figures = fsdp2_lora_figures(world, mp, frozen, reduce)
     held = live_at_first_step(result)
     assert held["parameter"] == figures["parameter"]  # the frozen shards too, though no optimizer names them
     assert held["gradient"] == figures["gradient"]
