@@ -1,59 +1,128 @@
 """Weights on disk are never read (xmem.trace.child.weights): checkpoints bound for the GPU load as fake tensors made from
 their metadata, CPU-bound ones stay real and memory-mapped, and nothing of their data is read.
 
-Each case runs in a fresh process set up as the tracing child is (shim, fake CUDA, the patches) and reports what it
-loaded; what it cost is the part of the weight files in the page cache afterwards (evicted before: fsync, then
+The cases of the selected tests run in one process per torch build, set up as the tracing child is (shim, fake CUDA,
+the patches), each case a function of its own that reports what it loaded or its traceback, which its test asserts
+on. What a case cost is the part of its weight files in the page cache after it (evicted just before it: fsync, then
 posix_fadvise DONTNEED), which counts reads and memory-mapped pages alike."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests.torch_builds import PYTHONS
-from xmem.bench.page_cache import cached_bytes, evict
 
 MIB = 1 << 20
 READ_ALLOWANCE = 16 * MIB  # headers, pickles, the kernel's readahead around them: far below two 64 MiB weights
 
 SETUP = """
-    import json, os, sys
+    import gc, json, os, sys, traceback
     os.environ.setdefault("XMEM_FAKE_DEVICE_COUNT", "1")
     from xmem.trace import shim
     shim.load_shim()
     import torch
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from xmem.bench.page_cache import cached_bytes, evict
     from xmem.trace.child import fakecuda, weights
     fakecuda.install(fakecuda.FakeCuda((9, 0), 1))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     weights.install(lambda: mode)
+    CASES = {}
 
     def describe(t):
         return {"fake": isinstance(t, FakeTensor), "device": str(t.device), "shape": list(t.shape),
                 "dtype": str(t.dtype).removeprefix("torch.")}
 """
-REPORT = """
-    print("RESULT " + json.dumps(result))
+RUN = """
+    # One case after another, each after its weight files were evicted, and measured once its tensors are freed (a
+    # mapping left alive would keep its pages cached through the next case's eviction: cached_before says so).
+    for key, folder, files in json.loads(sys.argv[1]):
+        evict(files)
+        outcome = {"cached_before": cached_bytes(files)}
+        try:
+            outcome["result"] = CASES[key](folder)
+        except BaseException:
+            outcome["error"] = traceback.format_exc()
+        gc.collect()
+        outcome["cached_after"] = cached_bytes(files)
+        print("RESULT " + json.dumps([key, outcome]), flush=True)
 """
+
+# A test's case: the fixture that makes its weight folder ("pretrained/bin": one of that fixture's folders), the
+# code run in the child with `folder` (a str) set, which sets `result`, and the values of further names it reads.
+CASES: dict[str, tuple[str, str, dict]] = {}
 
 
 def weight_files(folder):
     return [path for path in folder.iterdir() if path.suffix in (".safetensors", ".pt", ".bin")]
 
 
-def run_case(python, tmp_path, body, folder):
-    weights = weight_files(folder)
-    evict(weights)
-    assert cached_bytes(weights) < MIB, "the page cache kept the weight files: the measure would mean nothing"
-    script = tmp_path / "case.py"
-    script.write_text(textwrap.dedent(SETUP) + textwrap.dedent(body) + textwrap.dedent(REPORT))
-    run = subprocess.run([python, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
-    assert cached_bytes(weights) < READ_ALLOWANCE
-    return json.loads(line[len("RESULT "):])
+def case_key(item: pytest.Item) -> tuple[str, str]:
+    """The Python a test runs its case in, and the case's key: the test's name, with its parameters other than the
+    Python."""
+    params = dict(getattr(item, "callspec", None).params) if hasattr(item, "callspec") else {}
+    python = params.pop("python", sys.executable)
+    return python, item.originalname + (f"[{'-'.join(map(str, params.values()))}]" if params else "")
+
+
+def weight_folder(request: pytest.FixtureRequest, spec: str) -> Path:
+    fixture, _, layout = spec.partition("/")
+    value = request.getfixturevalue(fixture)
+    return value[0][layout] if layout else value
+
+
+def child_script(keys: list[str]) -> str:
+    functions = []
+    for key in keys:
+        _folder, body, params = CASES[key]
+        name = re.sub(r"\W", "_", key)
+        arguments = "".join(f", {param}={value!r}" for param, value in params.items())
+        functions.append(f"def {name}(folder{arguments}):\n{textwrap.indent(textwrap.dedent(body).lstrip(), '    ')}"
+                         f"    return result\nCASES[{key!r}] = {name}\n\n")
+    return textwrap.dedent(SETUP) + "\n\n" + "".join(functions) + textwrap.dedent(RUN)
+
+
+@pytest.fixture(scope="module")
+def loads(request, tmp_path_factory):
+    """`loads(test_request)`: what the test's case loaded, checked (it ran, its files were out of the page cache
+    before it and stayed below the allowance after it). A torch build's cases run on the first test that asks for
+    one: those of all the selected tests of this module, in one process."""
+    here = Path(__file__).resolve()
+    outcomes: dict[str, dict] = {}
+    crashes: dict[str, str] = {}
+
+    def run(test_request: pytest.FixtureRequest) -> dict:
+        python, key = case_key(test_request.node)
+        if python not in outcomes:
+            keys = [k for item in request.session.items if Path(item.path).resolve() == here
+                    for p, k in [case_key(item)] if p == python and k in CASES]
+            keys = list(dict.fromkeys(keys + [key]))
+            plan = []
+            for k in keys:
+                folder = weight_folder(test_request, CASES[k][0])
+                plan.append([k, str(folder), [str(path) for path in weight_files(folder)]])
+            workdir = tmp_path_factory.mktemp("cases")
+            (workdir / "cases.py").write_text(child_script(keys))
+            done = subprocess.run([python, "cases.py", json.dumps(plan)], capture_output=True, text=True,
+                                  cwd=workdir, timeout=600)
+            outcomes[python] = dict(json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
+                                    if line.startswith("RESULT "))
+            crashes[python] = f"the child exited {done.returncode}:\n{done.stderr[-3000:]}"
+        if key not in outcomes[python]:
+            pytest.fail(f"no outcome for this case: {crashes[python]}", pytrace=False)
+        outcome = outcomes[python][key]
+        if "error" in outcome:
+            pytest.fail(f"the case failed in the child process:\n{outcome['error']}", pytrace=False)
+        assert outcome["cached_before"] < MIB, "the page cache kept the weight files: the measure would mean nothing"
+        assert outcome["cached_after"] < READ_ALLOWANCE
+        return outcome["result"]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -69,28 +138,34 @@ def checkpoints(tmp_path_factory):
     return folder
 
 
+CASES["test_safetensors_bound_for_cuda_are_fake_from_the_header"] = ("checkpoints", """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(os.path.join(folder, "weights.safetensors"), framework="pt", device="cuda") as f:
+        result = {"keys": list(f.keys()), "big": describe(f.get_tensor("big")),
+                  "rows": describe(f.get_slice("big")[:1024]), "dtype": f.get_slice("big").get_dtype()}
+    result["load_file"] = describe(load_file(os.path.join(folder, "weights.safetensors"), device=0)["big"])
+""", {})
+
+
 @pytest.mark.parametrize("python", PYTHONS)
-def test_safetensors_bound_for_cuda_are_fake_from_the_header(python, tmp_path, checkpoints):
-    result = run_case(python, tmp_path, f"""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cuda") as f:
-            result = {{"keys": list(f.keys()), "big": describe(f.get_tensor("big")),
-                      "rows": describe(f.get_slice("big")[:1024]), "dtype": f.get_slice("big").get_dtype()}}
-        result["load_file"] = describe(load_file({str(checkpoints / "weights.safetensors")!r}, device=0)["big"])
-    """, checkpoints)
+def test_safetensors_bound_for_cuda_are_fake_from_the_header(python, loads, request):
+    result = loads(request)
     assert result["keys"] == ["big", "small"] and result["dtype"] == "BF16"
     big = {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
     assert result["big"] == big and result["load_file"] == big
     assert result["rows"] == {**big, "shape": [1024, 8192]}
 
 
+CASES["test_torch_load_to_cuda_reads_no_weight"] = ("checkpoints", """
+    loaded = torch.load(os.path.join(folder, "weights.pt"), map_location="cuda")
+    result = {name: describe(t) for name, t in loaded.items()}
+""", {})
+
+
 @pytest.mark.parametrize("python", PYTHONS)
-def test_torch_load_to_cuda_reads_no_weight(python, tmp_path, checkpoints):
-    result = run_case(python, tmp_path, f"""
-        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cuda")
-        result = {{name: describe(t) for name, t in loaded.items()}}
-    """, checkpoints)
+def test_torch_load_to_cuda_reads_no_weight(python, loads, request):
+    result = loads(request)
     assert result["big"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
     assert result["small"]["fake"] and result["small"]["device"] == "cuda:0"
 
@@ -118,45 +193,54 @@ def monkeypatch_module():
         yield patch
 
 
-def test_a_checkpoint_saved_on_the_gpu_resumes_with_fake_weights_and_real_cpu_state(tmp_path, resumable):
-    result = run_case(sys.executable, tmp_path, f"""
-        state = torch.load({str(resumable / "last.pt")!r})  # no map_location: each tensor where it was saved
-        torch.set_rng_state(state["rng"])  # needs the real bytes
-        result = {{"weight": describe(state["model"]["weight"]), "rng": describe(state["rng"]), "step": state["step"]}}
-    """, resumable)
+CASES["test_a_checkpoint_saved_on_the_gpu_resumes_with_fake_weights_and_real_cpu_state"] = ("resumable", """
+    state = torch.load(os.path.join(folder, "last.pt"))  # no map_location: each tensor where it was saved
+    torch.set_rng_state(state["rng"])  # needs the real bytes
+    result = {"weight": describe(state["model"]["weight"]), "rng": describe(state["rng"]), "step": state["step"]}
+""", {})
+
+
+def test_a_checkpoint_saved_on_the_gpu_resumes_with_fake_weights_and_real_cpu_state(loads, request):
+    result = loads(request)
     assert result["weight"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
     assert result["rng"]["fake"] is False and result["rng"]["device"] == "cpu" and result["step"] == 7
 
 
-def test_cpu_loads_stay_real_and_mapped(tmp_path, checkpoints):
-    result = run_case(sys.executable, tmp_path, f"""
-        from safetensors import safe_open
-        loaded = torch.load({str(checkpoints / "weights.pt")!r}, map_location="cpu")
-        with safe_open({str(checkpoints / "weights.safetensors")!r}, framework="pt", device="cpu") as f:
-            small = f.get_tensor("small")
-        result = {{"big": describe(loaded["big"]), "values": loaded["small"].tolist(), "st_values": small.tolist()}}
-    """, checkpoints)
+CASES["test_cpu_loads_stay_real_and_mapped"] = ("checkpoints", """
+    from safetensors import safe_open
+    loaded = torch.load(os.path.join(folder, "weights.pt"), map_location="cpu")
+    with safe_open(os.path.join(folder, "weights.safetensors"), framework="pt", device="cpu") as f:
+        small = f.get_tensor("small")
+    result = {"big": describe(loaded["big"]), "values": loaded["small"].tolist(), "st_values": small.tolist()}
+""", {})
+
+
+def test_cpu_loads_stay_real_and_mapped(loads, request):
+    result = loads(request)
     assert result["big"] == {"fake": False, "device": "cpu", "shape": [4096, 8192], "dtype": "bfloat16"}
     assert result["values"] == result["st_values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # read where used
 
 
-def test_load_state_dict_into_a_cpu_module_then_to_cuda_reads_nothing(tmp_path, checkpoints):
-    result = run_case(sys.executable, tmp_path, f"""
-        class Net(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.big = torch.nn.Parameter(torch.empty(4096, 8192, dtype=torch.bfloat16))
-                self.register_buffer("small", torch.empty(2, 3))
-        net = Net()
-        param = net.big
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # built before the load, as when resuming
-        net.load_state_dict(torch.load({str(checkpoints / "weights.pt")!r}))
-        result = {{"same_parameter": net.big is param and optimizer.param_groups[0]["params"][0] is param,
-                  "values": net.small.tolist()}}
-        with mode:
-            net.to("cuda")
-        result["moved"] = describe(net.big)
-    """, checkpoints)
+CASES["test_load_state_dict_into_a_cpu_module_then_to_cuda_reads_nothing"] = ("checkpoints", """
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = torch.nn.Parameter(torch.empty(4096, 8192, dtype=torch.bfloat16))
+            self.register_buffer("small", torch.empty(2, 3))
+    net = Net()
+    param = net.big
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # built before the load, as when resuming
+    net.load_state_dict(torch.load(os.path.join(folder, "weights.pt")))
+    result = {"same_parameter": net.big is param and optimizer.param_groups[0]["params"][0] is param,
+              "values": net.small.tolist()}
+    with mode:
+        net.to("cuda")
+    result["moved"] = describe(net.big)
+""", {})
+
+
+def test_load_state_dict_into_a_cpu_module_then_to_cuda_reads_nothing(loads, request):
+    result = loads(request)
     assert result["same_parameter"] and result["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert result["moved"] == {"fake": True, "device": "cuda:0", "shape": [4096, 8192], "dtype": "bfloat16"}
 
@@ -177,19 +261,23 @@ def pretrained(tmp_path_factory):
     return folders, sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("layout, device_map", [("safetensors", None), ("safetensors", "cuda"), ("bin", "cuda")])
-def test_from_pretrained_weights_are_fake(layout, device_map, tmp_path, pretrained):
-    folders, parameters = pretrained
-    result = run_case(sys.executable, tmp_path, f"""
+LAYOUTS = [("safetensors", None), ("safetensors", "cuda"), ("bin", "cuda")]
+for _layout, _device_map in LAYOUTS:
+    CASES[f"test_from_pretrained_weights_are_fake[{_layout}-{_device_map}]"] = (f"pretrained/{_layout}", """
         from transformers import AutoModelForCausalLM
         with mode:  # as the program runs in the tracing child
-            model = AutoModelForCausalLM.from_pretrained({str(folders[layout])!r}, dtype=torch.bfloat16,
-                                                         device_map={device_map!r})
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device_map)
             model.to("cuda")
         params = list(model.parameters())
-        result = {{"fake": all(isinstance(p, FakeTensor) for p in params), "numel": sum(p.numel() for p in params),
-                  "devices": sorted({{str(p.device) for p in params}})}}
-    """, folders[layout])
+        result = {"fake": all(isinstance(p, FakeTensor) for p in params), "numel": sum(p.numel() for p in params),
+                  "devices": sorted({str(p.device) for p in params})}
+    """, {"device_map": _device_map})
+
+
+@pytest.mark.parametrize("layout, device_map", LAYOUTS)
+def test_from_pretrained_weights_are_fake(layout, device_map, loads, request, pretrained):
+    _folders, parameters = pretrained
+    result = loads(request)
     assert result["fake"] and result["devices"] == ["cuda:0"]
     assert result["numel"] == parameters
 
