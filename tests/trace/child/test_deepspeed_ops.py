@@ -254,3 +254,29 @@ def test_zero2_overlap_comm_at_world_4_double_buffers_the_bucket_and_reduces_on_
     assert all(e.stream == 0 for e in traced_at(1, 4).events if e.action == "alloc")
     assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
     assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()
+
+
+def test_zero2_without_contiguous_gradients_at_world_8_flattens_each_bucket_and_keeps_only_its_partitions_grads():
+    world = 8
+    trace = traced_at(2, world, "--contiguous", "0")
+    partition = NUMEL // world  # 17 474: inside Linear(256, 512)'s weight, the first parameter of the flat group
+    freed = {e.block: e.phase for e in trace.events if e.action == "free"}
+    for iteration in (0, 1):
+        made = [e for e in trace.events if e.action == "alloc" and e.iteration == iteration]
+        # setup_buckets allocates a reduce bucket only with contiguous_gradients: none here
+        assert not [e for e in made if e.nbytes == REDUCE_BUCKET * BF16]
+        # the gradients arrive last layer first: 16 + 8192 + 512 elements fit in the bucket (reduce_bucket_size
+        # 50 000), the first weight's 131 072 do not, so reduce_independent_p_g_buckets_and_remove_grads reduces the
+        # three first: buffered_reduce_fallback flattens them (one bf16 cat), all-reduces and copies back; the big
+        # gradient goes alone at the epilogue, flattened as a view (_flatten_dense_tensors of one tensor)
+        flat = [e for e in made if e.op == "cat" and e.phase in ("backward", "other")]
+        assert sizes(flat) == [(16 + 8192 + 512) * BF16]
+        # stage 2: the gradients of parameters outside rank 0's partition are cleared once reduced, in backward;
+        # the first weight's (partly rank 0's) lives to the step, which takes its fp32 partition
+        grads = {e.nbytes: e for e in made if e.phase == "backward" and e.op in ("mm", "sum")
+                 and e.nbytes in (512 * 16 * BF16, 512 * BF16, 256 * 512 * BF16)}
+        assert freed[grads[512 * 16 * BF16].block] == freed[grads[512 * BF16].block] == "backward"
+        assert freed.get(grads[256 * 512 * BF16].block) != "backward"
+        assert sizes(e for e in made if e.category == Category.GRADIENT) == [partition * FP32]
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [partition * FP32] * 2
+    assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()
