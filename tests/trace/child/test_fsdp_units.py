@@ -36,6 +36,9 @@ CONFIGS = {
     "fsdp2-w8-reshard_false-sharded_offload+optim": (8, ["--api", "fsdp2", "--reshard", "false", "--kind", "sharded",
                                                          "--offload", "1", "--optim", "1"]),
     "fsdp2-w8-reshard_2-full+optim": (8, ["--api", "fsdp2", "--reshard", "2", "--kind", "full", "--optim", "1"]),
+    # the same rules at the other worlds (benchmarks/results/sharding/coverage.md)
+    "fsdp2-w4-ac_inside": (4, ["--api", "fsdp2", "--ac", "inside"]),
+    "fsdp2-w2-reshard_false": (2, ["--api", "fsdp2", "--reshard", "false"]),
 }
 TRACES: dict[str, object] = {}
 
@@ -109,7 +112,8 @@ def inner_allocations(result, phase: str) -> list:
     return [e for e in allocs(result, phase=phase) if e.iteration == 1 and ".inner." in e.module]
 
 
-@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp2-w8-ac_inside-full_offload")
+@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp2-w8-ac_inside-full_offload",
+    "fsdp2-w4-ac_inside")
 def test_activation_checkpointing_in_fsdp_units_recomputes_without_gathering_again(units):
     name, result = units
     world, api = CONFIGS[name][0], option(name, "--api", "")
@@ -132,7 +136,7 @@ def test_activation_checkpointing_in_fsdp_units_recomputes_without_gathering_aga
     assert audit(result) == ()
 
 
-# ---- FSDP2 reshard_after_forward True / False / int at world 8 ----------------------------------------------------
+# ---- FSDP2 reshard_after_forward True / False / int at world 8 (2, 4)----------------------------------------------
 def fsdp2_reshard_figures(reshard: str) -> dict[str, object]:
     """What fully_shard(block, reshard_after_forward=...) gathers on rank 0 in a steady iteration, from upstream
     (the root unit's reshard_after_forward is set False by its lazy init, whatever was asked; FSDPParamGroup.reshard
@@ -165,7 +169,8 @@ def live_unsharded_after_forward(result) -> int:
     return held
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim",
+    "fsdp2-w4-ac_inside", "fsdp2-w2-reshard_false")
 def test_fsdp2_reshard_after_forward_sets_what_each_block_keeps_until_its_backward(units):
     name, result = units
     reshard = option(name, "--reshard", "true")
