@@ -232,6 +232,13 @@ def test_zero3_at_world_8_gathers_only_the_parameters_above_the_persistence_thre
     order = [(e.phase, e.category == Category.INPUT) for e in trace.events if e.iteration == 1 and
              e.action == "alloc" and (e.category == Category.INPUT or e in gathered and e.phase != "forward")]
     assert order[:3] == [("other", False), ("other", False), ("other", True)]  # both biases, then the batch
+    # stage3_prefetch_bucket_size (50 000 elements): once fetch_sub_module has gathered the first Linear's weight, it
+    # prefetches the next parameters of the recorded order that are not available until that many elements are on
+    # their way: the second weight (8 192; its bias persists), all-gathered before the first Linear runs
+    forward = [(e.category, e.nbytes) for e in trace.events if e.iteration == 1 and e.phase == "forward"
+               and e.action == "alloc" and e.nbytes >= 1024]  # not the scalars
+    assert forward[:3] == [(Category.PARAMETER, WEIGHTS[0] * BF16), (Category.PARAMETER, WEIGHTS[1] * BF16),
+                           (Category.ACTIVATION, 8 * 512 * BF16)]
     assert zero_state_fact(trace).nbytes == 2 * partition * FP32 and audit(trace) == ()
 
 
