@@ -133,7 +133,7 @@ def test_cpu_adam_is_checked_on_the_host_and_any_other_compiled_op_is_named_not_
         AsyncIO().load()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hf_trainer_hands_zero_the_moved_parameters(stage):
     # The Trainer's DummyOptim holds the host parameters DeepSpeed's engine moves to the GPU (accelerate passes its
     # list as model_parameters): the trace points it at the moved ones, as a GPU keeps each Parameter object.
@@ -145,8 +145,8 @@ def test_hf_trainer_hands_zero_the_moved_parameters(stage):
                                                                  n_positions=64))
     numel = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once, as named_parameters does
     # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere; FusedAdam's
-    # two moments of each group's fp32 partition, half of the group at world size 2 (ZeRO-2: the flat group cut in
-    # two; ZeRO-3: each parameter cut in two, _partition_param, all of them in one sub-group: the same total)
+    # two moments of each group's fp32 partition, half of the group at world size 2 (ZeRO-1 and 2: the flat group cut
+    # in two; ZeRO-3: each parameter cut in two, _partition_param, all of them in one sub-group: the same total)
     assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32
     # the first step's state (both groups at ZeRO-2) is what ZeRO's partition rule asks of the fullest rank
     assert zero_state_fact(trace).nbytes == 2 * (numel // WORLD) * FP32 and audit(trace) == ()
