@@ -5,8 +5,10 @@ import json
 import os
 import pickle
 import random
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -181,18 +183,22 @@ def test_snapshot_names_the_ops_and_modules_behind_each_allocation(estimated):
 
 
 @pytest.mark.parametrize("kind", ["trace_plot", "segment_plot", "stats"])
-def test_torchs_memory_viz_reads_the_snapshot(estimated, kind, tmp_path):
+def test_torchs_memory_viz_reads_the_snapshot(estimated, kind, tmp_path, monkeypatch, capsys):
+    """`python -m torch.cuda._memory_viz KIND FILE`, run in this process (runpy executes the module's command line as
+    `-m` does: its own argument parser and pickle reader; a process of its own would cost a torch import)."""
     folder, _data, _stderr = estimated
     out = tmp_path / "out"
     args = [kind, str(folder / "run.pickle")] + (["-o", str(out)] if kind != "stats" else [])
-    run = subprocess.run([PYTHON, "-m", "torch.cuda._memory_viz", *args], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr
+    monkeypatch.setattr(sys, "argv", ["_memory_viz.py", *args])
+    with warnings.catch_warnings():  # torch.cuda imports the module: runpy warns that it runs a fresh copy
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module("torch.cuda._memory_viz", run_name="__main__", alter_sys=True)
+    stdout = capsys.readouterr().out
     if kind in ("trace_plot", "segment_plot"):
         html = out.read_text()
         assert "add_local_files" in html and '"base64"' in html and len(html) > 10_000
     else:
-        assert "segments:" in run.stdout and "Segment size mismatch" not in run.stdout
+        assert "segments:" in stdout and "Segment size mismatch" not in stdout
 
 
 def test_torchs_flame_graph_lines_add_up_to_the_reserved_memory(estimated):
@@ -207,17 +213,15 @@ def test_torchs_flame_graph_lines_add_up_to_the_reserved_memory(estimated):
     assert any(";active_allocated;" in line and "Sequential.0.up" in line for line in lines)
 
 
-def test_category_curves_at_the_peak_are_the_breakdown(estimated):
-    """The stacked categories of the plot are the estimate's breakdown at its peak."""
-    from xmem.estimate import estimate
-    from xmem.gpus import find_gpu, load_catalog
+def test_category_curves_at_the_peak_are_the_breakdown(kept):
+    """The stacked categories of the plot are the estimate's breakdown at its peak (on the type it is given for)."""
+    from xmem.gpus import load_catalog
     from xmem.pictures import category_curves, describe_op, gpu_run
 
-    folder, _data, _stderr = estimated
-    traces: dict = {}
-    result = estimate([PYTHON, str(folder / "train.py")], gpus=["a100"], keep_traces=traces, cwd=folder)
-    gpu = find_gpu("a100", load_catalog())
-    run = gpu_run(traces, gpu, dict(os.environ))
+    _folder, runs = kept
+    result = runs[0].estimate
+    gpu = load_catalog()[result.breakdown_gpu]
+    run = gpu_run(runs[0].traces, gpu, dict(os.environ))
     assert (run.sim.peak_reserved, run.sim.peak_allocated) == (result.gpus[gpu.name].peak_reserved_bytes,
                                                                 result.gpus[gpu.name].peak_allocated_bytes)
     at_peak = {name: int(values[0]) for name, values in category_curves(run, [run.sim.fullest_peak_index]).items()}
