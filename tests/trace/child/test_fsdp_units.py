@@ -37,8 +37,9 @@ CONFIGS = {
                                                          "--offload", "1", "--optim", "1"]),
     "fsdp2-w8-reshard_2-full+optim": (8, ["--api", "fsdp2", "--reshard", "2", "--kind", "full", "--optim", "1"]),
     # the same rules at the other worlds (benchmarks/results/sharding/coverage.md)
-    "fsdp2-w4-ac_inside": (4, ["--api", "fsdp2", "--ac", "inside"]),
-    "fsdp2-w2-reshard_false": (2, ["--api", "fsdp2", "--reshard", "false"]),
+    "fsdp2-w4-ac_inside-full": (4, ["--api", "fsdp2", "--ac", "inside", "--kind", "full"]),
+    "fsdp2-w2-reshard_false-sharded": (2, ["--api", "fsdp2", "--reshard", "false", "--kind", "sharded"]),
+    "fsdp1-w8-full+optim": (8, ["--api", "fsdp1", "--kind", "full", "--optim", "1"]),
 }
 TRACES: dict[str, object] = {}
 
@@ -113,7 +114,7 @@ def inner_allocations(result, phase: str) -> list:
 
 
 @on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp2-w8-ac_inside-full_offload",
-    "fsdp2-w4-ac_inside")
+    "fsdp2-w4-ac_inside-full")
 def test_activation_checkpointing_in_fsdp_units_recomputes_without_gathering_again(units):
     name, result = units
     world, api = CONFIGS[name][0], option(name, "--api", "")
@@ -170,7 +171,7 @@ def live_unsharded_after_forward(result) -> int:
 
 
 @on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim",
-    "fsdp2-w4-ac_inside", "fsdp2-w2-reshard_false")
+    "fsdp2-w4-ac_inside-full", "fsdp2-w2-reshard_false-sharded")
 def test_fsdp2_reshard_after_forward_sets_what_each_block_keeps_until_its_backward(units):
     name, result = units
     reshard = option(name, "--reshard", "true")
@@ -264,7 +265,7 @@ def fsdp1_save(world: int, kind: str, offload: bool, optim: bool = False) -> lis
     return events
 
 
-@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp1-w8-sharded")
+@on("fsdp1-w2-ac_inside-bf16-full+optim", "fsdp1-w4-ac_around-full_offload", "fsdp1-w8-sharded", "fsdp1-w8-full+optim")
 def test_fsdp1_state_dict_on_rank_0_gathers_each_unit_in_full_precision_and_keeps_what_upstream_keeps(units):
     name, result = units
     world, kind, offload = CONFIGS[name][0], option(name, "--kind", ""), option(name, "--offload", "0") == "1"
@@ -305,7 +306,8 @@ def fsdp2_save(kind: str, offload: bool, optim: bool = False) -> list[tuple[str,
     return events + ([] if offload else [("free", nbytes) for nbytes in gathered])
 
 
-@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim")
+@on("fsdp2-w8-ac_inside-full_offload", "fsdp2-w8-reshard_false-sharded_offload+optim", "fsdp2-w8-reshard_2-full+optim",
+    "fsdp2-w4-ac_inside-full", "fsdp2-w2-reshard_false-sharded")
 def test_fsdp2_state_dict_on_rank_0_gathers_each_parameter_whole_when_full(units):
     name, result = units
     kind, offload, optim = option(name, "--kind", ""), option(name, "--offload", "0") == "1", option(name, "--optim",
