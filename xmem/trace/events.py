@@ -123,7 +123,6 @@ FACT_ZERO_STATE = "the optimizer state of the rank whose ZeRO partitions are the
 FACT_OFFLOADED = "the parameters the optimizers step on the host, offloaded there by their wrapper"
 
 
-
 @dataclass(slots=True)
 class Trace:
     """Everything the tracer learned about one run of the user's program under fake CUDA."""

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.simulate.allocator_settings import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
-import xmem.trace.child.fft as fft
 import xmem.trace.child.distributed as distributed
+import xmem.trace.child.fft as fft
 import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
