@@ -10,7 +10,12 @@ A test goes to any free worker, except:
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +57,22 @@ def put_group_in_id(item: pytest.Item, group: str) -> None:
         item._id = type(item._id).parse(f"{item.nodeid}@{group}")
     else:
         item._nodeid = f"{item.nodeid}@{group}"
+
+
+@pytest.fixture(scope="module")
+def warm_tracer():
+    """For a module of many traces that are not about how a trace starts: its traces go through the warm tracer
+    (xmem.trace.warm), as on a site with `[estimate] warm_tracer = true`. The first trace runs cold and starts the
+    server, which has torch and the training stacks imported; the others fork from it instead of importing them
+    again (tests/trace/test_warm.py checks that a warm trace equals the cold one). The settings are in os.environ
+    (subprocesses inherit them) for the module's tests; its servers are stopped at the end."""
+    from xmem.trace import warm
+
+    directory = Path(tempfile.mkdtemp(prefix="xw-"))  # short: a socket's path holds at most 108 bytes
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(directory), warm.IDLE_ENV: "600"}.items():
+            patch.setenv(name, value)
+        yield
+    for pid in warm.server_pids(directory):
+        os.kill(pid, signal.SIGTERM)
+    shutil.rmtree(directory, ignore_errors=True)

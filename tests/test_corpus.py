@@ -4,11 +4,7 @@ equal what its model and optimizer really hold, counted here from the same model
 
 import importlib.util
 import math
-import os
-import shutil
-import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "corpus"))
 from programs import CORPUS_DIR, ITERATIONS, PROGRAMS  # noqa: E402
 
-from xmem.trace import TraceError, run_trace, warm  # noqa: E402
+from xmem.trace import TraceError, run_trace  # noqa: E402
 
 STEP_BYTES = 4  # a fused or capturable Adam keeps each parameter's `step` as an fp32 scalar on the GPU
 
@@ -114,24 +110,10 @@ def test_every_corpus_program_has_its_expectation():
     assert EXPECTED.keys() == PROGRAMS.keys()
 
 
-@pytest.fixture(scope="module")
-def warm_tracer():
-    """The programs are traced through the warm tracer, as on a site with `[estimate] warm_tracer = true`: the
-    first trace on a worker runs cold and starts the server, which has torch and the training stacks imported; the
-    others fork from it (tests/trace/test_warm.py checks that a warm trace equals the cold one). Stopped at the end."""
-    directory = Path(tempfile.mkdtemp(prefix="xc-"))  # short: a socket's path holds at most 108 bytes
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(directory), warm.IDLE_ENV: "600"}.items():
-            patch.setenv(name, value)
-        yield
-    for pid in warm.server_pids(directory):
-        os.kill(pid, signal.SIGTERM)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 @pytest.fixture(scope="module", params=sorted(PROGRAMS))
 def traced(request, warm_tracer):
-    """(program, its Trace or the TraceError its estimate ended with): one trace per program."""
+    """(program, its Trace or the TraceError its estimate ended with): one trace per program, through the warm
+    tracer (tests/conftest.py: Lightning's and Fabric's traces take 3-4 s instead of 30 on a loaded machine)."""
     program = PROGRAMS[request.param]
     try:
         return program, run_trace(program.command(), iterations=ITERATIONS, timeout=600, **program.options)

@@ -7,19 +7,14 @@ The site: a hand-built GPU type `tiny` of 1 GiB with one MIG profile of 1/4 GiB,
 import json
 import math
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from xmem.fit import FitError, Point, Vary, command_at, default_step, find_limits, fit_growth, parse_vary, phase_peaks
 from xmem.simulate import ALLOC, FREE
-from xmem.trace import warm
 from xmem.policy.options import FixedOption
 
 MIB, GIB = 2**20, 2**30
@@ -84,30 +79,14 @@ for step in range(2):
 """
 
 
-@pytest.fixture(scope="module")
-def warm_dir():
-    """fit's traces go through the warm tracer, as on a site with `[estimate] warm_tracer = true`: the first trace
-    of the module runs cold and starts the server, the others fork from it instead of importing torch again (8-11
-    traces per test; tests/trace/test_warm.py checks that a warm trace equals the cold one). Stopped at the end."""
-    directory = Path(tempfile.mkdtemp(prefix="xf-"))  # short: a socket's path holds at most 108 bytes
-    yield directory
-    for pid in warm.server_pids(directory):
-        os.kill(pid, signal.SIGTERM)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def warm_env(warm_dir) -> dict[str, str]:
-    return dict(os.environ, **{warm.ENABLE_ENV: "1", warm.DIR_ENV: str(warm_dir), warm.IDLE_ENV: "600"})
-
-
-def fit(tmp_path, warm_dir, program: str, vary: str, *command: str, step: str | None = "1") -> dict:
+def fit(tmp_path, program: str, vary: str, *command: str, step: str | None = "1") -> dict:
     """`fit --json` of `program` on the site above; `step` None: the default resolution."""
     (tmp_path / "site.toml").write_text(SITE)
     (tmp_path / "train.py").write_text(program)
     argv = [sys.executable, "-m", "xmem.cli", "fit", "--json", "--config", str(tmp_path / "site.toml"),
             "--iterations", "2", *(["--step", step] if step else []), "--vary", vary, "--", PYTHON, "train.py",
             *command]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=warm_env(warm_dir))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -119,8 +98,9 @@ def confirmed(result: dict, limit: int, high: int) -> bool:
 
 
 @pytest.mark.slow
-def test_batch_size_limit_per_offer_matches_the_hand_derivation(tmp_path, warm_dir):
-    result = fit(tmp_path, warm_dir, MLP, "batch-size=1..2000", "--batch-size", "{}")
+@pytest.mark.usefixtures("warm_tracer")  # 3-11 traces each: tests/conftest.py
+def test_batch_size_limit_per_offer_matches_the_hand_derivation(tmp_path):
+    result = fit(tmp_path, MLP, "batch-size=1..2000", "--batch-size", "{}")
     assert result["vary"] == "batch-size" and set(result["limits"]) == {"tiny"}
     limits = result["limits"]["tiny"]
     assert set(limits) == {"whole", "1g.256mb"}
@@ -138,11 +118,12 @@ def test_batch_size_limit_per_offer_matches_the_hand_derivation(tmp_path, warm_d
 
 
 @pytest.mark.slow
-def test_a_linear_job_is_fitted_in_at_most_8_traces(tmp_path, warm_dir):
+@pytest.mark.usefixtures("warm_tracer")  # 3-11 traces each: tests/conftest.py
+def test_a_linear_job_is_fitted_in_at_most_8_traces(tmp_path):
     """Issue 23: with the default resolution (multiples of 8 here), the MLP above, whose memory grows linearly with
     the batch, is answered for both offers in at most 8 traces, each answer confirmed by its trace and the next
     multiple's, within the hand derivation's bounds."""
-    result = fit(tmp_path, warm_dir, MLP, "batch-size=1..2000", "--batch-size", "{}", step=None)
+    result = fit(tmp_path, MLP, "batch-size=1..2000", "--batch-size", "{}", step=None)
     assert result["resolution"] == 8
     assert result["traces"] <= 8 and result["traces"] == len(result["traced_values"]), result["traced_values"]
     for option, capacity in (("whole", GIB), ("1g.256mb", GIB // 4)):
@@ -152,10 +133,11 @@ def test_a_linear_job_is_fitted_in_at_most_8_traces(tmp_path, warm_dir):
 
 
 @pytest.mark.slow
-def test_sequence_length_limit_follows_the_quadratic_attention_scores(tmp_path, warm_dir):
+@pytest.mark.usefixtures("warm_tracer")  # 3-11 traces each: tests/conftest.py
+def test_sequence_length_limit_follows_the_quadratic_attention_scores(tmp_path):
     """At the default resolution (exact below 64, then multiples of 8 or of 1 % of the answer): each answer lies
     within one step below the hand derivation's bounds and rests on its own trace and the next multiple's."""
-    result = fit(tmp_path, warm_dir, ATTENTION, "seq-len=64..8192", "--seq-len", "100", step=None)  # plain --NAME
+    result = fit(tmp_path, ATTENTION, "seq-len=64..8192", "--seq-len", "100", step=None)  # plain --NAME
     limits = result["limits"]["tiny"]
     for option, capacity in (("whole", GIB), ("1g.256mb", GIB // 4)):
         most = math.floor(math.sqrt(capacity / (1 + MARGIN) / (3 * 64)))  # three 64 S^2 tensors, nothing else
@@ -171,8 +153,9 @@ def test_sequence_length_limit_follows_the_quadratic_attention_scores(tmp_path, 
 
 
 @pytest.mark.slow
-def test_not_even_low_fits_is_null(tmp_path, warm_dir):
-    result = fit(tmp_path, warm_dir, MLP, "batch-size=100..200", "--batch-size", "{}")
+@pytest.mark.usefixtures("warm_tracer")  # 3-11 traces each: tests/conftest.py
+def test_not_even_low_fits_is_null(tmp_path):
+    result = fit(tmp_path, MLP, "batch-size=100..200", "--batch-size", "{}")
     assert result["limits"]["tiny"]["1g.256mb"] is None  # 100 samples need 375 MiB with the margin: > 256 MiB
     assert result["limits"]["tiny"]["whole"] is not None
 
@@ -240,7 +223,8 @@ def test_search_confirms_on_traces_even_where_the_model_misses():
 
 
 @pytest.mark.slow
-def test_check_varies_the_batch_scripts_own_command(tmp_path, warm_dir):
+@pytest.mark.usefixtures("warm_tracer")  # 3-11 traces each: tests/conftest.py
+def test_check_varies_the_batch_scripts_own_command(tmp_path):
     """`check job.sh --vary`: the script's training command, in its directory, over its partition's types. The
     range 1..4 is traced whole at 1, 2 and 4 (the first values): 4 samples (12 MiB) fit both offers."""
     (tmp_path / "site.toml").write_text(SITE)
@@ -249,7 +233,7 @@ def test_check_varies_the_batch_scripts_own_command(tmp_path, warm_dir):
                                      f"{PYTHON} train.py --batch-size 64\n")
     argv = [sys.executable, "-m", "xmem.cli", "check", str(tmp_path / "job.sh"), "--json", "--config",
             str(tmp_path / "site.toml"), "--vary", "batch-size=1..4"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd="/", env=warm_env(warm_dir))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd="/")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["limits"] == {"tiny": {"whole": 4, "1g.256mb": 4}}

@@ -13,6 +13,9 @@ from tests.torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import run_trace
 from xmem.trace.child.fakecuda import memory_size_warning
 
+# About twenty traces of small scripts: through the warm tracer (tests/conftest.py), which skips torch's import in each
+pytestmark = pytest.mark.usefixtures("warm_tracer")
+
 
 def trace(python, script, *args, **options):
     return run_trace(["python", str(SCRIPTS / script), *args], python=python, **options)
