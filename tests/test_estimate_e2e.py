@@ -9,6 +9,8 @@ import pytest
 
 from xmem.estimate import estimate
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 SCRIPT = """
     import torch
     model = torch.nn.Sequential(torch.nn.Linear(1000, 2000), torch.nn.ReLU(), torch.nn.Linear(2000, 500)).cuda()

@@ -16,6 +16,8 @@ import pytest
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, AllocatorConfig, simulate
 from xmem.simulate.allocator_settings import MiB
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -9,6 +9,8 @@ import pytest
 
 from xmem.trace import run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 JOBS = Path(__file__).resolve().parents[2] / "benchmarks" / "jobs"
 
 

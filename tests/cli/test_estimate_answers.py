@@ -15,6 +15,8 @@ from xmem.cli.estimate import show_estimate
 from xmem.config import MarginConfig
 from xmem.estimate import Estimate
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 MIB = 1 << 20
 # Nine 1000 MiB buffers: 8.8 GiB, more than an RTX 4060 (7.75 GiB) holds, less than an RTX 3060 (11.76 GiB).
 BIG = """\

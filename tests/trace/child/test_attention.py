@@ -13,6 +13,8 @@ from xmem.trace import run_trace
 from xmem.trace.child.attention import (CUDNN, EFFICIENT, FLASH, MATH, Call, Mask, Runtime, choose_attention_backend,
                                   minimum_gemm_alignment, select_backend)
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 H100, B200, B300, A100, A10, L40S, RTX5090, V100, T4 = (9, 0), (10, 0), (10, 3), (8, 0), (8, 6), (8, 9), (12, 0), \
     (7, 0), (7, 5)
 WHEEL = Runtime()  # torch 2.14.1+cu130: cuDNN 9.24.0, every backend enabled, the default order

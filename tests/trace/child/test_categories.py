@@ -9,6 +9,8 @@ import pytest
 
 from xmem.estimate import estimate
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "closure_loops.py"
 
 

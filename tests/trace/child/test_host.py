@@ -8,6 +8,8 @@ import pytest
 from tests.torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import TraceError, run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 
 def allocs(trace, category):
     return [e for e in trace.events if e.action == "alloc" and e.category == category]

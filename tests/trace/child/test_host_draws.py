@@ -14,6 +14,8 @@ import pytest
 from tests.torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE_STACK = Path(os.environ.get("XMEM_TEST_REFERENCE_STACK", ROOT / "bench-out" / "reference-stack"))
 

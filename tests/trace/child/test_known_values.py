@@ -9,6 +9,8 @@ from tests.torch_builds import PYTHONS, SCRIPTS
 from xmem.trace import run_trace
 from xmem.trace.child.standins import SCALAR_WARNING, SELECTION_WARNING
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 FLOAT = 4
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from xmem.trace import run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
 # A validation step as ultralytics' assigner and validator do it: data-dependent selections and a loss under
 # inference_mode. Training uses none of the ops below, so what they allocate shows the validation's ops were seen.
 VALIDATED = """import torch
