@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from xmem.trace import run_trace, runner, sandbox, warm
+from xmem.trace import TraceError, run_trace, runner, sandbox, warm
 from xmem.trace.command import parse_command
 
 from tests.throwaway_users import users_fixture
@@ -142,6 +142,18 @@ def test_warm_trace_equals_the_cold_one(warm_on, monkeypatch):
     cold_trace, cold_cpu = traced(MLP)
     assert warm_cpu < COLD_CPU_S < cold_cpu, "the first trace was not run warm"
     assert warm_trace == cold_trace
+
+
+def test_a_program_reaching_the_real_cuda_runtime_is_not_modelled_warm_too(warm_on, tmp_path):
+    """In a warm child (a fork of a process that loaded CUDA) torch's own init asserts `is_device_in_bad_fork` before
+    the runtime can say it has no device: the same gap of ours as cold, exit 11, never the program's error."""
+    script = tmp_path / "driver.py"
+    script.write_text("import torch\nx = torch.zeros(4, device='cuda')\ntorch._C._cuda_init()\n")
+    before = children_cpu()
+    with pytest.raises(TraceError) as raised:
+        run_trace([sys.executable, str(script)], timeout=120)
+    assert children_cpu() - before < COLD_CPU_S, "the trace was not run warm"
+    assert raised.value.kind == "not_modelled" and "reached the real CUDA runtime" in raised.value.message
 
 
 def test_the_sites_choice_applies_unless_the_users_environment_says_otherwise(warm_on, monkeypatch):

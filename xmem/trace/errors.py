@@ -10,9 +10,11 @@ from __future__ import annotations
 KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "memory_limit", "crashed",
          "no_cuda", "not_modelled", "internal")
 SHOWN_LINES = 20  # of the program's output, beside its traceback
-# What the CUDA runtime (through torch, or a native extension printing its error) says with no device here.
+# What the CUDA runtime (through torch, or a native extension printing its error) says with no device here; and
+# what torch says instead in a child of the warm tracer (a fork of a process that loaded CUDA: `torch._C._cuda_init`
+# asserts `is_device_in_bad_fork` before it reaches the runtime).
 REAL_CUDA_SIGNS = ("Found no NVIDIA driver", "CUDA driver version is insufficient", "no CUDA GPUs are available",
-                   "Torch not compiled with CUDA enabled", "CUDA error:")
+                   "Torch not compiled with CUDA enabled", "CUDA error:", "is_device_in_bad_fork(at::kCUDA)")
 
 
 class TraceError(Exception):
