@@ -12,6 +12,7 @@ import math
 import pytest
 
 from tests.torch_builds import SCRIPTS
+from tests.trace.child.test_fsdp import walk
 from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.events import FACT_OFFLOADED, Category
@@ -41,17 +42,6 @@ def fsdp(request):
 
 
 # ---- reading a trace ---------------------------------------------------------------------------------------------
-def walk(result):
-    """Each event, with the storages live (block -> its alloc) just after it."""
-    live = {}
-    for e in result.events:
-        if e.action == "alloc":
-            live[e.block] = e
-        elif e.action == "free":
-            live.pop(e.block, None)
-        yield e, live
-
-
 def held_after_first_step(result) -> dict[str, int]:
     """Bytes live per category once iteration 0 is over (its optimizer step done), before iteration 1's first event."""
     held: dict[str, int] = {}
