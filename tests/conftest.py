@@ -59,20 +59,31 @@ def put_group_in_id(item: pytest.Item, group: str) -> None:
         item._nodeid = f"{item.nodeid}@{group}"
 
 
-@pytest.fixture(scope="module")
-def warm_tracer():
-    """For a module of many traces that are not about how a trace starts: its traces go through the warm tracer
-    (xmem.trace.warm), as on a site with `[estimate] warm_tracer = true`. The first trace runs cold and starts the
-    server, which has torch and the training stacks imported; the others fork from it instead of importing them
-    again (tests/trace/test_warm.py checks that a warm trace equals the cold one). The settings are in os.environ
-    (subprocesses inherit them) for the module's tests; its servers are stopped at the end."""
+@pytest.fixture(scope="session")
+def warm_servers():
+    """The directory of this worker's warm tracer servers, shared by every module that takes `warm_tracer`: a server
+    loads torch and the training libraries once (10-20 s of CPU, and its module's traces run cold until it answers),
+    so one per worker and import environment (`xmem.trace.warm.socket_path`: one for single-process jobs, one for
+    jobs a launcher runs as several processes a node) serves the whole run. Stopped at the end."""
     from xmem.trace import warm
 
     directory = Path(tempfile.mkdtemp(prefix="xw-"))  # short: a socket's path holds at most 108 bytes
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(directory), warm.IDLE_ENV: "600"}.items():
-            patch.setenv(name, value)
-        yield
+    yield directory
     for pid in warm.server_pids(directory):
         os.kill(pid, signal.SIGTERM)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def warm_tracer(warm_servers):
+    """For a module of many traces that are not about how a trace starts: its traces go through the warm tracer
+    (xmem.trace.warm), as on a site with `warm_tracer = true`. A trace that finds no server answering runs cold and
+    starts one, which has torch and the training stacks imported; the next ones fork from it instead of importing
+    them again (tests/trace/test_warm.py checks that a warm trace equals the cold one). The settings are in
+    os.environ (subprocesses inherit them) for the module's tests only."""
+    from xmem.trace import warm
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(warm_servers), warm.IDLE_ENV: "3600"}.items():
+            patch.setenv(name, value)
+        yield

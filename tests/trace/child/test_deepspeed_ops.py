@@ -16,6 +16,8 @@ from xmem.trace import run_trace
 from xmem.trace.child.facts import zero12_partitions
 from xmem.trace.events import FACT_ZERO_STATE, Category
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 pytest.importorskip("deepspeed")
 
 FP32, BF16 = 4, 2

@@ -19,6 +19,8 @@ from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.events import Category
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 FP32, BF16 = 4, 2
 TRACES: dict[tuple, object] = {}
 

@@ -17,6 +17,8 @@ from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.events import FACT_OFFLOADED, Category
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 FP32, BF16, FP64 = 4, 2, 8
 BATCH, WIDTH = 8, 256
 

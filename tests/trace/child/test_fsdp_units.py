@@ -21,6 +21,8 @@ from xmem.trace import run_trace
 from xmem.trace.errors import TraceError
 from xmem.trace.events import Category
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 FP32, BF16 = 4, 2
 BATCH = 8
 BLOCK = [(512, 256), (512,), (256, 512), (256,)]  # a block's parameters in registration (= state dict) order

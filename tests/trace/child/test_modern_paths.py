@@ -10,6 +10,8 @@ import pytest
 from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.audit import audit
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 TRACES: dict[tuple[str, ...], object] = {}
 
 

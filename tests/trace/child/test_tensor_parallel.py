@@ -22,6 +22,8 @@ from xmem.trace import run_trace
 from xmem.trace.errors import TraceError
 from xmem.trace.events import FACT_DTENSOR_PARAMETERS, Category
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+
 B, S, D, H, V = 2, 16, 64, 256, 512
 FP32 = 4
 ACTIVATION = B * S * D * FP32  # one (B, S, D) activation
