@@ -36,7 +36,9 @@ for step in range(3):
     opt.step()
 print("trained on", device)
 """
-BURST = 50
+# Enough concurrent sbatch runs to race on one cache entry and one estimate (a burst's speed at scale is a benchmark's
+# figure: scripts/bench_filter.py --burst N)
+BURST = 12
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_clu
     lock = threading.Lock()
 
     def submit():
-        # --begin keeps the released jobs pending: the test checks their requests, it does not train 50 times
+        # --begin keeps the released jobs pending: the test checks their requests, it does not train them all
         sub = cluster.sbatch(path, "--begin=now+3600")
         with lock:
             ids.append(sub.job_id if sub.returncode == 0 else f"error: {sub.stderr}")
@@ -167,7 +169,7 @@ def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_clu
     infos = {i: wait_settled(cluster, i, timeout=600) for i in ids}
     print(f"\nfigure: {BURST} deferred submissions: sbatch burst {submitted:.1f} s, all released after "
           f"{time.monotonic() - started:.1f} s")
-    expected = expected_gres(cluster, path, path.read_text(), before)  # one estimate served all 50
+    expected = expected_gres(cluster, path, path.read_text(), before)  # one estimate served them all
     assert {i: (xmem_state(v), v["TresPerNode"]) for i, v in infos.items()} == {
         i: ("done", f"gres:{expected}") for i in ids}
     cluster.run("scancel", *ids)
