@@ -199,26 +199,6 @@ def test_another_user_cannot_reach_or_be_served(server, users):
     assert "answer b''" in done.stdout, done.stdout + done.stderr  # closed without a word
 
 
-def test_jobs_of_any_gpu_count_share_a_server_but_not_across_thread_settings(tmp_path, monkeypatch):
-    # The node's GPUs reach a job as the CUDA_VISIBLE_DEVICES the tracer sets; torch reads it only when CUDA starts,
-    # in the job itself. A launcher's several processes a node get OMP_NUM_THREADS=1, which torch's OpenMP reads
-    # when it loads: a server of its own.
-    monkeypatch.setenv(warm.DIR_ENV, str(tmp_path / "sockets"))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    (tmp_path / "train.py").write_text("")
-
-    def socket(command: list[str], gpus: int) -> tuple[Path | None, dict[str, str]]:
-        env = runner._child_env(None, parse_command(command, str(tmp_path)), gpus)
-        return warm.socket_path(shutil.which(sys.executable), env), env
-
-    one_gpu, _ = socket(["python", "train.py"], 1)
-    eight_gpus, env = socket(["python", "train.py"], 8)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and eight_gpus == one_gpu is not None
-    four_ranks, env = socket(["torchrun", "--nproc_per_node=4", "train.py"], 4)
-    assert env["OMP_NUM_THREADS"] == "1" and four_ranks != one_gpu
-    assert socket(["torchrun", "--nproc_per_node=8", "train.py"], 8)[0] == four_ranks
-
-
 def test_stale_socket_falls_back_to_cold(monkeypatch, tmp_path):
     directory = Path(tempfile.mkdtemp(prefix="xw-"))
     try:

@@ -43,10 +43,6 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
                        "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
                        "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
-# Set by the tracer for each job (the node's GPUs, `xmem.launchers.launcher_env`), and read by torch only when CUDA
-# initialises, which the fake world does in the job's own process, after its environment is in place: not a key, so
-# that jobs of 1 and of 8 GPUs a node share a server.
-PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)
 # The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
 # at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
 # these settings pass. A job that sets anything else of that kind is traced cold, where its environment is applied
@@ -95,7 +91,7 @@ def socket_path(interpreter: str, env: dict[str, str]) -> Path | None:
 
 
 def _shapes_imports(name: str) -> bool:
-    return (name.startswith(IMPORT_ENV_PREFIXES) or name in IMPORT_ENV_NAMES) and name not in PER_JOB_ENV
+    return name.startswith(IMPORT_ENV_PREFIXES) or name in IMPORT_ENV_NAMES
 
 
 def _runs_code_at_start(name: str) -> bool:
