@@ -164,7 +164,7 @@ def test_no_optimizer_step_within_the_time_limit_exits_6(tmp_path):
                 model(torch.randn(4, 8, device="cuda"))
                 time.sleep(0.05)  # waits for the time limit without taking a core from the tests beside it
     """)
-    run = xmem("--json", "--timeout", "45", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
+    run = xmem("--json", "--timeout", "25", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
     assert run.returncode == 6, run.stderr
     data = json_stdout(run)
     assert data["error"] == "no_optimizer_step" and "had not stepped it when the trace's time limit" in data["message"]
