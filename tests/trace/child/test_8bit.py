@@ -14,7 +14,8 @@ from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.audit import audit
 from xmem.trace import TraceError
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed"),
+              pytest.mark.usefixtures("warm_tracer")]  # traces of what a program allocates: forked warm
 
 QMAPS = [256 * 4, 256 * 4]
 

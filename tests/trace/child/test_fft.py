@@ -14,6 +14,8 @@ from xmem.trace.child import fft
 from xmem.trace.events import Category
 from xmem.trace.runner import run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what a program allocates: forked warm
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peft_fft_adapters.py"
 WS, TEMP = Category.WORKSPACE, Category.TEMPORARY
 

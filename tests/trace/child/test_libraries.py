@@ -8,6 +8,8 @@ import pytest
 
 from tests.trace.child.test_scripts import allocs, trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what a program allocates: forked warm
+
 LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
 

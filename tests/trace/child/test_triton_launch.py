@@ -12,6 +12,8 @@ import pytest
 from tests.torch_builds import SCRIPTS
 from xmem.trace import TraceError, run_trace
 
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what a program allocates: forked warm
+
 pytest.importorskip("triton")
 SCRIPT = str(SCRIPTS / "triton_kernels.py")
 ROW_BYTES = 8 * 64 * 256 * 4  # the scaled activations: batch 8 x 64 tokens x width 256, fp32
