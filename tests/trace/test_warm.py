@@ -199,6 +199,20 @@ def test_another_user_cannot_reach_or_be_served(server, users):
     assert "answer b''" in done.stdout, done.stdout + done.stderr  # closed without a word
 
 
+def test_a_server_that_loaded_a_library_choosing_its_code_by_cuda_runs_no_job(tmp_path):
+    # bitsandbytes picks its CPU-only library when imported without a GPU: a server whose preloaded libraries pulled
+    # it in (transformers.trainer -> peft -> bitsandbytes, before it left the preload) would trace every job on it
+    from xmem.trace.child import warm_server
+
+    request = {"env": {"HOME": str(tmp_path)}, "cwd": str(tmp_path), "limits": {}}
+    clean = warm_server.Loaded(origins={}, signature=[], base_path=[], library_bytes=0)
+    assert warm_server._declined(request, clean) == ""
+    tainted = warm_server.Loaded(origins={"bitsandbytes": "/x/bitsandbytes/__init__.py"}, signature=[], base_path=[],
+                                 library_bytes=0)
+    assert "bitsandbytes was imported before the job's fake GPU" in warm_server._declined(request, tainted)
+    assert not set(warm_server.CHOOSE_BY_CUDA_AT_IMPORT) & set(warm_server.TRAINING_LIBRARIES)
+
+
 def test_stale_socket_falls_back_to_cold(monkeypatch, tmp_path):
     directory = Path(tempfile.mkdtemp(prefix="xw-"))
     try:

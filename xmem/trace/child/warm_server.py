@@ -36,10 +36,15 @@ from xmem.trace.warm import CONNECT_TIMEOUT_S, DEFAULT_IDLE_S, HEADER, STOP_GRAC
 SERVER_NICE = 10  # the server's imports must not slow the cold estimate that started it
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
 # server's path). A library a job would import from another place is not used warm (`_shadowed`). transformers
-# loads lazily: its model base (modeling_utils, 1.3 s) and Trainer (2.8 s more) are what every HF job imports; a
-# model's own file is a few milliseconds.
-TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "transformers.modeling_utils", "transformers.trainer",
-                      "safetensors", "accelerate", "timm", "lightning", "pytorch_lightning", "tqdm")
+# loads lazily: its model base (modeling_utils, 1.3 s) is what every HF job imports; a model's own file is a few
+# milliseconds. Not its Trainer: transformers.trainer imports peft, which imports bitsandbytes (below).
+TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "transformers.modeling_utils", "safetensors",
+                      "accelerate", "timm", "lightning", "pytorch_lightning", "tqdm")
+# Libraries that choose their native code at import by whether CUDA is there (bitsandbytes: get_native_library in
+# cextension.py loads its CPU-only library without a GPU). The server has no fake GPU yet, so one of these loaded by
+# a preloaded library would run every job on its CPU code (a paged optimizer said "not available in CPU-only
+# version" instead of reaching the real CUDA runtime): the server then declines every job, which runs cold.
+CHOOSE_BY_CUDA_AT_IMPORT = ("bitsandbytes",)
 
 
 def serve(path: Path, idle_s: float, after: Path | None = None, caller: int = 0) -> None:
@@ -257,6 +262,9 @@ def _declined(request: dict[str, Any], loaded: Loaded) -> str:
     if file_stamps([name for name, _, _ in loaded.signature]) != loaded.signature:
         os.kill(os.getppid(), signal.SIGTERM)  # stale: the next estimate starts a fresh server
         return "xmem, torch or a preloaded library changed since the warm tracer started"
+    loaded_early = [name for name in CHOOSE_BY_CUDA_AT_IMPORT if name in loaded.origins]
+    if loaded_early:
+        return f"{loaded_early[0]} was imported before the job's fake GPU (it picks its native library by CUDA then)"
     env, cwd = request["env"], request["cwd"]
     if _user_site(env) and os.path.isdir(_user_site(env)):
         return "a user site-packages exists (the warm tracer imports from the installation's alone)"
