@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from tests.trace.child.live_storages import walk
 from tests.trace.child.test_scripts import allocs, sizes
 from tests.torch_builds import SCRIPTS
 from xmem.audit import audit
@@ -170,14 +171,10 @@ def traced_at(stage: int, world: int, *options: str):
 
 def live_at_end_of(trace, iteration: int, phase: str) -> list[int]:
     """Sizes of the storages live just after the last event of `phase` in `iteration`."""
-    live, last = {}, None
-    for e in trace.events:
-        if e.action == "alloc":
-            live[e.block] = e.nbytes
-        elif e.action == "free":
-            live.pop(e.block, None)
+    last = None
+    for e, live in walk(trace):
         if e.iteration == iteration and e.phase == phase:
-            last = sorted(live.values())
+            last = sorted(alloc.nbytes for alloc in live.values())
     assert last is not None
     return last
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.trace.child.test_scripts import allocs, sizes
 from tests.torch_builds import SCRIPTS
+from tests.trace.child.live_storages import by_category, walk
 from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.events import Category
@@ -49,26 +50,9 @@ def dim0_padded(shape: tuple[int, ...], world: int) -> int:
     return dim0_shard(shape, world) * world
 
 
-def walk(result):
-    """Each event, with the storages live (block -> its alloc) just after it."""
-    live = {}
-    for e in result.events:
-        if e.action == "alloc":
-            live[e.block] = e
-        elif e.action == "free":
-            live.pop(e.block, None)
-        yield e, live
-
-
 def live_at_first_step(result) -> dict[str, list[int]]:
     """Sizes of the storages live per category at the first event of iteration 0's optimizer step; just after its
     backward if the step allocated nothing (a rank whose shards hold no trainable element steps nothing)."""
-    def by_category(live) -> dict[str, list[int]]:
-        held: dict[str, list[int]] = {}
-        for alloc in live.values():
-            held.setdefault(alloc.category, []).append(alloc.nbytes)
-        return {category: sorted(nbytes) for category, nbytes in held.items()}
-
     after_backward = None
     for e, live in walk(result):
         if e.iteration == 0 and e.phase == "optimizer":

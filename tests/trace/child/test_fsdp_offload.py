@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.torch_builds import SCRIPTS
-from tests.trace.child.test_fsdp import walk
+from tests.trace.child.live_storages import walk
 from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.events import FACT_OFFLOADED, Category

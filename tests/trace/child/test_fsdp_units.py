@@ -14,7 +14,8 @@ import math
 import pytest
 
 from tests.torch_builds import SCRIPTS
-from tests.trace.child.test_fsdp import peak_live, unsharded_per_pass, walk
+from tests.trace.child.live_storages import walk
+from tests.trace.child.test_fsdp import peak_live, unsharded_per_pass
 from tests.trace.child.test_scripts import allocs
 from xmem.audit import audit
 from xmem.trace import run_trace

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.trace.child.live_storages import live_before
 from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.audit import audit
 
@@ -30,14 +31,7 @@ def first_iteration(result):
 def live_at_first_backward(result, category="activation", inside=""):
     """Bytes of `category` (born in a module whose path contains `inside`) live when iteration 0's backward
     begins, and their sizes."""
-    live = {}
-    for e in result.events:
-        if e.iteration == 0 and e.phase == "backward":
-            break
-        if e.action == "alloc":
-            live[e.block] = e
-        elif e.action == "free":
-            live.pop(e.block, None)
+    live = live_before(result, lambda e: e.iteration == 0 and e.phase == "backward")
     held = sorted(e.nbytes for e in live.values() if e.category == category and inside in e.module)
     return sum(held), held
 

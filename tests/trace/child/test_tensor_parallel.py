@@ -17,6 +17,7 @@ import math
 import pytest
 
 from tests.torch_builds import SCRIPTS
+from tests.trace.child.live_storages import by_category, live_before
 from xmem.audit import audit
 from xmem.trace import run_trace
 from xmem.trace.errors import TraceError
@@ -172,18 +173,7 @@ def collectives(result, iteration: int, phase: str) -> list[tuple[str, int]]:
 # ---- helpers on a trace -------------------------------------------------------------------------------------------
 def live_at_first_step(result) -> dict[str, list[int]]:
     """Storage sizes live per category at iteration 0's first optimizer event."""
-    live = {}
-    for e in result.events:
-        if e.iteration == 0 and e.phase == "optimizer":
-            break
-        if e.action == "alloc":
-            live[e.block] = e
-        elif e.action == "free":
-            live.pop(e.block, None)
-    held: dict[str, list[int]] = {}
-    for e in live.values():
-        held.setdefault(e.category, []).append(e.nbytes)
-    return {category: sorted(sizes) for category, sizes in held.items()}
+    return by_category(live_before(result, lambda e: e.iteration == 0 and e.phase == "optimizer"))
 
 
 def allocated(result, category: str, iteration: int) -> list[int]:
