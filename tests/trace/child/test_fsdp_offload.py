@@ -181,21 +181,22 @@ def test_offloaded_fsdp_moves_each_unit_to_the_gpu_only_while_it_runs(fsdp):
 
 
 # ---- DeepSpeed ZeRO-Offload: offload_optimizer (and ZeRO-3's offload_param) to the CPU -------------------------
-# tests/scripts/deepspeed_offload.py: Linear(256, 512), ReLU, Linear(512, 16) in bf16, AdamW (DeepSpeedCPUAdam under
-# offload: xmem/trace/child/deepspeed_ops.py skips its host kernel), a reduce bucket of 50 000 elements
+# tests/scripts/deepspeed_zero.py --offload 1: Linear(256, 512), ReLU, Linear(512, 16) in bf16, AdamW
+# (DeepSpeedCPUAdam under offload: xmem/trace/child/deepspeed_ops.py skips its host kernel), a reduce bucket of
+# 50 000 elements
 DS_PARAMS = [256 * 512, 512, 512 * 16, 16]  # numels, in registration order
 DS_NUMEL = sum(DS_PARAMS)  # 139 792: every numel a multiple of 8 and the total of 2 x 4 ranks: no padding anywhere
 REDUCE_BUCKET = 50000
 DS_CONFIGS = {
-    "zero2-w2": (2, ("--stage", "2")),
-    "zero3-offload-param-w4": (4, ("--stage", "3", "--param", "1", "--pin", "0")),
+    "zero2-w2": (2, ("--stage", "2", "--offload", "1")),
+    "zero3-offload-param-w4": (4, ("--stage", "3", "--offload", "1", "--offload-param", "1", "--pin", "0")),
 }
 
 
 def traced_zero(config: str):
     pytest.importorskip("deepspeed")
     world, options = DS_CONFIGS[config]
-    result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "deepspeed_offload.py"), *options],
+    result = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "deepspeed_zero.py"), *options],
                        iterations=2)
     return config, world, result
 
