@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO 1 and 2 through its own engine, as rank 0 of 2 runs it under torchrun
 (tests/scripts/deepspeed_zero.py: an MLP of 139 792 bf16 parameters, AdamW as DeepSpeed's FusedAdam, a reduce bucket
-of 50 000 elements). Its compiled FusedAdam is not built (xmem/trace/child/deepspeed_ops.py: checked and skipped). The
+of 50 000 elements), and through accelerate (the HF Trainer's, and an `Accelerator` with a DeepSpeedPlugin used
+directly: tests/scripts/accelerate_zero.py, the same MLP). Its compiled FusedAdam is not built (xmem/trace/child/deepspeed_ops.py: checked and skipped). The
 figures are derived by hand from deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeedZeroOptimizer). Skipped where
 deepspeed is not installed; each trace costs seconds."""
 
@@ -153,6 +154,19 @@ def test_hf_trainer_hands_zero_the_moved_parameters(stage):
     assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32
     # the first step's state (both groups at ZeRO-2) is what ZeRO's partition rule asks of the fullest rank
     assert zero_state_fact(trace).nbytes == 2 * (numel // WORLD) * FP32 and audit(trace) == ()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_with_a_deepspeed_plugin_partitions_the_programs_own_adamw(stage):
+    # Accelerator(deepspeed_plugin=...) used directly: prepare() hands DeepSpeed the torch AdamW the program made (its
+    # client optimizer), which keeps exp_avg and exp_avg_sq of rank 0's fp32 partition only: ZeRO-2 cuts the flat
+    # group in WORLD equal parts (no padding: NUMEL divides by 2 x WORLD), ZeRO-3 each parameter (ceil(numel / WORLD)
+    # each, every numel even here): the same NUMEL / WORLD elements, as one flat tensor per moment
+    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "accelerate_zero.py"), "--stage",
+                       str(stage)], iterations=2)
+    assert trace.iterations == 2
+    assert sizes(allocs(trace, Category.OPTIMIZER_STATE)) == [NUMEL // WORLD * FP32] * 2
+    assert zero_state_fact(trace).nbytes == 2 * (NUMEL // WORLD) * FP32 and audit(trace) == ()
 
 
 # ---- ZeRO 1 at world 4 and ZeRO 3 at world 8, through the engine (deepspeed_zero.py, same MLP and config) ---------
