@@ -137,23 +137,24 @@ def test_cpu_adam_is_checked_on_the_host_and_any_other_compiled_op_is_named_not_
         AsyncIO().load()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_hf_trainer_hands_zero_the_moved_parameters(stage):
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (3, 4), (2, 8)])
+def test_hf_trainer_hands_zero_the_moved_parameters(stage, world):
     # The Trainer's DummyOptim holds the host parameters DeepSpeed's engine moves to the GPU (accelerate passes its
     # list as model_parameters): the trace points it at the moved ones, as a GPU keeps each Parameter object.
-    trace = run_trace(["torchrun", f"--nproc_per_node={WORLD}", str(SCRIPTS / "hf_trainer_zero.py"), "--stage",
+    trace = run_trace(["torchrun", f"--nproc_per_node={world}", str(SCRIPTS / "hf_trainer_zero.py"), "--stage",
                        str(stage)], iterations=2)
     assert trace.iterations == 2
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000,
                                                                  n_positions=64))
     numel = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once, as named_parameters does
-    # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere; FusedAdam's
-    # two moments of each group's fp32 partition, half of the group at world size 2 (ZeRO-1 and 2: the flat group cut
-    # in two; ZeRO-3: each parameter cut in two, _partition_param, all of them in one sub-group: the same total)
-    assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // WORLD) * FP32
+    # two groups (weight decay or not), every parameter's numel a multiple of 128: no padding anywhere at worlds up
+    # to 8 (the flat groups' alignment is 2 x world elements); FusedAdam's two moments of each group's fp32 partition,
+    # 1/world of the group (ZeRO-1 and 2: the flat group cut in world parts; ZeRO-3: each parameter cut in world
+    # parts, _partition_param, all of them in one sub-group: the same total)
+    assert sum(sizes(allocs(trace, Category.OPTIMIZER_STATE))) == 2 * (numel // world) * FP32
     # the first step's state (both groups at ZeRO-2) is what ZeRO's partition rule asks of the fullest rank
-    assert zero_state_fact(trace).nbytes == 2 * (numel // WORLD) * FP32 and audit(trace) == ()
+    assert zero_state_fact(trace).nbytes == 2 * (numel // world) * FP32 and audit(trace) == ()
 
 
 @pytest.mark.parametrize("stage", [2, 3])
