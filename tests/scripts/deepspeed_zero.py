@@ -24,7 +24,8 @@ model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 16))
 config = {"train_micro_batch_size_per_gpu": 8,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
           "bf16": {"enabled": True},
-          "zero_optimization": {"stage": args.stage, "contiguous_gradients": bool(args.contiguous), "overlap_comm": bool(args.overlap),
+          "zero_optimization": {"stage": args.stage, "contiguous_gradients": bool(args.contiguous),
+                                "overlap_comm": bool(args.overlap),
                                 "reduce_bucket_size": 50000, "allgather_bucket_size": 50000,
                                 "stage3_prefetch_bucket_size": 50000, "stage3_param_persistence_threshold": 1000}}
 if args.offload:

@@ -10,21 +10,25 @@ def walk(result) -> Iterator[tuple[MemEvent, dict[int, MemEvent]]]:
     """Each event, with the storages live (block -> its alloc) just after it."""
     live: dict[int, MemEvent] = {}
     for e in result.events:
-        if e.action == "alloc":
-            live[e.block] = e
-        elif e.action == "free":
-            live.pop(e.block, None)
+        _apply(live, e)
         yield e, live
 
 
 def live_before(result, moment: Callable[[MemEvent], bool]) -> dict[int, MemEvent]:
     """The storages live just before the first event for which `moment` holds (at the end if none does)."""
-    before: dict[int, MemEvent] = {}
-    for e, live in walk(result):
+    live: dict[int, MemEvent] = {}
+    for e in result.events:
         if moment(e):
-            return before
-        before = dict(live)
-    return before
+            break
+        _apply(live, e)
+    return live
+
+
+def _apply(live: dict[int, MemEvent], e: MemEvent) -> None:
+    if e.action == "alloc":
+        live[e.block] = e
+    elif e.action == "free":
+        live.pop(e.block, None)
 
 
 def by_category(live: dict[int, MemEvent]) -> dict[str, list[int]]:

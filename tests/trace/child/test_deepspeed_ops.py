@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO 1 and 2 through its own engine, as rank 0 of 2 runs it under torchrun
 (tests/scripts/deepspeed_zero.py: an MLP of 139 792 bf16 parameters, AdamW as DeepSpeed's FusedAdam, a reduce bucket
 of 50 000 elements), and through accelerate (the HF Trainer's, and an `Accelerator` with a DeepSpeedPlugin used
-directly: tests/scripts/accelerate_zero.py, the same MLP). Its compiled FusedAdam is not built (xmem/trace/child/deepspeed_ops.py: checked and skipped). The
-figures are derived by hand from deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeedZeroOptimizer). Skipped where
+directly: tests/scripts/accelerate_zero.py, the same MLP). Its compiled FusedAdam is not built
+(xmem/trace/child/deepspeed_ops.py: checked and skipped). The figures are derived by hand from deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeedZeroOptimizer). Skipped where
 deepspeed is not installed; each trace costs seconds."""
 
 import dataclasses

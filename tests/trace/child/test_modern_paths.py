@@ -11,7 +11,7 @@ from tests.trace.child.live_storages import live_before
 from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.audit import audit
 
-pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what rank 0 allocates: forked warm
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces of what a program allocates: forked warm
 
 TRACES: dict[tuple[str, ...], object] = {}
 
