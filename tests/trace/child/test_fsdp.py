@@ -370,13 +370,18 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
             start += numel
     gathered = [n * compute for n in numels] + ([s * BF16 for s in shards] if mp == "bf16" else [])
     regathered = [n * compute for n in numels[:-1]] + ([s * BF16 for s in shards[:-1]] if mp == "bf16" else [])
+    if not sharded:  # nothing gathered; with bf16 params the whole low-precision copy (_mp_shard) is the unsharded
+        # parameter, made before each forward and backward and freed at every reshard (post_reshard), the root's too
+        gathered = regathered = [n * BF16 for n in numels] if mp == "bf16" else []
     reduce = []
     per_unit = [(n, s) for n, s, grad in zip(numels, shards, has_grad) if grad]
     # autograd runs the views' backward latest made first: the blocks in reverse, then the root, whose views were
     # made first (it unshards before its children)
     for numel, shard in (per_unit[-2::-1] + per_unit[-1:]) if has_grad[-1] else per_unit[::-1]:
         reduce.append(numel * compute)
-        if not sharded:
+        if not sharded:  # all-reduced in place; a bf16 gradient is cast to fp32 once: before a fp32 reduce, or
+            # after a bf16 one (_cast_grad_to_param_dtype)
+            reduce += [numel * FP32] if compute != FP32 else []
             continue
         if compute != reduce_bytes:  # the unsharded gradient cast to the fp32 reduce dtype
             reduce.append(numel * reduce_bytes)
@@ -387,8 +392,8 @@ def fsdp1_figures(world: int, orig: bool, strategy: str, mp: str, reduce: str, f
         "parameter": sorted(s * FP32 for s in shards),
         "gradient": sorted(s * FP32 for s, grad in zip(shards, has_grad) if grad),
         "optimizer_state": sorted(state),
-        "unsharded_forward": sorted(gathered) if sharded else [],
-        "unsharded_backward": sorted(regathered) if strategy in ("FULL_SHARD", "HYBRID_SHARD") else [],
+        "unsharded_forward": sorted(gathered),
+        "unsharded_backward": sorted(regathered) if strategy in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD") else [],
         "reduce": reduce,
     }
 
@@ -408,6 +413,7 @@ FSDP1_CONFIGS = [
     (4, True, "SHARD_GRAD_OP", "bf16", "bf16", "base"),
     (4, True, "NO_SHARD", "none", "fp32", "base+head"),
     (8, False, "NO_SHARD", "none", "fp32", "none"),
+    (4, True, "NO_SHARD", "bf16", "fp32", "base"),  # the bf16 copy is the unsharded parameter; fp32 reduce
 ]
 
 
@@ -501,6 +507,19 @@ def test_fsdp1_hybrid_shard_shards_within_a_node_only(config):
     reasons = audit(result)
     assert len(reasons) == 1 and f"rank {world // nodes - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in \
         reasons[0]
+
+
+@pytest.mark.parametrize("config", [("HYBRID_SHARD", "none", "fp32"), ("_HYBRID_SHARD_ZERO2", "bf16", "bf16")],
+                         ids=lambda c: "-".join(c))
+def test_fsdp1_hybrid_over_nodes_of_one_gpu_keeps_everything_whole(config):
+    # 2 nodes x 1 GPU: the hybrid strategies shard over the node's group, here of one rank, and upstream's
+    # _init_core_state clamps any strategy to NO_SHARD when that group's size is 1. So each rank holds every flat
+    # parameter and gradient whole, as NO_SHARD does at any world, and gathers nothing; the gradient is all-reduced
+    # over the node's group of one (in place, no buffer)
+    strategy, mp, reduce = config
+    result = fsdp1_traced(2, True, strategy, mp, reduce, "base", nodes=2)
+    assert_as_fsdp1_figures(result, fsdp1_figures(2, True, "NO_SHARD", mp, reduce, "base"))
+    assert audit(result) == ()  # whole shards: every rank steps the same adapters
 
 
 # (forward_prefetch, backward_prefetch, limit_all_gathers) -> the most blocks gathered at once in a steady forward and
