@@ -1,8 +1,9 @@
 """CPU offload, as rank 0 of N runs it under torchrun: FSDP1's `CPUOffload(offload_params=True)`, FSDP2's
 `CPUOffloadPolicy` (pinned or pageable host memory) and DeepSpeed ZeRO-Offload (`offload_optimizer`, and ZeRO-3's
-`offload_param`, to the CPU). The host keeps the shards, their gradients and the optimizer; the GPU holds what each
-upstream moves there for a while: the units or parameters in flight, the gradients during backward, and ZeRO's own
-buffers. Each figure is derived by hand from the layer shapes and the upstream function that makes the buffer
+`offload_param`, to the CPU); FSDP1 and FSDP2 in fp32 and with bf16 mixed precision, DeepSpeed's engine in bf16.
+The host keeps the shards, their gradients and the optimizer; the GPU holds what each upstream moves there for a
+while: the units or parameters in flight, the gradients during backward, and ZeRO's own buffers. Each figure is
+derived by hand from the layer shapes and the upstream function that makes the buffer
 (torch/distributed/fsdp/_flat_param.py and _runtime_utils.py for FSDP1, _fully_shard/ for FSDP2,
 deepspeed/runtime/zero/stage_1_and_2.py and stage3.py). One trace per configuration, shared by the module's tests
 (2 iterations each; the numbers are those of the second, steady one)."""
@@ -33,6 +34,11 @@ FSDP_CONFIGS = {
     "fsdp1-orig-params-w4": (4, "fsdp_offload.py", ("--fsdp", "1", "--orig", "1", "--device-id", "1")),
     "fsdp2-pinned-w2": (2, "fsdp_offload.py", ("--fsdp", "2", "--pin", "1")),
     "fsdp2-pageable-w4": (4, "fsdp_offload.py", ("--fsdp", "2", "--pin", "0")),
+    # with mixed precision: bf16 parameters, fp32 reduce
+    "fsdp1-bf16-w2": (2, "fsdp_offload.py", ("--fsdp", "1", "--orig", "0", "--device-id", "0", "--mp", "bf16")),
+    "fsdp1-bf16-w8": (8, "fsdp_offload.py", ("--fsdp", "1", "--orig", "0", "--device-id", "1", "--mp", "bf16")),
+    "fsdp2-bf16-pinned-w4": (4, "fsdp_offload.py", ("--fsdp", "2", "--pin", "1", "--mp", "bf16")),
+    "fsdp2-bf16-pageable-w8": (8, "fsdp_offload.py", ("--fsdp", "2", "--pin", "0", "--mp", "bf16")),
 }
 
 
@@ -77,7 +83,7 @@ def fsdp1_shard(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
-def fsdp1_figures(world: int, orig: bool) -> dict[str, object]:
+def fsdp1_figures(world: int, orig: bool, bf16: bool = False) -> dict[str, object]:
     """Per unit, in its order: `copy_in`, the host shard copied to the GPU before each all-gather (pre_unshard ->
     flat_param_to(device), on the pre-unshard stream); `unsharded`, the padded all-gather output
     (_full_param_padded, regrown by resize_); `flat_grad`, the unsharded flat gradient autograd makes (the cat of
@@ -88,17 +94,34 @@ def fsdp1_figures(world: int, orig: bool) -> dict[str, object]:
     the head's reduce-scatter output, L2's flat gradient and, before the cat frees them, the gradients of its
     weight and bias and of its input; the batch (saved by L0) and the first ReLU's output (saved by L2 and by
     itself); the loss and its ones_like. With use_orig_params the copy-ins of L2 and L0 are live too: the original
-    parameters view the GPU copy of the shard (flat_param_to -> _use_sharded_views) until the unit reshards."""
+    parameters view the GPU copy of the shard (flat_param_to -> _use_sharded_views) until the unit reshards.
+
+    With bf16 parameters (MixedPrecision, fp32 reduce; use_orig_params off) the shard is cast on the GPU first:
+    _use_low_precision_shard regrows `_mp_shard` (bf16, resize_) and copies the fp32 copy-in into it, and the
+    all-gather output, the activations, the flat gradient and the loss are bf16. The post-backward hook casts each
+    flat gradient to the fp32 reduce dtype (`flat_param.grad.to(_reduce_dtype)`, on the post-backward stream) while
+    its local `autograd_computed_grad` keeps the bf16 one to the hook's end. So the peak moves to L2's
+    reduce-scatter output: L0's unsharded parameter (L2's is resharded first, _post_backward_reshard), L2's bf16
+    flat gradient and its fp32 cast, L2's and the head's reduce-scatter outputs; the bf16 input (the batch cast by
+    _cast_forward_inputs, saved by L0), the first ReLU's output and the gradient of L2's input; the loss and its
+    ones_like."""
+    compute = BF16 if bf16 else FP32
     shards = [fsdp1_shard(n, world) for n in UNIT_NUMELS]
-    unsharded = [world * s * FP32 for s in shards]
+    unsharded = [world * s * compute for s in shards]
     w, b = LINEARS[1][0] * LINEARS[1][1] * FP32, LINEARS[1][0] * FP32
-    activation = BATCH * WIDTH * FP32
-    peak = (unsharded[1] + unsharded[0] + shards[2] * FP32 + UNIT_NUMELS[1] * FP32 + w + b + activation
-            + 2 * activation + 2 * FP32)
+    activation = BATCH * WIDTH * compute
+    if bf16:
+        peak = (unsharded[0] + UNIT_NUMELS[1] * (BF16 + FP32) + (shards[1] + shards[2]) * FP32 + 3 * activation
+                + 2 * BF16)
+    else:
+        peak = (unsharded[1] + unsharded[0] + shards[2] * FP32 + UNIT_NUMELS[1] * FP32 + w + b + activation
+                + 2 * activation + 2 * FP32)
     if orig:
         peak += shards[1] * FP32 + shards[0] * FP32
-    return {"copy_in": [s * FP32 for s in shards], "unsharded": unsharded,
-            "flat_grad": [n * FP32 for n in UNIT_NUMELS], "reduced": [s * FP32 for s in shards], "peak": peak}
+    mp_shards = [s * BF16 for s in shards] if bf16 else []  # _mp_shard, regrown by resize_ as the gathers are
+    return {"copy_in": [s * FP32 for s in shards], "unsharded": unsharded + mp_shards,
+            "flat_grad": [n * compute for n in UNIT_NUMELS], "reduced": [s * FP32 for s in shards],
+            "cast": [n * FP32 for n in UNIT_NUMELS] if bf16 else [], "peak": peak}
 
 
 # ---- FSDP2: fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=...)) ----------------------------------------
@@ -108,7 +131,7 @@ def fsdp2_shard(shape: tuple[int, ...], world: int) -> int:
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
-def fsdp2_figures(world: int) -> dict[str, object]:
+def fsdp2_figures(world: int, bf16: bool = False) -> dict[str, object]:
     """Per parameter: `copy_in`, its host shard copied to the GPU as the all-gather input (FSDPParam.
     all_gather_inputs: `.to(device, non_blocking=True)`; no foreach copy-in under offload); `unsharded`, its
     N padded shards (init_all_gather_outputs / alloc_all_gather_outputs). Per unit: `gathered`, the flat all-gather
@@ -118,17 +141,30 @@ def fsdp2_figures(world: int) -> dict[str, object]:
     made: L2's unsharded parameters, L0's all-gather output (prefetched in L2's pre-backward), the head's
     reduce-scatter input (held until the next reduce-scatter: FSDPCommContext's reduce_scatter_state), the
     gradients of L2's weight, bias and input and the gradient flowing into L2 (the second ReLU's backward); the
-    batch and the first ReLU's output; the loss and its ones_like."""
+    batch and the first ReLU's output; the loss and its ones_like.
+
+    With bf16 parameters (MixedPrecisionPolicy, fp32 reduce) all_gather_inputs casts each copied-in shard to bf16
+    (`.to(param_dtype)`), and the all-gather outputs, the unsharded parameters, their gradients, the activations
+    (the batch cast by cast_forward_inputs) and the loss are bf16; the reduce-scatter input and output are in the
+    fp32 reduce dtype. Then the peak is at L2's reduce-scatter input: post_backward has resharded L2 and released
+    the head's input first (at most reduce_scatter_max_input_buffers, 1, kept), and L2's bf16 weight and bias
+    gradients stay until foreach_reduce copies them in; with L0's all-gather output (prefetched), the bf16 batch,
+    the first ReLU's output and the gradient of L2's input, the loss and its ones_like."""
+    compute = BF16 if bf16 else FP32
     params = [[(rows, cols), (rows,)] for rows, cols in LINEARS]
     shards = [[fsdp2_shard(shape, world) for shape in unit] for unit in params]
-    w, b = LINEARS[1][0] * LINEARS[1][1] * FP32, LINEARS[1][0] * FP32
-    activation = BATCH * WIDTH * FP32
-    gathered = [world * sum(unit) * FP32 for unit in shards]
-    peak = (sum(world * s * FP32 for s in shards[1]) + gathered[0] + gathered[2] + w + b + 2 * activation
-            + 2 * activation + 2 * FP32)
-    return {"copy_in": sorted(s * FP32 for unit in shards for s in unit),
-            "unsharded": sorted(world * s * FP32 for unit in shards for s in unit),
-            "gathered": sorted(gathered), "reduce_in": sorted(gathered),
+    w, b = LINEARS[1][0] * LINEARS[1][1] * compute, LINEARS[1][0] * compute
+    activation = BATCH * WIDTH * compute
+    gathered = [world * sum(unit) * compute for unit in shards]
+    reduce_in = [world * sum(unit) * FP32 for unit in shards]
+    if bf16:
+        peak = reduce_in[1] + gathered[0] + w + b + 3 * activation + 2 * BF16
+    else:
+        peak = (sum(world * s * FP32 for s in shards[1]) + gathered[0] + gathered[2] + w + b + 2 * activation
+                + 2 * activation + 2 * FP32)
+    return {"copy_in": sorted(s * size for unit in shards for s in unit for size in (FP32, BF16)[:1 + bf16]),
+            "unsharded": sorted(world * s * compute for unit in shards for s in unit),
+            "gathered": sorted(gathered), "reduce_in": sorted(reduce_in),
             "reduce_out": sorted(sum(unit) * FP32 for unit in shards), "peak": peak}
 
 
@@ -148,10 +184,12 @@ def test_offloaded_fsdp_keeps_no_parameter_gradient_or_optimizer_state_on_the_gp
 
 def test_offloaded_fsdp_moves_each_unit_to_the_gpu_only_while_it_runs(fsdp):
     config, world, result = fsdp
+    bf16 = "bf16" in config
     if config.startswith("fsdp1"):
-        figures = fsdp1_figures(world, orig="orig" in config)
+        figures = fsdp1_figures(world, orig="orig" in config, bf16=bf16)
         for phase in ("forward", "backward"):  # every unit gathered for its forward and again for its backward
-            assert made(result, phase, "_to_copy", "side") == sorted(figures["copy_in"])
+            casts = figures["cast"] if phase == "backward" else []  # the flat gradients cast to the reduce dtype
+            assert made(result, phase, "_to_copy", "side") == sorted(figures["copy_in"] + casts)
             assert made(result, phase, "resize_") == sorted(figures["unsharded"])
         assert made(result, "backward", "cat") == sorted(figures["flat_grad"])
         assert made(result, "backward", "empty_like", "side") == sorted(figures["reduced"])
@@ -162,7 +200,7 @@ def test_offloaded_fsdp_moves_each_unit_to_the_gpu_only_while_it_runs(fsdp):
         freed = [i for i, e in enumerate(result.events) if e.block in reduced and e.action == "free"]
         assert len(freed) == len(reduced) and min(freed) > last_made
     else:
-        figures = fsdp2_figures(world)
+        figures = fsdp2_figures(world, bf16=bf16)
         for phase in ("forward", "backward"):
             assert made(result, phase, "_to_copy", "side") == figures["copy_in"]
             assert made(result, phase, "resize_") == figures["unsharded"]
