@@ -43,9 +43,10 @@ GIB = 1 << 30
 TORCH_PINS = ("torch==2.14.1", "torchvision==0.29.1")
 # The packages whose programs are run, pinned. litgpt pins huggingface-hub<1.4, which the others' current
 # releases exclude: like a user's own environment, it gets a venv of its own (VENV-litgpt).
-PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "ultralytics==8.4.190", "open_clip_torch[training]==3.3.0",
-                     "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0", "chemprop==2.3.1", "pykeen==1.11.1",
-                     "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
+# deepspeed: trl's shipped ZeRO configs launch it.
+PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "ultralytics==8.4.190",
+                     "open_clip_torch[training]==3.3.0", "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0",
+                     "chemprop==2.3.1", "pykeen==1.11.1", "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
                 "litgpt": ("litgpt==0.5.13", "requests")}  # requests: jsonargparse reads configs by URL
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
@@ -522,6 +523,10 @@ PROGRAMS: list[Program] = [
     Program("trl-reward", "trl", ("python", "-m") + trl_args("trl.scripts.reward", "pref"),
             lambda w: trl_model(w, "reward")),
     Program("trl-kto", "trl", ("python", "-m") + trl_args("trl.scripts.kto", "kto"), lambda w: trl_model(w)),
+    # its CLI over 2 GPUs with the accelerate configs it ships (trl/accelerate_configs): DeepSpeed ZeRO and FSDP
+    *(Program(f"trl-sft-{config}", "trl", ("trl",) + trl_args("sft", "sft") + (
+        "--accelerate_config", config, "--num_processes", "2"), lambda w: trl_model(w))
+      for config in ("zero1", "zero2", "zero3", "fsdp1", "fsdp2")),
     # litgpt: its CLI's fine-tuning verbs on a checkpoint folder
     *(Program(f"litgpt-{verb}", "litgpt", litgpt_args(verb), litgpt_model)
       for verb in ("finetune_lora", "finetune_full", "finetune_adapter", "finetune_adapter_v2")),
