@@ -115,6 +115,11 @@ SHARDING_PLAN = (
     # HYBRID_SHARD and prefetch settings (tests/trace/child/test_fsdp.py) have no row: they need several GPUs
     ProgramCase("fsdp2-lora", "fsdp2_lora.py"),
     ProgramCase("fsdp2-lora-bf16-frozen-head", "fsdp2_lora.py", ("--mp", "bf16", "--frozen", "base+head")),
+    # CPU offload, alone and with bf16 mixed precision (tests/trace/child/test_fsdp_offload.py); FSDP1's offload
+    # stays on in a world of one (NO_SHARD keeps the flat parameter on the host between uses)
+    ProgramCase("fsdp1-offload", "fsdp_offload.py", ("--fsdp", "1")),
+    ProgramCase("fsdp1-offload-bf16", "fsdp_offload.py", ("--fsdp", "1", "--mp", "bf16")),
+    ProgramCase("fsdp2-offload-bf16", "fsdp_offload.py", ("--fsdp", "2", "--mp", "bf16")),
 )
 
 
