@@ -166,3 +166,68 @@ def test_a_sparse_tensor_on_the_gpu_is_named_not_modelled(tmp_path):
     assert raised.value.kind == "not_modelled"
     assert raised.value.message.startswith("not modelled: sparse tensors on the GPU") and "sparse_graph.py:5" in \
         raised.value.message
+
+
+SCRIPTED = """import torch
+@torch.jit.script
+def scale_and_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
+    # TorchScript compiles torch.zeros / torch.full / torch.tensor to their aten ops; an element-wise chain it would
+    # fuse on a GPU (x * 2 + 1).relu()
+    out = torch.zeros(x.shape[0], x.shape[1] + pad, device=x.device)
+    out[:, :x.shape[1]] = ((x * 2 + 1).relu() + torch.tensor(0.5, device=x.device)) * torch.full([1], 3.0)[0]
+    return out
+model = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):  # the profiling executor specializes and fuses from the second call on
+    scale_and_pad(model(torch.randn(32, 64, device="cuda")), 8).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_scripted_functions_run_on_the_fake_gpu_unfused(tmp_path):
+    """A program that scripts its code: TorchScript resolved our wrapped factories (torch.zeros, torch.tensor) as
+    Python functions to compile and refused them ("variable number of arguments", blamed on the program); and its
+    GPU fuser compiles kernels through the CUDA driver. Now the factories are the same aten ops to TorchScript, and
+    scripted code runs op by op, said in a warning."""
+    script = tmp_path / "scripted.py"
+    script.write_text(SCRIPTED)
+    result = run_trace([sys.executable, str(script)], iterations=3, timeout=300)
+    assert result.iterations == 3
+    assert "TorchScript's GPU fuser was off: scripted code was traced op by op (fused kernels often need less)" in \
+        result.warnings
+    # the scripted zeros: 32 x (64 + 8) fp32 on the GPU, once per iteration
+    padded = [e for e in result.events if e.action == "alloc" and e.op == "zeros" and e.nbytes == 32 * 72 * 4]
+    assert len(padded) == 3
+
+
+METRICS = """import sys
+import torch, torch.nn as nn
+model = nn.Linear(16, 4).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if sys.argv[1:] == ["host"]:  # a model past the 64 MiB of real host tensors: its weights are born fake on the host
+    big = nn.Linear(4096, 4200)
+    print(big.weight.sum().item())  # a host value a real run computes from real host data
+total = torch.zeros((), device="cuda")
+for _ in range(3):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+    total += loss.detach()
+    print((total / 3).cpu().detach().numpy(), loss.detach().cpu().tolist())  # GPU values, through host copies
+"""
+
+
+@pytest.mark.parametrize("read", ["gpu", "host"])
+def test_only_a_stand_in_for_a_host_value_makes_the_trace_suspect(tmp_path, read):
+    """`.cpu().numpy()` of a GPU metric (MACE's to_numpy, torchmetrics' states) stands for GPU data, as `.item()`
+    does: a warning only. A stand-in for a value the host computes from its own data is a fact no trace holds."""
+    from xmem.audit import audit
+    script = tmp_path / "metrics.py"
+    script.write_text(METRICS)
+    result = run_trace([sys.executable, str(script), read], iterations=3, timeout=300)
+    assert "tensor.numpy() returned ones (no real data under fake CUDA)" in result.warnings
+    reasons = audit(result)
+    if read == "gpu":
+        assert reasons == ()
+    else:
+        assert len(reasons) == 1 and "tensor.item() of a cpu tensor of shape ()" in reasons[0]

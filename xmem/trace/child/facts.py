@@ -347,8 +347,9 @@ class FactCollector:
     @_never_raising
     def on_stand_in(self, tensor: torch.Tensor, what: str) -> None:
         """The tracer made up `what` (e.g. "tensor.item()") for `tensor`, which has no data under fake CUDA. Only
-        a tensor outside the GPU matters here: the GPU would not hold it, so the program computed with a value a
-        real run computes for real, and may have built another model or batch than the one traced."""
+        a tensor outside the GPU matters here (the stand-ins tell of none made from GPU data: a metric's `.cpu()`
+        copy stands for GPU data): the GPU would not hold it, so the program computed with a value a real run
+        computes for real, and may have built another model or batch than the one traced."""
         if tensor.device.type == self.device_type or any(f.what == FACT_HOST_STAND_IN for f in self.facts):
             return
         self.facts.append(Fact(FACT_HOST_STAND_IN, (), -1, 1, 0, self.event_count(),

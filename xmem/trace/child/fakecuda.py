@@ -206,6 +206,7 @@ def install(fake: FakeCuda) -> None:
     _patch_cuda_data_functions()
     attention.install(fake)
     _patch_compile(fake)
+    _patch_torchscript(fake)
     patch_on_import("transformers.utils.import_utils", _fake_tensors_are_not_a_graph)
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
@@ -462,6 +463,24 @@ def _patch_compile(fake: FakeCuda) -> None:
     torch.compile = eager
 
 
+def _patch_torchscript(fake: FakeCuda) -> None:
+    """Scripted code runs op by op. On a GPU, TorchScript's profiling executor fuses a scripted function's
+    element-wise chains into kernels it generates (the TensorExpr fuser, or the legacy one), compiled by NVRTC and
+    loaded through the CUDA driver, which a trace does not have (programs that script their models, as MACE and
+    e3nn do, ended on "libcuda.so.1: cannot open"). Unfused, each intermediate is allocated as in eager mode: the
+    estimate errs on the safe side, and says so once the program scripts something."""
+    torch._C._jit_override_can_fuse_on_gpu(False)
+    torch._C._jit_set_texpr_fuser_enabled(False)
+    script = torch.jit.script
+
+    def script_unfused(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        fake.on_warning("TorchScript's GPU fuser was off: scripted code was traced op by op (fused kernels often "
+                        "need less)")
+        return script(obj, *args, **kwargs)
+
+    torch.jit.script = script_unfused
+
+
 def _fake_tensors_are_not_a_graph(import_utils: Any) -> None:
     # transformers' is_tracing(tensor) takes a FakeTensor for a graph being compiled or exported and then skips the
     # value checks a GPU run makes: find_packed_sequence_indices keeps a packed-sequence mask and
@@ -589,7 +608,20 @@ def _patch_cuda_data_functions() -> None:
     import torch.utils._device
     torch.utils._device._device_constructors()
     for name in ("tensor", "as_tensor", "asarray"):
-        setattr(torch, name, _lift_then_move(getattr(torch, name), shortcuts.enabled()))
+        _replace_torch_function(name, _lift_then_move(getattr(torch, name), shortcuts.enabled()))
+
+
+def _replace_torch_function(name: str, wrapper: Callable) -> None:
+    """Put `wrapper` in the place of `torch.<name>`, for TorchScript too. A scripted function's call of torch.zeros
+    compiles to its aten op, found by the object's identity (torch.jit._builtins._find_builtin); our wrapper would
+    be a Python function to compile, which TorchScript refuses (*args), and programs that script their models
+    (MACE, e3nn) would end on our error. Registered as the same op, scripted code runs the op itself: under the
+    fake mode all the same, without the wrapper's host-side shortcuts."""
+    from torch.jit import _builtins
+    op = _builtins._find_builtin(getattr(torch, name))
+    setattr(torch, name, wrapper)
+    if op is not None:
+        _builtins._register_builtin(wrapper, op)
 
 
 def _lift_then_move(create: Callable, empty_shortcut: bool) -> Callable:
@@ -699,7 +731,7 @@ def _patch_module_registration(fake: FakeCuda) -> None:
         return create_on_host_or_fake
 
     for name in HOST_MODEL_FACTORIES:
-        setattr(torch, name, born_fake_past_budget(getattr(torch, name)))
+        _replace_torch_function(name, born_fake_past_budget(getattr(torch, name)))
 
 
 # What module constructors make their tensors with (nn.Linear, nn.Embedding, convolutions: torch.empty; norms and

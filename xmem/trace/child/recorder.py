@@ -346,6 +346,7 @@ class AllocationRecorder(TorchDispatchMode):
         if self.state.stopped:
             return out
         self.known.keep(plan, out)
+        self.stand_ins.note_host_results(args, kwargs, out)
         self._note_outputs(out, name, args)
         if name in fft.FFT_OPS and isinstance(out, torch.Tensor) and out.device.type == "cuda":
             self._fft_scratch(name, args, kwargs, out.device.index or 0)

@@ -28,10 +28,12 @@ import dis
 import functools
 import os
 import sys
+import weakref
 from types import CodeType, FrameType
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 aten = torch.ops.aten
@@ -57,14 +59,36 @@ class StandIns:
     def __init__(self, warn: Callable[[str], None], where: Callable[[], tuple]) -> None:
         self.warn = warn
         self.where = where
-        # told of each stand-in for a tensor's value (the self-audit flags one for a host tensor: xmem.trace.child.facts)
+        # told of each stand-in for a value that is not GPU data (the self-audit flags one for a host tensor:
+        # xmem.trace.child.facts)
         self.on_stand_in: Callable[[torch.Tensor, str], None] = lambda tensor, what: None
+        # host tensors holding GPU data (id -> the finalizer that forgets it): see note_host_results
+        self._from_gpu: dict[int, weakref.finalize] = {}
         # the real value of a fake tensor where it is known, else None (the recorder's KnownValues.value)
         self.known_value: Callable[[Any], torch.Tensor | None] = lambda tensor: None
         self._true_answers: dict[tuple, int] = {}
         # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
         # that is: xmem.trace.child.attribution).
         self.asked_in: set[CodeType] = set()
+
+    def note_host_results(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """After a fake op: remember the host tensors it made from GPU data (an argument on the GPU, or a host tensor
+        so made), e.g. `metric.cpu().detach()`. A program reads GPU values through such copies (`.numpy()` needs a
+        host tensor), and a stand-in for them stands for GPU data, as `.item()` of a GPU tensor does; only the value
+        of another host tensor is one a real run computes on the host. Cheap for most ops: their outputs are on the
+        GPU."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        host = [t for t in outs if isinstance(t, FakeTensor) and t.fake_device.type == "cpu"]
+        if not host or not any(isinstance(a, FakeTensor) and (a.fake_device.type != "cpu" or id(a) in self._from_gpu)
+                               for a in pytree.tree_leaves((args, kwargs))):
+            return
+        for tensor in host:
+            if id(tensor) not in self._from_gpu:
+                self._from_gpu[id(tensor)] = weakref.finalize(tensor, self._from_gpu.pop, id(tensor), None)
+
+    def _stood_in(self, tensor: torch.Tensor, what: str) -> None:
+        if id(tensor) not in self._from_gpu:
+            self.on_stand_in(tensor, what)
 
     def _note_asker(self) -> None:
         frame = _caller_frame()
@@ -77,7 +101,7 @@ class StandIns:
         if value is not None:
             with unset_fake_temporarily():
                 return value.item()
-        self.on_stand_in(tensor, "tensor.item()")
+        self._stood_in(tensor, "tensor.item()")
         self.warn(SCALAR_WARNING)
         self._note_asker()
         if tensor.dtype == torch.bool:
@@ -115,7 +139,7 @@ class StandIns:
         """Outputs whose size depends on tensor data, at the sizes the module docstring states."""
         name = func._opname
         x = args[0]
-        self.on_stand_in(x, f"the size of {name}()")
+        self._stood_in(x, f"the size of {name}()")
         if name in _UNIQUE_OPS:
             self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
             return _unique_upper_bound(name, x, args, kwargs)
@@ -175,7 +199,7 @@ class StandIns:
             value = stand_ins.known_value(tensor)
             if value is not None:  # a private copy: the program may write into the array
                 return original_numpy(value, force=force).copy()
-            stand_ins.on_stand_in(tensor, "tensor.numpy()")
+            stand_ins._stood_in(tensor, "tensor.numpy()")
             stand_ins._note_asker()
             stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
             return _ones_like_on_host(tensor).numpy()
@@ -186,7 +210,7 @@ class StandIns:
             value = stand_ins.known_value(tensor)
             if value is not None:
                 return original_tolist(value)
-            stand_ins.on_stand_in(tensor, "tensor.tolist()")
+            stand_ins._stood_in(tensor, "tensor.tolist()")
             stand_ins._note_asker()
             stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
             return original_tolist(_ones_like_on_host(tensor))
