@@ -47,7 +47,8 @@ TORCH_PINS = ("torch==2.14.1", "torchvision==0.29.1")
 PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "ultralytics==8.4.190",
                      "open_clip_torch[training]==3.3.0", "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0",
                      "chemprop==2.3.1", "pykeen==1.11.1", "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
-                "litgpt": ("litgpt==0.5.13", "requests")}  # requests: jsonargparse reads configs by URL
+                "litgpt": ("litgpt==0.5.13", "requests"),  # requests: jsonargparse reads configs by URL
+                "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",)}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -142,6 +143,30 @@ def fixtures_trl(work: Path) -> None:
                                                 for t in text])
     write_jsonl(work / "kto" / "train.jsonl", [{"prompt": t[:20], "completion": t[20:], "label": i % 2 == 0}
                                                for i, t in enumerate(text)])
+
+
+def fixtures_llamafactory(work: Path) -> None:
+    """trl's small Qwen2 model and tokenizer, and a data folder as LLaMA-Factory reads one: dataset_info.json naming an
+    instruction set (alpaca columns) and a ranked preference set."""
+    fixtures_trl(work)
+    text = words(64, 2)
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "tiny.json").write_text(json.dumps([{"instruction": t[:20], "input": "", "output": t[20:]} for t in text]))
+    (data / "pref.json").write_text(json.dumps([{"instruction": t[:20], "chosen": t[20:], "rejected": t[::-1][:30]}
+                                                for t in text]))
+    (data / "dataset_info.json").write_text(json.dumps({
+        "tiny": {"file_name": "tiny.json"},
+        "tiny_pref": {"file_name": "pref.json", "ranking": True,
+                      "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}}}))
+
+
+def llamafactory_args(stage: str, finetuning: str, dataset: str = "tiny") -> tuple[str, ...]:
+    return ("llamafactory-cli", "train", "--stage", stage, "--do_train", "true", "--model_name_or_path",
+            "{work}/model", "--dataset", dataset, "--dataset_dir", "{work}/data", "--template", "default",
+            "--finetuning_type", finetuning, "--cutoff_len", "64", "--output_dir", "{out}",
+            "--per_device_train_batch_size", "2", "--max_steps", "3", "--logging_steps", "1", "--report_to", "none",
+            "--save_strategy", "no", "--bf16", "true", "--overwrite_cache", "true")
 
 
 def trl_model(work: Path, head: str = "causal") -> Any:
@@ -451,6 +476,35 @@ def fixtures_nequip(work: Path) -> None:
     (work / "train.yaml").write_text(json.dumps(config, indent=1))
 
 
+def fixtures_mace(work: Path) -> None:
+    """An extended-XYZ training set as MACE reads one: jittered copper supercells labelled by ASE's EMT calculator,
+    under MACE's recommended keys (REF_energy, REF_forces, so ASE's own calculator fields never shadow them)."""
+    import ase.io
+    import numpy as np
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+
+    rng = np.random.default_rng(0)
+    frames = []
+    for _ in range(24):
+        atoms = bulk("Cu", cubic=True) * (2, 2, 2)
+        atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+        atoms.calc = EMT()
+        atoms.info["REF_energy"] = atoms.get_potential_energy()
+        atoms.arrays["REF_forces"] = atoms.get_forces()
+        atoms.calc = None
+        frames.append(atoms)
+    work.mkdir(parents=True, exist_ok=True)
+    ase.io.write(work / "train.xyz", frames, format="extxyz")
+
+
+def mace_args(*options: str) -> tuple[str, ...]:
+    return ("mace_run_train", "--name", "cu", "--work_dir", "{out}", "--train_file", "{work}/train.xyz",
+            "--valid_fraction", "0.1", "--E0s", "average", "--energy_key", "REF_energy", "--forces_key", "REF_forces",
+            "--r_max", "4.0", "--batch_size", "4", "--max_num_epochs", "1", "--num_workers", "0", "--device", "cuda",
+            *options)
+
+
 def nequip_model(dtype: str, l_max: int) -> Callable[[Path], Any]:
     def build(work: Path) -> Any:
         from nequip.model import NequIPGNNModel
@@ -527,6 +581,12 @@ PROGRAMS: list[Program] = [
     *(Program(f"trl-sft-{config}", "trl", ("trl",) + trl_args("sft", "sft") + (
         "--accelerate_config", config, "--num_processes", "2"), lambda w: trl_model(w))
       for config in ("zero1", "zero2", "zero3", "fsdp1", "fsdp2")),
+    # LLaMA-Factory: its CLI's `train` verb, LoRA / full / freeze tuning and DPO, flags as its docs give them
+    Program("llamafactory-sft-lora", "llamafactory", llamafactory_args("sft", "lora"), lambda w: trl_model(w)),
+    Program("llamafactory-sft-full", "llamafactory", llamafactory_args("sft", "full"), lambda w: trl_model(w)),
+    Program("llamafactory-pt-freeze", "llamafactory", llamafactory_args("pt", "freeze"), lambda w: trl_model(w)),
+    Program("llamafactory-dpo-lora", "llamafactory", llamafactory_args("dpo", "lora", "tiny_pref"),
+            lambda w: trl_model(w)),
     # litgpt: its CLI's fine-tuning verbs on a checkpoint folder
     *(Program(f"litgpt-{verb}", "litgpt", litgpt_args(verb), litgpt_model)
       for verb in ("finetune_lora", "finetune_full", "finetune_adapter", "finetune_adapter_v2")),
@@ -563,6 +623,10 @@ PROGRAMS: list[Program] = [
             lightly_model("resnet-50")),
     Program("lightly-magic", "lightly", lightly_args("lightly-magic", "resnet-18"), lightly_model("resnet-18")),
     # nequip: its trainer on a config naming the data set it generates (EMT copper), in float32 and float64
+    # MACE: its training CLI, a small float32 model and the defaults (float64, 128 channels up to L=1)
+    Program("mace-small-f32", "mace", mace_args("--model", "MACE", "--num_channels", "16", "--max_L", "1",
+                                                "--default_dtype", "float32")),
+    Program("mace-default", "mace", mace_args("--model", "MACE")),
     Program("nequip-f32", "nequip", nequip_args(), nequip_model("float32", 1)),
     Program("nequip-f64-lmax2", "nequip", nequip_args("training_module.model.model_dtype=float64",
                                                       "training_module.model.l_max=2"), nequip_model("float64", 2)),
@@ -571,7 +635,8 @@ PROGRAMS: list[Program] = [
     Program("nnunet-2d-nodeepsup", "nnunetv2", ("nnUNetv2_train", "1", "2d", "0", "-tr",
                                                 "nnUNetTrainerNoDeepSupervision"), nnunet_model(False), NNUNET_ENV),
 ]
-FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "litgpt": fixtures_litgpt,
+FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
+                                               "mace": fixtures_mace, "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
                                                "nequip": fixtures_nequip, "nnunetv2": fixtures_nnunet}
