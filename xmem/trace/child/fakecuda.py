@@ -1,11 +1,12 @@
 """The fake-CUDA world a traced program runs in: torch believes a GPU of a given compute capability is present.
 
 Owns every process-global patch of torch made for a trace (torch.cuda API answers, `nn.Module._apply`, GradScaler,
-DataLoader, the optimizer foreach default, CPU data -> cuda tensor creation); the SDPA backend choice
-(`xmem.trace.child.attention`) and distributed training (`xmem.trace.child.distributed`) are installed from here too. Patches are
-plain attribute replacements, which hold on every thread (the autograd device thread included). Import only in the
-tracing child, after `xmem.trace.shim.load_shim()`: the patches are never undone. Must not record anything itself:
-it reports module tensors and capability questions through the `FakeCuda` object's callbacks.
+DataLoader, the optimizer foreach default, CPU data -> cuda tensor creation, torch.compile and TorchScript); the SDPA
+backend choice (`xmem.trace.child.attention`) and distributed training (`xmem.trace.child.distributed`) are installed
+from here too. Patches are plain attribute replacements, which hold on every thread (the autograd device thread
+included). Import only in the tracing child, after `xmem.trace.shim.load_shim()`: the patches are never undone. Must
+not record anything itself: it reports module tensors and capability questions through the `FakeCuda` object's
+callbacks.
 """
 
 from __future__ import annotations
