@@ -231,3 +231,32 @@ def test_only_a_stand_in_for_a_host_value_makes_the_trace_suspect(tmp_path, read
         assert reasons == ()
     else:
         assert len(reasons) == 1 and "tensor.item() of a cpu tensor of shape ()" in reasons[0]
+
+
+ANNOTATED = """import torch, torch.nn as nn
+with torch.device("meta"):  # built on meta, annotated, then moved (torchtitan: parallelize, then to_empty)
+    model = nn.Linear(8, 8)
+model.weight._local_type = {"dp": "S(0)"}  # spmd_types' annotation, which fully_shard reads
+model.bias.no_decay = True
+model.to_empty(device="cuda")
+assert model.weight._local_type == {"dp": "S(0)"} and model.bias.no_decay, "attributes lost by the move"
+host = nn.Linear(8, 8)
+host.weight.tag = "kept"
+host.cuda()
+assert host.weight.tag == "kept", "attribute lost by .cuda()"
+opt = torch.optim.SGD([*model.parameters(), *host.parameters()], lr=0.1)
+for _ in range(2):
+    host(model(torch.randn(4, 8, device="cuda"))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_moved_parameters_keep_the_attributes_libraries_set_on_them(tmp_path):
+    """A fake GPU move replaces a parameter where stock `_apply` keeps the object; the attributes libraries put on
+    it (spmd_types' annotations that torchtitan's fully_shard turns into DTensors) come along, or the program
+    fails on our move (torchtitan over 2 GPUs did: "all parameters must be DTensors", blamed on it)."""
+    script = tmp_path / "annotated.py"
+    script.write_text(ANNOTATED)
+    result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    assert result.iterations == 2

@@ -532,6 +532,7 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
                     if tensor.grad is not None:
                         result.grad = convert(tensor.grad, Category.GRADIENT)
                 if result is not tensor:
+                    _keep_attributes(tensor, result)
                     replaced[id(tensor)] = result
                     fake.on_module_tensor(result, kind)
             memo[id(tensor)] = result
@@ -557,6 +558,15 @@ def _make_fake_aware_apply(original_apply: Callable, fake: FakeCuda) -> Callable
         return self
 
     return fake_aware_apply
+
+
+def _keep_attributes(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give a replacement the Python attributes libraries set on the tensor it replaces, as stock `_apply` keeps
+    them by keeping the object: spmd_types' `_local_type` (torchtitan annotates its meta parameters, then moves
+    them with to_empty: fully_shard turns the annotated ones into DTensors and refused the bare ones), sharding
+    marks, `_no_weight_decay` flags. The replacement's own attributes (a FakeTensor's) stay."""
+    for name, value in getattr(old, "__dict__", {}).items():
+        new.__dict__.setdefault(name, value)
 
 
 def _modules_to_apply(root: nn.Module) -> list[tuple[nn.Module, bool]]:
