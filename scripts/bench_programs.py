@@ -48,7 +48,8 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                      "open_clip_torch[training]==3.3.0", "rl_zoo3==2.9.2", "torchtune==0.6.1", "torchao==0.11.0",
                      "chemprop==2.3.1", "pykeen==1.11.1", "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
                 "litgpt": ("litgpt==0.5.13", "requests"),  # requests: jsonargparse reads configs by URL
-                "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",)}
+                "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",),
+                "torchtitan": ("torchtitan==0.3.0",)}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -476,6 +477,19 @@ def fixtures_nequip(work: Path) -> None:
     (work / "train.yaml").write_text(json.dumps(config, indent=1))
 
 
+def fixtures_torchtitan(work: Path) -> None:
+    """What torchtitan's debug configs read from its source tree's test assets, which the wheel does not ship: a
+    tokenizer folder (`--hf_assets_path`) and a local text data set in the C4 layout (`--dataloader.dataset_path`)."""
+    bpe_tokenizer(work / "tokenizer")  # 512 tokens: within the debug model's 2048
+    write_jsonl(work / "c4" / "train.jsonl", [{"text": t} for t in words(256, 3)])
+
+
+def torchtitan_args(gpus: int, *options: str) -> tuple[str, ...]:
+    return ("torchrun", f"--nproc_per_node={gpus}", "-m", "torchtitan.train", "--module", "llama3", "--config",
+            "llama3_debugmodel", "--hf_assets_path", "{work}/tokenizer", "--dataloader.dataset_path", "{work}/c4",
+            "--dump_folder", "{out}", "--training.seq_len", "256", *options)
+
+
 def fixtures_mace(work: Path) -> None:
     """An extended-XYZ training set as MACE reads one: jittered copper supercells labelled by ASE's EMT calculator,
     under MACE's recommended keys (REF_energy, REF_forces, so ASE's own calculator fields never shadow them)."""
@@ -587,6 +601,11 @@ PROGRAMS: list[Program] = [
     Program("llamafactory-pt-freeze", "llamafactory", llamafactory_args("pt", "freeze"), lambda w: trl_model(w)),
     Program("llamafactory-dpo-lora", "llamafactory", llamafactory_args("dpo", "lora", "tiny_pref"),
             lambda w: trl_model(w)),
+    # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
+    # FSDP2 over 2, tensor parallel over 2
+    Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
+    Program("torchtitan-fsdp2", "torchtitan", torchtitan_args(2)),
+    Program("torchtitan-tp2", "torchtitan", torchtitan_args(2, "--parallelism.tensor_parallel_degree", "2")),
     # litgpt: its CLI's fine-tuning verbs on a checkpoint folder
     *(Program(f"litgpt-{verb}", "litgpt", litgpt_args(verb), litgpt_model)
       for verb in ("finetune_lora", "finetune_full", "finetune_adapter", "finetune_adapter_v2")),
@@ -636,7 +655,8 @@ PROGRAMS: list[Program] = [
                                                 "nnUNetTrainerNoDeepSupervision"), nnunet_model(False), NNUNET_ENV),
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
-                                               "mace": fixtures_mace, "litgpt": fixtures_litgpt,
+                                               "mace": fixtures_mace, "torchtitan": fixtures_torchtitan,
+                                               "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
                                                "nequip": fixtures_nequip, "nnunetv2": fixtures_nnunet}
