@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,8 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                      "chemprop==2.3.1", "pykeen==1.11.1", "lightly==1.6.0", "nequip==0.19.1", "nnunetv2==2.8.1"),
                 "litgpt": ("litgpt==0.5.13", "requests"),  # requests: jsonargparse reads configs by URL
                 "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",),
-                "torchtitan": ("torchtitan==0.3.0",)}
+                "torchtitan": ("torchtitan==0.3.0",),
+                "yolov5": ("yolov5==7.0.14", "setuptools<81")}  # it imports pkg_resources
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -287,6 +289,24 @@ def yolo_args(task: str) -> tuple[str, ...]:
     model = YOLO_CONFIGS[task]
     return ("yolo", task, "train", f"data={data}", f"model={model}", "epochs=1", "imgsz=64", f"batch={YOLO_BATCH}",
             "workers=0", "device=0", "plots=False", "project={out}")
+
+
+def fixtures_yolov5(work: Path) -> None:
+    """The detection data set of `fixtures_ultralytics`, and the font yolov5 downloads when it checks a data set
+    (check_font), placed where it looks first (YOLOV5_CONFIG_DIR) as on an offline cluster: matplotlib's DejaVu Sans
+    under the name it asks for."""
+    import matplotlib
+
+    fixtures_ultralytics(work)
+    (work / "yolov5-config").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf",
+                work / "yolov5-config" / "Arial.ttf")
+
+
+def yolov5_args(cfg: str, *options: str) -> tuple[str, ...]:
+    return ("yolov5", "train", "--data", "{work}/detect.yaml", "--weights", "", "--cfg", cfg, "--img", "64",
+            "--epochs", "1", "--batch-size", str(YOLO_BATCH), "--workers", "0", "--device", "0", "--project", "{out}",
+            "--noplots", *options)
 
 
 def open_clip_model(name: str) -> Callable[[Path], Any]:
@@ -601,6 +621,9 @@ PROGRAMS: list[Program] = [
     Program("llamafactory-pt-freeze", "llamafactory", llamafactory_args("pt", "freeze"), lambda w: trl_model(w)),
     Program("llamafactory-dpo-lora", "llamafactory", llamafactory_args("dpo", "lora", "tiny_pref"),
             lambda w: trl_model(w)),
+    # yolov5: the pip package's CLI (`yolov5 train`), from the model YAMLs it ships, SGD and Adam
+    *(Program(f"yolov5-{name}", "yolov5", yolov5_args(*args), env=(("YOLOV5_CONFIG_DIR", "{work}/yolov5-config"),))
+      for name, args in (("n", ("yolov5n.yaml",)), ("s-adam", ("yolov5s.yaml", "--optimizer", "Adam")))),
     # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
     # FSDP2 over 2, tensor parallel over 2
     Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
@@ -656,6 +679,7 @@ PROGRAMS: list[Program] = [
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
                                                "mace": fixtures_mace, "torchtitan": fixtures_torchtitan,
+                                               "yolov5": fixtures_yolov5,
                                                "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
