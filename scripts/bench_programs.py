@@ -51,7 +51,8 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 "litgpt": ("litgpt==0.5.13", "requests"),  # requests: jsonargparse reads configs by URL
                 "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",),
                 "torchtitan": ("torchtitan==0.3.0",),
-                "yolov5": ("yolov5==7.0.14", "setuptools<81")}  # it imports pkg_resources
+                "yolov5": ("yolov5==7.0.14", "setuptools<81"),  # it imports pkg_resources
+                "ms-swift": ("ms-swift==4.6.0", "deepspeed==0.19.8")}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -162,6 +163,21 @@ def fixtures_llamafactory(work: Path) -> None:
         "tiny": {"file_name": "tiny.json"},
         "tiny_pref": {"file_name": "pref.json", "ranking": True,
                       "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}}}))
+
+
+def fixtures_swift(work: Path) -> None:
+    """trl's small Qwen2 model and tokenizer, and conversations in the `messages` layout ms-swift reads."""
+    fixtures_trl(work)
+    write_jsonl(work / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": t[:20]}, {"role": "assistant", "content": t[20:] or t}]}
+        for t in words(64, 4)])
+
+
+def swift_args(verb: str, *options: str) -> tuple[str, ...]:
+    return ("swift", verb, "--model", "{work}/model", "--model_type", "qwen2", "--template", "qwen", "--dataset",
+            "{work}/chat.jsonl", "--output_dir", "{out}", "--max_steps", "3", "--per_device_train_batch_size", "2",
+            "--max_length", "64", "--report_to", "none", "--save_strategy", "no", "--dataloader_num_workers", "0",
+            *options)
 
 
 def llamafactory_args(stage: str, finetuning: str, dataset: str = "tiny") -> tuple[str, ...]:
@@ -624,6 +640,12 @@ PROGRAMS: list[Program] = [
     # yolov5: the pip package's CLI (`yolov5 train`), from the model YAMLs it ships, SGD and Adam
     *(Program(f"yolov5-{name}", "yolov5", yolov5_args(*args), env=(("YOLOV5_CONFIG_DIR", "{work}/yolov5-config"),))
       for name, args in (("n", ("yolov5n.yaml",)), ("s-adam", ("yolov5s.yaml", "--optimizer", "Adam")))),
+    # ms-swift: its CLI's sft verb (LoRA, full), and over 2 GPUs with the DeepSpeed config it ships
+    # (NPROC_PER_NODE: swift starts torchrun itself)
+    Program("swift-sft-lora", "ms-swift", swift_args("sft", "--tuner_type", "lora")),
+    Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full")),
+    Program("swift-sft-zero2", "ms-swift", swift_args("sft", "--tuner_type", "lora", "--deepspeed", "zero2"),
+            env=(("NPROC_PER_NODE", "2"),)),
     # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
     # FSDP2 over 2, tensor parallel over 2
     Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
@@ -679,7 +701,7 @@ PROGRAMS: list[Program] = [
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
                                                "mace": fixtures_mace, "torchtitan": fixtures_torchtitan,
-                                               "yolov5": fixtures_yolov5,
+                                               "yolov5": fixtures_yolov5, "ms-swift": fixtures_swift,
                                                "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
