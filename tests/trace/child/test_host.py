@@ -186,6 +186,7 @@ for _ in range(3):  # the profiling executor specializes and fuses from the seco
 
 
 def test_scripted_functions_run_on_the_fake_gpu_unfused(tmp_path):
+    from xmem.trace.child.fakecuda import SCRIPTED_WARNING
     """A program that scripts its code: TorchScript resolved our wrapped factories (torch.zeros, torch.tensor) as
     Python functions to compile and refused them ("variable number of arguments", blamed on the program); and its
     GPU fuser compiles kernels through the CUDA driver. Now the factories are the same aten ops to TorchScript, and
@@ -194,8 +195,7 @@ def test_scripted_functions_run_on_the_fake_gpu_unfused(tmp_path):
     script.write_text(SCRIPTED)
     result = run_trace([sys.executable, str(script)], iterations=3, timeout=300)
     assert result.iterations == 3
-    assert "TorchScript's GPU fuser was off: scripted code was traced op by op (fused kernels often need less)" in \
-        result.warnings
+    assert SCRIPTED_WARNING in result.warnings
     # the scripted zeros: 32 x (64 + 8) fp32 on the GPU, once per iteration
     padded = [e for e in result.events if e.action == "alloc" and e.op == "zeros" and e.nbytes == 32 * 72 * 4]
     assert len(padded) == 3

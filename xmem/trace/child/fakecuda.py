@@ -464,19 +464,23 @@ def _patch_compile(fake: FakeCuda) -> None:
     torch.compile = eager
 
 
+# Said when the program scripts anything (a library may script at import what never runs on the GPU)
+SCRIPTED_WARNING = ("the program uses TorchScript, whose GPU fuser was off: any scripted code ran op by op (fused "
+                    "kernels often need less)")
+
+
 def _patch_torchscript(fake: FakeCuda) -> None:
     """Scripted code runs op by op. On a GPU, TorchScript's profiling executor fuses a scripted function's
     element-wise chains into kernels it generates (the TensorExpr fuser, or the legacy one), compiled by NVRTC and
     loaded through the CUDA driver, which a trace does not have (programs that script their models, as MACE and
     e3nn do, ended on "libcuda.so.1: cannot open"). Unfused, each intermediate is allocated as in eager mode: the
-    estimate errs on the safe side, and says so once the program scripts something."""
+    estimate errs on the safe side, and says so once the program scripts something (SCRIPTED_WARNING)."""
     torch._C._jit_override_can_fuse_on_gpu(False)
     torch._C._jit_set_texpr_fuser_enabled(False)
     script = torch.jit.script
 
     def script_unfused(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        fake.on_warning("TorchScript's GPU fuser was off: scripted code was traced op by op (fused kernels often "
-                        "need less)")
+        fake.on_warning(SCRIPTED_WARNING)
         return script(obj, *args, **kwargs)
 
     torch.jit.script = script_unfused
