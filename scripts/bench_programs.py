@@ -84,6 +84,7 @@ class Record:
     answered: bool = False
     reason: str = ""
     warnings: list[str] = field(default_factory=list)
+    suspect: list[str] = field(default_factory=list)  # the self-audit's reasons: the filter keeps such a request
 
 
 def words(n: int, seed: int) -> list[str]:
@@ -317,6 +318,15 @@ def fixtures_yolov5(work: Path) -> None:
     (work / "yolov5-config").mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf",
                 work / "yolov5-config" / "Arial.ttf")
+
+
+def yolov5_model(cfg: str) -> Callable[[Path], Any]:
+    def build(work: Path) -> Any:
+        from yolov5.models.yolo import Model
+        from yolov5.utils.general import check_yaml
+
+        return Model(check_yaml(cfg), nc=2)  # the shipped YAML, found as `yolov5 train --cfg` finds it
+    return build
 
 
 def yolov5_args(cfg: str, *options: str) -> tuple[str, ...]:
@@ -638,14 +648,15 @@ PROGRAMS: list[Program] = [
     Program("llamafactory-dpo-lora", "llamafactory", llamafactory_args("dpo", "lora", "tiny_pref"),
             lambda w: trl_model(w)),
     # yolov5: the pip package's CLI (`yolov5 train`), from the model YAMLs it ships, SGD and Adam
-    *(Program(f"yolov5-{name}", "yolov5", yolov5_args(*args), env=(("YOLOV5_CONFIG_DIR", "{work}/yolov5-config"),))
+    *(Program(f"yolov5-{name}", "yolov5", yolov5_args(*args), yolov5_model(args[0]),
+              env=(("YOLOV5_CONFIG_DIR", "{work}/yolov5-config"),))
       for name, args in (("n", ("yolov5n.yaml",)), ("s-adam", ("yolov5s.yaml", "--optimizer", "Adam")))),
     # ms-swift: its CLI's sft verb (LoRA, full), and over 2 GPUs with the DeepSpeed config it ships
     # (NPROC_PER_NODE: swift starts torchrun itself)
-    Program("swift-sft-lora", "ms-swift", swift_args("sft", "--tuner_type", "lora")),
-    Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full")),
+    Program("swift-sft-lora", "ms-swift", swift_args("sft", "--tuner_type", "lora"), lambda w: trl_model(w)),
+    Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full"), lambda w: trl_model(w)),
     Program("swift-sft-zero2", "ms-swift", swift_args("sft", "--tuner_type", "lora", "--deepspeed", "zero2"),
-            env=(("NPROC_PER_NODE", "2"),)),
+            lambda w: trl_model(w), env=(("NPROC_PER_NODE", "2"),)),
     # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
     # FSDP2 over 2, tensor parallel over 2
     Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
@@ -757,6 +768,7 @@ def run_program(program: Program, venv: Path, work: Path, iterations: int, timeo
     gpu = reply["gpus"][next(iter(reply["gpus"]))]
     record.peak_bytes, record.capacity_bytes = gpu["peak_bytes"], gpu["capacity_bytes"]
     record.warnings = [last_line(w) for w in reply.get("warnings", [])]
+    record.suspect = list(reply.get("suspect_reasons") or [])
     state = in_venv(venv, work / program.package, "--model-state", program.name) if program.model else None
     if state is not None and state.returncode != 0:
         record.reason = f"model state not computed: {last_line(state.stderr)}"
@@ -789,10 +801,14 @@ def report(records: list[Record]) -> str:
         lines.append(f"{r.name:28} {r.package:16} {r.exit:>4} {peak} {state} {r.seconds:6.1f}")
     answered = [r for r in records if r.answered]
     packages = {r.package for r in records}
-    lines.append(f"\n{len(answered)} of {len(records)} answer ({len(packages)} packages)")
+    suspect = [r for r in answered if r.suspect]
+    lines.append(f"\n{len(answered)} of {len(records)} answer ({len(packages)} packages), "
+                 f"{len(suspect)} marked suspect")
     for r in records:
         if not r.answered:
             lines.append(f"  {r.name}: exit {r.exit}: {r.reason}")
+    for r in suspect:
+        lines.append(f"  {r.name}: suspect: {last_line(r.suspect[0])}")
     return "\n".join(lines)
 
 
