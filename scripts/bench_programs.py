@@ -10,9 +10,10 @@ Nothing here is written by the project: each program is what its package install
 `litgpt finetune_lora`, `yolo train`, `python -m open_clip_train.main`, ...), started as a user of an activated venv
 types it. No hub is reachable, so what a program would download is made first in a temporary folder (never the
 user's or the repository's files): tokenizers trained on generated text, models built from configs and saved as the
-package's checkpoint format, small generated data sets. The programs' packages live in their own venv
-(`.venv-programs`, gitignored; `--setup` makes it with the pins below and the product's torch), so they never
-constrain the product's; the estimate runs the program on that venv's interpreter (`estimate --python`).
+package's checkpoint format, small generated data sets. The programs' packages live in their own venvs
+(`.venv-programs`, and `.venv-programs-PKG` for a package whose pins the others exclude; gitignored; `--setup` makes
+them with the pins below and the product's torch), so they never constrain the product's; the estimate runs the
+program on its venv's interpreter (`estimate --python`).
 
 Each answer (`estimate --json --gpu h100`) is checked against a plausible range: at least the model state of the
 same model built on the CPU (its parameters and buffers at the dtype the program trains in; computed in the

@@ -162,7 +162,8 @@ def fsdp2_figures(world: int, bf16: bool = False) -> dict[str, object]:
     else:
         peak = (sum(world * s * FP32 for s in shards[1]) + gathered[0] + gathered[2] + w + b + 2 * activation
                 + 2 * activation + 2 * FP32)
-    return {"copy_in": sorted(s * size for unit in shards for s in unit for size in (FP32, BF16)[:1 + bf16]),
+    copied = (FP32, BF16) if bf16 else (FP32,)  # each shard copied in, then (bf16) cast, on the copy-in stream
+    return {"copy_in": sorted(s * size for unit in shards for s in unit for size in copied),
             "unsharded": sorted(world * s * compute for unit in shards for s in unit),
             "gathered": sorted(gathered), "reduce_in": sorted(reduce_in),
             "reduce_out": sorted(sum(unit) * FP32 for unit in shards), "peak": peak}
