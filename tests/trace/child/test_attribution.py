@@ -66,6 +66,22 @@ def test_the_fake_representation_seen_through_is_not_modelled(action):
     assert found.message.startswith("not modelled: a GPU tensor's data or storage, which the fake GPU does not hold")
 
 
+class Tagged(torch.Tensor):  # a plain-data subclass, as torchvision's tv_tensors.Image is
+    pass
+
+
+def test_a_tensor_subclass_the_fake_mode_declines_is_not_modelled_and_named():
+    # FakeTensorMode declines an op on a subclass it does not know (moving a tv_tensors.Image batch to the GPU):
+    # torch says no handler took it, which a GPU would never say
+    batch = torch.ones(3).as_subclass(Tagged)  # a real host tensor, as a data loader hands it over
+    error = raised(under_fake_mode(lambda: batch.to("cuda")))
+    assert isinstance(error, TypeError)
+    found = attribute(error)
+    assert found.kind == "not_modelled"
+    assert found.message.startswith(f"not modelled: a tensor subclass the fake GPU cannot hold ({__name__}.Tagged)")
+    assert f"(at {HERE}:" in found.message
+
+
 def test_an_op_error_met_while_the_fake_caches_control_flow_was_handled_is_the_users():
     from torch._subclasses.fake_tensor import _BypassDispatchCache
 

@@ -260,3 +260,29 @@ def test_moved_parameters_keep_the_attributes_libraries_set_on_them(tmp_path):
     script.write_text(ANNOTATED)
     result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
     assert result.iterations == 2
+
+
+SUBCLASSED = """import torch, torch.nn as nn
+class Image(torch.Tensor):  # a plain-data subclass, as torchvision's tv_tensors.Image is
+    pass
+model = nn.Conv2d(3, 8, 3).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    batch = torch.rand(4, 3, 16, 16).as_subclass(Image).to("cuda")  # Image's __torch_function__ re-wraps the copy
+    model(batch).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_batch_of_a_plain_data_tensor_subclass_goes_to_the_gpu(tmp_path):
+    """FakeTensorMode declines a tensor subclass it does not know, and a fake tensor cannot take a subclass type:
+    anomalib's tv_tensors.Image batches ended on our error. The copy is made from the plain data, and stays a plain
+    fake tensor."""
+    script = tmp_path / "subclassed.py"
+    script.write_text(SUBCLASSED)
+    result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    assert result.iterations == 2
+    batch = 4 * 3 * 16 * 16 * 4
+    copies = [e for e in result.events if e.action == "alloc" and e.op == "_to_copy" and e.nbytes == batch]
+    assert len(copies) == 2  # the batch of each iteration

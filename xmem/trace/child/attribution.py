@@ -44,6 +44,9 @@ SANDBOX_FILE = str(Path(__file__).resolve().parents[1] / "sandbox.py")
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 # Modules whose exception classes are limits of the fake tensor mode, not of the program.
 FAKE_MODE_MODULES = ("torch._subclasses.fake_", "torch.fx.experimental.symbolic_shapes")
+# What torch raises when FakeTensorMode declines an op on a tensor subclass it does not know (a plain-data subclass
+# such as torchvision's tv_tensors.Image: fake_tensor's _check_for_subclass) and no other handler takes it
+DECLINED_BY_FAKE_MODE = "all __torch_dispatch__ handlers returned NotImplemented"
 # ...but for these, which restate a check the real op makes on a GPU too (tensors of one op on two devices).
 FAKE_MODE_AS_ON_A_GPU = ("FakeTensorDeviceMismatchError",)
 # Where torch.library.custom_op's fake kernel refuses an op that has none of its own (no register_fake).
@@ -109,6 +112,8 @@ def _what_we_lack(error: BaseException) -> str | None:
     if module.startswith(FAKE_MODE_MODULES) and isinstance(error, RuntimeError) and \
             type(error).__name__ not in FAKE_MODE_AS_ON_A_GPU:  # (not its cache's control flow, _BypassDispatchCache)
         return said
+    if isinstance(error, TypeError) and DECLINED_BY_FAKE_MODE in str(error) and "FakeTensorMode" in str(error):
+        return f"a tensor subclass the fake GPU cannot hold ({_declined_subclass(error)})"
     if origin is not None and origin.name == "fake_impl" and origin.filename.endswith(CUSTOM_OP_FILE):
         return f"an op with no fake kernel ({said})"  # torch.library.custom_op without register_fake: runs on a GPU
     if module.startswith(CUDA_BINDINGS):
@@ -155,6 +160,17 @@ def _origin(error: BaseException) -> traceback.FrameSummary | None:
     """The innermost Python frame of the exception: where it was raised (or the call into C++ that raised it)."""
     frames = traceback.extract_tb(error.__traceback__)
     return frames[-1] if frames else None
+
+
+def _declined_subclass(error: BaseException) -> str:
+    """The tensor subclass whose `__torch_function__` passed the op down to the fake mode (its `cls`), innermost
+    first; else the error's first line."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "__torch_function__" and isinstance(tb.tb_frame.f_locals.get("cls"), type):
+            found = tb.tb_frame.f_locals["cls"]
+        tb = tb.tb_next
+    return f"{found.__module__}.{found.__qualname__}" if found is not None else first_line(error)
 
 
 def _library(error: BaseException) -> str | None:

@@ -1,12 +1,12 @@
 """The fake-CUDA world a traced program runs in: torch believes a GPU of a given compute capability is present.
 
 Owns every process-global patch of torch made for a trace (torch.cuda API answers, `nn.Module._apply`, GradScaler,
-DataLoader, the optimizer foreach default, CPU data -> cuda tensor creation, torch.compile and TorchScript); the SDPA
-backend choice (`xmem.trace.child.attention`) and distributed training (`xmem.trace.child.distributed`) are installed
-from here too. Patches are plain attribute replacements, which hold on every thread (the autograd device thread
-included). Import only in the tracing child, after `xmem.trace.shim.load_shim()`: the patches are never undone. Must
-not record anything itself: it reports module tensors and capability questions through the `FakeCuda` object's
-callbacks.
+DataLoader, the optimizer foreach default, CPU data -> cuda tensor creation, torch.compile, TorchScript, as_subclass);
+the SDPA backend choice (`xmem.trace.child.attention`) and distributed training (`xmem.trace.child.distributed`) are
+installed from here too. Patches are plain attribute replacements, which hold on every thread (the autograd device
+thread included). Import only in the tracing child, after `xmem.trace.shim.load_shim()`: the patches are never
+undone. Must not record anything itself: it reports module tensors and capability questions through the `FakeCuda`
+object's callbacks.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def install(fake: FakeCuda) -> None:
     attention.install(fake)
     _patch_compile(fake)
     _patch_torchscript(fake)
+    _patch_as_subclass()
     patch_on_import("transformers.utils.import_utils", _fake_tensors_are_not_a_graph)
     distributed.install(fake)
     nn.Module._apply = _make_fake_aware_apply(nn.Module._apply, fake)
@@ -462,6 +463,21 @@ def _patch_compile(fake: FakeCuda) -> None:
         return model if model is not None else (lambda function: function)
 
     torch.compile = eager
+
+
+def _patch_as_subclass() -> None:
+    """A fake tensor stays one where the program gives it a Python subclass type (`t.as_subclass(Image)`:
+    torchvision's tv_tensors re-wrap what `.to("cuda")`, `.clone()` and `.detach()` return). torch cannot give the
+    object behind a FakeTensor another type ("already associated to a python object of type FakeTensor"), so it
+    stays a plain fake tensor: the subclass's behaviour above dispatch is lost for GPU tensors, its data is not."""
+    as_subclass = torch.Tensor.as_subclass
+
+    def as_subclass_unless_fake(self: torch.Tensor, cls: type) -> torch.Tensor:
+        if isinstance(self, FakeTensor) and not issubclass(cls, FakeTensor):
+            return self
+        return as_subclass(self, cls)
+
+    torch.Tensor.as_subclass = as_subclass_unless_fake
 
 
 # Said when the program scripts anything (a library may script at import what never runs on the GPU)

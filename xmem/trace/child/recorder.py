@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +28,7 @@ from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, Mem
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.fft as fft
 import xmem.trace.child.shortcuts as shortcuts
+from xmem.trace.child.attribution import DECLINED_BY_FAKE_MODE
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
 from xmem.trace.errors import NotModelled
 from xmem.trace.child.fakecuda import FakeCuda
@@ -330,7 +332,7 @@ class AllocationRecorder(TorchDispatchMode):
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
             if out is shortcuts.NOT_TAKEN:
-                out = func(*args, **kwargs)
+                out = _with_plain_data_subclasses_as_tensors(func, args, kwargs)
         except DataDependentOutputException:
             if func in (aten._local_scalar_dense.default, aten.item.default):  # item: under inference_mode
                 return self.stand_ins.scalar(args[0])
@@ -703,6 +705,29 @@ def _runs_on_host(args: tuple, kwargs: dict) -> bool:
                 if isinstance(item, torch.Tensor) and not _is_plain(item):
                     return False
     return True
+
+
+def _with_plain_data_subclasses_as_tensors(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func` under the fake mode. FakeTensorMode declines a Python subclass of Tensor it does not know, even one
+    that only adds behaviour above dispatch (torchvision's tv_tensors.Image: `batch.to("cuda")` ended anomalib's
+    training); on a GPU such a subclass is its data. So when it declines, the op runs again on the same real data as
+    plain tensors (a view: no copy). Only then: the common path pays nothing."""
+    try:
+        return func(*args, **kwargs)
+    except TypeError as error:
+        if DECLINED_BY_FAKE_MODE not in str(error):
+            raise
+        with unset_fake_temporarily():
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _as_plain_tensor, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _as_plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    kind = type(tensor)
+    if kind in (torch.Tensor, torch.nn.Parameter) or isinstance(tensor, FakeTensor) or \
+            kind.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return tensor  # torch's own, fake, or a subclass that dispatches itself
+    return tensor.as_subclass(torch.Tensor)
 
 
 def _is_plain(tensor: torch.Tensor) -> bool:
