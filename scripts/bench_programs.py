@@ -53,7 +53,11 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 "llamafactory": ("llamafactory==0.9.5",), "mace": ("mace-torch==0.3.16",),
                 "torchtitan": ("torchtitan==0.3.0",),
                 "yolov5": ("yolov5==7.0.14", "setuptools<81"),  # it imports pkg_resources
-                "ms-swift": ("ms-swift==4.6.0", "deepspeed==0.19.8")}
+                "ms-swift": ("ms-swift==4.6.0", "deepspeed==0.19.8"),
+                # anomalib's CLI needs what its `anomalib install` would add
+                "anomalib": ("anomalib==2.7.0", "lightning==2.6.6", "open_clip_torch==3.3.0", "timm==1.0.31",
+                             "FrEIA==0.2", "kornia==0.9.0", "einops==0.8.2", "jsonargparse[signatures]==4.46.0",
+                             "omegaconf==2.4.0")}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -307,6 +311,22 @@ def yolo_args(task: str) -> tuple[str, ...]:
     model = YOLO_CONFIGS[task]
     return ("yolo", task, "train", f"data={data}", f"model={model}", "epochs=1", "imgsz=64", f"batch={YOLO_BATCH}",
             "workers=0", "device=0", "plots=False", "project={out}")
+
+
+def fixtures_anomalib(work: Path) -> None:
+    """A data set in anomalib's Folder layout: generated pictures, normal ones and a few anomalous."""
+    rng = random.Random(5)
+    for kind, count in (("good", 24), ("bad", 8)):
+        for i in range(count):
+            picture(work / "data" / kind / f"{i}.png", rng)
+
+
+def anomalib_args(model: str, *options: str) -> tuple[str, ...]:
+    return ("anomalib", "fit", "--model", model, "--data", "anomalib.data.Folder", "--data.name", "toy",
+            "--data.root", "{work}/data", "--data.normal_dir", "good", "--data.abnormal_dir", "bad",
+            "--data.train_batch_size", "8", "--data.eval_batch_size", "8", "--data.num_workers", "0",
+            "--trainer.max_epochs", "1", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+            "--default_root_dir", "{out}", *options)
 
 
 def fixtures_yolov5(work: Path) -> None:
@@ -658,6 +678,8 @@ PROGRAMS: list[Program] = [
     Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full"), lambda w: trl_model(w)),
     Program("swift-sft-zero2", "ms-swift", swift_args("sft", "--tuner_type", "lora", "--deepspeed", "zero2"),
             lambda w: trl_model(w), env=(("NPROC_PER_NODE", "2"),)),
+    # anomalib: its CLI's fit verb on a Folder data set, a model it trains from scratch by gradient descent
+    Program("anomalib-ganomaly", "anomalib", anomalib_args("Ganomaly")),
     # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
     # FSDP2 over 2, tensor parallel over 2
     Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
@@ -714,6 +736,7 @@ PROGRAMS: list[Program] = [
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
                                                "mace": fixtures_mace, "torchtitan": fixtures_torchtitan,
                                                "yolov5": fixtures_yolov5, "ms-swift": fixtures_swift,
+                                               "anomalib": fixtures_anomalib,
                                                "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
