@@ -678,8 +678,11 @@ PROGRAMS: list[Program] = [
     Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full"), lambda w: trl_model(w)),
     Program("swift-sft-zero2", "ms-swift", swift_args("sft", "--tuner_type", "lora", "--deepspeed", "zero2"),
             lambda w: trl_model(w), env=(("NPROC_PER_NODE", "2"),)),
-    # anomalib: its CLI's fit verb on a Folder data set, a model it trains from scratch by gradient descent
+    # anomalib: its CLI's fit verb on a Folder data set, models it trains by gradient descent: a GAN from scratch,
+    # and normalizing flows over a frozen backbone (random weights: no hub)
     Program("anomalib-ganomaly", "anomalib", anomalib_args("Ganomaly")),
+    Program("anomalib-fastflow", "anomalib", anomalib_args("Fastflow", "--model.backbone", "resnet18",
+                                                           "--model.pre_trained", "false")),
     # torchtitan: its trainer (`python -m torchtitan.train` under torchrun) on its llama3 debug config: one GPU,
     # FSDP2 over 2, tensor parallel over 2
     Program("torchtitan-debug", "torchtitan", torchtitan_args(1)),
