@@ -11,6 +11,13 @@ from xmem.trace import TraceError, run_trace
 pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
 
 
+def trace_source(tmp_path, name: str, source: str, *argv: str, iterations: int = 2, timeout: float = 300):
+    """Trace a program written here: `source` saved as tmp_path/name, run with `argv`."""
+    script = tmp_path / name
+    script.write_text(source)
+    return run_trace([sys.executable, str(script), *argv], iterations=iterations, timeout=timeout)
+
+
 def allocs(trace, category):
     return [e for e in trace.events if e.action == "alloc" and e.category == category]
 
@@ -69,21 +76,18 @@ def test_validation_checks_keep_their_answer_while_data_dependent_while_loops_en
     """torch.distributions checks its arguments and samples on every construction (`constraint.check(value)`):
     however often, they stay valid (they were told False after 100 and raised: the fake GPU's fault, not the
     program's); the `while alive.any():` loop in the same iteration still ends."""
-    script = tmp_path / "rollout.py"
-    script.write_text(ROLLOUT)
-    result = run_trace([sys.executable, str(script)], iterations=1, timeout=300)
+    result = trace_source(tmp_path, "rollout.py", ROLLOUT, iterations=1)
     assert result.iterations == 1
     assert any(w.startswith("a condition on tensor data was answered True 100 times") for w in result.warnings)
 
 
 def test_cpu_only_program_runs_for_real(tmp_path):
     """A CPU-only loop that stops on a real value ends by itself (a stand-in would never reach the threshold)."""
-    script = tmp_path / "cpu_only.py"
-    script.write_text("import torch\nw = torch.zeros(1, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
-                      "for i in range(10000):\n    loss = (w - 3).pow(2).sum()\n    if loss.item() < 1e-6: break\n"
-                      "    loss.backward(); opt.step(); opt.zero_grad()\nassert 20 < i < 200, i\n")
+    source = ("import torch\nw = torch.zeros(1, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+              "for i in range(10000):\n    loss = (w - 3).pow(2).sum()\n    if loss.item() < 1e-6: break\n"
+              "    loss.backward(); opt.step(); opt.zero_grad()\nassert 20 < i < 200, i\n")
     with pytest.raises(TraceError) as raised:  # it never used the GPU: no 0-byte answer
-        run_trace([sys.executable, str(script)], iterations=3, timeout=120)
+        trace_source(tmp_path, "cpu_only.py", source, iterations=3, timeout=120)
     assert raised.value.kind == "no_cuda"  # not user_error: the loop ended where real values say, and so did the run
 
 
@@ -97,10 +101,10 @@ def test_regnet_widths_come_from_real_host_values():
 
 
 def test_a_gpu_program_that_reaches_something_unmodelled_says_so(tmp_path):
-    script = tmp_path / "driver.py"  # what torch.cuda._lazy_init calls: the real runtime, which has no device here
-    script.write_text("import torch\nx = torch.zeros(4, device='cuda')\ntorch._C._cuda_init()\n")
+    # what torch.cuda._lazy_init calls: the real runtime, which has no device here
+    source = "import torch\nx = torch.zeros(4, device='cuda')\ntorch._C._cuda_init()\n"
     with pytest.raises(TraceError) as raised:
-        run_trace([sys.executable, str(script)], timeout=120)
+        trace_source(tmp_path, "driver.py", source, iterations=3, timeout=120)
     assert raised.value.kind == "not_modelled"
     assert raised.value.message.startswith("not modelled: this reached the real CUDA runtime")
 
@@ -115,8 +119,7 @@ def test_tensorboard_tqdm_and_logging_take_cuda_values(tmp_path):
 def test_weights_tied_after_the_host_budget_stay_tied(tmp_path):
     """An output layer tied to the input embedding once the model is past the 64 MiB of real host tensors
     (transformers' `_tie_or_clone_weights` assigns the embedding's Parameter): one parameter, counted once."""
-    script = tmp_path / "tied.py"
-    script.write_text(
+    source = (
         "import torch, torch.nn as nn\n"
         "class LM(nn.Module):\n"
         "    def __init__(self):\n"
@@ -134,7 +137,7 @@ def test_weights_tied_after_the_host_budget_stay_tied(tmp_path):
         "opt = torch.optim.Adam(model.parameters())\n"
         "for _ in range(2):\n"
         "    model(torch.randint(0, 16384, (2, 8), device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")
-    trace = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    trace = trace_source(tmp_path, "tied.py", source)
     embed, body = 16384 * 1024 * 4, (1024 * 1024 + 1024) * 4
     assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([embed, body - 1024 * 4, 1024 * 4])
     assert sum(e.nbytes for e in allocs(trace, "optimizer_state") if e.nbytes > 512) == 2 * (embed + body)
@@ -156,13 +159,12 @@ def test_a_model_past_the_host_budget_is_born_fake_however_its_tensors_are_made(
 def test_a_sparse_tensor_on_the_gpu_is_named_not_modelled(tmp_path):
     """A graph's sparse adjacency moved to the GPU: the fake mode makes no index and value tensors for it, which
     ended as "Cannot access storage of SparseTensorImpl" (the user's error); now the gap is named."""
-    script = tmp_path / "sparse_graph.py"
-    script.write_text("import torch\nedges = torch.randint(0, 100, (2, 400))\n"
-                      "adjacency = torch.sparse_coo_tensor(edges, torch.ones(400), (100, 100)).coalesce()\n"
-                      "features = torch.randn(100, 8, device='cuda')\n"
-                      "hidden = torch.sparse.mm(adjacency.cuda(), features)\n")
+    source = ("import torch\nedges = torch.randint(0, 100, (2, 400))\n"
+              "adjacency = torch.sparse_coo_tensor(edges, torch.ones(400), (100, 100)).coalesce()\n"
+              "features = torch.randn(100, 8, device='cuda')\n"
+              "hidden = torch.sparse.mm(adjacency.cuda(), features)\n")
     with pytest.raises(TraceError) as raised:
-        run_trace([sys.executable, str(script)], timeout=120)
+        trace_source(tmp_path, "sparse_graph.py", source, iterations=3, timeout=120)
     assert raised.value.kind == "not_modelled"
     assert raised.value.message.startswith("not modelled: sparse tensors on the GPU") and "sparse_graph.py:5" in \
         raised.value.message
@@ -191,9 +193,7 @@ def test_scripted_functions_run_on_the_fake_gpu_unfused(tmp_path):
     Python functions to compile and refused them ("variable number of arguments", blamed on the program); and its
     GPU fuser compiles kernels through the CUDA driver. Now the factories are the same aten ops to TorchScript, and
     scripted code runs op by op, said in a warning."""
-    script = tmp_path / "scripted.py"
-    script.write_text(SCRIPTED)
-    result = run_trace([sys.executable, str(script)], iterations=3, timeout=300)
+    result = trace_source(tmp_path, "scripted.py", SCRIPTED, iterations=3)
     assert result.iterations == 3
     assert SCRIPTED_WARNING in result.warnings
     # the scripted zeros: 32 x (64 + 8) fp32 on the GPU, once per iteration
@@ -222,9 +222,7 @@ def test_only_a_stand_in_for_a_host_value_makes_the_trace_suspect(tmp_path, read
     """`.cpu().numpy()` of a GPU metric (MACE's to_numpy, torchmetrics' states) stands for GPU data, as `.item()`
     does: a warning only. A stand-in for a value the host computes from its own data is a fact no trace holds."""
     from xmem.audit import audit
-    script = tmp_path / "metrics.py"
-    script.write_text(METRICS)
-    result = run_trace([sys.executable, str(script), read], iterations=3, timeout=300)
+    result = trace_source(tmp_path, "metrics.py", METRICS, read, iterations=3)
     assert "tensor.numpy() returned ones (no real data under fake CUDA)" in result.warnings
     reasons = audit(result)
     if read == "gpu":
@@ -256,9 +254,7 @@ def test_moved_parameters_keep_the_attributes_libraries_set_on_them(tmp_path):
     """A fake GPU move replaces a parameter where stock `_apply` keeps the object; the attributes libraries put on
     it (spmd_types' annotations that torchtitan's fully_shard turns into DTensors) come along, or the program
     fails on our move (torchtitan over 2 GPUs did: "all parameters must be DTensors", blamed on it)."""
-    script = tmp_path / "annotated.py"
-    script.write_text(ANNOTATED)
-    result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    result = trace_source(tmp_path, "annotated.py", ANNOTATED)
     assert result.iterations == 2
 
 
@@ -279,9 +275,7 @@ def test_a_batch_of_a_plain_data_tensor_subclass_goes_to_the_gpu(tmp_path):
     """FakeTensorMode declines a tensor subclass it does not know, and a fake tensor cannot take a subclass type:
     anomalib's tv_tensors.Image batches ended on our error. The copy is made from the plain data, and stays a plain
     fake tensor."""
-    script = tmp_path / "subclassed.py"
-    script.write_text(SUBCLASSED)
-    result = run_trace([sys.executable, str(script)], iterations=2, timeout=300)
+    result = trace_source(tmp_path, "subclassed.py", SUBCLASSED)
     assert result.iterations == 2
     batch = 4 * 3 * 16 * 16 * 4
     copies = [e for e in result.events if e.action == "alloc" and e.op == "_to_copy" and e.nbytes == batch]
