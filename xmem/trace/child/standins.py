@@ -77,6 +77,8 @@ class StandIns:
         host tensor), and a stand-in for them stands for GPU data, as `.item()` of a GPU tensor does; only the value
         of another host tensor is one a real run computes on the host. Cheap for most ops: their outputs are on the
         GPU."""
+        if isinstance(out, FakeTensor) and out.fake_device.type != "cpu":
+            return  # the usual op: one output, on the GPU
         outs = out if isinstance(out, (tuple, list)) else (out,)
         host = [t for t in outs if isinstance(t, FakeTensor) and t.fake_device.type == "cpu"]
         if not host or not any(isinstance(a, FakeTensor) and (a.fake_device.type != "cpu" or id(a) in self._from_gpu)
