@@ -179,8 +179,8 @@ def fixtures_swift(work: Path) -> None:
         for t in words(64, 4)])
 
 
-def swift_args(verb: str, *options: str) -> tuple[str, ...]:
-    return ("swift", verb, "--model", "{work}/model", "--model_type", "qwen2", "--template", "qwen", "--dataset",
+def swift_args(*options: str) -> tuple[str, ...]:
+    return ("swift", "sft", "--model", "{work}/model", "--model_type", "qwen2", "--template", "qwen", "--dataset",
             "{work}/chat.jsonl", "--output_dir", "{out}", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--max_length", "64", "--report_to", "none", "--save_strategy", "no", "--dataloader_num_workers", "0",
             *options)
@@ -674,9 +674,9 @@ PROGRAMS: list[Program] = [
       for name, args in (("n", ("yolov5n.yaml",)), ("s-adam", ("yolov5s.yaml", "--optimizer", "Adam")))),
     # ms-swift: its CLI's sft verb (LoRA, full), and over 2 GPUs with the DeepSpeed config it ships
     # (NPROC_PER_NODE: swift starts torchrun itself)
-    Program("swift-sft-lora", "ms-swift", swift_args("sft", "--tuner_type", "lora"), lambda w: trl_model(w)),
-    Program("swift-sft-full", "ms-swift", swift_args("sft", "--tuner_type", "full"), lambda w: trl_model(w)),
-    Program("swift-sft-zero2", "ms-swift", swift_args("sft", "--tuner_type", "lora", "--deepspeed", "zero2"),
+    Program("swift-sft-lora", "ms-swift", swift_args("--tuner_type", "lora"), lambda w: trl_model(w)),
+    Program("swift-sft-full", "ms-swift", swift_args("--tuner_type", "full"), lambda w: trl_model(w)),
+    Program("swift-sft-zero2", "ms-swift", swift_args("--tuner_type", "lora", "--deepspeed", "zero2"),
             lambda w: trl_model(w), env=(("NPROC_PER_NODE", "2"),)),
     # anomalib: its CLI's fit verb on a Folder data set, models it trains by gradient descent: a GAN from scratch,
     # and normalizing flows over a frozen backbone (random weights: no hub)
