@@ -14,12 +14,26 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 SHARED_SCOPES = ("module", "class", "package")
+
+
+def _as_if_activated() -> None:
+    """The suite runs as a user who activated the project's environment (`source .venv/bin/activate`): a bare
+    `python` in a traced command is the job's interpreter found on PATH (xmem.trace.command.job_interpreter), so
+    it must be the one with torch, as it would be for that user."""
+    bin_dir = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", os.defpath)])
+    os.environ.setdefault("VIRTUAL_ENV", os.path.dirname(bin_dir))
+
+
+_as_if_activated()
 
 
 def xdist_group(item: pytest.Item) -> str | None:

@@ -113,6 +113,7 @@ def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets
         libraries=tuple(sorted({lib for t in traces.values() for lib in t.libraries})),
         used_cuda=True,
         torch_version=first.torch_version,
+        interpreter=first.interpreter,
         suspect_reasons=_audit(traces),
         sandbox=first.sandbox,
         forward_only=any(t.forward_only for t in traces.values()),
@@ -358,4 +359,5 @@ def _no_cuda_estimate(command: Sequence[str], targets: Sequence[GpuType], trace:
                     breakdown_gpu=shown_gpu(list(gpus.values())), iterations=trace.iterations,
                     seconds=seconds, warnings=tuple(dict.fromkeys([*trace.warnings, NO_CUDA_WARNING])),
                     libraries=tuple(trace.libraries), used_cuda=False, torch_version=trace.torch_version,
+                    interpreter=trace.interpreter,
                     sandbox=trace.sandbox)

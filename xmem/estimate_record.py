@@ -95,6 +95,7 @@ class Estimate:
     sandbox: str = ""  # what kept the traced program's writes out of the user's files
     forward_only: bool = False  # no training step was traced: the peak of what the program ran (Trace.forward_only)
     breakdowns: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # by GPU type
+    interpreter: str = ""  # the job's Python interpreter that was traced (Trace.interpreter)
 
     @property
     def suspect(self) -> bool:
@@ -112,6 +113,7 @@ class Estimate:
             "libraries": list(self.libraries),
             "used_cuda": self.used_cuda,
             "torch_version": self.torch_version,
+            "interpreter": self.interpreter,
             "suspect": self.suspect,
             "suspect_reasons": list(self.suspect_reasons),
             "sandbox": self.sandbox,
@@ -128,7 +130,7 @@ class Estimate:
                    iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
                    suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
-                   forward_only=d.get("forward_only", False),
+                   forward_only=d.get("forward_only", False), interpreter=d.get("interpreter", ""),
                    breakdowns={name: dict(parts) for name, parts in d.get("breakdowns", {}).items()})
 
 

@@ -2,11 +2,12 @@
 
 import os
 import stat
+import sys
 
 import pytest
 
 from xmem.launchers import Target, named_interpreter
-from xmem.trace.command import parse_command
+from xmem.trace.command import job_interpreter, parse_command
 from xmem.trace.errors import TraceError
 
 
@@ -114,3 +115,51 @@ def test_accelerate_and_deepspeed_launchers(train, tmp_path):
 ])
 def test_the_interpreter_a_command_names_by_its_path(command, expected):
     assert named_interpreter(command, "/job") == expected
+
+
+# --- the job's own interpreter, found as its shell finds it (issue 31) ---------------------------------------------
+
+def _venv_bin(root, name="python3"):
+    """A directory that stands for an activated environment's bin/: `name` links to this interpreter."""
+    bin_dir = root / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / name).symlink_to(sys.executable)
+    return bin_dir
+
+
+def test_a_bare_python_is_the_one_on_the_jobs_path_not_ours(train, tmp_path):
+    bin_dir = _venv_bin(tmp_path)
+    command = ["python3", "train.py"]
+    found = job_interpreter(command, parse_command(command, str(tmp_path)), {"PATH": f"{bin_dir}:/usr/bin"},
+                            str(tmp_path))
+    assert found == str(bin_dir / "python3")  # the link kept: a venv is known by its bin/python's path
+
+
+def test_a_python_missing_from_the_jobs_path_is_said_not_replaced(train, tmp_path):
+    command = ["python", "train.py"]
+    with pytest.raises(TraceError) as raised:
+        job_interpreter(command, parse_command(command, str(tmp_path)), {"PATH": str(tmp_path / "none")},
+                        str(tmp_path))
+    assert raised.value.kind == "not_found" and "activate the job's environment" in raised.value.message
+
+
+def test_a_shell_shim_on_path_resolves_to_the_interpreter_it_runs(train, tmp_path):
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    shim = shims / "python"  # as pyenv's shims are: a shell script that execs the chosen interpreter
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    command = ["python", "train.py"]
+    found = job_interpreter(command, parse_command(command, str(tmp_path)), {"PATH": str(shims)}, str(tmp_path))
+    assert found == sys.executable
+
+
+def test_a_launcher_on_path_runs_the_python_its_shebang_names(train, tmp_path):
+    bin_dir = _venv_bin(tmp_path)
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(f"#!{bin_dir / 'python3'}\nimport sys\n")
+    torchrun.chmod(0o755)
+    command = ["torchrun", "--nproc_per_node=2", "train.py"]
+    found = job_interpreter(command, parse_command(command, str(tmp_path)), {"PATH": f"{bin_dir}:/usr/bin"},
+                            str(tmp_path))
+    assert found == str(bin_dir / "python3")

@@ -79,3 +79,15 @@ def test_users_output_is_captured_not_printed(capfd):
 def test_missing_interpreter_is_not_found():
     error = trace_error(["python", str(SCRIPTS / "mlp_adam.py")], python="/no/such/venv/bin/python")
     assert error.kind == "not_found" and "/no/such/venv/bin/python" in error.message
+
+
+def test_a_job_whose_python_has_no_torch_is_told_so_not_traced_on_ours(tmp_path):
+    """With no environment activated, `python3` is the one on the job's PATH: a fresh venv without torch here. The
+    job would fail on the node too; the trace never falls back to xmem's own interpreter (issue 31)."""
+    import subprocess
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    (tmp_path / "train.py").write_text("import torch\n")
+    env = {"PATH": f"{tmp_path / 'bare' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    error = trace_error(["python3", "train.py"], cwd=str(tmp_path), env=env)
+    assert error.kind == "user_error"
+    assert f"{tmp_path / 'bare' / 'bin' / 'python3'} cannot import torch" in error.message

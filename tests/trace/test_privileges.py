@@ -136,3 +136,32 @@ def test_as_root_no_trace_starts_another_users_program(scratch, users):
     with pytest.raises(privileges.RootTraceRefused, match=owner.name):
         run_trace(["python", str(scratch / "train.py"), str(marker)])
     assert not marker.exists()
+
+
+# --- issue 35 (R2): every way code can be named, as root -------------------------------------------------------------
+
+def test_as_root_a_trace_refuses_an_interpreter_or_module_path_another_user_can_change(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's folder: what they put there would run as root
+    (theirs / "python3").symlink_to(sys.executable)
+    with pytest.raises(privileges.RootTraceRefused, match="the interpreter"):
+        privileges.refuse_foreign_code(str(theirs / "python3"), {})
+    with pytest.raises(privileges.RootTraceRefused, match="PYTHONPATH entry"):
+        privileges.refuse_foreign_code(sys.executable, {"PYTHONPATH": f"/usr/lib:{theirs}"})
+    with pytest.raises(privileges.RootTraceRefused, match="PYTHONPATH entry"):
+        privileges.refuse_foreign_code(sys.executable, {"PYTHONPATH": str(theirs / "pkg")})  # not yet made: theirs
+    privileges.refuse_foreign_code(sys.executable, {"PYTHONPATH": "/usr/lib"})  # root's alone: traced as before
+
+
+def test_a_root_owned_file_in_a_sticky_directory_is_roots_alone(tmp_path):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir(mode=0o1777)
+    sticky.chmod(0o1777)
+    mine = sticky / "mod.py"
+    mine.write_text("")
+    assert privileges.writer_besides_root(str(mine)) is None
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)  # anyone may replace what is in it
+    assert privileges.writer_besides_root(str(loose / "mod.py")) == "other users"

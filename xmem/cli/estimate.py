@@ -257,7 +257,8 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     traced = "forward passes only (no training step)" if result.forward_only else \
         f"{result.iterations} iteration(s)"
     console.print(f"{traced} traced in {result.seconds:.1f} s"
-                  f" (torch {result.torch_version or 'unknown'}).", highlight=False)
+                  f" (torch {result.torch_version or 'unknown'} on {result.interpreter or 'an unknown interpreter'}).",
+                  highlight=False)
 
 
 def _tried(oom_message: str) -> str:

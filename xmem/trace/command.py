@@ -6,11 +6,20 @@ found: a script path (or a module) and its arguments, as the tracing child runs 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
+import subprocess
+from typing import Mapping
 
-from xmem.launchers import LaunchError, Target, console_script_python, parse_launch, shebang_python
+from xmem.launchers import LAUNCHER_NAMES, LaunchError, Target, console_script_python, is_python, parse_launch, \
+    shebang_python
 from xmem.trace.errors import TraceError
+
+ELF_MAGIC = b"\x7fELF"
+# Asked of an interpreter found on PATH that is not itself a binary (pyenv's and asdf's shims are shell scripts):
+# the interpreter it ends up running, whose path keeps a venv's identity (its pyvenv.cfg).
+WHICH_EXECUTABLE = "import sys; print(sys.executable)"
 
 
 def parse_command(command: list[str], cwd: str | None = None) -> Target:
@@ -36,6 +45,47 @@ def console_script_interpreter(target: Target) -> str | None:
             os.path.isdir(target.script):
         return None
     return console_script_python(target.script, _first_line(target.script))
+
+
+def job_interpreter(command: list[str], target: Target, env: Mapping[str, str], cwd: str | None) -> str:
+    """The interpreter the job's own shell would run for `command`, found as the shell finds it, on the job's PATH
+    (an activated venv's `bin` first): `python3 train.py`; a launcher run by name (`torchrun`: the python its
+    console script's shebang names); a script run directly whose shebang is `#!/usr/bin/env python3`. Never this
+    process's interpreter by default: a job whose `python` has no torch fails on the node too, and the trace says
+    so. Raises TraceError not_found when the job's PATH has none."""
+    path = env.get("PATH", os.defpath)
+    program = command[0] if command else ""
+    if is_python(program):
+        wanted = program
+    elif program in LAUNCHER_NAMES:
+        launcher = shutil.which(program, path=path)
+        wanted = (shebang_python(_first_line(launcher)) if launcher else None) or "python3"
+    else:
+        wanted = (shebang_python(_first_line(target.script)) if target.script and os.path.isfile(target.script)
+                  else None) or "python3"
+    found = wanted if os.sep in wanted else shutil.which(wanted, path=path)
+    if found is None:
+        raise TraceError("not_found", f"{wanted}: not found on the job's PATH ({path}); activate the job's "
+                                      "environment first, or name its interpreter (--python, or its path)")
+    return _real_interpreter(os.path.abspath(found))
+
+
+@functools.lru_cache(maxsize=16)
+def _real_interpreter(found: str) -> str:
+    """`found` itself when it is a binary (a venv's `bin/python` link included); else what the wrapper it is runs
+    (asked once, in a clean environment but the PATH it was found on)."""
+    if _first_bytes(found, 4) == ELF_MAGIC:
+        return found
+    try:
+        done = subprocess.run([found, "-c", WHICH_EXECUTABLE], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise TraceError("not_found", f"{found} does not run as a Python interpreter ({error})") from None
+    executable = done.stdout.strip()
+    if done.returncode != 0 or not os.path.isfile(executable):
+        raise TraceError("not_found", f"{found} does not run as a Python interpreter: "
+                                      f"{(done.stderr.strip().splitlines() or ['no answer'])[-1]}")
+    return executable
 
 
 def _script_target(program: str, args: list[str], cwd: str | None, require_python: bool = True) -> Target:

@@ -138,6 +138,7 @@ class Trace:
     alloc_conf: str = ""  # PYTORCH_(CUDA_)ALLOC_CONF seen in the job's environment
     seconds: float = 0.0
     torch_version: str = ""
+    interpreter: str = ""  # the job's Python interpreter the program ran on (the runner's choice)
     sandbox: str = ""  # what kept the program's writes out of the user's files (xmem.trace.sandbox)
     facts: list[Fact] | None = None  # for the self-audit (xmem.audit); None: not collected
     # no training iteration: the peak of the forward passes (top-level module forwards on the GPU) and whatever else

@@ -141,6 +141,60 @@ def refuse_as_root(command: Sequence[str], cwd: str | None) -> None:
         raise RootTraceRefused(notice_cli(who, "it is not started"))
 
 
+# -- issue 35 (R2): every way code can be named, not only the command's files -----------------------------------------
+
+# Variables that make an interpreter run code from a path (PYTHONSTARTUP only runs interactively; PYTHONUSERBASE
+# adds a user site directory).
+CODE_PATH_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP")
+
+
+def writer_besides_root(path: str) -> str | None:
+    """Who besides root could change what `path` names: the owner (or "other users", when the group or others may
+    write) of the file or of any directory above it (a root-owned file in a user's folder is theirs to replace;
+    a sticky directory such as /tmp protects what root owns in it). None when only root can. Symlinks are followed
+    as the interpreter would follow them: both the path as written and where it leads are checked."""
+    for name in dict.fromkeys([os.path.abspath(path), os.path.realpath(path)]):
+        current = name
+        while True:
+            who = _writer_of(current, is_leaf=current == name)
+            if who:
+                return who
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
+    return None
+
+
+def _writer_of(path: str, is_leaf: bool) -> str | None:
+    try:
+        info = os.lstat(path) if not is_leaf else os.stat(path)
+    except OSError:
+        return None  # nothing there to run
+    if info.st_uid != 0:
+        try:
+            return pwd.getpwuid(info.st_uid).pw_name
+        except KeyError:
+            return f"uid {info.st_uid}"
+    sticky = info.st_mode & 0o1000 and os.path.isdir(path)
+    return "other users" if info.st_mode & OTHERS_WRITE and not sticky else None
+
+
+def refuse_foreign_code(interpreter: str, env: Mapping[str, str]) -> None:
+    """As root, the last guard before a trace starts: the interpreter it would run, and every path the job's
+    environment adds code from (PYTHONPATH, PYTHONHOME, ...), must be root's alone; else RootTraceRefused, naming
+    whose it is. An ordinary user's traces run their own choices."""
+    if not as_root():
+        return
+    named = [("the interpreter " + interpreter, interpreter)]
+    for variable in CODE_PATH_VARIABLES:
+        named += [(f"{variable} entry {entry}", entry) for entry in env.get(variable, "").split(os.pathsep) if entry]
+    for what, path in named:
+        who = writer_besides_root(path)
+        if who:
+            raise RootTraceRefused(notice_cli(who, f"{what} is theirs to change, so it is not run"))
+
+
 def cli_owner(paths: Sequence[str], cwd: str) -> str | None:
     """As root, whose code `check`/`estimate` would run (the script, the program's files, the directory), when not
     root's alone; None otherwise."""

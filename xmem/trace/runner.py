@@ -31,7 +31,7 @@ import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
 import xmem.trace.warm as warm
-from xmem.trace.command import console_script_interpreter, parse_command
+from xmem.trace.command import console_script_interpreter, job_interpreter, parse_command
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.child.follow import BOOT_DIR
@@ -41,6 +41,9 @@ from xmem.units import gib_words
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
 NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
                    "output lines say why")
+NO_TORCH_MESSAGE = ("the job's interpreter {interpreter} cannot import torch, so the job would end on 'No module "
+                    "named torch' too: activate the job's environment first (source ENV/bin/activate, conda "
+                    "activate ENV), or name its interpreter (its path, or --python)")
 NO_CUDA_SILENT = "the program ended without using the GPU (torch.cuda.device_count() was {gpus}) and printed nothing"
 SCRATCH_PREFIX = "xmem-trace-"  # then the estimating process's pid: stale ones are found by it
 MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no timeout
@@ -66,17 +69,23 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
-    (`launchers.named_interpreter`) or its console script's shebang names, else on this one. `warm_tracer`: the
+    (`launchers.named_interpreter`) or its console script's shebang names, else on the one the job's own PATH gives
+    (`command.job_interpreter`: never this process's by default). `warm_tracer`: the
     site's choice of the warm tracer (`xmem.trace.warm.enabled`). Setting `cancel` (from another thread) stops the
     trace: TraceCancelled.
     """
     privileges.refuse_as_root(list(command), cwd)  # -- issue 21: root never starts another user's program
     target = parse_command(list(command), cwd)
     gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
-    wanted = python or named_interpreter(list(command), cwd) or console_script_interpreter(target) or sys.executable
-    interpreter = shutil.which(wanted)
+    job_env = os.environ if env is None else env
+    wanted = python or named_interpreter(list(command), cwd) or console_script_interpreter(target) or \
+        job_interpreter(list(command), target, job_env, cwd)
+    interpreter = shutil.which(wanted, path=job_env.get("PATH", os.defpath))
     if interpreter is None:
         raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
+    privileges.refuse_foreign_code(interpreter, job_env)  # -- issue 35: nor another user's interpreter or modules
+    if not shim.job_finds_torch(interpreter, job_env):  # the job would end on its first `import torch`
+        raise TraceError("user_error", NO_TORCH_MESSAGE.format(interpreter=interpreter))
     remove_stale_scratch()
     shim.prepare(interpreter)  # -- issue 21: built outside the sandbox, where its cache is read-only
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
@@ -106,6 +115,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         said = NO_CUDA_MESSAGE if run.output.strip() else NO_CUDA_SILENT  # no lines to point at: say so
         raise TraceError("no_cuda", said.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
     trace.sandbox = ended.get("protection", "unknown")
+    trace.interpreter = interpreter
     if not trace.sandbox.startswith("namespaces"):  # a weaker protection: say so where people look
         trace.warnings.append(f"the program's files were protected by the {trace.sandbox}")
     return trace

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from xmem.userfiles import open_own, private_dir
 
@@ -205,6 +206,27 @@ def _torch_of(interpreter: str) -> str:
     done = subprocess.run([interpreter, "-I", "-c", FIND_TORCH], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.defpath}, stdin=subprocess.DEVNULL)
     return done.stdout.strip()
+
+
+# The same question with the job's own search path: its PYTHONPATH entries (argv) and, unless it turns it off, the
+# user's site directory, the places -I leaves out; still nothing of the job's code runs (find_spec only looks).
+FIND_TORCH_AS_JOB = ("import importlib.util, os, site, sys; "
+                     "sys.path[:0] = sys.argv[1:]; "
+                     "os.environ.get('PYTHONNOUSERSITE') or sys.path.append(site.getusersitepackages()); "
+                     "s = importlib.util.find_spec('torch'); print(s.origin if s and s.origin else '')")
+
+
+def job_finds_torch(interpreter: str, env: Mapping[str, str]) -> bool:
+    """Whether the job's `interpreter`, in the job's environment `env`, can import torch. True when that cannot be
+    told (the trace then says what the program met)."""
+    python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    quiet = {k: env[k] for k in ("HOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE") if k in env}
+    try:
+        done = subprocess.run([interpreter, "-I", "-c", FIND_TORCH_AS_JOB, *python_path], capture_output=True,
+                              text=True, timeout=60, env={"PATH": os.defpath, **quiet}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return done.returncode != 0 or bool(done.stdout.strip())
 
 
 def load_shim() -> ctypes.CDLL:
