@@ -15,10 +15,16 @@ import importlib
 import sys
 
 import typer
+from rich.markup import escape
+
+from xmem.cli.exit_codes import table_lines
 
 app = typer.Typer(
     name="xmem-slurm",
     help="Predict a PyTorch training job's peak GPU memory on CPU, per GPU type, and the Slurm request it needs.",
+    # the one exit-code table (xmem/cli/exit_codes.py), one line per code; `filter` exits 0 whenever it replied
+    epilog=escape("Exit codes (README.md has the same table):\n"
+                  + "\n".join(table_lines())),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -19,6 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand
 
+# The exit codes: one table, xmem/cli/exit_codes.py (README's and --help's); the verbs import them from here.
+from xmem.cli.exit_codes import EXIT_INTERNAL, EXIT_NO_SLURM, EXIT_NOT_UNDERSTOOD, EXIT_USAGE  # noqa: F401
+from xmem.cli.exit_codes import KIND_EXIT_CODES as TRACE_EXIT_CODES
 from xmem.config import ConfigError, MarginConfig
 from xmem.estimate import BadJobSettingError
 from xmem.gpus import CatalogError, GpuType, UnknownGpuError, find_gpu
@@ -27,11 +30,6 @@ from xmem.text import one_line
 from xmem.trace import TraceError, privileges
 from xmem.units import gib_text, size_text
 
-EXIT_INTERNAL, EXIT_USAGE = 1, 2
-EXIT_NOT_UNDERSTOOD = 8  # `check`: a batch script whose training command xmem cannot read
-TRACE_EXIT_CODES = {"not_found": 3, "not_python": 4, "user_error": 5, "no_optimizer_step": 6, "timeout": 7,
-                    "no_cuda": 9, "memory_limit": 10, "not_modelled": 11, "internal": EXIT_INTERNAL}
-EXIT_NO_SLURM = 12  # `status`: Slurm cannot be asked (no scontrol, or it never reached slurmctld)
 # Options that `estimate` and `check` (and `fit`) declare alike: written once, here.
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else.")
 PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",

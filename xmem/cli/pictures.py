@@ -8,6 +8,7 @@ choosing the GPU type to draw, and writing the files. The replay is `xmem.pictur
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,16 @@ class PictureError(ValueError):
     """A picture option that cannot be honoured (unwritable path, a GPU type that was not estimated)."""
 
 
-def check_outputs(*paths: str | None) -> None:
-    """Fail before tracing when a picture could not be written: its folder is missing or not writable."""
-    for path in paths:
+def check_outputs(plot: str | None, snapshot: str | None = None) -> None:
+    """Fail before tracing when a picture could not be written: its folder is missing or not writable, or --plot
+    without matplotlib (an optional dependency: `xmem-slurm[bench]`), which would fail only after the whole trace."""
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - what xmem.report_plots draws with
+        except ImportError as e:
+            raise PictureError(f"--plot needs matplotlib, which {sys.executable} cannot import ({e}): install it "
+                               f"(pip install matplotlib, or xmem-slurm[bench]), or leave --plot out") from None
+    for path in (plot, snapshot):
         if path is None:
             continue
         folder = Path(path).resolve().parent

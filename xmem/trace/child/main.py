@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import runpy
 import sys
@@ -160,6 +161,9 @@ def preload() -> None:
     if _preloaded:
         return
     import xmem.trace.shim as shim
+    if importlib.util.find_spec("torch") is None:  # the job would end on `import torch` too: the user's, not ours
+        raise ChildFailure("user_error", f"the job's interpreter {sys.executable} cannot import torch: activate the "
+                                         "job's environment first, or name its interpreter (its path, or --python)")
     try:
         shim.load_shim()
     except shim.ShimError as error:
