@@ -15,6 +15,7 @@ import collections
 import contextlib
 import itertools
 import os
+import struct
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -119,13 +120,55 @@ class FakeEvent:
 
 class HostGenerator(torch.Generator):
     """torch.Generator whose "cuda" generators live on the host: a CUDA generator needs a driver, and under fake
-    tensors random ops only need a generator to exist (their values are never made)."""
+    tensors random ops only need a generator to exist (their values are never made). One asked for on cuda is a
+    CudaGenerator, whose state has the GPU's form."""
 
     def __new__(cls, device: Any = "cpu") -> "HostGenerator":
+        if cls is HostGenerator and _is_cuda(device):
+            return CudaGenerator(device)
         return super().__new__(cls, "cpu")
 
     def __init__(self, device: Any = "cpu") -> None:  # the C type's initialiser already ran in __new__
         pass
+
+
+# upstream CUDAGeneratorImpl::get_state: the Philox seed (uint64) then the offset (int64), 16 bytes; set_state also
+# takes the seed alone (8 bytes, the form of older versions) and refuses any other size
+CUDA_STATE = struct.Struct("<Qq")
+
+
+class CudaGenerator(HostGenerator):
+    """A GPU's generator on the host (`torch.cuda.default_generators[i]`, `torch.Generator("cuda")`): seeded as a
+    CUDA one is, and its state in the CUDA form (CUDA_STATE), so that a program that saves a state, forks and
+    restores it (Megatron's RNG tracker, torch.random.fork_rng, checkpointing) runs as on a GPU. No kernel draws
+    here, so the offset moves only when a state is set."""
+
+    def __new__(cls, device: Any = None) -> "CudaGenerator":
+        return torch.Generator.__new__(cls, "cpu")
+
+    def __init__(self, device: Any = None) -> None:
+        self.index = _device_index(device)
+        self.offset = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def get_state(self) -> torch.Tensor:
+        with unset_fake_temporarily():  # a real host tensor, as upstream's
+            raw = bytearray(CUDA_STATE.pack(self.initial_seed(), self.offset))
+            return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+    def set_state(self, state: torch.Tensor) -> "CudaGenerator":
+        if state.dtype != torch.uint8 or state.numel() not in (CUDA_STATE.size, CUDA_STATE.size // 2):
+            raise RuntimeError("RNG state is wrong size")
+        if isinstance(state, FakeTensor):  # a state kept on the GPU: its bytes are not here
+            return self
+        with unset_fake_temporarily():
+            raw = bytes(state.contiguous().numpy()).ljust(CUDA_STATE.size, b"\0")
+        seed, self.offset = CUDA_STATE.unpack(raw)
+        self.manual_seed(seed)
+        return self
 
 
 class FakeCuda:
@@ -262,11 +305,10 @@ def _device_index(device: Any) -> int:
 
 def _patch_torch_cuda(fake: FakeCuda) -> None:
     """torch.cuda answers as a GPU would, surface by surface (each answer's maker below says what it covers)."""
-    answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake), **_random_answers(fake),
-               **_graph_answers(fake)}
+    answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake), **_graph_answers(fake)}
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
-    torch.cuda.random.manual_seed = torch.cuda.random.manual_seed_all = answers["manual_seed"]
+    _patch_random_generators(fake)
     # Modules that imported these names before the patch keep the originals; the common ones are re-pointed.
     torch.cuda.memory.empty_cache = answers["empty_cache"]
     torch.cuda.memory.memory_allocated = answers["memory_allocated"]
@@ -360,19 +402,19 @@ def _memory_answers(fake: FakeCuda) -> dict[str, Any]:
     )
 
 
-def _random_answers(fake: FakeCuda) -> dict[str, Any]:
-    """The GPU's random generators: the host's state stands in; seeding does nothing (no kernel draws)."""
-    return dict(
-        get_rng_state=lambda device="cuda": torch.get_rng_state(),
-        get_rng_state_all=lambda: [torch.get_rng_state() for _ in range(fake.device_count)],
-        set_rng_state=lambda new_state, device="cuda": None,
-        set_rng_state_all=lambda new_states: None,
-        manual_seed=lambda seed: None,
-        manual_seed_all=lambda seed: None,
-        seed=lambda: None,
-        seed_all=lambda: None,
-        initial_seed=lambda: torch.initial_seed(),
-    )
+def _patch_random_generators(fake: FakeCuda) -> None:
+    """The GPU's random generators: upstream's torch.cuda.random runs as is, over one CudaGenerator per device in
+    `torch.cuda.default_generators` (upstream fills that tuple at CUDA's initialisation, which never runs here, so
+    every get/set/seed call indexed an empty tuple). torch.cuda.random bound torch.cuda's device questions by name
+    when it was imported: those names get the fake answers too, and its deferred calls run at once, as upstream's
+    `_lazy_call` does once CUDA is initialised. torch.cuda re-exports the module's functions: the same objects."""
+    torch.cuda.default_generators = tuple(CudaGenerator(index) for index in range(fake.device_count))
+    random = torch.cuda.random
+    random.current_device, random.device_count = torch.cuda.current_device, torch.cuda.device_count
+    random.is_initialized, random._lazy_init = (lambda: True), (lambda: None)
+    random._lazy_call = lambda callable, **kwargs: callable()
+    for name in random.__all__:
+        setattr(torch.cuda, name, getattr(random, name))
 
 
 def _graph_answers(fake: FakeCuda) -> dict[str, Any]:

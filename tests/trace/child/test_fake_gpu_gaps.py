@@ -1,0 +1,54 @@
+"""What real programs hit on the fake GPU, traced through the real tracer (issue 31, item 5): each program checks
+what a GPU run would give it, so a gap ends the trace with the program's own error."""
+
+import pytest
+
+from tests.trace.child.test_host import trace_source
+
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
+TRAIN = """
+model = torch.nn.Linear(4, 3).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.randn(2, 4, device="cuda")).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+RNG = """import torch
+torch.cuda.manual_seed(7)
+state = torch.cuda.random.get_rng_state(device=torch.cuda.current_device())
+assert state.dtype == torch.uint8 and state.numel() == 16, state.shape  # CUDA's Philox seed and offset
+assert torch.cuda.initial_seed() == 7
+torch.cuda.manual_seed(9)  # a Megatron tracker: seed a fork, keep its state, restore the original
+fork = torch.cuda.get_rng_state("cuda:0")
+torch.cuda.random.set_rng_state(state, device=0)
+assert torch.cuda.initial_seed() == 7 and torch.cuda.default_generators[0].initial_seed() == 7
+torch.cuda.set_rng_state(fork, torch.device("cuda"))
+assert torch.cuda.random.initial_seed() == 9
+states = torch.cuda.random.get_rng_state_all()
+assert len(states) == torch.cuda.device_count()
+torch.cuda.random.set_rng_state_all(states)
+torch.cuda.random.manual_seed_all(11)
+assert torch.cuda.default_generators[0].device == torch.device("cuda", 0)
+with torch.random.fork_rng(devices=[0], device_type="cuda"):
+    torch.cuda.manual_seed(13)
+assert torch.cuda.initial_seed() == 11  # restored
+try:
+    torch.cuda.set_rng_state(torch.zeros(5, dtype=torch.uint8))
+except RuntimeError as error:
+    assert "wrong size" in str(error)
+else:
+    raise AssertionError("a state of the wrong size was taken")
+generator = torch.Generator(device="cuda")
+assert generator.get_state().numel() == 16
+torch.randn(3, device="cuda", generator=generator)
+""" + TRAIN
+
+
+def test_gpu_random_states_are_kept_and_restored_as_on_a_gpu(tmp_path):
+    """torch.cuda.random's get/set/seed with device arguments, default_generators and fork_rng (every Megatron
+    tensor-parallel RNG tracker): upstream's functions over the fake GPU's generators."""
+    assert trace_source(tmp_path, "rng.py", RNG, iterations=1).iterations == 1
