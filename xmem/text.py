@@ -9,6 +9,7 @@ Two sinks, two rules, because they break on different characters:
 - a value inside the job comment's `xmem:key=value;key=value` token and the `XMEM_*` variables (`comment_value`):
   the token ends at whitespace, its pairs split at `;`, sbatch's `--export` splits at commas and quotes, so each
   run of those (and of control characters) is one `+`; `comment_text` reads such a value back for people.
+And one rule for numbers read back from text a user can write (a job comment, a variable): `ascii_whole_number`.
 Pure text: no I/O.
 """
 
@@ -22,6 +23,8 @@ COMMENT_VALUE_MAX_CHARS = 200  # a reason in the comment stays short: Slurm show
 _LINE_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f]+")
 _COMMENT_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f,;\"'\\]+")
 _COMMENT_SPACE = "+"
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+WHOLE_NUMBER_MAX_DIGITS = 20  # any count of bytes, seconds or ids xmem reads fits in 20 digits (2**64 has 20)
 
 
 def one_line(text: object, limit: int | None = None) -> str:
@@ -44,4 +47,15 @@ def comment_text(value: str) -> str:
     return value.replace(_COMMENT_SPACE, " ")
 
 
-__all__ = ["COMMENT_VALUE_MAX_CHARS", "CUT_MARK", "comment_text", "comment_value", "one_line"]
+def ascii_whole_number(text: str | None, max_digits: int = WHOLE_NUMBER_MAX_DIGITS) -> int | None:
+    """`text` as a whole number when it is ASCII digits only, at most `max_digits` of them; else None.
+
+    The one test for numbers in text a user wrote: `str.isdigit()` also takes `²` (which `int()` then refuses) and
+    other scripts' digits (`int("٣")` is 3), and `int()` refuses more than 4300 digits. No sign, no spaces."""
+    if text is None or len(text) > max_digits or not _ASCII_DIGITS.fullmatch(text):
+        return None
+    return int(text)
+
+
+__all__ = ["COMMENT_VALUE_MAX_CHARS", "CUT_MARK", "WHOLE_NUMBER_MAX_DIGITS", "ascii_whole_number", "comment_text",
+           "comment_value", "one_line"]

@@ -42,6 +42,18 @@ def test_rewrite_in_the_users_gpus_form(option):
     assert stamp.peak_bytes == 7 * GIB + 5 and stamp.request == f"{option}=h100:1"  # from peaks[h100]
 
 
+@pytest.mark.parametrize("mine", ["xmem:mine", "xmem:peak=1+my+note", "xmem:hello;peak=²;state=fake x",
+                                  "notes xmem: xmem:why=mine"])
+def test_the_filters_stamp_is_found_after_a_users_comment_that_starts_with_xmem(mine):
+    """Deferred mode reads the stamp back from the reply's comment (deferred.apply): a user's own `xmem:` word read
+    first made a rewritten job `state=unchanged`."""
+    reply = reply_for(Verdict(decision(), PEAKS), request(gres="gres:gpu:1", comment=mine), "open")
+    assert JobStamp.from_comment(reply.set["comment"]) == JobStamp(
+        peak_bytes=7 * GIB, needed_bytes=8 * GIB, gpu_type="a100", request="mps:a100:40", action="rewrite")
+    assert comment_fields(reply.set["comment"])["was"] == "gpu:1"
+    assert "state" not in comment_fields(reply.set["comment"])
+
+
 def test_keep_leaves_the_request_and_still_stamps_the_job():
     reply = reply_for(Verdict(decision(action="keep", gres=None, gpu_type="h100"), PEAKS),
                       request(gres="gres:gpu:h100:1", comment="mine"), "open")

@@ -3,9 +3,11 @@
 import json
 import os
 
+import pytest
+
 from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_limit_commands, mps_memory_limit,
                              mps_share_mib, prolog_exports, read_measure_file, sacct_gpumem)
-from xmem.slurm.stamp import JobStamp, add_to_comment
+from xmem.slurm.stamp import JobStamp, add_to_comment, comment_fields
 from xmem.slurm.store import DEFAULT_STORE
 
 GIB = 1 << 30
@@ -33,6 +35,44 @@ def test_comment_keeps_the_users_text_and_replaces_an_old_stamp():
     assert add_to_comment("my run", STAMP) == "my run " + STAMP.comment()
     assert add_to_comment("my run xmem:peak=1;req=gpu:1", STAMP) == "my run " + STAMP.comment()
     assert JobStamp.from_comment("my run " + STAMP.comment()) == STAMP
+
+
+def test_only_the_filters_token_is_read_whatever_the_user_wrote_before_it():
+    assert comment_fields("xmem:mine " + STAMP.comment() + ";state=done") == {
+        "peak": str(7 * GIB), "need": str(8 * GIB), "type": "a100", "req": "mps:40", "act": "rewrite", "state": "done"}
+    assert comment_fields("xmem:mine;state=done") == {"state": "done"}  # a user's copy, alone: the job's own text
+    assert comment_fields("xmem:mine;colour=blue") == {}  # not our keys
+    assert comment_fields("axmem:state=done") == {} and comment_fields(None) == {}  # a word that merely holds it
+    assert JobStamp.from_comment("xmem:peak=1 " + STAMP.comment()) == STAMP
+
+
+@pytest.mark.parametrize("digits", ["²", "٣", "1²", "-5", "+5", "0x5", "5.0", "9" * 5000])
+def test_a_number_that_is_not_ascii_digits_reads_as_absent_and_the_rest_stands(digits):
+    """`peak=²` passed str.isdigit() and then failed int(): the TaskProlog and the Epilog gave up on the job."""
+    stamp = JobStamp.from_comment(f"xmem:peak={digits};need={digits};type=a100;req=mps:40;act=rewrite")
+    assert stamp == JobStamp(gpu_type="a100", request="mps:40", action="rewrite")
+    env = {"XMEM_PEAK_BYTES": digits, "XMEM_NEEDED_BYTES": digits, "XMEM_GPU_TYPE": "a100"}
+    assert JobStamp.from_env(env) == JobStamp(gpu_type="a100")
+
+
+def test_a_malformed_stamp_still_gets_the_measure_file_and_the_record(tmp_path):
+    comment = "xmem:note;peak=² " + "xmem:peak=²;need=³;type=a100;req=mps:40;act=rewrite;was=gpu:1"
+    made = tmp_path / str(os.geteuid()) / "xmem-measure-42.json"
+    made.parent.mkdir()
+    made.touch()
+    exports = dict(prolog_exports({"SLURM_JOB_ID": "42", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "٤٠"},
+                                  total_bytes_of=lambda t: 40 * GIB, measure_dir=str(tmp_path),
+                                  comment_of=lambda job: comment))
+    assert exports["XMEM_MEASURE_FILE"] == str(made) and exports["XMEM_GPU_TYPE"] == "a100"
+    assert "XMEM_PEAK_BYTES" not in exports and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in exports
+    made.write_text(str(6 * GIB))
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_UID": str(os.geteuid()), "SLURM_JOB_COMMENT": comment,
+           "SLURM_JOB_GPUS": "0,²", "SLURM_JOB_START_TIME": "¹⁷", "SLURM_JOB_EXIT_CODE2": "0:²"}
+    seen = []
+    record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda gpus, since: seen.append((gpus, since)))
+    assert seen == [([0], None)]
+    assert (record.gpu_type, record.gres, record.estimate_bytes, record.measured_bytes, record.exit_code) == (
+        "a100", "mps:40", None, 6 * GIB, None)
 
 
 def test_mps_limit_is_the_estimate_with_margin():

@@ -91,13 +91,15 @@ def root_prolog_command(
     import shutil
 
     from xmem.slurm.node import NodeSettings, enforce_mps_share, gpu_total_mib, job_uid, prepare_measure_file
+    from xmem.text import ascii_whole_number
 
     env, uid = os.environ, job_uid(os.environ)
     job_id = env.get("SLURM_JOB_ID", "")
     settings = NodeSettings.read(env, measure_dir=measure_dir)
     if settings.measure_dir and uid >= 0:
         try:
-            gid = int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else _gid_of(uid)
+            gid = ascii_whole_number(env.get("SLURM_JOB_GID"))
+            gid = _gid_of(uid) if gid is None else gid
             prepare_measure_file(settings.measure_dir, uid, gid, job_id)
         except Exception as e:
             print(f"xmem-slurm root-prolog: job {job_id}: no measure file: {e}", file=sys.stderr)

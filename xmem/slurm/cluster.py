@@ -18,6 +18,7 @@ from typing import Any
 
 from xmem.jobscript import GresItem
 from xmem.slurm.scontrol import parse_scontrol_record
+from xmem.text import ascii_whole_number
 
 COMMAND_TIMEOUT_S = 10.0
 GPU_GRES = "gpu"
@@ -171,8 +172,9 @@ def parse_gres_list(text: str | None) -> tuple[GresItem, ...]:
         parts = [p for p in raw.strip().split(":") if p]
         if not parts:
             continue
-        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
-        gres_type = parts[1] if len(parts) == 3 or (len(parts) == 2 and not parts[1].isdigit()) else None
+        count = ascii_whole_number(parts[-1]) if len(parts) > 1 else None
+        gres_type = parts[1] if len(parts) == 3 or (len(parts) == 2 and count is None) else None
+        count = 1 if count is None else count
         items.append(GresItem(parts[0], gres_type, count))
     return tuple(items)
 

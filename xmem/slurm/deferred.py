@@ -42,7 +42,7 @@ from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, f
 from xmem.slurm.cache_check import still_offered
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
 from xmem.slurm.scontrol import SlurmUnreachable, scontrol_show_job
-from xmem.slurm.stamp import COMMENT_TAG, JobStamp, add_to_comment, comment_fields
+from xmem.slurm.stamp import JobStamp, add_to_comment, comment_fields
 from xmem.text import comment_text, comment_value, one_line
 
 NO_FILTER_ENV = "XMEM_NO_FILTER"  # set for sbatch calls made by xmem itself: cli_filter.lua leaves them alone
@@ -336,7 +336,7 @@ def job_status(job_id: str) -> dict[str, Any]:
     comment = fields.get("Comment", "")
     pairs = comment_fields(comment)
     stamp = JobStamp.from_comment(comment)
-    estimate = "none" if COMMENT_TAG not in comment else pairs.get("state", "done")
+    estimate = pairs.get("state", "done") if pairs else "none"  # a user's own `xmem:` word is no estimate
     request = next((f"{k}={v}" for k, v in ((k, fields.get(k)) for k in ("TresPerNode", "TresPerJob"))
                     if v and v != "(null)"), None)
     return {"job_id": job_id, "job_state": fields.get("JobState"), "reason": fields.get("Reason"),

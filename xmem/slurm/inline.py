@@ -21,6 +21,7 @@ from xmem.cache import SHARED_SLOTS_DIR, AnalysisCache, estimate_slot, file_dige
 from xmem.config import SiteConfig
 from xmem.slurm.cache_check import valid_analysis
 from xmem.slurm.contract import FilterRequest, Verdict, key_for
+from xmem.text import ascii_whole_number
 
 if TYPE_CHECKING:
     from xmem.analyze import JobAnalysis
@@ -207,10 +208,9 @@ def estimate_progress(script: str, request: FilterRequest, config: SiteConfig) -
 def _progress_terminal(request: FilterRequest) -> int | None:
     """A private (close-on-exec) copy of the descriptor cli_filter.lua passed, if it is a terminal and progress is
     wanted; the passed one is closed, so no process this filter starts holds the user's terminal."""
-    value = os.environ.pop(PROGRESS_FD_ENV, "")
-    if not value.isdigit():
+    passed = ascii_whole_number(os.environ.pop(PROGRESS_FD_ENV, ""))
+    if passed is None:
         return None
-    passed = int(value)
     try:
         if request.options.get("quiet") in (None, "", "0") and os.isatty(passed):  # "0": no --quiet
             return os.dup(passed)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import WHY_ENV, JobStamp, comment_fields
 from xmem.slurm.store import DEFAULT_STORE, JobRecord
-from xmem.text import comment_text
+from xmem.text import ascii_whole_number, comment_text
 from xmem.units import MIB
 
 MEASURE_FILE_MAX_BYTES = 4096
@@ -79,11 +79,11 @@ def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int |
     """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for an MPS job: the estimate plus margin, never above the share's
     memory (the GPU's memory times the share's thread percentage, Slurm's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
     Device ordinals are as the MPS client enumerates them: 0..n-1 over CUDA_VISIBLE_DEVICES."""
-    percentage = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
-    if not percentage.isdigit() or int(percentage) <= 0:
+    percentage = ascii_whole_number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+    if not percentage:
         return None
     limit = stamp.needed_bytes or stamp.peak_bytes
-    share = total_bytes * int(percentage) // 100 if total_bytes else None
+    share = total_bytes * percentage // 100 if total_bytes else None
     if limit is None or (share is not None and limit > share):
         limit = share
     if not limit:
@@ -95,7 +95,7 @@ def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int |
 
 def measure_file_path(measure_dir: str | None, uid: int, job_id: str | None) -> str | None:
     """`<measure_dir>/<uid>/xmem-measure-<job>.json`: the root Prolog makes it (`prepare_measure_file`)."""
-    if not measure_dir or not job_id or not job_id.isdigit() or uid < 0:
+    if not measure_dir or ascii_whole_number(job_id) is None or uid < 0:
         return None
     return os.path.join(measure_dir, str(uid), f"xmem-measure-{job_id}.json")
 
@@ -196,16 +196,21 @@ def mps_share_mib(env: Mapping[str, str], total_mib_of: Callable[[int], int | No
     """Device index -> the MPS share's memory in MiB, from what Slurm allocated: the Prolog's
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the job's mps count over the GPU's) of each allocated GPU's memory. Never
     from the job's comment or environment, which the user writes."""
-    percentage = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
-    if not percentage.isdigit() or not 0 < int(percentage) <= 100:
+    percentage = ascii_whole_number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+    if percentage is None or not 0 < percentage <= 100:
         return {}
-    gpus = env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES") or ""
     shares = {}
-    for index in (int(g) for g in gpus.split(",") if g.strip().isdigit()):
+    for index in gpu_indices(env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES")):
         total = total_mib_of(index)
         if total:
-            shares[index] = total * int(percentage) // 100
+            shares[index] = total * percentage // 100
     return shares
+
+
+def gpu_indices(text: str | None) -> list[int]:
+    """`0,2` (SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES) as device indices; anything else in the list is left out."""
+    found = (ascii_whole_number(item.strip()) for item in (text or "").split(","))
+    return [index for index in found if index is not None]
 
 
 def mps_limit_commands(shares: Mapping[int, int], user_servers: list[str]) -> list[str]:
@@ -225,8 +230,8 @@ def enforce_mps_share(env: Mapping[str, str], uid: int, *, control: str,
     shares = mps_share_mib(env, total_mib_of)
     if not shares:
         return []
-    servers = [pid for pid in _mps_control(control, "get_server_list").split() if pid.isdigit()
-               and _uid_of_process(pid) == uid]
+    servers = [pid for pid in _mps_control(control, "get_server_list").split()
+               if ascii_whole_number(pid) is not None and _uid_of_process(pid) == uid]
     commands = mps_limit_commands(shares, servers)
     for command in commands:
         _mps_control(control, command)
@@ -254,8 +259,7 @@ def gpu_total_mib(index: int, nvidia_smi: str = "nvidia-smi") -> int | None:
                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    value = done.stdout.strip()
-    return int(value) if done.returncode == 0 and value.isdigit() else None
+    return ascii_whole_number(done.stdout.strip()) if done.returncode == 0 else None
 
 
 # --- Epilog ----------------------------------------------------------------------------------------------------
@@ -299,9 +303,9 @@ def _measured_bytes(value: object) -> int | None:
 def job_uid(env: Mapping[str, str]) -> int:
     """The job's user id from the epilog's environment (SLURM_JOB_UID, else SLURM_JOB_USER); -1 (no one) if
     neither says, so that no measure file is trusted."""
-    uid = env.get("SLURM_JOB_UID", "")
-    if uid.isdigit():
-        return int(uid)
+    uid = ascii_whole_number(env.get("SLURM_JOB_UID"))
+    if uid is not None:
+        return uid
     try:
         return pwd.getpwnam(env.get("SLURM_JOB_USER", "")).pw_uid
     except KeyError:
@@ -346,7 +350,7 @@ def sacct_gpumem(job_ids: list[str], sacct: str = "sacct", timeout_s: float = 60
     units (`38888M`); a bare number is bytes."""
     found: dict[str, int] = {}
     for start in range(0, len(job_ids), 500):
-        chunk = [j for j in job_ids[start:start + 500] if j.isdigit()]
+        chunk = [j for j in job_ids[start:start + 500] if ascii_whole_number(j) is not None]
         if not chunk:
             continue
         try:
@@ -356,7 +360,7 @@ def sacct_gpumem(job_ids: list[str], sacct: str = "sacct", timeout_s: float = 60
             return found
         for line in done.stdout.splitlines() if done.returncode == 0 else []:
             step, _, tres = line.partition("|")
-            value = re.search(r"(?:^|,)gres/gpumem=(\d+(?:\.\d+)?)([KMGTP]?)(?:,|\||$)", tres)
+            value = re.search(r"(?:^|,)gres/gpumem=([0-9]+(?:\.[0-9]+)?)([KMGTP]?)(?:,|\||$)", tres)
             if value:
                 job = step.split(".")[0]
                 size = int(float(value.group(1)) * _UNITS[value.group(2)])
@@ -368,11 +372,12 @@ def sacct_gpumem(job_ids: list[str], sacct: str = "sacct", timeout_s: float = 60
 def exit_code_of(env: Mapping[str, str]) -> int | None:
     """The job's exit status: SLURM_JOB_EXIT_CODE2 is "status:signal"; SLURM_JOB_EXIT_CODE a wait() status."""
     code2 = env.get("SLURM_JOB_EXIT_CODE2", "")
-    if re.fullmatch(r"\d+:\d+", code2):
-        status, signal = (int(x) for x in code2.split(":"))
+    status, _, signal = code2.partition(":")
+    status, signal = ascii_whole_number(status), ascii_whole_number(signal)
+    if status is not None and signal is not None:
         return status if signal == 0 else 128 + signal
-    raw = env.get("SLURM_JOB_EXIT_CODE", "")
-    return int(raw) >> 8 if raw.isdigit() else None
+    raw = ascii_whole_number(env.get("SLURM_JOB_EXIT_CODE"))
+    return raw >> 8 if raw is not None else None
 
 
 def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
@@ -386,9 +391,9 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
     stamp = JobStamp.from_comment(env.get("SLURM_JOB_COMMENT"))
     # NVML, read here as root, first: the job cannot write it. The job's own file only where NVML has nothing;
     # it is kept as "file", which calibration does not trust (xmem.slurm.store_fit.TRUSTED_MEASUREMENTS).
-    gpus = [int(g) for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
-    start = env.get("SLURM_JOB_START_TIME", "")
-    measured = nvml(gpus, float(start) if start.isdigit() else None) if gpus else None
+    gpus = gpu_indices(env.get("SLURM_JOB_GPUS"))
+    start = ascii_whole_number(env.get("SLURM_JOB_START_TIME"))
+    measured = nvml(gpus, None if start is None else float(start)) if gpus else None
     measured_by = "nvml" if measured else None
     path = measure_file_path(measure_dir, job_uid(env), job_id)
     if path:

@@ -5,6 +5,12 @@ sees) and one `xmem:peak=...;need=...;type=...;req=...;act=...` token in the job
 `xmem-slurm status` see), followed by `why=` (the user's line at sbatch, also `XMEM_WHY`) and `was=` (the GPU
 request as submitted) for every job the filter decided on, and deferred mode's `state=` and `fix=`. Each value is
 written by `xmem.text.comment_value`. Pure text: no Slurm calls here.
+
+The grammar is ours alone, whatever the user's own comment holds: the filter's token is the comment's last word that
+starts with `xmem:` (`add_to_comment` puts it after the user's text, and its values hold no whitespace), only our
+keys are read from it, and every number in it (or in the `XMEM_*` variables, which the user can set too) must be
+ASCII digits (`xmem.text.ascii_whole_number`): a malformed value reads as absent, never as an error, so the node
+still gives the job its measure file and the Epilog its record.
 """
 
 from __future__ import annotations
@@ -13,9 +19,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from xmem.text import comment_value
+from xmem.text import ascii_whole_number, comment_value
 
 COMMENT_TAG = "xmem:"
+# Every key the token may hold: the stamp's, then what contract.recorded and deferred mode add.
+TOKEN_KEYS = ("peak", "need", "type", "req", "act", "state", "why", "was", "fix")
+# A word starting `xmem:`: at the comment's start or after whitespace, up to the next whitespace.
+_TOKEN = re.compile(r"(?:^|(?<=\s))xmem:(\S*)")
+# What `add_to_comment` removes from the user's text: an older token of ours (or the user's copy of one).
+_OURS = re.compile(r"\s*xmem:(?:" + "|".join(TOKEN_KEYS) + r")=\S*")
 # The one line the user saw at sbatch, in the job's environment (its comment's `why=`): what `status` shows.
 WHY_ENV = "XMEM_WHY"
 
@@ -55,15 +67,13 @@ class JobStamp:
 
     @classmethod
     def from_comment(cls, comment: str | None) -> JobStamp:
-        """The stamp in a job comment (anywhere in it: the user's own comment may come first)."""
+        """The stamp in a job comment's token (`comment_fields`: after whatever the user wrote)."""
         pairs = comment_fields(comment)
         return cls._build({f: pairs.get(key) for f, key in cls._COMMENT.items()})
 
     @classmethod
     def _build(cls, raw: Mapping[str, str | None]) -> JobStamp:
-        def as_int(v: str | None) -> int | None:
-            return int(v) if v and v.isdigit() else None
-
+        as_int = ascii_whole_number  # `peak=²` or 5000 digits: no number, the rest of the stamp stands
         return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")),
                    gpu_type=raw.get("gpu_type") or None, request=raw.get("request") or None,
                    action=raw.get("action") or None)
@@ -76,12 +86,19 @@ def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -
     if state:
         token += (";" if not stamp.is_empty() else "") + state
     # Only a token of ours is replaced: the user's own words (even `xmem:`) pass unchanged.
-    kept = re.sub(r"\s*xmem:(?:peak|need|type|req|act|state|why|was)=\S*", "", user_comment or "")
+    kept = _OURS.sub("", user_comment or "")
     return f"{kept} {token}" if kept.strip() else token
 
 
-
 def comment_fields(comment: str | None) -> dict[str, str]:
-    """Every `key=value` of the comment's `xmem:` token (the stamp's and deferred mode's state, was, why)."""
-    match = re.search(r"xmem:(\S*)", comment or "")
-    return dict(p.split("=", 1) for p in match.group(1).split(";") if "=" in p) if match else {}
+    """Every `key=value` of the filter's token (the stamp's, and state, was, why, fix): the comment's last `xmem:`
+    word, as `add_to_comment` leaves it after the user's own text (which may hold `xmem:` words too). Keys that
+    are not TOKEN_KEYS are left out; empty when the comment has no token of ours."""
+    tokens = _TOKEN.findall(comment or "")
+    pairs = (p.split("=", 1) for p in tokens[-1].split(";") if "=" in p) if tokens else ()
+    return {key: value for key, value in pairs if key in TOKEN_KEYS}
+
+
+def has_token(comment: str | None) -> bool:
+    """Whether the filter left its token on the job (a user's own `xmem:` word is not one)."""
+    return bool(comment_fields(comment))
