@@ -4,6 +4,7 @@ what a GPU run would give it, so a gap ends the trace with the program's own err
 import pytest
 
 from tests.trace.child.test_host import trace_source
+from xmem.trace import TraceError
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
 
@@ -52,3 +53,38 @@ def test_gpu_random_states_are_kept_and_restored_as_on_a_gpu(tmp_path):
     """torch.cuda.random's get/set/seed with device arguments, default_generators and fork_rng (every Megatron
     tensor-parallel RNG tracker): upstream's functions over the fake GPU's generators."""
     assert trace_source(tmp_path, "rng.py", RNG, iterations=1).iterations == 1
+
+PACK = """import torch
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+rnn = torch.nn.LSTM(8, 16, batch_first=True).cuda()
+optimizer = torch.optim.SGD(rnn.parameters(), lr=0.1)
+for _ in range(3):
+    padded = torch.randn(4, 10, 8, device="cuda")
+    packed = pack_padded_sequence(padded, torch.tensor([10, 7, 5, 2]), batch_first=True)
+    assert packed.data.shape == (24, 8) and packed.data.is_cuda, packed.data.shape
+    assert packed.batch_sizes.device.type == "cpu"  # counted on the host from the real lengths, as upstream does
+    assert packed.batch_sizes.tolist() == [4, 4, 3, 3, 3, 2, 2, 1, 1, 1], packed.batch_sizes
+    output, _ = rnn(packed)
+    unpacked, lengths = pad_packed_sequence(output, batch_first=True)
+    assert unpacked.shape == (4, 10, 16) and lengths.tolist() == [10, 7, 5, 2]
+    unsorted = pack_padded_sequence(padded.transpose(0, 1), [3, 9, 4, 1], enforce_sorted=False)
+    assert unsorted.data.shape == (17, 8) and unsorted.batch_sizes.tolist()[:2] == [4, 3]
+    loss = unpacked.sum() + rnn(unsorted)[0].data.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_pack_padded_sequence_counts_its_batch_sizes_from_the_host_lengths(tmp_path):
+    """The lengths are a real host tensor: the packed size and batch sizes are upstream's, and an LSTM trains on
+    the packed batch (forward, backward through the packing, pad_packed_sequence)."""
+    assert trace_source(tmp_path, "pack.py", PACK, iterations=1).iterations == 1
+
+
+def test_pack_padded_sequence_refuses_unsorted_lengths_as_upstream_does(tmp_path):
+    """upstream's check on the real lengths is the program's error (exit 5), with upstream's words."""
+    source = PACK.replace("torch.tensor([10, 7, 5, 2])", "torch.tensor([7, 10, 5, 2])")
+    with pytest.raises(TraceError) as raised:
+        trace_source(tmp_path, "pack.py", source, iterations=1)
+    assert raised.value.kind == "user_error" and "sorted in decreasing order" in raised.value.message

@@ -36,6 +36,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from xmem.trace.errors import as_on_a_gpu
+
 aten = torch.ops.aten
 
 SCALAR_WARNING = "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"
@@ -141,6 +143,8 @@ class StandIns:
         """Outputs whose size depends on tensor data, at the sizes the module docstring states."""
         name = func._opname
         x = args[0]
+        if name == "_pack_padded_sequence":
+            return self._packed_from_host_lengths(func, args, kwargs)
         self._stood_in(x, f"the size of {name}()")
         if name in _UNIQUE_OPS:
             self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
@@ -176,6 +180,30 @@ class StandIns:
                     indices.append(index)
             return func(x, indices)
         return None  # no rule: the caller re-raises
+
+    def _packed_from_host_lengths(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """pack_padded_sequence: upstream (`_pack_padded_sequence`, aten's PackedSequence.cpp) takes the lengths on
+        the host, as a real tensor, and counts there how many sequences are still running at each time step
+        (batch_sizes, a host tensor); the packed data holds one row per element of every sequence. So the host
+        kernel runs on the real lengths and a placeholder of the padded input's time and batch sizes (one element a
+        step), giving upstream's batch sizes and checks (sorted, positive, one per sequence); the data is a fake of
+        the packed size. Lengths on the GPU are refused there as on a GPU; None where their values are unknown."""
+        padded, lengths = args[0], args[1]
+        batch_first = kwargs.get("batch_first", args[2] if len(args) > 2 else False)
+        if lengths.device.type != "cpu":
+            raise as_on_a_gpu(RuntimeError(f"pack_padded_sequence takes its lengths as a 1D CPU int64 tensor "
+                                           f"(upstream's _pack_padded_sequence refuses them on {lengths.device})"))
+        host = self.known_value(lengths) if isinstance(lengths, FakeTensor) else lengths
+        if host is None:
+            return None
+        steps, batch = (padded.shape[1], padded.shape[0]) if batch_first else padded.shape[:2]
+        with unset_fake_temporarily():
+            placeholder = torch.empty((batch, steps, 1) if batch_first else (steps, batch, 1))
+            try:
+                data, batch_sizes = func(placeholder, host, batch_first)
+            except RuntimeError as error:  # upstream's own check on the program's real values
+                raise as_on_a_gpu(error) from None
+        return padded.new_empty((data.shape[0], *padded.shape[2:])), batch_sizes
 
     def _selected(self, mask: torch.Tensor, shape: torch.Size) -> int:
         """How many elements a boolean mask broadcast to `shape` selects: its real count where its value is known,
