@@ -7,6 +7,7 @@ and what is allowed. Reads one file; decides nothing about jobs (that is `xmem.p
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -25,6 +26,9 @@ EXPLICIT_MODES = ("keep", "fill_generic", "rewrite")
 FAILURE_MODES = ("open", "closed")
 DEFERRED_MODES = ("inline", "partition")
 DEFAULT_TRACE_MEMORY_BYTES = 8 * GIB  # the tracer's host-memory limit unless the site sets one
+# The longest estimate timeout taken, here and on the command line: a week is beyond any wait for an estimate, and
+# far below what the waits it becomes can hold (threading's TIMEOUT_MAX; 1e308 s overflowed them).
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 class ConfigError(ValueError):
@@ -245,8 +249,8 @@ def _exclude(table: Mapping[str, Any]) -> ExcludeConfig:
 
 def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
     timeout = _non_negative_number(_get(table, "timeout_s", EstimateConfig), "estimate.timeout_s")
-    if timeout == 0:
-        raise ConfigError("estimate.timeout_s: must be more than 0 seconds")
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ConfigError(f"estimate.timeout_s: must be more than 0 seconds and at most {MAX_TIMEOUT_S} (a week)")
     return EstimateConfig(
         timeout_s=float(timeout),
         iterations=_positive_int(_get(table, "iterations", EstimateConfig), "estimate.iterations"),
@@ -358,7 +362,8 @@ def _positive_int(value: Any, key: str) -> int:
 
 
 def _non_negative_number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    # TOML has nan and inf: nan passes every comparison, and int() of either was an internal error later
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{key}: must be a number of at least 0, got {value!r}")
     return value
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xmem.policy.options import FixedOption
+from xmem.text import WHOLE_NUMBER_MAX_DIGITS, ascii_whole_number
 from xmem.simulate import ALLOC, FREE
 
 if TYPE_CHECKING:
@@ -78,12 +79,14 @@ class Vary:
 
 def parse_vary(text: str) -> Vary:
     """`batch-size=1..512` -> Vary("batch-size", 1, 512)."""
-    match = re.fullmatch(r"\s*([A-Za-z_][\w.-]*)\s*=\s*(\d+)\s*\.\.\s*(\d+)\s*", text)
+    match = re.fullmatch(r"\s*([A-Za-z_][\w.-]*)\s*=\s*([0-9]+)\s*\.\.\s*([0-9]+)\s*", text, re.ASCII)
     if not match:
-        raise FitError(f"--vary {text!r}: write NAME=LOW..HIGH with whole numbers, e.g. --vary batch-size=1..256")
-    name, low, high = match.group(1), int(match.group(2)), int(match.group(3))
+        raise FitError(f"--vary {text[:80]!r}: write NAME=LOW..HIGH with whole numbers, e.g. --vary batch-size=1..256")
+    name, low, high = match.group(1), ascii_whole_number(match.group(2)), ascii_whole_number(match.group(3))
+    if low is None or high is None:  # int() refuses 4300 digits and more; no knob needs 21
+        raise FitError(f"--vary {text[:80]!r}: LOW and HIGH have at most {WHOLE_NUMBER_MAX_DIGITS} digits")
     if low < 1 or high < low:
-        raise FitError(f"--vary {text!r}: need 1 <= LOW <= HIGH")
+        raise FitError(f"--vary {text[:80]!r}: need 1 <= LOW <= HIGH")
     return Vary(name, low, high)
 
 

@@ -141,8 +141,7 @@ def calibrate_command(
     if dry_run:
         typer.echo(text)
         return
-    out.write_text(text)
-    err.print(f"wrote {out}")
+    _write(err, out, text)
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
     """The fit on the site's own jobs; GPU types the store has no usable record of keep their calibration."""
     from xmem.config import ConfigError, load_site_config
     from xmem.slurm.node import NodeSettings, sacct_gpumem
-    from xmem.slurm.store import read_records
+    from xmem.slurm.store import read_store
     from xmem.slurm.store_fit import bounded, kept_tables, store_samples, with_slurm_accounting
 
     store = NodeSettings.read(os.environ, store=store).store
@@ -173,7 +172,13 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     catalog = site.catalog()
-    records = read_records(store)
+    try:
+        records, damaged = read_store(store)
+    except OSError as e:
+        err.print(f"[red]error:[/] cannot read the record store {store}: {e.strerror}")
+        raise typer.Exit(2) from None
+    if damaged:  # hand-edited or cut short: said, so that a short count of records is not a mystery
+        err.print(f"{damaged} damaged line(s) of {store} left out (not a record the Epilog writes)")
     if rules.sacct:
         records = with_slurm_accounting(records, sacct_gpumem([r.job_id for r in records if r.measured_by != "nvml"]))
     found = store_samples(records, catalog, site.mig.parent_of, trusted=rules.trusted, min_users=rules.min_users)
@@ -189,7 +194,7 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
                   f"{rules.max_move_bytes // MIB}{' --sacct' if rules.sacct else ''}"
                   f"{' --trust-job-files' if 'file' in rules.trusted else ''}` on "
                   f"{datetime.date.today().isoformat()}, one run per user (the median of their jobs)")
-    kept = kept_tables(out.read_text(), fits) if out.exists() else ""
+    kept = kept_tables(_existing(err, out), fits)
     text = calibration_toml(fits, provenance) + (f"\n{kept}" if kept else "")
     show_fits(Console(stderr=True, width=120), fits)
     if left_out:
@@ -200,5 +205,22 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
     if dry_run:
         typer.echo(text)
         return
-    out.write_text(text)
+    _write(err, out, text)
+
+
+def _existing(err: Console, out: Path) -> str:
+    """The calibration file in effect (its other GPU types' tables are kept), "" when there is none yet."""
+    try:
+        return out.read_text() if out.exists() else ""
+    except (OSError, UnicodeDecodeError) as e:  # hand-edited into another encoding, or not a file
+        err.print(f"[red]error:[/] cannot read the calibration in effect, {out}: {e}; fix or move it, then run again")
+        raise typer.Exit(2) from None
+
+
+def _write(err: Console, out: Path, text: str) -> None:
+    try:
+        out.write_text(text)
+    except OSError as e:
+        err.print(f"[red]error:[/] cannot write {out}: {e.strerror}")
+        raise typer.Exit(2) from None
     err.print(f"wrote {out}")

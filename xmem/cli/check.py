@@ -26,7 +26,7 @@ from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.common import (EXIT_INTERNAL, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
                              TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, shown_gpu,
-                             stdout_to_stderr)
+                             stdout_to_stderr, timeout_option)
 from xmem.cli.estimate import shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
@@ -70,8 +70,8 @@ def check_command(
                                            help="GPU type of --plot and --snapshot (default: the one picked)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE.pickle",
                                            help="Write the simulated run as a torch.cuda.memory snapshot."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds "
-                                            "(default: the site's estimate.timeout_s)."),
+    timeout: Optional[float] = timeout_option("Give up tracing after S seconds (default: the site's "
+                                              "estimate.timeout_s)."),
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", min=1,
                                              help="Optimizer steps to trace (default: the site's)."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter for commands that name none "

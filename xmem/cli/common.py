@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,7 @@ from typer.core import TyperCommand
 # The exit codes: one table, xmem/cli/exit_codes.py (README's and --help's); the verbs import them from here.
 from xmem.cli.exit_codes import EXIT_INTERNAL, EXIT_NO_SLURM, EXIT_NOT_UNDERSTOOD, EXIT_USAGE  # noqa: F401
 from xmem.cli.exit_codes import KIND_EXIT_CODES as TRACE_EXIT_CODES
-from xmem.config import ConfigError, MarginConfig
+from xmem.config import MAX_TIMEOUT_S, ConfigError, MarginConfig
 from xmem.estimate import BadJobSettingError
 from xmem.gpus import CatalogError, GpuType, UnknownGpuError, find_gpu
 from xmem.policy.options import OptionTable
@@ -36,6 +37,20 @@ PLOT_OPTION = typer.Option(None, "--plot", metavar="FILE.png",
                            help="Draw memory over the traced iterations on one GPU type (PNG).")
 VERBOSE_OPTION = typer.Option(False, "--verbose", "-v", help="Also show the tracer's notes that do not change the "
                                                            "figures (always in the --json output's warnings).")
+
+
+def timeout_option(help_text: str) -> Any:
+    """`--timeout S`, as `estimate`, `check` and `fit` declare it: a finite number of seconds, a week at most."""
+    return typer.Option(None, "--timeout", min=0.0, max=float(MAX_TIMEOUT_S), callback=_finite_seconds, metavar="S",
+                        help=help_text)
+
+
+def _finite_seconds(value: float | None) -> float | None:
+    # click's range check lets nan through (every comparison with nan is false); it reached the tracer as int(nan)
+    if value is not None and math.isnan(value):
+        raise typer.BadParameter("nan is not a number of seconds")
+    return value
+
 class JsonErrorsCommand(TyperCommand):
     """Keeps the `--json` promise for option errors too: click reports those before our code runs."""
 

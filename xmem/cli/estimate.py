@@ -22,7 +22,7 @@ from rich.table import Table
 
 from xmem.cli import app
 from xmem.cli.common import (EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
-                              fail_on_error, margin_text, show_options, shown_gpu, stdout_to_stderr)
+                              fail_on_error, margin_text, show_options, shown_gpu, stdout_to_stderr, timeout_option)
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, Estimate, estimate as run_estimate
@@ -96,7 +96,7 @@ def estimate_command(
                                                      "Default: Slurm's SLURM_GPUS_ON_NODE, else the launcher's "
                                                      "processes per node, else 1."),
     as_json: bool = JSON_OPTION,
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up tracing after S seconds."),
+    timeout: Optional[float] = timeout_option("Give up tracing after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: the one "
                                          "the command names by path, e.g. ~/env/bin/python, else this one)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",

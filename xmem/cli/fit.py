@@ -21,7 +21,7 @@ from rich.table import Table
 
 from xmem.cli import app
 from xmem.cli.common import (EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text,
-                             stdout_to_stderr)
+                             stdout_to_stderr, timeout_option)
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import allocator_config, busiest_replay, capability_class  # the job's replay, as estimated
 from xmem.estimate import estimate as run_estimate
@@ -46,7 +46,7 @@ def fit_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", min=1,
                                              help="Optimizer steps per trace (default: the site's)."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.0, help="Give up one trace after S seconds."),
+    timeout: Optional[float] = timeout_option("Give up one trace after S seconds."),
     python: Optional[str] = typer.Option(None, "--python", help="Python interpreter of the job (default: as run)."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
                                          help="Site config: its offers, margin and catalog (default: $XMEM_CONFIG, "

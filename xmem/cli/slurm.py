@@ -155,7 +155,11 @@ def report_command(
     if not os.path.exists(store):
         typer.echo(f"error: no record store at {store} (set --store or $XMEM_STORE)", err=True)
         raise typer.Exit(2)
-    records = read_records(store)
+    try:
+        records = read_records(store)
+    except OSError as e:
+        typer.echo(f"error: cannot read the record store {store}: {e.strerror}", err=True)
+        raise typer.Exit(2) from None
     summaries = summarize(records)
     if plot:
         _plot_store(records, plot, config, store)

@@ -1,7 +1,8 @@
 """The site-wide record of finished jobs (one JSON object per line) and its summary, estimate against measured.
 
 Owns the record's fields, appending a record safely while other epilogs append too (one `write` of one line
-under an exclusive flock), reading the file back (a damaged line is skipped, never fatal), and the per-GPU-type
+under an exclusive flock), reading the file back (a damaged line, or one whose fields hold what the Epilog never
+writes, is skipped and counted, never fatal), and the per-GPU-type
 summary `xmem-slurm report` prints. The epilog (xmem.slurm.node) decides what goes into a record.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,8 +44,29 @@ class JobRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> JobRecord:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        """The record of one store line; ValueError when a field holds what the Epilog never writes (a hand-edited
+        or damaged line: `"estimate_bytes": "5"`, a list, `Infinity`, a negative size)."""
+        known = {f.name: f.type.split(" |")[0] for f in dataclasses.fields(cls)}  # "int | None" -> "int"
+        fields = {k: v for k, v in data.items() if k in known}
+        for name, value in fields.items():
+            if not (value is None and name != "job_id" or _FIELD_CHECKS[known[name]](value)):
+                raise ValueError(f"{name}: {value!r:.40} is not what a record holds")
+            if name in _SIZES and value is not None and value < 0:
+                raise ValueError(f"{name}: a negative size")
+        return cls(**fields)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Per field type, as JobRecord's annotations name it: what a value must be. Sizes and exit codes fit 64 bits.
+_FIELD_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: _whole(v) and -(1 << 63) <= v < 1 << 63,
+    "float": lambda v: (_whole(v) or isinstance(v, float)) and math.isfinite(v),
+}
+_SIZES = ("estimate_bytes", "needed_bytes", "measured_bytes")
 
 
 def append_record(path: str | os.PathLike[str], record: JobRecord) -> None:
@@ -61,19 +84,26 @@ def append_record(path: str | os.PathLike[str], record: JobRecord) -> None:
 
 def read_records(path: str | os.PathLike[str]) -> list[JobRecord]:
     """Every well-formed record in the store, in file order; a missing store is empty."""
+    return read_store(path)[0]
+
+
+def read_store(path: str | os.PathLike[str]) -> tuple[list[JobRecord], int]:
+    """The store's well-formed records, in file order, and how many non-blank lines were left out as damaged. A
+    missing store is empty; OSError when it cannot be read (a directory, no permission)."""
     try:
         text = Path(path).read_text(errors="replace")
     except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
+        return [], 0
+    records, damaged = [], 0
+    for line in filter(str.strip, text.splitlines()):
         try:
             data = json.loads(line)
-            if isinstance(data, dict) and "job_id" in data:
-                records.append(JobRecord.from_json(data))
-        except (ValueError, TypeError):
-            continue
-    return records
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            records.append(JobRecord.from_json(data))
+        except (ValueError, TypeError, RecursionError):  # RecursionError: a line of 100000 nested brackets
+            damaged += 1
+    return records, damaged
 
 
 @dataclass(frozen=True)
