@@ -349,3 +349,32 @@ def test_a_console_script_is_a_python_program_run_on_its_environments_python(tmp
     assert [(c.argv, c.python, c.launcher, c.ranks, c.line_no) for c in job.commands] == [
         (("python", cli, "sft", "--lr", "1"), str(bin_dir / "python"), "python", None, 6),
         (("python", cli, "run", "cfg"), str(bin_dir / "python"), "srun", 2, 7)]
+
+
+# --- shell wrappers (issue 31): run as the job runs them, their Python processes traced ----------------------------
+
+def test_a_shell_wrapper_that_starts_python_is_the_training_command(tmp_path):
+    (tmp_path / "train.sh").write_text("#!/bin/bash\nexport NCCL_DEBUG=WARN\ntorchrun --nproc_per_node 2 train.py\n")
+    command = only_command(f"cd {tmp_path}\nbash train.sh --epochs 1\n")
+    assert command.argv == ("bash", "train.sh", "--epochs", "1") and command.launcher == "shell"
+    assert command.cwd == str(tmp_path)
+
+
+def test_a_script_with_a_shell_shebang_run_directly_is_a_wrapper(tmp_path):
+    wrapper = tmp_path / "run.sh"
+    wrapper.write_text("#!/usr/bin/env bash\npython -m pkg.train\n")
+    wrapper.chmod(0o755)
+    command = only_command(f"cd {tmp_path}\n./run.sh\n")
+    assert command.argv == ("./run.sh",) and command.launcher == "shell"
+
+
+def test_an_inline_shell_command_naming_python_is_a_wrapper():
+    command = only_command("sh -c 'python train.py --lr 1'\n")
+    assert command.argv == ("sh", "-c", "python train.py --lr 1")
+
+
+def test_a_shell_script_that_starts_no_python_is_not_the_training(tmp_path):
+    (tmp_path / "prepare.sh").write_text("#!/bin/bash\nmkdir -p data\ntar xf data.tar -C data\n")
+    (tmp_path / "train.py").write_text("")
+    command = only_command(f"cd {tmp_path}\nbash prepare.sh\npython train.py\n")
+    assert command.argv[0] == "python" and command.argv[1].endswith("train.py")

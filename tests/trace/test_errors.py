@@ -27,11 +27,13 @@ def test_missing_module_is_not_found(tmp_path):
     assert error.kind == "not_found" and "no_such_package.train" in error.message
 
 
-def test_shell_script_is_not_python(tmp_path):
+def test_shell_script_that_starts_no_python_ended_without_the_gpu(tmp_path):
+    """A shell wrapper is run as the job runs it (xmem.trace.child.launch); one that starts no Python process that
+    uses the GPU has nothing to estimate."""
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/bash\necho training\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    assert trace_error([str(script)]).kind == "not_python"
+    assert trace_error([str(script)]).kind == "no_cuda"
 
 
 def test_binary_program_is_not_python():

@@ -64,6 +64,7 @@ class Opaque:
 
 Item = str | Opaque
 
+_SHELLS = {"sh", "bash", "dash", "zsh", "ksh"}  # a wrapper script's interpreters
 _WRAPPERS = {"exec", "time", "nohup", "command", "builtin", "nice", "ionice", "taskset", "numactl", "stdbuf"}
 _TEXT_COMMANDS = {"echo", "printf", "which", "type", "whereis", "module", "ml", "pip", "pip3", "hash", "alias",
                   "conda", "mamba", "micromamba", "nvidia-smi", "cat", "tee", "grep", "read"}
@@ -445,9 +446,32 @@ class Finder:
         path = self._program_file(head)
         first_line = _first_line(path) if path else ""
         if path is None or shebang_python(first_line) is None:
-            return False
+            return self._shell_program(items, prefix_env, line_no, via, ranks)
         self._emit(["python", path, *items[1:]], prefix_env, line_no, console_script_python(path, first_line),
                    via or "python", ranks)
+        return True
+
+    def _shell_program(self, items: list[Item], prefix_env: dict[str, Item], line_no: int, via: str | None,
+                       ranks: int | None) -> bool:
+        """Record a shell wrapper that starts the training (`bash train.sh`, `sh -c '...'`, `./run.sh` with a
+        shell's shebang), as Megatron, NeMo and DeepSpeed document their launches: it runs as the job runs it and
+        every Python process it starts is traced (`xmem.trace.child.launch`). Only one whose text names a Python
+        launcher (a wrapper that only prepares data or prints is not the job's training)."""
+        head = items[0]
+        if not isinstance(head, str):
+            return False
+        if posixpath.basename(head) in _SHELLS:
+            script = next((item for item in items[1:] if not (isinstance(item, str) and item.startswith("-"))), None)
+            text = script if "-c" in items[1:2] and isinstance(script, str) else \
+                _file_text(self._absolute(script)) if isinstance(script, str) else ""
+        else:
+            path = self._program_file(head)
+            text = _file_text(path) if path else ""
+            if not text.startswith("#!") or posixpath.basename(text.split()[0]) not in _SHELLS | {"env"}:
+                return False
+        if not _mentions_launcher(text.split()):
+            return False
+        self._emit([head, *items[1:]], prefix_env, line_no, None, via or "shell", ranks)
         return True
 
     def _program_file(self, program: str) -> str | None:
@@ -496,6 +520,15 @@ def _first_line(path: str) -> str:
     try:
         with open(path, "rb") as f:
             return f.readline(512).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _file_text(path: str, limit: int = 1 << 16) -> str:
+    """The first `limit` bytes of a wrapper script, as text ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
 

@@ -37,6 +37,28 @@ def parse_command(command: list[str], cwd: str | None = None) -> Target:
     return dataclasses.replace(target, script=found.script)
 
 
+# Programs that start other programs and are no Python themselves: the shells a launcher script is written for, and
+# the commands that run another one (`env VAR=1 torchrun ...`, `time python ...`). A command led by one of these, or
+# a script with another interpreter's shebang (`./train.sh`), is run as the job runs it, and every Python process it
+# starts is traced (`xmem.trace.child.launch`).
+PROCESS_STARTERS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "env", "time", "nohup", "nice", "stdbuf",
+                              "numactl", "taskset", "exec", "setsid", "chrt", "ionice"})
+
+
+def starts_programs(command: list[str], cwd: str | None, env: Mapping[str, str]) -> bool:
+    """Whether `command` is not a Python program itself but one that starts programs (see PROCESS_STARTERS): a
+    shell, one of the commands that run another, or a script with a shebang that names no python."""
+    program = command[0] if command else ""
+    if os.path.basename(program) in PROCESS_STARTERS:
+        return True
+    path = os.path.join(cwd or os.getcwd(), program) if os.sep in program else \
+        shutil.which(program, path=env.get("PATH", os.defpath))
+    if not path or not os.path.isfile(path) or program.endswith(".py"):
+        return False
+    first = _first_line(path)
+    return first.startswith("#!") and shebang_python(first) is None
+
+
 def console_script_interpreter(target: Target) -> str | None:
     """The interpreter of an environment's own console script run by name or path (`trl`, `tune`, a `bin/` entry
     point pip wrote): its shebang names the `python` beside it, the environment whose libraries the program uses.

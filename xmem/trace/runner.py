@@ -31,7 +31,7 @@ import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
 import xmem.trace.warm as warm
-from xmem.trace.command import console_script_interpreter, job_interpreter, parse_command
+from xmem.trace.command import console_script_interpreter, job_interpreter, parse_command, starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.child.follow import BOOT_DIR
@@ -51,6 +51,7 @@ MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no ti
 # (TrainingState.deadline), leaving the rest for the tracer to write its result.
 DEADLINE_SHARE = 0.8
 LOADING_PROGRESS = "loading fake CUDA"  # the tracer's progress line before the program runs
+LAUNCH_MODULE = "xmem.trace.child.launch"  # the root of a command that is not Python itself
 STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its group is killed
 
 
@@ -75,28 +76,28 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     trace: TraceCancelled.
     """
     privileges.refuse_as_root(list(command), cwd)  # -- issue 21: root never starts another user's program
-    target = parse_command(list(command), cwd)
-    gpus = gpus_per_node(target, os.environ if env is None else env, device_count)
     job_env = os.environ if env is None else env
-    wanted = python or named_interpreter(list(command), cwd) or console_script_interpreter(target) or \
-        job_interpreter(list(command), target, job_env, cwd)
-    interpreter = shutil.which(wanted, path=job_env.get("PATH", os.defpath))
-    if interpreter is None:
-        raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
-    privileges.refuse_foreign_code(interpreter, job_env)  # -- issue 35: nor another user's interpreter or modules
-    if not shim.job_finds_torch(interpreter, job_env):  # the job would end on its first `import torch`
-        raise TraceError("user_error", NO_TORCH_MESSAGE.format(interpreter=interpreter))
+    if starts_programs(list(command), cwd, job_env):  # -- issue 31: run as the job runs it, every Python traced
+        target, module, program = Target(command[0], None, tuple(command[1:])), LAUNCH_MODULE, list(command)
+        interpreter, shim_python = sys.executable, _launched_python(python, job_env)  # the root only starts it
+        warm_tracer = False  # the warm tracer serves `xmem.trace` only
+    else:
+        target = parse_command(list(command), cwd)
+        interpreter = shim_python = _job_python(list(command), target, python, job_env, cwd)
+        module, program = "xmem.trace", target.child_argv()
+    gpus = gpus_per_node(target, job_env, device_count)
     remove_stale_scratch()
-    shim.prepare(interpreter)  # -- issue 21: built outside the sandbox, where its cache is read-only
+    if shim_python:
+        shim.prepare(shim_python)  # -- issue 21: built outside the sandbox, where its cache is read-only
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
                                         _cpu_seconds(timeout), _shim_dirs())
-        child = [*helper, interpreter, "-m", "xmem.trace", "--out", str(out), "--iterations", str(iterations),
+        child = [*helper, interpreter, "-m", module, "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
                  "--deadline", f"{time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS):.3f}"]
         child_env = _child_env(env, target, gpus)
-        argv = [*child, "--progress-fd", "-1", "--", *target.child_argv()]  # the descriptor: set when started
+        argv = [*child, "--progress-fd", "-1", "--", *program]  # the descriptor: set when started
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
             if warm.enabled(warm_tracer) else None
         run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress, cancel)
@@ -115,10 +116,34 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         said = NO_CUDA_MESSAGE if run.output.strip() else NO_CUDA_SILENT  # no lines to point at: say so
         raise TraceError("no_cuda", said.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
     trace.sandbox = ended.get("protection", "unknown")
-    trace.interpreter = interpreter
+    trace.interpreter = trace.interpreter or interpreter
     if not trace.sandbox.startswith("namespaces"):  # a weaker protection: say so where people look
         trace.warnings.append(f"the program's files were protected by the {trace.sandbox}")
     return trace
+
+
+def _job_python(command: list[str], target: Target, python: str | None, env: Mapping[str, str],
+                cwd: str | None) -> str:
+    """The interpreter a Python command runs on (see run_trace), checked: root's alone when root traces, and able
+    to import torch (else the job would end on its first `import torch`: TraceError user_error, saying so)."""
+    wanted = python or named_interpreter(command, cwd) or console_script_interpreter(target) or \
+        job_interpreter(command, target, env, cwd)
+    interpreter = shutil.which(wanted, path=env.get("PATH", os.defpath))
+    if interpreter is None:
+        raise TraceError("not_found", f"Python interpreter {wanted} not found: give the job's python")
+    privileges.refuse_foreign_code(interpreter, env)  # -- issue 35: nor another user's interpreter or modules
+    if not shim.job_finds_torch(interpreter, env):
+        raise TraceError("user_error", NO_TORCH_MESSAGE.format(interpreter=interpreter))
+    return interpreter
+
+
+def _launched_python(python: str | None, env: Mapping[str, str]) -> str | None:
+    """The python a launched command most likely runs (`python`, else the job's PATH's python3), whose torch's shim
+    is built before the sandbox; None when there is none (the trace builds a private shim if it needs one)."""
+    try:
+        return python or job_interpreter(["python3"], Target(None, None, ()), env, None)
+    except TraceError:
+        return None
 
 
 def remove_stale_scratch(min_age_s: float = 60.0) -> None:

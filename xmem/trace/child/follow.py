@@ -69,6 +69,8 @@ def finish(out: Path, own: dict) -> None:
     """The end of a traced process: the root writes the job's result (unless a process it started wrote a whole
     trace there); a process it started leaves its own for the root, or ends the root with a whole trace."""
     given = json.loads(os.environ[ENV])
+    if "error" not in own and own.get("used_cuda"):
+        own = {**own, "interpreter": sys.executable}  # the one this process ran on (a launched job's own)
     if given["root"] != os.getpid():
         _finish_started(out, own, given["iterations"], given["root"])
     chosen = choose(own, [json.loads(path.read_text()) for path in _left_beside(out)])
