@@ -20,7 +20,7 @@ from tests.trace.test_interrupt import processes_running, wait_for
 from tests.torch_builds import SCRIPTS
 from xmem.config import ConfigError, config_from_dict, load_site_config
 from xmem.trace import TraceError, run_trace, sandbox
-from xmem.trace.runner import SCRATCH_PREFIX, remove_stale_scratch
+from xmem.trace.runner import SCRATCH_PREFIX, ChildRun, _no_result, remove_stale_scratch
 
 MISBEHAVES = str(SCRIPTS / "misbehaves.py")
 
@@ -85,7 +85,7 @@ def test_stale_scratch_is_only_that_of_a_dead_owner_and_old_enough():
 
 @pytest.mark.parametrize("how, kind, words", [
     ("exit3", "user_error", "the program called os._exit(3) before the trace ended (last progress: "),
-    ("kill9", "memory_limit", "killed by signal 9 (SIGKILL)"),
+    ("kill9", "crashed", "killed by signal 9 (SIGKILL) before the trace ended (last progress: "),
     ("abort", "crashed", "killed by signal 6 (SIGABRT)"),
 ])
 def test_a_program_that_ends_its_own_process_reads_as_what_happened(how, kind, words):
@@ -94,6 +94,35 @@ def test_a_program_that_ends_its_own_process_reads_as_what_happened(how, kind, w
     error = caught.value
     assert error.kind == kind and words in error.message and "internal" not in error.message
     assert f"ending with {how}" in error.last_lines()
+
+
+def test_a_program_killed_at_its_own_cpu_time_limit_is_not_said_to_lack_host_memory(tmp_path):
+    """RLIMIT_CPU with equal soft and hard limits sends SIGKILL, as the out-of-memory killer does: it read as "most
+    likely for host memory" (exit 10), which sent users to raise a memory limit that was never reached."""
+    program = tmp_path / "spin.py"
+    program.write_text("import resource, torch\n"
+                       "used = resource.getrusage(resource.RUSAGE_SELF)\n"
+                       "limit = int(used.ru_utime + used.ru_stime) + 2\n"
+                       "resource.setrlimit(resource.RLIMIT_CPU, (limit, limit))\n"
+                       "print('spinning', flush=True)\n"
+                       "while True:\n    pass\n")
+    with pytest.raises(TraceError) as caught:
+        run_trace(["python", str(program)], timeout=120)
+    error = caught.value
+    assert error.kind != "memory_limit" and "host memory" not in error.message.replace("not for host memory", "")
+    assert "killed by signal 9 (SIGKILL)" in error.message and "CPU-time limit" in error.message
+
+
+@pytest.mark.parametrize("run, kind", [
+    (ChildRun("", -9, oom_kills=1, cpu_seconds=3.0, cpu_limit_seconds=100), "memory_limit"),  # the kernel's kill
+    (ChildRun("", -9, oom_kills=None, cpu_seconds=None, cpu_limit_seconds=100), "memory_limit"),  # unknown: likely
+    (ChildRun("", -9, oom_kills=0, cpu_seconds=105.2, cpu_limit_seconds=100), "timeout"),  # the tracer's hard limit
+    (ChildRun("", -9, oom_kills=0, cpu_seconds=3.0, cpu_limit_seconds=100), "crashed"),  # neither: not memory
+    (ChildRun("MemoryError\n", -9, oom_kills=0, cpu_seconds=3.0, cpu_limit_seconds=100), "memory_limit"),
+])
+def test_a_sigkill_reads_as_what_the_kernel_counted(run, kind):
+    assert _no_result({"signal": signal.SIGKILL}, run, 1 << 30).kind == kind
+    assert _no_result({"signal": signal.SIGXCPU}, run, 1 << 30).kind == "timeout"
 
 
 def test_host_memory_limit_from_the_site_config_is_its_own_error(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -196,6 +197,12 @@ class ChildRun:
     output: str  # the program's stdout+stderr
     returncode: int  # the sandbox helper's
     last_progress: str = ""  # the tracer's last progress line ("iteration 2/3")
+    # What tells a SIGKILL's cause (_no_result): out-of-memory kills the kernel counted on this node while the child
+    # ran (None: unknown), and the CPU seconds the child's processes used (None: run by the warm tracer, whose
+    # processes are not ours to count) against the tracer's CPU-time limit.
+    oom_kills: int | None = None
+    cpu_seconds: float | None = None
+    cpu_limit_seconds: int = 0
 
 
 class Started(Protocol):
@@ -258,6 +265,7 @@ def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str],
         if on_progress is not None:
             on_progress(line)
 
+    kills, cpu = _oom_kills(), _children_cpu_seconds()
     with tempfile.TemporaryFile() as log:
         try:
             process = start(log, write_fd)
@@ -287,7 +295,29 @@ def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str],
         if returncode is None:
             return None
         log.seek(0)
-        return ChildRun(log.read().decode(errors="replace"), returncode, seen[0] if seen else "")
+        after = _oom_kills()
+        return ChildRun(log.read().decode(errors="replace"), returncode, seen[0] if seen else "",
+                        oom_kills=None if kills is None or after is None else after - kills,
+                        cpu_seconds=_children_cpu_seconds() - cpu if isinstance(process, subprocess.Popen) else None,
+                        cpu_limit_seconds=_cpu_seconds(timeout))
+
+
+def _oom_kills() -> int | None:
+    """The kernel's count of out-of-memory kills on this node, the cgroups' included (`oom_kill` in /proc/vmstat,
+    Linux 4.13+, readable by everyone); None where it cannot be read."""
+    try:
+        with open("/proc/vmstat") as f:
+            counters = dict(line.split(None, 1) for line in f if " " in line)
+        return int(counters["oom_kill"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _children_cpu_seconds() -> float:
+    """CPU time of this process's children that have ended, theirs included: the sandbox helper waits for the tracer,
+    so a cold trace's whole CPU time is counted here once the helper is reaped."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 class TraceCancelled(Exception):
@@ -376,15 +406,26 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
                                         "returns or calls sys.exit()", output=output)
     number = status["signal"]
     name = _signal_name(number)
-    if number == signal.SIGXCPU:
+    # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one (at once where the two are equal, as a
+    # program may set them); the out-of-memory killer sends SIGKILL too, and the kernel counts each of its kills.
+    if number == signal.SIGXCPU or number == signal.SIGKILL and _cpu_limit_reached(run):
         return TraceError("timeout", f"the trace used up its CPU-time limit {when}", output=output)
-    if _out_of_memory(run.output) or number == signal.SIGKILL:
+    if _out_of_memory(run.output) or number == signal.SIGKILL and run.oom_kills != 0:
         limit = f"; the trace's own limit is {gib_words(memory_limit_bytes)}" if memory_limit_bytes else ""
         return TraceError("memory_limit", f"the tracer was killed by signal {number} ({name}) {when}, most likely "
                                           f"for host memory (the node's out-of-memory killer{limit}: "
                                           "estimate.memory_limit_gib in the site config)", output=output)
+    if number == signal.SIGKILL:
+        return TraceError("crashed", f"the program was killed by signal {number} ({name}) {when}, not for host "
+                                     "memory (the kernel counted no out-of-memory kill meanwhile): by a CPU-time "
+                                     f"limit it set itself, or by another process: {_last_line(run.output)}",
+                          output=output)
     return TraceError("crashed", f"the program was killed by signal {number} ({name}) {when}: "
                                  f"{_last_line(run.output)}", output=output)
+
+
+def _cpu_limit_reached(run: ChildRun) -> bool:
+    return run.cpu_seconds is not None and run.cpu_limit_seconds > 0 and run.cpu_seconds >= run.cpu_limit_seconds
 
 
 def _classified(error: TraceError, memory_limit_bytes: int) -> TraceError:
