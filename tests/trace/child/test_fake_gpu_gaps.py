@@ -88,3 +88,34 @@ def test_pack_padded_sequence_refuses_unsorted_lengths_as_upstream_does(tmp_path
     with pytest.raises(TraceError) as raised:
         trace_source(tmp_path, "pack.py", source, iterations=1)
     assert raised.value.kind == "user_error" and "sorted in decreasing order" in raised.value.message
+
+SYNC_BATCH_NORM = """import os
+import torch
+import torch.distributed as dist
+dist.init_process_group("nccl", rank=0, world_size=2)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).cuda()
+assert isinstance(model[1], torch.nn.SyncBatchNorm)
+ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for _ in range(3):
+    images = torch.randn(4, 3, 16, 16, device="cuda")
+    output = ddp(images)
+    assert output.shape == (4, 8, 14, 14) and output.is_cuda
+    optimizer.zero_grad()
+    output.sum().backward()
+    optimizer.step()
+    assert model[1].weight.grad.shape == (8,) and model[0].weight.grad.shape == (8, 3, 3, 3)
+half = torch.randn(4, 8, 5, 5, device="cuda", dtype=torch.half)
+mean, invstd = torch.batch_norm_stats(half, 1e-5)
+assert mean.dtype == invstd.dtype == torch.float32 and mean.shape == (8,)  # upstream's accumulation type
+"""
+
+
+def test_sync_batch_norm_trains_with_the_fake_process_group(tmp_path):
+    """SyncBatchNorm's CUDA-only ops (batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt and
+    their backward) are sized by meta kernels; before, the fake mode ran them on the real device (exit 11)."""
+    trace = trace_source(tmp_path, "sync_bn.py", SYNC_BATCH_NORM, iterations=2)
+    assert trace.iterations == 2
+    assert {"batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt",
+            "batch_norm_backward_reduce", "batch_norm_backward_elemt"} <= set(trace.op_counts)

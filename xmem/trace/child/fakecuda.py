@@ -30,6 +30,7 @@ import xmem.trace.child.attention as attention
 import xmem.trace.child.cuda_driver as cuda_driver
 import xmem.trace.child.deepspeed_ops as deepspeed_ops
 import xmem.trace.child.distributed as distributed
+import xmem.trace.child.meta_kernels as meta_kernels
 import xmem.trace.child.triton_launch as triton_launch
 from xmem.trace.events import Category
 from xmem.trace.child.on_import import patch_on_import
@@ -242,6 +243,7 @@ def install(fake: FakeCuda) -> None:
     global _installed
     _installed = fake
     _install_device_guard()
+    meta_kernels.install()  # ops with only a CUDA kernel upstream (SyncBatchNorm's): sized, not run
     _patch_optimizer_defaults(fake)
     _patch_torch_cuda(fake)
     _patch_tensor_and_data(fake)
