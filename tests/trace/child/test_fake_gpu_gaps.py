@@ -119,3 +119,17 @@ def test_sync_batch_norm_trains_with_the_fake_process_group(tmp_path):
     assert trace.iterations == 2
     assert {"batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt",
             "batch_norm_backward_reduce", "batch_norm_backward_elemt"} <= set(trace.op_counts)
+
+
+def test_an_op_without_a_fake_kernel_is_named(tmp_path):
+    """An op on GPU tensors that has no fake kernel (the reparameterised Gamma sample's gradient): the fake mode
+    would run it on the real device; the trace ends naming the op (exit 11), not the missing driver."""
+    source = """import torch
+concentration = torch.full((3,), 2.0, device="cuda", requires_grad=True)
+sample = torch.distributions.Gamma(concentration, torch.ones(3, device="cuda")).rsample()
+sample.sum().backward()
+"""
+    with pytest.raises(TraceError) as raised:
+        trace_source(tmp_path, "gamma.py", source, iterations=1)
+    assert raised.value.kind == "not_modelled"
+    assert "an op with no fake kernel (aten._standard_gamma_grad.default)" in raised.value.message

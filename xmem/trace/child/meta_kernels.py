@@ -5,7 +5,8 @@ the fake GPU that reached the real CUDA runtime ("Found no NVIDIA driver").
 The ops are SyncBatchNorm's (torch/nn/modules/_functions.py, SyncBatchNorm.forward and backward), whose CUDA
 kernels are in aten's cuda/Normalization.cu(h): each output's size, dtype and layout here is the one those kernels
 allocate. The cross-rank all_gather between them is the fake process group's (xmem.trace.child.distributed).
-Registered once per process (`install`); a kernel upstream adds later wins (none is registered over one).
+Registered once per process (`install`); a kernel upstream adds later wins (none is registered over one). Any other
+op without a fake kernel whose tensors are on the GPU ends the trace naming the op (`_named_instead_of_run`).
 Import only in the tracing child.
 """
 
@@ -14,6 +15,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch._subclasses.fake_tensor as fake_tensor
+
+from xmem.trace.errors import NotModelled
 
 _LIBRARY: torch.library.Library | None = None  # kept alive: dropping it would unregister the kernels
 
@@ -117,3 +121,21 @@ def install() -> None:
     for name, kernel in KERNELS.items():
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
             _LIBRARY.impl(name, kernel, "Meta")
+    fake_tensor.run_fallback_kernel = _named_instead_of_run(fake_tensor.run_fallback_kernel)
+
+
+class NoFakeKernel(NotModelled, RuntimeError):
+    """A RuntimeError still, as the runtime's refusal it replaces: code that catches one to take another path goes
+    on as before."""
+
+
+def _named_instead_of_run(run_fallback_kernel: Callable) -> Callable:
+    """The fake mode runs an op that has no fake kernel for real, on zero-filled inputs made on each fake tensor's
+    device (upstream `run_fallback_kernel`). On the CPU that stays as upstream; on the fake GPU it can only reach the
+    real runtime, whose "no NVIDIA driver" named neither the op nor the gap: the trace ends naming the op."""
+    def run_unless_on_the_gpu(fake_mode: fake_tensor.FakeTensorMode, func: torch._ops.OpOverload, flat_args: list,
+                              *args: object, **kwargs: object) -> object:
+        if any(isinstance(arg, fake_tensor.FakeTensor) and arg.fake_device.type != "cpu" for arg in flat_args):
+            raise NoFakeKernel(f"an op with no fake kernel ({func}), which the fake mode would run on a real GPU")
+        return run_fallback_kernel(fake_mode, func, flat_args, *args, **kwargs)
+    return run_unless_on_the_gpu
