@@ -9,6 +9,9 @@
 #                              (it runs without a GPU; torchvision is needed by the CNN benchmark jobs).
 #   XMEM_TORCH=cpu:            torch 2.13.0, the small CPU build.
 #   XMEM_WITH_CPU_BUILD=1:     also make ./.venv-cpu (CPU build), so the tests trace on both builds.
+# Every other package is installed at the version in constraints.txt (and, for the CUDA build, constraints-cuda.txt:
+# Triton and NVIDIA's libraries): what the tests passed on, not whatever was released since
+# (scripts/freeze_constraints.py writes them; scripts/check_newest.sh tries the newest releases instead).
 # The fake-CUDA tracer compiles a small native shim at first use: it needs g++ (Debian: build-essential).
 #
 # Site install (--prefix DIR, run as root): sbatch runs the filter as the submitting user, so its Python must be
@@ -42,29 +45,38 @@ done
 # pip's output without the local-index notices; a failing pip still fails the script (pipefail).
 quiet_pip() { "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
 
-torch_requirements() {
+torch_requirements() {  # the build, its extras and its torch pins
   case "${XMEM_TORCH:-cuda}" in
-    cuda) echo "test,bench,vision torch==2.14.1 torchvision==0.29.1" ;;
-    cpu)  echo "test,bench torch==2.13.0" ;;
+    cuda) echo "cuda test,bench,vision torch==2.14.1 torchvision==0.29.1" ;;
+    cpu)  echo "cpu test,bench torch==2.13.0" ;;
     *) echo "XMEM_TORCH must be cuda or cpu" >&2; exit 2 ;;
   esac
 }
 
-make_venv() {  # make_venv DIR EXTRAS TORCH-REQUIREMENTS...
-  local dir=$1 extras=$2; shift 2
+# constraint_args BUILD: pip's (and uv's) arguments that hold every package to the version the tests passed on.
+constraint_args() {
+  echo "-c $REPO/constraints.txt"
+  if [ "$1" = cuda ]; then echo "-c $REPO/constraints-cuda.txt"; fi
+}
+
+make_venv() {  # make_venv DIR BUILD EXTRAS TORCH-REQUIREMENTS...
+  local dir=$1 build=$2 extras=$3; shift 3
   [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+  # shellcheck disable=SC2207
+  local constraints=($(constraint_args "$build"))
   # One pip run: the torch requirements beside the extras, so that no extra's dependency can pick another build.
-  # Skipped when DIR holds what its last run here installed, for the same arguments and pyproject.toml: pip would
-  # change nothing, and its resolver and the editable build cost 15-20 s of CPU per environment.
+  # Skipped when DIR holds what its last run here installed, for the same arguments, pyproject.toml and constraints
+  # files: pip would change nothing, and its resolver and the editable build cost 15-20 s of CPU per environment.
   local stamp=$dir/.xmem-install
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$(install_key "$dir" "$extras" "$@")" ]; then
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$(install_key "$dir" "$extras" "${constraints[@]}" "$@")" ]; then
     # A word before the long wait: pip is quiet here, and a first install downloads and unpacks gigabytes.
     echo "installing into $dir: xmem-slurm [$extras] $* (a first install downloads up to about 3 GiB and" \
          "takes several minutes; README.md, Quick start)..."
     local started=$SECONDS
-    fast_install "$dir" -e ".[$extras]" "$@" \
-      || quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
-    install_key "$dir" "$extras" "$@" > "$stamp"
+    fast_install "$dir" "${constraints[@]}" -e ".[$extras]" "$@" \
+      || quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check "${constraints[@]}" \
+           -e ".[$extras]" "$@"
+    install_key "$dir" "$extras" "${constraints[@]}" "$@" > "$stamp"
     echo "installed into $dir in $((SECONDS - started)) s"
   fi
   "$dir/bin/python" -c "import torch, xmem; print('$dir: torch', torch.__version__)"
@@ -78,15 +90,17 @@ fast_install() {
   local links=${PIP_FIND_LINKS:-$("$dir/bin/python" -m pip config get global.find-links 2>/dev/null || true)}
   local link_args=() link
   for link in $links; do link_args+=(--find-links "$link"); done
-  [ -x "$dir/bin/uv" ] || quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check uv || return 1
+  [ -x "$dir/bin/uv" ] || quiet_pip "$dir/bin/python" -m pip install -q --disable-pip-version-check \
+    -c "$REPO/constraints.txt" uv || return 1
   "$dir/bin/uv" pip install -q --python "$dir/bin/python" --compile-bytecode "${link_args[@]}" "$@"
 }
 
-# install_key DIR EXTRAS REQUIREMENTS...: what make_venv asked for and the distributions DIR holds (any pip run
-# into DIR since, one that upgrades or removes a package, changes it).
+# install_key DIR EXTRAS REQUIREMENTS...: what make_venv asked for, pyproject.toml and the constraints files (a
+# change to either reinstalls), and the distributions DIR holds (any pip run into DIR since, one that upgrades or
+# removes a package, changes it).
 install_key() {
   local dir=$1; shift
-  printf '%s\n' "$REPO" "$@" "$(sha256sum < pyproject.toml)"
+  printf '%s\n' "$REPO" "$@" "$(sha256sum < pyproject.toml)" "$(cat constraints.txt constraints-cuda.txt | sha256sum)"
   ls "$dir"/lib/python*/site-packages | grep '\.dist-info$'
 }
 
@@ -129,9 +143,9 @@ site_install() {
     printf '#!%s\nimport sys\nfrom xmem.cli import main\nsys.exit(main())\n' "$py" > "$PREFIX/venv/bin/xmem-slurm"
     chmod 755 "$PREFIX/venv/bin/xmem-slurm"
   else
-    read -r extras reqs <<< "$(torch_requirements)"
-    # shellcheck disable=SC2086
-    quiet_pip "$py" -m pip install -q --disable-pip-version-check $reqs "$REPO[$extras]"
+    read -r build extras reqs <<< "$(torch_requirements)"
+    # shellcheck disable=SC2046,SC2086
+    quiet_pip "$py" -m pip install -q --disable-pip-version-check $(constraint_args "$build") $reqs "$REPO[$extras]"
   fi
   chmod -R a+rX "$PREFIX/venv"
   install -d -m 0755 "$PREFIX/var" "$PREFIX/var/lib" "$PREFIX/var/measure"
@@ -154,14 +168,14 @@ if [ -n "$PREFIX" ]; then
   site_install
   exit 0
 fi
-read -r extras reqs <<< "$(torch_requirements)"
+read -r build extras reqs <<< "$(torch_requirements)"
 # shellcheck disable=SC2086
 if [ "${XMEM_WITH_CPU_BUILD:-0}" = 1 ]; then
   # Both environments at once: pip installs (and byte-compiles) on one core, so two runs take little more than the
   # larger one. `wait PID` returns that run's status, so a failing pip still fails the script.
-  make_venv .venv "$extras" $reqs & main_pid=$!
-  make_venv .venv-cpu test,bench torch==2.13.0 & cpu_pid=$!
+  make_venv .venv "$build" "$extras" $reqs & main_pid=$!
+  make_venv .venv-cpu cpu test,bench torch==2.13.0 & cpu_pid=$!
   wait "$main_pid"; wait "$cpu_pid"
 else
-  make_venv .venv "$extras" $reqs
+  make_venv .venv "$build" "$extras" $reqs
 fi
