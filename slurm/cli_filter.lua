@@ -10,7 +10,7 @@
 -- submission goes through unchanged with a one-line notice, unless the site chose fail-closed.
 
 local XMEM_PYTHON = "@XMEM_PYTHON@"    -- the Python that has xmem-slurm installed (e.g. the venv's bin/python)
-local XMEM_CONFIG = "@XMEM_CONFIG@"    -- site config used when the user has no $XMEM_CONFIG ("" = xmem's default)
+local XMEM_CONFIG = "@XMEM_CONFIG@"    -- the site config ("" = /etc/xmem/xmem.toml); a user's $XMEM_CONFIG never counts
 local TIMEOUT_S = "@TIMEOUT_S@"        -- outer limit in seconds; the estimate's own limit is in the config
 local FAILURE = "@FAILURE@"            -- "open" or "closed", used only when xmem-slurm cannot even say
 
@@ -88,21 +88,16 @@ local function apply(options, set)
   return nil
 end
 
-local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter"
-local DEFERRED = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.deferred"
-
-local function command_prefix()
-  local cfg = os.getenv("XMEM_CONFIG")
-  if (cfg == nil or cfg == "") and XMEM_CONFIG ~= "" then
-    return "XMEM_CONFIG=" .. shquote(XMEM_CONFIG) .. " "
-  end
-  return ""
-end
+-- The filter and the deferred steps read the site config named here, and drop the user's own XMEM_* variables
+-- (xmem.slurm.contract.drop_user_settings): a user's $XMEM_CONFIG pointing at a FIFO held sbatch for minutes.
+local SITE_CONFIG = XMEM_CONFIG ~= "" and (" --config " .. shquote(XMEM_CONFIG)) or ""
+local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter" .. SITE_CONFIG
+local DEFERRED = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.deferred" .. SITE_CONFIG
 
 -- The site's failure mode when the filter gave no usable answer; the config says, the install-time default
 -- stands in if even that fails.
 local function failure_mode()
-  local p = io.popen(command_prefix() .. "timeout 10 " .. FILTER .. " --failure-mode 2>/dev/null")
+  local p = io.popen("timeout 10 " .. FILTER .. " --failure-mode 2>/dev/null")
   local out = p and p:read("*l") or ""
   if p then p:close() end
   if out == "open" or out == "closed" then return out end
@@ -238,7 +233,7 @@ function slurm_cli_pre_submit(options, pack_offset)
   f:close()
   -- The filter's stderr is /dev/null. Only when sbatch's stderr is a terminal does the filter get a copy of it (fd 3,
   -- named by XMEM_PROGRESS_FD), for its progress line during an estimate that is not cached (xmem.slurm.inline).
-  local cmd = "p=; if [ -t 2 ]; then exec 3>&2; p=3; fi; XMEM_PROGRESS_FD=$p " .. command_prefix() ..
+  local cmd = "p=; if [ -t 2 ]; then exec 3>&2; p=3; fi; XMEM_PROGRESS_FD=$p " ..
               "timeout " .. TIMEOUT_S .. " " .. FILTER .. " --request " .. shquote(input) ..
               (own_pid() and (" --sbatch-pid " .. own_pid()) or "") .. " </dev/null 2>/dev/null; echo \"exit=$?\""
   local p = io.popen(cmd)
@@ -277,7 +272,7 @@ function slurm_cli_post_submit(offset, job_id, step_id)
   if message ~= nil and message ~= "" then notice(message) end
   if token == nil or token == "" then return slurm.SUCCESS end
   local job = tostring(job_id)
-  local status = exit_code(os.execute(command_prefix() .. "timeout 60 " .. DEFERRED .. " submit " .. token ..
+  local status = exit_code(os.execute("timeout 60 " .. DEFERRED .. " submit " .. token ..
                                       " " .. job .. " >/dev/null"))
   if status == 0 or status == 2 then return slurm.SUCCESS end
   if failure_mode() == "closed" then

@@ -1,10 +1,12 @@
 """Site config: loading, path resolution, defaults, and errors that name the key."""
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from xmem.config import ConfigError, SiteConfig, config_from_dict, load_site_config
+from xmem.config import CONFIG_MAX_BYTES, ConfigError, SiteConfig, config_from_dict, load_site_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "etc" / "xmem.toml"
 
@@ -48,6 +50,36 @@ def test_environment_variable_names_the_file(monkeypatch, tmp_path):
     path = write(tmp_path, '[policy]\nfailure = "closed"\n')
     monkeypatch.setenv("XMEM_CONFIG", str(path))
     assert load_site_config().failure == "closed"
+
+
+def test_the_filter_reads_the_site_config_never_the_users(monkeypatch, tmp_path):
+    monkeypatch.setenv("XMEM_CONFIG", str(write(tmp_path, '[policy]\nfailure = "open"\n')))
+    site = tmp_path / "site.toml"
+    site.write_text('[policy]\nfailure = "closed"\n')
+    monkeypatch.setattr("xmem.config.DEFAULT_CONFIG_PATH", site)
+    assert load_site_config(user_env=False).failure == "closed"
+    assert load_site_config().failure == "open"  # check and estimate: the user's own, for themselves
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "directory", "too large", "not utf-8"])
+def test_a_config_that_is_not_a_small_regular_text_file_is_refused_at_once(tmp_path, what):
+    """A user's XMEM_CONFIG naming a FIFO or /dev/zero held sbatch 76-340 s: `check` still takes the user's, and
+    must answer too."""
+    path = tmp_path / "xmem.toml"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "directory":
+        path.mkdir()
+    elif what == "too large":
+        path.write_text("# padding\n" * (CONFIG_MAX_BYTES // 10 + 1))
+    elif what == "not utf-8":
+        path.write_bytes(b'[policy]\nfailure = "\xff"\n')
+    else:
+        path = Path(what)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=str(path)):
+        load_site_config(path)
+    assert time.monotonic() - started < 2
 
 
 def test_explicit_path_wins_over_the_environment(monkeypatch, tmp_path):

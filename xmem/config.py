@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from xmem.gpus import GpuType
 
 DEFAULT_CONFIG_PATH = Path("/etc/xmem/xmem.toml")
+CONFIG_ENV = "XMEM_CONFIG"  # a user's own config, for the commands they run for themselves
+CONFIG_MAX_BYTES = 1 << 20  # the documented example is 5 KiB: a larger file is a mistake, not a config
 REQUEST_KINDS = ("mig", "shard", "mps", "gpu")
 EXPLICIT_MODES = ("keep", "fill_generic", "rewrite")
 FAILURE_MODES = ("open", "closed")
@@ -144,17 +147,17 @@ class SiteConfig:
         return replace(self, partitions=replace(self.partitions, gpu_types=merged))
 
 
-def load_site_config(path: str | Path | None = None) -> SiteConfig:
-    """The explicit `path`, else `$XMEM_CONFIG`, else /etc/xmem/xmem.toml if it exists, else built-in defaults."""
+def load_site_config(path: str | Path | None = None, *, user_env: bool = True) -> SiteConfig:
+    """The explicit `path`, else `$XMEM_CONFIG` (only with `user_env`: what a user runs for themselves, `check`,
+    `estimate`; never the filter, which runs as the user for the site), else /etc/xmem/xmem.toml if it exists,
+    else built-in defaults."""
     if path is None:
-        path = os.environ.get("XMEM_CONFIG") or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
+        chosen = os.environ.get(CONFIG_ENV) if user_env else None
+        path = chosen or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
     if path is None:
         return SiteConfig()
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the site config ({e.strerror})") from None
+    text = config_text(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -163,6 +166,33 @@ def load_site_config(path: str | Path | None = None) -> SiteConfig:
         return replace(config_from_dict(data), source=str(path))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def config_text(path: Path) -> str:
+    """The file's text, read without waiting on it: opened non-blocking, a regular file only (a FIFO or a device
+    such as /dev/zero held sbatch for minutes), at most CONFIG_MAX_BYTES, UTF-8. ConfigError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the site config ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: the site config must be a regular file")
+        chunks, size = [], 0
+        while chunk := os.read(fd, CONFIG_MAX_BYTES + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > CONFIG_MAX_BYTES:
+                raise ConfigError(f"{path}: the site config is larger than {CONFIG_MAX_BYTES // 1024} KiB")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the site config ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: the site config is not UTF-8 text (byte {e.start})") from None
 
 
 def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:

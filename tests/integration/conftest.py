@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,18 @@ class DevCluster:
     @property
     def config(self) -> Path:
         return self.lab / "etc" / "xmem.toml"
+
+    @contextmanager
+    def site_config_text(self, text: str) -> Iterator[Path]:
+        """The cluster's site config holding `text` meanwhile, then put back: the filter and deferred mode's steps
+        read that file alone (the one cli_filter.lua names), never a user's $XMEM_CONFIG. The slurm tests share one
+        worker, so nothing else submits meanwhile."""
+        before = self.config.read_text()
+        self.config.write_text(text)
+        try:
+            yield self.config
+        finally:
+            self.config.write_text(before)
 
     @property
     def store(self) -> Path:

@@ -123,12 +123,11 @@ def test_failed_estimate_releases_the_job_unchanged(deferred_cluster, work):
 
 def test_failed_estimate_cancels_the_job_when_fail_closed(deferred_cluster, work, tmp_path):
     cluster = deferred_cluster
-    closed = tmp_path / "closed.toml"
-    closed.write_text(re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text()))
-    sub = cluster.sbatch(script(work, "broken-closed.sh", "python broken.py\n"),
-                         env={"XMEM_CONFIG": str(closed)})
-    assert sub.returncode == 0, sub.stderr
-    info = wait_settled(cluster, sub.job_id)
+    closed = re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text())
+    with cluster.site_config_text(closed):
+        sub = cluster.sbatch(script(work, "broken-closed.sh", "python broken.py\n"))
+        assert sub.returncode == 0, sub.stderr
+        info = wait_settled(cluster, sub.job_id)
     assert (info["JobState"], xmem_state(info)) == ("CANCELLED", "refused")
     assert "job+refused" in info["Comment"]
 
@@ -205,15 +204,12 @@ def spools(cluster, user) -> set[str]:
     return {p.name for p in root.iterdir()} if root.is_dir() else set()
 
 
-def site_config(cluster, user, where: Path, name: str, **replace: str) -> Path:
-    """A copy of the cluster's site config, the user's to read, with `key = value` lines replaced."""
+def site_config(cluster, **replace: str) -> str:
+    """The cluster's site config with `key = value` lines replaced."""
     text = cluster.config.read_text()
     for key, value in replace.items():
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
-    path = where / name
-    path.write_text(text)
-    give(user, path)
-    return path
+    return text
 
 
 def test_users_sbatch_variables_do_not_reach_xmems_own_jobs(deferred_cluster, submitter, mine):
@@ -232,11 +228,11 @@ def test_a_space_in_the_cache_dir_is_a_path_not_a_command(deferred_cluster, subm
     cluster = deferred_cluster
     injected = mine / "INJECTED"
     cache = mine / f"my cache;touch {injected}"
-    config = site_config(cluster, submitter, mine, "space.toml", cache_dir=f'"{cache}"')
-    sub = cluster.sbatch(users_script(submitter, mine, "space.sh", "# space\npython train.py\n"), "--begin=now+3600",
-                         env={"XMEM_CONFIG": str(config)}, user=submitter)
-    assert sub.returncode == 0, sub.stderr
-    info = wait_settled(cluster, sub.job_id)
+    with cluster.site_config_text(site_config(cluster, cache_dir=f'"{cache}"')):
+        sub = cluster.sbatch(users_script(submitter, mine, "space.sh", "# space\npython train.py\n"),
+                             "--begin=now+3600", user=submitter)
+        assert sub.returncode == 0, sub.stderr
+        info = wait_settled(cluster, sub.job_id)
     assert xmem_state(info) == "done", info["Comment"]
     assert not injected.exists()
     cluster.run("scancel", sub.job_id)
@@ -285,15 +281,15 @@ def test_spools_are_removed_and_unqueued_ones_swept(deferred_cluster, submitter,
 
 def test_a_site_config_broken_while_the_job_waits_still_releases_it(deferred_cluster, submitter, mine):
     cluster = deferred_cluster
-    config = site_config(cluster, submitter, mine, "later-broken.toml")
-    sub = cluster.sbatch(users_script(submitter, mine, "broken-config.sh", "# config\npython train.py\n"),
-                         "--begin=now+3600", env={"XMEM_CONFIG": str(config)}, user=submitter)
-    assert sub.returncode == 0, sub.stderr
-    (estimate,) = cluster.run("squeue", "-h", "-n", f"xmem-estimate-{sub.job_id}", "-o", "%i").stdout.split()
-    cluster.run("scontrol", "hold", estimate)  # so that the config breaks before the estimate reads it
-    config.write_text("[policy]\nfailure = 'sometimes'\n")
-    cluster.run("scontrol", "release", estimate)
-    info = wait_settled(cluster, sub.job_id)
+    with cluster.site_config_text(cluster.config.read_text()) as config:
+        sub = cluster.sbatch(users_script(submitter, mine, "broken-config.sh", "# config\npython train.py\n"),
+                             "--begin=now+3600", user=submitter)
+        assert sub.returncode == 0, sub.stderr
+        (estimate,) = cluster.run("squeue", "-h", "-n", f"xmem-estimate-{sub.job_id}", "-o", "%i").stdout.split()
+        cluster.run("scontrol", "hold", estimate)  # so that the config breaks before the estimate reads it
+        config.write_text("[policy]\nfailure = 'sometimes'\n")
+        cluster.run("scontrol", "release", estimate)
+        info = wait_settled(cluster, sub.job_id)
     assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
     assert "xmem+failed" in info["Comment"]
     cluster.run("scancel", sub.job_id)

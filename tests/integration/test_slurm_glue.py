@@ -252,13 +252,13 @@ def test_non_python_gpu_job_runs_unchanged(cluster, work):
     assert "simulated CUDA binary" in cluster.output(work, sub.job_id)
 
 
-def test_job_the_estimator_cannot_handle_is_refused_when_fail_closed(cluster, work, tmp_path):
-    closed = tmp_path / "closed.toml"
-    closed.write_text(re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text()))
-    assert 'failure = "closed"' in closed.read_text()
+def test_job_the_estimator_cannot_handle_is_refused_when_fail_closed(cluster, work):
+    closed = re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text())
+    assert 'failure = "closed"' in closed
     path = script(work, "broken.sh", "#SBATCH --gres=gpu:1", "python broken.py\n")
     known = cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout.split()  # finished jobs stay listed
-    sub = cluster.sbatch(path, env={"XMEM_CONFIG": str(closed)})
+    with cluster.site_config_text(closed):
+        sub = cluster.sbatch(path)
     assert sub.returncode != 0 and sub.job_id is None
     (line,) = xmem_lines(sub.stderr)
     assert "cannot estimate this job's GPU memory" in line

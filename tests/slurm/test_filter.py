@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.submissions import PEAKS, decision
-from xmem.slurm.contract import FilterRequest, Verdict
+from xmem.slurm.contract import FilterRequest, Verdict, drop_user_settings
 from xmem.slurm.filter import filter_main, run_filter, wrapped_script
 from xmem.slurm.stamp import comment_fields
 from xmem.text import comment_value
@@ -105,6 +105,28 @@ def test_isolated_module_entry_point_runs(tmp_path):
                           input=submission(script), capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["set"] == {}
+
+
+@pytest.mark.parametrize("users", ["fifo", "/dev/zero", "closed"])
+def test_the_filter_takes_the_site_config_never_the_users(tmp_path, users):
+    """cli_filter.lua runs the filter in the submitting user's environment: their XMEM_CONFIG naming a FIFO or
+    /dev/zero held sbatch 76-340 s, and one of their own could change the site's rules (here, the failure mode)."""
+    own = tmp_path / "mine.toml"
+    if users == "fifo":
+        os.mkfifo(own)
+    else:
+        own = Path(users) if users.startswith("/") else Path(config(tmp_path, "closed"))
+    env = {**os.environ, "XMEM_CONFIG": str(own), "XMEM_SANDBOX": "fallback", "XMEM_WARM_TRACER": "1"}
+    for site in ([], ["--config", config(tmp_path, "open")]):  # the admin's path in cli_filter.lua, or the default
+        done = subprocess.run([sys.executable, "-I", "-m", "xmem.slurm.filter", *site, "--failure-mode"], env=env,
+                              capture_output=True, text=True, cwd=tmp_path, timeout=30)
+        assert (done.returncode, done.stdout) == (0, "open\n"), done.stderr
+
+
+def test_user_settings_are_dropped_and_the_lua_sides_kept():
+    environ = {"XMEM_CONFIG": "/tmp/fifo", "XMEM_WARM_DIR": "/x", "XMEM_PROGRESS_FD": "3", "PATH": "/bin"}
+    assert sorted(drop_user_settings(environ)) == ["XMEM_CONFIG", "XMEM_WARM_DIR"]
+    assert environ == {"XMEM_PROGRESS_FD": "3", "PATH": "/bin"}
 
 
 def test_a_hetjob_passes_unchanged_with_a_notice(tmp_path):

@@ -36,14 +36,17 @@ def _load_config(explicit: Optional[str]) -> Any:
 @app.command("filter")
 def filter_command(
     failure_mode: bool = typer.Option(False, "--failure-mode", help="Print the site's failure mode (open|closed)."),
-    config: Optional[str] = ConfigOption,
+    config: Optional[str] = typer.Option(None, "--config", help="Site config (default: /etc/xmem/xmem.toml; never "
+                                                                 "$XMEM_CONFIG: the filter reads the site's only)."),
 ) -> None:
     """For slurm/cli_filter.lua: read one submission as JSON on stdin, print what to change as JSON on stdout.
 
     The contract is in slurm/README.md. Exits 0 whenever it printed a reply, a refusal included.
     (`python -m xmem.slurm.filter` is the same command without the rest of the CLI: faster under sbatch.)"""
+    from xmem.slurm.contract import drop_user_settings
     from xmem.slurm.filter import filter_main
 
+    drop_user_settings(os.environ)  # as `python -m xmem.slurm.filter` does
     raise typer.Exit(filter_main(config_path=config, failure_mode=failure_mode))
 
 

@@ -3,7 +3,8 @@
 Owns the JSON both sides exchange (documented in slurm/README.md), which sbatch options key a cached analysis,
 the `Verdict` (what the filter keeps of a job's analysis, cached; checked on read by xmem.slurm.cache_check), and
 turning a verdict into the sbatch options to set (`gres`/`gpus`, `comment` carrying the job stamp, `export` carrying it
-to the TaskProlog), the one line the user sees, and the site's fail-open / fail-closed rule. Pure: no estimate,
+to the TaskProlog), the one line the user sees, the site's fail-open / fail-closed rule, and which variables of the
+environment the Lua side starts the filter in are the user's own settings (`drop_user_settings`). Pure: no estimate,
 no Slurm call. The inline path (xmem.slurm.inline) and the deferred one (xmem.slurm.deferred) both answer here.
 
 Contract, in:  {"script": abs path | null, "argv": [...], "options": {long option: value, as
@@ -22,7 +23,7 @@ its own, and the first's options leak into the next), so they pass unchanged wit
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ from xmem.text import comment_value, one_line
 if TYPE_CHECKING:
     from xmem.policy import Decision
 
+# The variables the Lua side sets for the filter; every other XMEM_* variable the filter finds is the submitting
+# user's (XMEM_CONFIG, XMEM_WARM_*, XMEM_SANDBOX, XMEM_SHIM_DIR...), and must not change or slow what it does.
+FROM_LUA = frozenset({"XMEM_PROGRESS_FD"})
 MESSAGE_MAX_CHARS = 600  # a user's 1 MB exception message must not flood the terminal or the job comment
 # sbatch options that say nothing about the job's GPU memory: left out of the cache key.
 OPTIONS_NOT_IN_KEY = frozenset({
@@ -79,6 +83,15 @@ class FilterRequest:
         if "gres" in picked:
             picked["gres"] = ",".join(item.removeprefix("gres:") for item in picked["gres"].split(","))
         return picked
+
+
+def drop_user_settings(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove the submitting user's own xmem settings from the filter's (or a deferred step's) environment, so that
+    the site's config alone decides: the user's job keeps them (the request's `env`). Returns the names removed."""
+    names = [name for name in environ if name.startswith("XMEM_") and name not in FROM_LUA]
+    for name in names:
+        del environ[name]
+    return names
 
 
 def _option_text(value: Any) -> str:

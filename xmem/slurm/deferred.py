@@ -38,7 +38,8 @@ from typing import Any
 
 from xmem.cache import user_cache_dir
 from xmem.config import SiteConfig
-from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, failure_reply, reply_for, user_request
+from xmem.slurm.contract import (MESSAGE_MAX_CHARS, FilterReply, FilterRequest, drop_user_settings, failure_reply,
+                                 reply_for, user_request)
 from xmem.slurm.cache_check import still_offered
 from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
 from xmem.slurm.scontrol import SlurmUnreachable, scontrol_show_job
@@ -158,8 +159,9 @@ def submit(token: str, job_id: str, config: SiteConfig, python: str = sys.execut
     common = [f"--partition={config.deferred.cpu_partition}", "--parsable", "--export=ALL", "--ntasks=1"]
 
     def step(name: str) -> str:  # quoted: a space in $HOME or cache_dir is part of a path, not a new word
+        site = ["--config", config.source] if config.source else []  # the site's, as the filter read it
         return "--wrap=" + shlex.join([python, "-I", "-m", "xmem.slurm.deferred", "--failure-default",
-                                       config.failure, name, str(spool), job_id])
+                                       config.failure, *site, name, str(spool), job_id])
     estimate = _sbatch([*common, f"--time={config.deferred.time_limit}", f"--mem={config.deferred.mem}",
                         f"--job-name=xmem-estimate-{job_id}", f"--output={spool}/estimate-%j.out", step("run")], env)
     try:
@@ -352,15 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xmem.slurm.deferred", description=__doc__.splitlines()[0])
     parser.add_argument("--failure-default", choices=("open", "closed"), default="open",
                         help="the failure mode when the site config cannot be read (the one in force at submission)")
+    parser.add_argument("--config", default=None,
+                        help="the site config (default: /etc/xmem/xmem.toml; never $XMEM_CONFIG)")
     parser.add_argument("step", choices=("submit", "run", "rescue"))
     parser.add_argument("where", help="submit: the filter's token; run/rescue: the spool directory")
     parser.add_argument("job_id")
     args = parser.parse_args(argv)
+    drop_user_settings(os.environ)  # run as the user, for the site: the user's XMEM_* settings change nothing
     from xmem.config import load_site_config
 
     spool, failure = (None if args.step == "submit" else Path(args.where)), args.failure_default
     try:
-        config = load_site_config()
+        config = load_site_config(args.config, user_env=False)
         failure = config.failure
         if args.step == "submit":
             spool = spool_root(config) / args.where

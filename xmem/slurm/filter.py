@@ -27,8 +27,8 @@ from xmem.config import SiteConfig
 from xmem.slurm import deferred
 from xmem.slurm.cache_check import REWRITE_OPTIONS, still_offered
 from xmem.slurm.cluster import test_only_refusal
-from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, failure_reply, key_for, recorded,
-                                 reply_for)
+from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, drop_user_settings, failure_reply,
+                                 key_for, recorded, reply_for)
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
 
@@ -123,11 +123,12 @@ def filter_main(*, config_path: str | None = None, failure_mode: bool = False, s
                 stdout: IO[str] = sys.stdout) -> int:
     """The whole `xmem-slurm filter` command: read the request, write the reply. Also reachable as
     `python -m xmem.slurm.filter`, which cli_filter.lua uses because it skips loading the other commands
-    (a cached resubmission then costs a third of the CPU time)."""
+    (a cached resubmission then costs a third of the CPU time). The config is the site's: `config_path` (what the
+    admin wrote into cli_filter.lua), else /etc/xmem/xmem.toml; never the submitting user's $XMEM_CONFIG."""
     from xmem.config import load_site_config
 
     try:
-        site = load_site_config(config_path)
+        site = load_site_config(config_path, user_env=False)
     except Exception as e:  # the failure mode itself is unknown: the Lua side applies its default
         if failure_mode:
             print(f"xmem-slurm filter: {e}", file=sys.stderr)
@@ -201,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xmem.slurm.filter",
                                      description="xmem-slurm filter for cli_filter.lua (see slurm/README.md)")
     parser.add_argument("--failure-mode", action="store_true", help="print the site's failure mode")
-    parser.add_argument("--config", default=None, help="site config (default: $XMEM_CONFIG, /etc/xmem/xmem.toml)")
+    parser.add_argument("--config", default=None, help="site config (default: /etc/xmem/xmem.toml; never $XMEM_CONFIG)")
     parser.add_argument("--request", help="read the request from this file (deleted once read), not stdin")
     parser.add_argument("--sbatch-pid", type=int, help="end when this process (the waiting sbatch) is gone")
     args = parser.parse_args(argv)
+    drop_user_settings(os.environ)  # the site's config alone decides (cli_filter.lua runs us in the user's env)
     if args.sbatch_pid:
         watch_caller(args.sbatch_pid)
     stdin = take_request(args.request) if args.request else sys.stdin
