@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
-from xmem.launchers import Target, gpus_per_node, launcher_env, named_interpreter
+from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter
 import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
@@ -93,7 +93,8 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
-                                        _cpu_seconds(timeout), _shim_dirs())
+                                        _cpu_seconds(timeout), _shim_dirs(),
+                                        interpreter_binaries([interpreter, shim_python or ""], job_env))
         child = [*helper, interpreter, "-m", module, "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
                  "--deadline", f"{time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS):.3f}"]
@@ -136,6 +137,28 @@ def _job_python(command: list[str], target: Target, python: str | None, env: Map
     if not shim.job_finds_torch(interpreter, env):
         raise TraceError("user_error", NO_TORCH_MESSAGE.format(interpreter=interpreter))
     return interpreter
+
+
+def interpreter_binaries(named: list[str], env: Mapping[str, str]) -> list[str]:
+    """The interpreter binaries the job can start (their real paths, once each): those `named`, and every
+    `python*` on the job's PATH (an activated venv's links lead to its base interpreter's binary). Shell shims
+    (pyenv's) are not binaries; the binary they run is among these when it is the job's."""
+    found = [*named]
+    for directory in env.get("PATH", "").split(os.pathsep):
+        try:
+            found += [os.path.join(directory, name) for name in os.listdir(directory or ".") if is_python(name)]
+        except OSError:
+            continue
+    real = dict.fromkeys(os.path.realpath(path) for path in found if path)
+    return [path for path in real if os.path.isfile(path) and _is_binary(path)]
+
+
+def _is_binary(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
 
 
 def _launched_python(python: str | None, env: Mapping[str, str]) -> str | None:

@@ -260,14 +260,68 @@ def _bind(source_fd: int, path: str, read_only: bool) -> None:
         _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
-def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict) -> None:
-    """Pid 1 of the new pid namespace: mount its /proc, run the tracer, reap orphans, leave when the tracer ends
-    (the kernel then kills whatever the program left running)."""
+# ---- every interpreter start passes the guard (issue 31) --------------------------------------------------------
+
+GUARD_SCRIPT = Path(__file__).resolve().parent / "child" / "guard.py"
+GUARD_SHELL = "/bin/bash"  # `exec -a` keeps argv[0], by which Python knows its venv; POSIX sh has no -a
+
+
+def guard_interpreters(binaries: list[str], scratch: Path) -> list[str]:
+    """Bind a wrapper over each interpreter binary of `binaries` (their real paths), so that every Python process
+    the program starts, with whatever options and environment, runs `xmem/trace/child/guard.py` first, which gives
+    back the start-up hook to one that would skip it. The real binary stays reachable under the copy-on-write
+    tmpfs (ours, so never noexec). Each guard is tried once; one that does not run is taken away again. Returns
+    the binaries guarded."""
+    if not os.access(GUARD_SHELL, os.X_OK) or not GUARD_SCRIPT.is_file():
+        return []
+    folder = scratch / COW_DIR / "interpreters"
+    folder.mkdir(mode=0o700)
+    guarded = []
+    for number, binary in enumerate(binaries):
+        real, wrapper = folder / f"python-{number}", folder / f"python-{number}.sh"
+        try:
+            real.touch(mode=0o700)
+            _mount(binary, str(real), None, MS_BIND)
+            wrapper.write_text(f'#!{GUARD_SHELL}\nexec -a "$0" {_quoted(real)} -I -S {_quoted(GUARD_SCRIPT)} '
+                               f'{_quoted(real)} {_quoted(scratch)} "$0" "$@"\n')
+            wrapper.chmod(0o755)
+            _mount(str(wrapper), binary, None, MS_BIND)
+        except (SandboxError, OSError):
+            continue
+        if _runs(binary):
+            guarded.append(binary)
+        else:
+            _libc.umount2(binary.encode(), 2)  # MNT_DETACH: the binary as it was
+    return guarded
+
+
+def _quoted(path: Path | str) -> str:
+    return "'" + str(path).replace("'", "'\\''") + "'"
+
+
+def _runs(binary: str) -> bool:
+    import subprocess
+    try:
+        return subprocess.run([binary, "-S", "-c", ""], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict, guard: list[str] = ()) -> None:
+    """Pid 1 of the new pid namespace: mount its /proc, guard the interpreters (here: the check each guard runs
+    must not be the namespace's first process), run the tracer, reap orphans, leave when the tracer ends (the
+    kernel then kills whatever the program left running)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)  # pids as the program sees them (psutil, /proc/self)
     except SandboxError:
         pass
+    if guard:
+        guarded = guard_interpreters(guard, scratch)
+        said = f"every start of {', '.join(guarded)} traced, whatever its options and environment" if guarded else \
+            "interpreters NOT guarded (a Python process started with -I, -S, -E or a cleared environment escapes)"
+        _write_result(scratch, {"protection": f"{read_result(scratch).get('protection', '')}; {said}"})
     tracer = _start_tracer(argv, limits, env)
     status = _wait_for(tracer)
     _write_result(scratch, {"status": status})
@@ -529,14 +583,17 @@ HELPER_ENV = {"PATH": os.defpath, "LC_ALL": "C.UTF-8"}
 
 
 def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: int,
-                   protected: list[str]) -> list[str]:
+                   protected: list[str], guarded: list[str] = ()) -> list[str]:
     """The command line that runs `sandbox.py` (isolated from the user's PYTHONPATH) in front of the tracer; start
-    it with HELPER_ENV, after `write_program_env`. `protected` directories are read-only in the sandbox."""
+    it with HELPER_ENV, after `write_program_env`. `protected` directories are read-only in the sandbox; every
+    start of a `guarded` interpreter binary passes the guard (`guard_interpreters`)."""
     command = [python, "-I", str(Path(__file__).resolve()), "--scratch", str(scratch), "--parent", str(os.getpid()),
                "--memory-bytes", str(memory_bytes), "--cpu-seconds", str(cpu_seconds),
                "--mode", os.environ.get(MODE_ENV, ""), "--program-env", str(scratch / PROGRAM_ENV_FILE)]
     for path in protected:
         command += ["--protect", path]
+    for binary in guarded:
+        command += ["--guard", binary]
     return [*command, "--"]
 
 
@@ -566,6 +623,7 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
     parser.add_argument("--memory-bytes", type=int, default=0)
     parser.add_argument("--cpu-seconds", type=int, default=0)
     parser.add_argument("--protect", action="append", default=[], help="a directory read-only in the sandbox")
+    parser.add_argument("--guard", action="append", default=[], help="an interpreter binary to guard")
     parser.add_argument("--mode", default="", help=f"as ${MODE_ENV}")
     parser.add_argument("--program-env", type=Path, help="JSON file of the program's environment (then removed)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -600,7 +658,7 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
         command = _redirected(command)
     init = os.fork()
     if init == 0:
-        run_init(command, limits, args.scratch, env)
+        run_init(command, limits, args.scratch, env, [b for b in args.guard if os.path.isfile(b)])
     _kill_on_signal(init)
     _wait_for(init)
     os._exit(0)

@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+import xmem.trace.child.guard as guard
 from xmem.launchers import python_program
 
 ENV = "XMEM_TRACE_FOLLOW"  # the root's settings, as JSON, in every process of the job
@@ -40,6 +41,17 @@ def hand_down(out: Path, iterations: int, capability: str, device_count: int, pr
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if BOOT_DIR not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *filter(None, paths)])
+    _leave_for_guard(out.parent)
+
+
+def _leave_for_guard(scratch: Path) -> None:
+    """What a process that skipped the start-up hook gets back (`xmem.trace.child.guard`, run by the sandbox's
+    wrapper of each interpreter): the tracer's settings, whatever the process's own environment lost."""
+    settings = {"boot": BOOT_DIR, "marker": ENV,
+                "env": {name: value for name, value in os.environ.items() if name.startswith("XMEM_")}}
+    written = scratch / f"{guard.SETTINGS_FILE}.{os.getpid()}.tmp"
+    written.write_text(json.dumps(settings))
+    os.replace(written, scratch / guard.SETTINGS_FILE)
 
 
 def child_argv() -> list[str] | None:
