@@ -134,3 +134,31 @@ def test_namespaces_sandbox_as_an_ordinary_user(tmp_path):
     assert ended["protection"].startswith("namespaces")
     assert f"uid {user.pw_uid}" in result.stdout
     assert snapshot(home) == before
+
+
+PROBES_HOST_STATE = """\
+import errno, os, torch
+said = []
+for path in ("/proc/sys/kernel/core_pattern", "/proc/sys/vm/drop_caches", "/sys/kernel/mm/transparent_hugepage/enabled"):
+    try:
+        os.close(os.open(path, os.O_WRONLY))  # opened only: nothing is written, whatever happens
+        said.append(path + "=writable")
+    except OSError as error:
+        said.append(path + "=" + errno.errorcode[error.errno])
+block = [name for name in os.listdir("/dev") if os.path.exists("/dev/" + name)
+         and __import__("stat").S_ISBLK(os.stat("/dev/" + name).st_mode)]
+said.append("block=" + ",".join(block))
+torch.zeros(1, device="cuda")
+raise ValueError(" ".join(said))
+"""
+
+
+def test_the_hosts_state_is_out_of_reach_whoever_traces(tmp_path):
+    """Issue 35, R1: root's uid (kept in the sandbox) could write /proc/sys (core_pattern runs a program as the real
+    root), /sys and the host's disks; in the sandbox they are read-only or absent, for every caller."""
+    (tmp_path / "probe.py").write_text(PROBES_HOST_STATE)
+    with pytest.raises(TraceError) as raised:
+        run_trace(["python", "probe.py"], cwd=str(tmp_path))
+    said = dict(word.split("=", 1) for word in raised.value.message.split(" (at ")[0].split(": ", 1)[1].split())
+    assert all(said[path] in ("EROFS", "EACCES", "ENOENT") for path in said if path.startswith("/")), said
+    assert said["block"] == ""

@@ -260,6 +260,74 @@ def _bind(source_fd: int, path: str, read_only: bool) -> None:
         _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
+# ---- host state out of reach (issue 35, R1) ---------------------------------------------------------------------
+
+# What a process can change on the host without any capability, by its uid alone: root's uid (a trace root starts
+# keeps it, mapped to itself) may write the kernel's tunables (/proc/sys/kernel/core_pattern runs a program as the
+# real root), sysrq, IRQ and bus settings, /sys (transparent hugepages, device and cgroup settings) and the host's
+# device nodes (a disk is root's, writable by its owner). In the sandbox these are read-only, masked or absent.
+READ_ONLY_PROC = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+MASKED_PROC = ("kcore", "keys", "timer_list", "sched_debug", "kmsg")  # covered by /dev/null
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # the device nodes a program may open
+
+
+def hide_host_state() -> str:
+    """Make the host's state read-only or absent, after the pid namespace's own /proc is mounted: /proc's
+    tunables read-only and its kernel views masked, a read-only /sys, and a /dev of the harmless devices only
+    (with the private /dev/shm and a devpts of its own). Returns what was done, for the sandbox line; a step the
+    kernel refuses is named there (the caller decides whether root may still run)."""
+    refused = []
+    for name in READ_ONLY_PROC:
+        path = f"/proc/{name}"
+        if os.path.exists(path) and not _try_read_only(path):
+            refused.append(path)
+    for name in MASKED_PROC:
+        path = f"/proc/{name}"
+        if os.path.exists(path) and not _try(lambda: _mount("/dev/null", path, None, MS_BIND)):
+            refused.append(path)
+    fresh_sys = _try(lambda: _mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC))
+    if not fresh_sys and not _try_read_only("/sys"):
+        refused.append("/sys")
+    if not _try(_minimal_dev):
+        refused.append("/dev")
+    done = "/proc/sys and the kernel's other settings read-only, /sys read-only, /dev only " + ", ".join(DEVICES)
+    return done if not refused else f"{done}, except: {', '.join(refused)} (the kernel refused)"
+
+
+def _try(step) -> bool:
+    try:
+        step()
+        return True
+    except (SandboxError, OSError):
+        return False
+
+
+def _try_read_only(path: str) -> bool:
+    return _try(lambda: (_mount(path, path, None, MS_BIND | MS_REC),
+                         _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)))
+
+
+def _minimal_dev() -> None:
+    """A tmpfs over /dev with the harmless device nodes bound in from the host's, the private /dev/shm bound back,
+    a devpts instance of its own, and the usual links into /proc."""
+    kept = {name: os.open(f"/dev/{name}", os.O_PATH) for name in (*DEVICES, "shm") if os.path.exists(f"/dev/{name}")}
+    try:
+        _mount("xmem-dev", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=1m,mode=755")
+        for name, fd in kept.items():
+            target = Path("/dev") / name
+            target.mkdir() if name == "shm" else target.touch()
+            _mount(f"/proc/self/fd/{fd}", str(target), None, MS_BIND)
+    finally:
+        for fd in kept.values():
+            os.close(fd)
+    Path("/dev/pts").mkdir()
+    if _try(lambda: _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666")):
+        os.symlink("pts/ptmx", "/dev/ptmx")
+    for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{link}")
+
+
 # ---- every interpreter start passes the guard (issue 31) --------------------------------------------------------
 
 GUARD_SCRIPT = Path(__file__).resolve().parent / "child" / "guard.py"
@@ -317,6 +385,12 @@ def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict, guard: l
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)  # pids as the program sees them (psutil, /proc/self)
     except SandboxError:
         pass
+    hidden = hide_host_state()
+    _write_result(scratch, {"protection": f"{read_result(scratch).get('protection', '')}; {hidden}"})
+    if os.geteuid() == 0 and "(the kernel refused)" in hidden:  # root's uid with host state in reach: never run
+        _write_result(scratch, {"failed": f"root's trace is not run: the sandbox could not hide the host's state "
+                                          f"({hidden}); run it as an ordinary user"})
+        os._exit(1)
     if guard:
         guarded = guard_interpreters(guard, scratch)
         said = f"every start of {', '.join(guarded)} traced, whatever its options and environment" if guarded else \
@@ -643,6 +717,12 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
             raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
         protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
     except NamespacesRefused as refused:
+        # -- issue 35: the fallback cannot keep root's uid from the host's state; only root's own explicit choice
+        # (XMEM_SANDBOX=fallback, which the filter never takes from a user) runs it there
+        if os.geteuid() == 0 and _mode != "fallback":
+            _write_result(args.scratch, {"failed": f"root's trace is not run: it needs the namespace sandbox, which "
+                                                   f"the kernel refused ({refused}); run it as an ordinary user"})
+            os._exit(1)
         _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}",
                                                  program_env))
         os._exit(0)
