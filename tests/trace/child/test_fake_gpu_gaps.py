@@ -133,3 +133,47 @@ sample.sum().backward()
         trace_source(tmp_path, "gamma.py", source, iterations=1)
     assert raised.value.kind == "not_modelled"
     assert "an op with no fake kernel (aten._standard_gamma_grad.default)" in raised.value.message
+
+BINCOUNT = """import torch
+model = torch.nn.Linear(4, 3).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    logits = model(torch.randn(64, 4, device="cuda"))
+    preds, target = logits.argmax(-1), torch.randint(0, 3, (64,), device="cuda")  # values 0..2, 64 of them
+    assert len(torch.unique(preds)) <= 3 and len(target.unique()) <= 3  # torchmetrics' argument check
+    matrix = torch.bincount(target * 3 + preds, minlength=9).reshape(3, 3)  # a confusion matrix
+    weighted = (target * 3 + preds).bincount(weights=logits[:, 0].detach(), minlength=9)
+    assert weighted.shape == (9,) and weighted.dtype == torch.float32, weighted.shape
+    assert torch.ops.aten.bincount(preds, None, 5).shape == (5,)
+    counts = (logits > 0).sum(-1)  # no range known: the program's minlength is the count of bins
+    assert torch.bincount(counts, minlength=4).shape == (4,)
+    assert torch.bincount(preds[:0], minlength=7).shape == (7,)
+    optimizer.zero_grad()
+    (logits.sum() + matrix.float().sum()).backward()
+    optimizer.step()
+"""
+
+
+def test_bincount_and_unique_follow_the_range_of_their_values_and_minlength(tmp_path):
+    """upstream bincount gives max(x) + 1 bins, at least minlength: a confusion matrix of class indices (argmax,
+    randint) has the minlength bins it reshapes to (one per element before: 64), and unique finds at most the
+    range's values."""
+    trace = trace_source(tmp_path, "bincount.py", BINCOUNT, iterations=1)
+    assert "bincount() took its minlength bins, as if every value were below it (no real data)" in trace.warnings
+
+
+def test_torchmetrics_confusion_matrix_keeps_its_shape(tmp_path):
+    pytest.importorskip("torchmetrics")
+    source = """import torch, torchmetrics
+model = torch.nn.Linear(4, 3).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+matrix = torchmetrics.classification.MulticlassConfusionMatrix(num_classes=3).cuda()
+for _ in range(3):
+    logits = model(torch.randn(64, 4, device="cuda"))
+    matrix.update(logits.argmax(-1), torch.randint(0, 3, (64,), device="cuda"))
+    assert matrix.compute().shape == (3, 3)
+    optimizer.zero_grad()
+    logits.sum().backward()
+    optimizer.step()
+"""
+    assert trace_source(tmp_path, "confusion.py", source, iterations=1).iterations == 1

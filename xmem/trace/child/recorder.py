@@ -34,6 +34,7 @@ from xmem.trace.errors import NotModelled
 from xmem.trace.child.fakecuda import FakeCuda
 from xmem.trace.child.known_values import KnownValues
 from xmem.trace.child.standins import StandIns, guess_truth
+from xmem.trace.child.value_bounds import ValueBounds
 
 aten = torch.ops.aten
 
@@ -268,6 +269,8 @@ class AllocationRecorder(TorchDispatchMode):
         self.stand_ins = StandIns(self.warn, lambda: (state.iteration, state.phase))
         self.known = KnownValues()  # values of GPU tensors copied from the host, which the stand-ins answer with
         self.stand_ins.known_value = self.known.value
+        self.bounds = ValueBounds()  # the ranges of integer GPU values, which the stand-ins of sizes follow
+        self.stand_ins.value_range = self.bounds.of
         self._connect()
 
     def _connect(self) -> None:
@@ -348,6 +351,7 @@ class AllocationRecorder(TorchDispatchMode):
         if self.state.stopped:
             return out
         self.known.keep(plan, out)
+        self.bounds.note(func, name, args, kwargs, out)
         self.stand_ins.note_host_results(args, kwargs, out)
         self._note_outputs(out, name, args)
         if name in fft.FFT_OPS and isinstance(out, torch.Tensor) and out.device.type == "cuda":

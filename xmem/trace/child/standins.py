@@ -14,7 +14,9 @@ The rules, chosen so that a memory estimate errs on the large side and loops end
   argument validation, `constraint.check(value)` on every torch.distributions object, run anew in each call) keeps
   its answer however often it is asked;
 - data-dependent sizes: every element selected (`nonzero`, `masked_select`, boolean-mask indexing), every value
-  distinct (`unique`), `bincount` as long as its input (or `minlength` when larger), tensor-valued
+  distinct (`unique`: at most as many as the values' range holds, where the ops that made them fix one:
+  `xmem.trace.child.value_bounds`), `bincount` up to the highest value of that range (else `minlength` when given,
+  else as long as its input; never shorter than `minlength`), tensor-valued
   `repeat_interleave` as `input.numel() * max(1, repeats.numel())` elements unless `output_size` says, every box
   kept by torchvision's `nms`.
 A tensor whose real value is known (copied from the host: `xmem.trace.child.known_values`) is answered with it
@@ -41,6 +43,9 @@ from xmem.trace.errors import as_on_a_gpu
 aten = torch.ops.aten
 
 SCALAR_WARNING = "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)"
+BINCOUNT_RANGE_WARNING = ("bincount() counted bins up to the highest value its input's range allows (no real "
+                          "data under fake CUDA)")
+BINCOUNT_MINLENGTH_WARNING = "bincount() took its minlength bins, as if every value were below it (no real data)"
 SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
 MAX_TRUE_STAND_INS = 100
 _INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
@@ -68,6 +73,9 @@ class StandIns:
         self._from_gpu: dict[int, weakref.finalize] = {}
         # the real value of a fake tensor where it is known, else None (the recorder's KnownValues.value)
         self.known_value: Callable[[Any], torch.Tensor | None] = lambda tensor: None
+        # the (lowest, highest) of an integer tensor's values where the ops that made it fix them, else None (the
+        # recorder's ValueBounds.of)
+        self.value_range: Callable[[Any], tuple[int, int] | None] = lambda tensor: None
         self._true_answers: dict[tuple, int] = {}
         # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
         # that is: xmem.trace.child.attribution).
@@ -148,13 +156,9 @@ class StandIns:
         self._stood_in(x, f"the size of {name}()")
         if name in _UNIQUE_OPS:
             self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
-            return _unique_upper_bound(name, x, args, kwargs)
+            return _unique_upper_bound(name, x, args, kwargs, self.value_range(x))
         if name == "bincount":
-            self.warn("bincount() assumed as many bins as input elements (no real data under fake CUDA)")
-            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
-            weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
-            dtype = torch.long if weights is None else (torch.double if weights.dtype != torch.float else weights.dtype)
-            return torch.zeros(max(x.numel(), minlength), dtype=dtype, device=x.device)
+            return self._bincount(x, args, kwargs)
         if name == "repeat_interleave":
             self.warn("repeat_interleave() with tensor repeats assumed the largest output (no real data)")
             repeats = x if len(args) == 1 or not isinstance(args[1], torch.Tensor) else args[1]
@@ -180,6 +184,29 @@ class StandIns:
                     indices.append(index)
             return func(x, indices)
         return None  # no rule: the caller re-raises
+
+    def _bincount(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """upstream: one bin per value up to the largest (max(x) + 1), at least `minlength`, none for an empty
+        input. The largest value stood in for: the highest its range allows where the ops that made it fix one
+        (exact whenever `minlength` covers the range), else the last of the bins the program asked for with
+        `minlength` (a class count: torchmetrics' confusion matrix reshapes them), else one bin per element."""
+        minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0) or 0
+        weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
+        dtype = torch.long if weights is None else (torch.double if weights.dtype != torch.float else weights.dtype)
+        bounds = self.value_range(x)
+        if x.numel() == 0:
+            largest = -1
+        elif bounds is not None:
+            largest = bounds[1]
+            if largest >= minlength:
+                self.warn(BINCOUNT_RANGE_WARNING)
+        elif minlength:
+            largest = minlength - 1
+            self.warn(BINCOUNT_MINLENGTH_WARNING)
+        else:
+            largest = x.numel() - 1
+            self.warn("bincount() assumed as many bins as input elements (no real data under fake CUDA)")
+        return torch.zeros(max(largest + 1, minlength), dtype=dtype, device=x.device)
 
     def _packed_from_host_lengths(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
         """pack_padded_sequence: upstream (`_pack_padded_sequence`, aten's PackedSequence.cpp) takes the lengths on
@@ -275,8 +302,10 @@ def guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
             tensor._xmem_truth = not args[0]._xmem_truth
 
 
-def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-    """(values, inverse, counts) of a unique op with every value distinct; unrequested parts are empty."""
+def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict,
+                        bounds: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """(values, inverse, counts) of a unique op with every value distinct, as many as there are elements or, for
+    values within a known range, as the range holds; unrequested parts are empty."""
     inverse_at, counts_at = _UNIQUE_OPS[name]
 
     def asked(position: int | None, keyword: str) -> bool:
@@ -284,11 +313,12 @@ def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -
             return False
         return bool(kwargs.get(keyword, args[position] if len(args) > position else False))
 
-    values = torch.empty(x.numel() if name != "unique_dim" else x.shape, dtype=x.dtype, device=x.device)
+    distinct = x.numel() if bounds is None else min(x.numel(), bounds[1] - bounds[0] + 1)
+    values = torch.empty(distinct if name != "unique_dim" else x.shape, dtype=x.dtype, device=x.device)
     inverse = torch.empty(x.shape if asked(inverse_at, "return_inverse") else 0, dtype=torch.long, device=x.device)
     if counts_at is None:
         return values, inverse
-    counts = torch.empty(x.numel() if asked(counts_at, "return_counts") else 0, dtype=torch.long, device=x.device)
+    counts = torch.empty(distinct if asked(counts_at, "return_counts") else 0, dtype=torch.long, device=x.device)
     return values, inverse, counts
 
 
