@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -438,6 +439,10 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
         return TraceError("memory_limit", f"the tracer was killed by signal {number} ({name}) {when}, most likely "
                                           f"for host memory (the node's out-of-memory killer{limit}: "
                                           "estimate.memory_limit_gib in the site config)", output=output)
+    if number in FAULTS:
+        return TraceError("not_modelled", f"not modelled: the traced program crashed on signal {number} ({name}) "
+                                          f"{when}{_fault_site(run.output)}, in native code running under the fake "
+                                          "GPU: a gap of xmem's, not the program's error", output=output)
     if number == signal.SIGKILL:
         return TraceError("crashed", f"the program was killed by signal {number} ({name}) {when}, not for host "
                                      "memory (the kernel counted no out-of-memory kill meanwhile): by a CPU-time "
@@ -463,6 +468,26 @@ def _classified(error: TraceError, memory_limit_bytes: int) -> TraceError:
 
 def _out_of_memory(text: str) -> bool:
     return any(sign in text for sign in ("MemoryError", "std::bad_alloc", "can't allocate memory"))
+
+
+# What a process's own native code dies of when it faults. Under the fake GPU that is native code given what only a
+# real GPU holds (a GPU tensor's data: there is none), or a fault of the tracer's own: ours to name (exit 11), where
+# an outside signal (SIGTERM, SIGINT) or the program's own abort() reads as "crashed".
+FAULTS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+# A frame of the Python stack that the tracing child's faulthandler writes on such a crash (most recent first).
+FAULT_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+)', re.MULTILINE)
+NOT_THE_PROGRAMS = ("site-packages", "dist-packages", f"{os.sep}lib{os.sep}python3", f"{os.sep}xmem{os.sep}trace",
+                    "<frozen")
+
+
+def _fault_site(output: str) -> str:
+    """" (at train.py:12)": the innermost frame of the program's own files in the Python stack the crash dumped
+    (the last one dumped); "" where none was."""
+    dumped = output[output.rfind("Fatal Python error"):] if "Fatal Python error" in output else ""
+    for frame in FAULT_FRAME.finditer(dumped):
+        if not any(part in frame["path"] for part in NOT_THE_PROGRAMS):
+            return f" (at {os.path.basename(frame['path'])}:{frame['line']})"
+    return ""
 
 
 def _signal_name(number: int) -> str:

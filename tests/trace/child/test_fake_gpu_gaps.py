@@ -1,10 +1,13 @@
 """What real programs hit on the fake GPU, traced through the real tracer (issue 31, item 5): each program checks
 what a GPU run would give it, so a gap ends the trace with the program's own error."""
 
+import signal
+
 import pytest
 
 from tests.trace.child.test_host import trace_source
 from xmem.trace import TraceError
+from xmem.trace.runner import ChildRun, _no_result
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
 
@@ -177,3 +180,29 @@ for _ in range(3):
     optimizer.step()
 """
     assert trace_source(tmp_path, "confusion.py", source, iterations=1).iterations == 1
+
+
+def test_a_segfault_under_the_fake_gpu_is_named_as_ours_with_the_programs_line(tmp_path):
+    """A fatal signal of the traced process's own native code (a library handed a GPU tensor's missing data, a
+    fault of the tracer's): exit 11, naming the signal and the program's line from the Python stack the crash
+    dumped; never the program's error, never a bare "crashed"."""
+    source = """import ctypes
+import torch
+weights = torch.nn.Linear(4, 3).cuda().weight
+ctypes.string_at(weights.data_ptr())  # what a native extension does with a GPU tensor's pointer
+"""
+    with pytest.raises(TraceError) as raised:
+        trace_source(tmp_path, "segfault.py", source, iterations=1)
+    error = raised.value
+    assert error.kind == "not_modelled" and "signal 11 (SIGSEGV)" in error.message, error.message
+    assert "(at segfault.py:4)" in error.message and "a gap of xmem's, not the program's error" in error.message
+
+
+def test_a_silent_fault_still_names_its_signal_and_whose_it_is():
+    """No output at all (the stack dump lost): the line still says which signal and that it is the product's."""
+    error = _no_result({"signal": signal.SIGSEGV}, ChildRun("", -signal.SIGSEGV, "running the program"), 1 << 30)
+    assert error.kind == "not_modelled"
+    assert error.message == ("not modelled: the traced program crashed on signal 11 (SIGSEGV) before the trace "
+                             "ended (last progress: running the program), in native code running under the fake "
+                             "GPU: a gap of xmem's, not the program's error")
+    assert _no_result({"signal": signal.SIGTERM}, ChildRun("", -15), 0).kind == "crashed"  # sent from outside

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -85,6 +87,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
                   progress: Callable[[str], None], deadline: float | None = None):
     """Run the program under fake CUDA and return its Trace; raise ChildFailure for the error contract.
     `deadline` (time.monotonic()): the trace's own time limit for a program short of its first step."""
+    _dump_stack_on_faults()
     os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
@@ -136,6 +139,15 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     if trace.used_cuda and trace.iterations == 0:
         _without_training(trace, state, len(fake.optimizers))
     return trace
+
+
+def _dump_stack_on_faults() -> None:
+    """A fault in native code (SIGSEGV, SIGBUS, SIGILL, SIGFPE) dumps the Python stack onto the program's output,
+    where the runner names the program's line that reached it (runner._fault_site); the process still dies of its
+    signal. The program's own abort() stays as it was, with no dump (faulthandler takes SIGABRT too)."""
+    faulthandler.enable()
+    if threading.current_thread() is threading.main_thread():  # where Python may set a signal's handler
+        signal.signal(signal.SIGABRT, signal.SIG_DFL)
 
 
 def _without_training(trace: Any, state: Any, optimizers: int) -> None:
