@@ -132,6 +132,20 @@ def test_failed_estimate_cancels_the_job_when_fail_closed(deferred_cluster, work
     assert "job+refused" in info["Comment"]
 
 
+def test_a_users_comment_that_starts_with_xmem_keeps_the_rewrite(deferred_cluster, work):
+    """The user's own `xmem:` word was read before the filter's token: the estimation job found no stamp in the
+    reply, and a rewritten job said state=unchanged (its Epilog record too)."""
+    cluster = deferred_cluster
+    sub = cluster.sbatch(script(work, "xmem-comment.sh", "# a comment of the user's\npython train.py\n"),
+                         "--comment=xmem:mine;peak=²")
+    assert sub.returncode == 0, sub.stderr
+    info = wait_settled(cluster, sub.job_id)
+    assert info["Comment"].startswith("xmem:mine;peak=² xmem:peak=")
+    fields = comment_fields(info["Comment"])
+    assert (fields["state"], fields["was"]) == ("done", "gpu:1") and info["TresPerNode"] != "gres:gpu:1"
+    cluster.run("scancel", sub.job_id)
+
+
 def test_estimation_job_cancelled_by_hand_releases_the_job(deferred_cluster, work):
     cluster = deferred_cluster
     sub = cluster.sbatch(script(work, "cancelled.sh", "# another version\npython train.py\n"))
@@ -322,8 +336,9 @@ def test_a_request_slurm_will_not_take_back_keeps_the_job_held_not_gpuless(defer
 
 
 def test_an_estimation_job_leaves_no_warm_tracer_behind(deferred_cluster, submitter, mine):
-    """With the warm tracer asked for (the user's XMEM_WARM_TRACER=1, handed on by --export=ALL), the estimation job
-    still traces cold: a server started there would hold 0.7 GiB of the CPU node for its idle time."""
+    """With the warm tracer asked for (the user's XMEM_WARM_TRACER=1, handed on by --export=ALL, and dropped by the
+    deferred steps as every user setting is), the estimation job still traces cold: a server started there would hold
+    0.7 GiB of the CPU node for its idle time."""
     import subprocess
 
     cluster = deferred_cluster

@@ -266,6 +266,27 @@ def test_job_the_estimator_cannot_handle_is_refused_when_fail_closed(cluster, wo
     assert set(cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout.split()) == set(known)
 
 
+@pytest.mark.parametrize("own", ["fifo", "/dev/zero", "closed"])
+def test_a_users_own_xmem_config_neither_holds_nor_changes_the_filter(cluster, work, tmp_path, own):
+    """The filter ran with the submitting user's XMEM_CONFIG: a FIFO or /dev/zero held sbatch 76-340 s, and a
+    fail-closed config of their own refused what the site lets through."""
+    mine = tmp_path / "mine.toml"
+    if own == "fifo":
+        os.mkfifo(mine)
+    elif own == "closed":
+        mine.write_text(re.sub(r'(?m)^failure = "open"', 'failure = "closed"', cluster.config.read_text()))
+    else:
+        mine = Path(own)
+    path = script(work, f"own-config-{own.strip('/').replace('/', '-')}.sh", "#SBATCH --gres=gpu:1",
+                  "python broken.py\n")
+    sub = cluster.sbatch(path, env={"XMEM_CONFIG": str(mine)})
+    assert sub.returncode == 0, sub.stderr  # the site fails open
+    (line,) = xmem_lines(sub.stderr)
+    assert "cannot estimate this job's GPU memory" in line and "submitted unchanged" in line
+    assert sub.seconds < 60
+    cluster.run("scancel", sub.job_id)
+
+
 def test_cpu_job_is_untouched(cluster, work):
     path = script(work, "cpu.sh", "#SBATCH --ntasks=1", "echo cpu only\n")
     sub = cluster.sbatch(path)
