@@ -130,11 +130,20 @@ def test_command_not_found_exits_3(tmp_path):
 
 
 def test_not_a_python_program_exits_4(tmp_path):
+    binary = tmp_path / "tool"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(64))  # a compiled program: its GPU use is native
+    binary.chmod(0o755)
+    run = xmem("--json", "--gpu", "t4", "--", str(binary), cwd=tmp_path)
+    assert run.returncode == 4, run.stderr
+    assert json_stdout(run)["error"] == "not_python"
+
+
+def test_a_shell_script_that_starts_no_python_exits_9_with_what_it_printed(tmp_path):
     script = write(tmp_path, "job.sh", "#!/bin/sh\necho hi\n")
     script.chmod(0o755)
     run = xmem("--json", "--gpu", "t4", "--", str(script), cwd=tmp_path)
-    assert run.returncode == 4, run.stderr
-    assert json_stdout(run)["error"] == "not_python"
+    assert run.returncode == 9, run.stderr
+    assert json_stdout(run)["error"] == "no_cuda" and "hi" in json_stdout(run)["output"]
 
 
 def test_user_code_raising_exits_5_with_its_traceback(tmp_path):

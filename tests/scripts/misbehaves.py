@@ -54,7 +54,8 @@ if args.how == "spawn":
     spawn_helpers(args.value)
 if args.how == "hold":
     piece = 64 << 20
-    dataset = [bytearray(piece) for _ in range(int(float(args.value) * (1 << 30) / piece))]
+    # filled, not zeroed: zeroed pages are never touched, and the trace's limit is on resident memory
+    dataset = [bytearray(b"\x01") * piece for _ in range(int(float(args.value) * (1 << 30) / piece))]
     print(f"cached {len(dataset) * piece / (1 << 30):.2f} GiB of data", flush=True)
 
 model = nn.Linear(8, 8).cuda()

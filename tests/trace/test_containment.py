@@ -139,10 +139,11 @@ def test_host_memory_limit_from_the_site_config_is_its_own_error(tmp_path):
 
 
 def test_the_tracer_runs_under_a_cpu_time_and_a_host_memory_limit():
-    """So that a tracer whose caller vanished still stops, and a program cannot take the login node's memory."""
+    """So that a tracer whose caller vanished still stops, and a program cannot take the login node's memory: the
+    limit is on resident memory (watched by the sandbox), with RLIMIT_DATA as a backstop for reservations."""
     with pytest.raises(TraceError) as caught:
         run_trace(["python", MISBEHAVES, "--how", "limits"], timeout=200, memory_limit_bytes=3 << 30)
-    assert f"cpu {200 * os.cpu_count() + 60} data {3 << 30}" in caught.value.output
+    assert f"cpu {200 * os.cpu_count() + 60} data {sandbox.DATA_BACKSTOP * (3 << 30)}" in caught.value.output
 
 
 def test_failed_estimate_shows_what_the_program_printed(tmp_path):
@@ -157,3 +158,15 @@ def test_failed_estimate_shows_what_the_program_printed(tmp_path):
     assert "  | loading shard 29\n" in printed and "loading shard 9\n" not in printed  # the last 20
     assert printed.index("loading shard 29") < printed.index("FileNotFoundError: shard 30 is missing")
     assert "loading shard 29" in json.loads(run.stdout)["output"]
+
+
+def test_host_memory_reserved_but_never_touched_is_not_held(tmp_path):
+    """The limit is on what the program holds resident: a 3 GiB host buffer it never fills (as ZeRO-3's offload
+    reserves for what the fake GPU never writes) passes a 1.5 GiB limit; filling 3 GiB does not (test above)."""
+    script = tmp_path / "reserves.py"
+    script.write_text("import torch\nbuffer = torch.empty(3 << 30, dtype=torch.uint8)\n"
+                      "layer = torch.nn.Linear(8, 8).cuda()\noptimizer = torch.optim.SGD(layer.parameters())\n"
+                      "for _ in range(2):\n"
+                      "    layer(torch.randn(2, 8, device='cuda')).sum().backward(); optimizer.step()\n")
+    trace = run_trace(["python", str(script)], iterations=2, memory_limit_bytes=int(1.5 * (1 << 30)))
+    assert trace.iterations == 2

@@ -53,6 +53,12 @@ MAX_TRACE_SECONDS = 3600  # the CPU-time limit's base when the caller sets no ti
 # (TrainingState.deadline), leaving the rest for the tracer to write its result.
 DEADLINE_SHARE = 0.8
 LOADING_PROGRESS = "loading fake CUDA"  # the tracer's progress line before the program runs
+# The trace has no network (loopback only): libraries are told so, as on an offline compute node, so that they take
+# their cached files at once instead of failing a download (huggingface_hub, transformers, datasets), and
+# transformers uses its own PyTorch ops instead of fetching kernels from the hub (`kernels`, from 5.25 on a CUDA
+# device; its fused rotary embedding holds no more than the PyTorch one does).
+OFFLINE_NODE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "USE_HUB_KERNELS": "NO"}
 LAUNCH_MODULE = "xmem.trace.child.launch"  # the root of a command that is not Python itself
 STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its group is killed
 
@@ -212,6 +218,8 @@ def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict
     paths = [BOOT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    for name, value in OFFLINE_NODE.items():  # -- issue 31: the job's own setting, where it has one, stays
+        child_env.setdefault(name, value)
     child_env[shim.DIR_ENV] = str(shim.cache_dir())  # -- issue 21: ours, never the job's (it could name /dev/shm)
     return child_env
 
@@ -430,6 +438,10 @@ def _no_result(status: dict, run: ChildRun, memory_limit_bytes: int) -> TraceErr
                                         "returns or calls sys.exit()", output=output)
     number = status["signal"]
     name = _signal_name(number)
+    if "resident" in status:  # the sandbox ended it at the host-memory limit: no guess needed
+        return TraceError("memory_limit", f"the program needed more host memory than the trace may use "
+                                          f"({gib_words(memory_limit_bytes)}: estimate.memory_limit_gib in the site "
+                                          f"config): it held {gib_words(status['resident'])} {when}", output=output)
     # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one (at once where the two are equal, as a
     # program may set them); the out-of-memory killer sends SIGKILL too, and the kernel counts each of its kills.
     if number == signal.SIGXCPU or number == signal.SIGKILL and _cpu_limit_reached(run):

@@ -397,7 +397,7 @@ def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict, guard: l
             "interpreters NOT guarded (a Python process started with -I, -S, -E or a cleared environment escapes)"
         _write_result(scratch, {"protection": f"{read_result(scratch).get('protection', '')}; {said}"})
     tracer = _start_tracer(argv, limits, env)
-    status = _wait_for(tracer)
+    status = _wait_for(tracer, limits.memory_bytes)
     _write_result(scratch, {"status": status})
     os._exit(0)
 
@@ -415,7 +415,7 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, protected: list
     landlock = landlock_abi()
     tracer = _start_tracer(_redirected(argv), limits, env, writable=[str(scratch)] if landlock else None)
     _stop_descendants_on_signal()
-    status = _wait_for(tracer)
+    status = _wait_for(tracer, limits.memory_bytes)
     kill_descendants()
     backstop = f"Landlock (ABI {landlock}) refuses other writes" if landlock else \
         "no Landlock: C-level writes land, the shim cache is not protected"
@@ -548,14 +548,16 @@ def restrict_writes(writable: list[str], abi: int) -> None:
 # ---- the tracer process -----------------------------------------------------------------------------------------
 
 class Limits:
-    """What the tracer may use: host memory (bytes of RLIMIT_DATA) and CPU seconds (RLIMIT_CPU)."""
+    """What the tracer may use: host memory (resident bytes per process, watched by `_wait_for`; RLIMIT_DATA at
+    DATA_BACKSTOP times it) and CPU seconds (RLIMIT_CPU)."""
 
     def __init__(self, memory_bytes: int, cpu_seconds: int) -> None:
         self.memory_bytes, self.cpu_seconds = memory_bytes, cpu_seconds
 
     def apply(self) -> None:
         if self.memory_bytes > 0:
-            _lower_limit(resource.RLIMIT_DATA, self.memory_bytes, self.memory_bytes)
+            backstop = self.memory_bytes * DATA_BACKSTOP
+            _lower_limit(resource.RLIMIT_DATA, backstop, backstop)
         if self.cpu_seconds > 0:  # SIGXCPU at the soft limit, SIGKILL at the hard one
             _lower_limit(resource.RLIMIT_CPU, self.cpu_seconds, self.cpu_seconds + 5)
 
@@ -622,17 +624,63 @@ def capabilities() -> dict[str, int]:
             for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")}
 
 
-def _wait_for(pid: int) -> dict:
-    """Wait for `pid`, reaping every other child (orphans) meanwhile; how it ended: {"exit": N} or {"signal": N}."""
+def _wait_for(pid: int, resident_limit: int = 0) -> dict:
+    """Wait for `pid`, reaping every other child (orphans) meanwhile; how it ended: {"exit": N} or {"signal": N}.
+    With `resident_limit`, every process below this one is watched too: the first whose resident memory passes it
+    ends `pid` (SIGKILL), and the result says so: {"signal": 9, "resident": bytes, "pid": N}."""
+    over = None
     while True:
         try:
-            done, status = os.wait()
+            done, status = os.waitpid(-1, os.WNOHANG if resident_limit else 0)
         except InterruptedError:
             continue
+        except ChildProcessError:  # nothing left to wait for (the tracer was reaped already)
+            return {"exit": 0}
         if done == pid:
+            if over is not None:
+                return {"signal": signal.SIGKILL, **over}
             if os.WIFSIGNALED(status):
                 return {"signal": os.WTERMSIG(status)}
             return {"exit": os.WEXITSTATUS(status)}
+        if done == 0:  # none ended: look at the memory, then again in a moment
+            over = over or _over_memory(resident_limit)
+            if over is not None:
+                _kill_quietly(pid)
+            time.sleep(MEMORY_POLL_S)
+
+
+# The host-memory limit is on what a process holds resident (anonymous pages and shared memory), checked every
+# MEMORY_POLL_S, per process as before: a reservation it never touches (a pinned offload buffer that the fake GPU
+# never fills, a checkpoint's place) costs the login node nothing and no longer counts. RLIMIT_DATA stays as a
+# backstop against runaway reservations, at DATA_BACKSTOP times the limit.
+MEMORY_POLL_S = 0.05
+DATA_BACKSTOP = 16
+
+
+def _over_memory(limit: int) -> dict | None:
+    """The first process below this one whose resident memory is over `limit`: {"resident": bytes, "pid": N}."""
+    for child in descendants(os.getpid()):
+        resident = resident_bytes(child)
+        if resident > limit:
+            return {"resident": resident, "pid": child}
+    return None
+
+
+def resident_bytes(pid: int) -> int:
+    """What `pid` holds in memory of its own: RssAnon + RssShmem of /proc/PID/status (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return sum(int(fields.get(name, "0 kB").split()[0]) << 10 for name in ("RssAnon", "RssShmem"))
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _write_result(scratch: Path, fields: dict) -> None:
