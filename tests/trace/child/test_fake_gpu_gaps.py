@@ -92,6 +92,13 @@ def test_pack_padded_sequence_refuses_unsorted_lengths_as_upstream_does(tmp_path
         trace_source(tmp_path, "pack.py", source, iterations=1)
     assert raised.value.kind == "user_error" and "sorted in decreasing order" in raised.value.message
 
+
+def test_pack_padded_sequence_refuses_lengths_on_the_gpu_as_upstream_does(tmp_path):
+    source = PACK.replace("torch.tensor([10, 7, 5, 2])", "torch.tensor([10, 7, 5, 2], device='cuda')")
+    with pytest.raises(TraceError) as raised:
+        trace_source(tmp_path, "pack.py", source, iterations=1)
+    assert raised.value.kind == "user_error" and "1D CPU int64 tensor" in raised.value.message
+
 SYNC_BATCH_NORM = """import os
 import torch
 import torch.distributed as dist

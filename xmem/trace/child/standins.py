@@ -217,9 +217,7 @@ class StandIns:
         the packed size. Lengths on the GPU are refused there as on a GPU; None where their values are unknown."""
         padded, lengths = args[0], args[1]
         batch_first = kwargs.get("batch_first", args[2] if len(args) > 2 else False)
-        if lengths.device.type != "cpu":
-            raise as_on_a_gpu(RuntimeError(f"pack_padded_sequence takes its lengths as a 1D CPU int64 tensor "
-                                           f"(upstream's _pack_padded_sequence refuses them on {lengths.device})"))
+        _lengths_on_the_host(lengths)
         host = self.known_value(lengths) if isinstance(lengths, FakeTensor) else lengths
         if host is None:
             return None
@@ -282,6 +280,14 @@ class StandIns:
         torch.Tensor.numpy = numpy
         torch.Tensor.tolist = FakeTensor.tolist = tolist  # FakeTensor's own goes element by element
         torch.Tensor.__format__ = format_
+
+
+def _lengths_on_the_host(lengths: torch.Tensor) -> None:
+    """upstream's _pack_padded_sequence refuses lengths on the GPU: so does the trace, as the program's error. Raised
+    while the recorder handles the fake mode's refusal of the op, which is not the cause (`from None`)."""
+    if lengths.device.type != "cpu":
+        raise as_on_a_gpu(RuntimeError(f"pack_padded_sequence takes its lengths as a 1D CPU int64 tensor (upstream's "
+                                       f"_pack_padded_sequence refuses them on {lengths.device})")) from None
 
 
 def _ones_like_on_host(tensor: torch.Tensor) -> torch.Tensor:
