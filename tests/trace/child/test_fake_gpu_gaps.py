@@ -158,6 +158,9 @@ for _ in range(3):
     counts = (logits > 0).sum(-1)  # no range known: the program's minlength is the count of bins
     assert torch.bincount(counts, minlength=4).shape == (4,)
     assert torch.bincount(preds[:0], minlength=7).shape == (7,)
+    shifted = target.clone()
+    shifted += 10  # written in place: its range moves with it (10..12)
+    assert 11 <= len(torch.bincount(shifted, minlength=3)) <= 13
     optimizer.zero_grad()
     (logits.sum() + matrix.float().sum()).backward()
     optimizer.step()

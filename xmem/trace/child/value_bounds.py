@@ -77,6 +77,8 @@ class ValueBounds:
         return [(t, bounds) for t in outs if not t.dtype.is_floating_point and not t.dtype.is_complex]
 
     def _keep(self, tensor: torch.Tensor, bounds: Range) -> None:
+        if _DTYPE_RANGES.get(tensor.dtype) == bounds:
+            return  # a boolean's (or a byte's) whole range: its dtype says as much
         ident = id(tensor)
         if ident not in self._entries:
             weakref.finalize(tensor, self._entries.pop, ident, None).atexit = False
@@ -87,8 +89,9 @@ class ValueBounds:
         if where is None:
             where = self._written_args[func] = tuple(
                 (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write)
-        written = {_storage_key(value) for i, name in where
-                   for value in _flat(args[i] if i < len(args) else kwargs.get(name))}
+        written = {_storage_key(value) for i, name in where  # (an optimizer's float parameters: none kept)
+                   for value in _flat(args[i] if i < len(args) else kwargs.get(name))
+                   if not value.dtype.is_floating_point}
         for ident in [i for i, entry in self._entries.items() if entry[2] in written]:
             del self._entries[ident]
 
