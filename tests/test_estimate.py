@@ -109,6 +109,19 @@ def test_too_small_gpu_reports_the_oom(traced):
     assert tiny.unlimited_peak_bytes == big.peak_reserved_bytes > tiny.total_bytes and big.unlimited_peak_bytes is None
 
 
+def test_breakdown_on_a_type_it_does_not_fit_is_what_the_job_needs(traced):
+    """Issue 32: the breakdown under "needs X" added up to the state at the failed allocation (less than the GPU);
+    it is the peak of the run on a device large enough, and adds up to the need."""
+    overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}},
+                 "overhead": {"Tiny": {"context_bytes": 0, "library_bytes": {"cublas": 0}}}}
+    for shared in ([], ["a100"]):  # alone, and sharing its replay with a type it fits
+        result = estimate(["python", "train.py"], gpus=["tiny", *shared], catalog_overrides=overrides)
+        tiny, parts = result.gpus["Tiny"], result.breakdowns["Tiny"]
+        assert not tiny.fits
+        assert sum(parts.values()) == tiny.unlimited_peak_bytes > tiny.total_bytes
+        assert parts["optimizer_state"] == 80 * MIB and parts["temporary"] == 40 * MIB  # the step's peak, reached
+
+
 def test_json_has_the_documented_keys_and_round_trips(traced):
     data = json.loads(json.dumps(estimate(["python", "train.py"], gpus=["a100"]).to_json()))
     assert {"command", "gpus", "breakdown", "iterations", "seconds", "warnings", "libraries", "used_cuda",

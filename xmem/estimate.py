@@ -201,7 +201,8 @@ class SharedReplays:
 def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mapping[str, str] | None = None, *,
                  with_breakdown: bool = False, replays: SharedReplays | None = None,
                  devices: Sequence[int] | None = None) -> tuple[GpuEstimate, dict[str, int]]:
-    """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak.
+    """Orchestrate and simulate `trace` on `gpu`, and (if asked) the breakdown at the peak (where it ran out of
+    memory, at the peak of the replay with no limit: what the job needs).
 
     With several devices in the trace, the device with the highest peak (or the first OOM) counts. `replays`, if
     given, shares replays between the GPU types of one estimate (see `_replay`).
@@ -211,10 +212,11 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     ops, sim, device = busiest_replay(trace, lambda d: _replay(trace, gpu, config, env, d, capacity, replays),
                                       devices)
     peak = sim.peak_reserved + overhead
-    unlimited = None
+    unlimited, needed = None, sim
     if sim.oom is not None:
         key = _replay_key(trace, gpu, env, device)
-        unlimited = _unlimited_replay(ops, config, key, replays).peak_reserved + overhead
+        needed = _unlimited_replay(ops, config, key, replays)
+        unlimited = needed.peak_reserved + overhead
     gpu_estimate = GpuEstimate(
         gpu=gpu.name,
         total_bytes=gpu.total_bytes,
@@ -231,12 +233,15 @@ def estimate_gpu(trace: Trace, gpu: GpuType, config: AllocatorConfig, env: Mappi
     )
     if not with_breakdown:
         return gpu_estimate, {}
+    # The breakdown says what the job needs: where the replay ran out of memory, the state at the failed
+    # allocation is only what fitted before it, so the peak of the replay with no limit is broken down instead
+    # (it adds up to `unlimited_peak_bytes`, the "needs" figure).
     if replays is None:
-        return gpu_estimate, breakdown_at(ops, sim.fullest_peak_index, sim.peak_reserved, overhead)
-    key = (id(ops), sim.fullest_peak_index)  # shared ops live as long as `replays`: their id is theirs
+        return gpu_estimate, breakdown_at(ops, needed.fullest_peak_index, needed.peak_reserved, overhead)
+    key = (id(ops), needed.fullest_peak_index)  # shared ops live as long as `replays`: their id is theirs
     if key not in replays.tensors_at:
-        replays.tensors_at[key] = tensors_at(ops, sim.fullest_peak_index)
-    return gpu_estimate, with_slack(replays.tensors_at[key], sim.peak_reserved, overhead)
+        replays.tensors_at[key] = tensors_at(ops, needed.fullest_peak_index)
+    return gpu_estimate, with_slack(replays.tensors_at[key], needed.peak_reserved, overhead)
 
 
 def busiest_replay(trace: Trace, replay: Callable[[int], tuple[GpuOps, SimResult]],

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import xmem.cli.estimate  # noqa: F401 - registers the command
 from xmem.cli import app
-from xmem.cli.estimate import show_estimate
+from xmem.cli.estimate import breakdown_title, show_estimate
 from xmem.config import MarginConfig
 from xmem.estimate import Estimate
 
@@ -144,7 +144,10 @@ def test_table_marks_the_type_shown_below_and_a_site_pick_moves_it(record):
         show_estimate(console, result, shown=shown)
         text = console.export_text()
         marked = [line.split()[1] for line in text.splitlines() if line.rstrip(" │").endswith("*")]
-        assert marked == [shown] and f"At the peak on {shown}" in text and f"*: {shown}, the GPU type" in text
+        assert marked == [shown] and breakdown_title(result, shown) in text and f"*: {shown}, the GPU type" in text
         parts = result.breakdowns[shown]
         assert f"{parts['overhead'] / MIB:.1f} MiB" in text
     assert shown == "RTX-4060-8GB"
+    # where it does not fit, the breakdown is what it needs (issue 32), not what fitted before the failed allocation
+    assert "What the job needs on RTX-4060-8GB" in text
+    assert sum(result.breakdowns[shown].values()) == result.gpus[shown].unlimited_peak_bytes

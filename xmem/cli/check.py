@@ -27,7 +27,7 @@ from xmem.cli import app
 from xmem.cli.common import (EXIT_INTERNAL, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
                              TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, shown_gpu,
                              stdout_to_stderr, timeout_option)
-from xmem.cli.estimate import shown_warnings
+from xmem.cli.estimate import breakdown_title, shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
@@ -281,7 +281,8 @@ def _show_estimate(console: Console, line_no: int, estimate: Estimate, verbose: 
     if breakdown:
         parts = ", ".join(f"{name.replace('_', ' ')} {size_text(n, mib_digits=0)}" for name, n in
                           sorted(breakdown.items(), key=lambda kv: -kv[1]) if n >= MIB)
-        console.print(f"line {line_no}, at the peak on {escape(str(shown))}: {escape(parts)}")
+        where = breakdown_title(estimate, str(shown))
+        console.print(f"line {line_no}, {escape(where[0].lower() + where[1:])}: {escape(parts)}")
     for reason in estimate.suspect_reasons:
         console.print(f"[red]suspect:[/] {escape(reason)}")
     for line in shown_warnings(estimate.warnings, verbose):

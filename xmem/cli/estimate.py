@@ -239,7 +239,7 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     breakdown = result.breakdowns.get(shown, result.breakdown)
     if breakdown:
         peak = sum(breakdown.values())
-        parts = Table(title=f"At the peak on {shown}")
+        parts = Table(title=breakdown_title(result, shown))
         parts.add_column("category")
         parts.add_column("memory", justify="right")
         parts.add_column("share", justify="right")
@@ -259,6 +259,15 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     console.print(f"{traced} traced in {result.seconds:.1f} s"
                   f" (torch {result.torch_version or 'unknown'} on {result.interpreter or 'an unknown interpreter'}).",
                   highlight=False)
+
+
+def breakdown_title(result: Estimate, shown: str) -> str:
+    """Where the breakdown is taken: at the peak; on a type the job does not fit, at the peak it would reach on a
+    device large enough (`xmem.estimate.estimate_gpu`), which is what it needs."""
+    g = result.gpus.get(shown)
+    if g is not None and not g.fits and g.unlimited_peak_bytes:
+        return f"What the job needs on {shown} (its peak)"
+    return f"At the peak on {shown}"
 
 
 def _tried(oom_message: str) -> str:
