@@ -3,6 +3,7 @@
 import os
 import pwd
 import threading
+import time
 
 import pytest
 
@@ -126,6 +127,23 @@ def test_slots_cap_concurrent_estimates(tmp_path):
                     pass
     with estimate_slot(tmp_path, 2, wait_s=0) as again:  # released on exit
         assert again == 0
+
+
+def test_a_wait_for_a_slot_ends_as_soon_as_it_is_cancelled(tmp_path):
+    """The filter's handoff (issue 35 item 5) cancels an estimate still waiting for a slot: it stops waiting at once,
+    not at the end of its wait, and takes no slot that frees meanwhile."""
+    stop = threading.Event()
+    cancel = threading.Timer(0.3, stop.set)
+    with estimate_slot(tmp_path, 1, wait_s=0):
+        cancel.start()
+        started = time.monotonic()
+        with pytest.raises(NoSlotFree, match="no longer wanted"):
+            with estimate_slot(tmp_path, 1, wait_s=30, cancel=stop):
+                pass
+        assert 0.25 < time.monotonic() - started < 2
+    with pytest.raises(NoSlotFree, match="no longer wanted"):  # set before: not even a free slot is taken
+        with estimate_slot(tmp_path, 1, wait_s=30, cancel=stop):
+            pass
 
 
 def test_slots_live_in_a_private_per_user_subdirectory_of_the_shared_one(tmp_path):

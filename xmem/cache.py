@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -222,18 +223,22 @@ class NoSlotFree(Exception):
 # Each user's slots live in their own subdirectory of this sticky directory (made 1777 by the site install, or by
 # the first user), else in their home cache: another user can neither hold nor squat them.
 SHARED_SLOTS_DIR = os.path.join(tempfile.gettempdir(), "xmem-slurm-slots")
+SLOT_POLL_S = 0.2  # how often a waiting estimate tries the slots again
 
 
 @contextlib.contextmanager
-def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s: float) -> Iterator[int]:
+def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s: float,
+                  cancel: threading.Event | None = None) -> Iterator[int]:
     """Hold one of this user's `max_concurrent` slots (flock'ed files in their private slot directory under
     `directory`) while an estimate runs, so that a burst of submissions does not start more estimates than the
     login node can take. Slots are per user: a lock file anyone can open is one anyone can hold, blocking everyone.
-    Waits up to `wait_s` for a slot, then raises NoSlotFree. A slot is released when its holder exits, however it
-    exits."""
+    Waits up to `wait_s` for a slot, then raises NoSlotFree; also as soon as `cancel` is set (the estimate is no
+    longer wanted: the filter handed the job off). A slot is released when its holder exits, however it exits."""
     slots = slot_dir(directory)
     deadline = time.monotonic() + wait_s
     while True:
+        if cancel is not None and cancel.is_set():
+            raise NoSlotFree("the estimate was no longer wanted while it waited for a slot")
         for i in range(max(1, max_concurrent)):
             fd = open_own(slots / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             if fd is None:
@@ -251,7 +256,10 @@ def estimate_slot(directory: str | os.PathLike[str], max_concurrent: int, wait_s
             return
         if time.monotonic() >= deadline:
             raise NoSlotFree(f"{max_concurrent} of your estimates already running on this host")
-        time.sleep(0.2)
+        if cancel is None:
+            time.sleep(SLOT_POLL_S)
+        else:
+            cancel.wait(SLOT_POLL_S)  # woken at once when set: the check above then ends the wait
 
 
 def slot_dir(directory: str | os.PathLike[str]) -> Path:

@@ -32,6 +32,9 @@ DEFAULT_TRACE_MEMORY_BYTES = 8 * GIB  # the tracer's host-memory limit unless th
 # The longest estimate timeout taken, here and on the command line: a week is beyond any wait for an estimate, and
 # far below what the waits it becomes can hold (threading's TIMEOUT_MAX; 1e308 s overflowed them).
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# The longest [filter] wait_s taken: sbatch blocks that long before a slow estimate is handed off, and a wait of
+# minutes is what the handoff exists to avoid.
+MAX_FILTER_WAIT_S = 60.0
 
 
 class ConfigError(ValueError):
@@ -119,6 +122,14 @@ class DeferredConfig:
 
 
 @dataclass(frozen=True)
+class FilterConfig:
+    """sbatch's side (xmem.slurm.filter): how long a submission waits for an estimate that is not cached before the
+    job is handed to deferred estimation (only where [deferred] cpu_partition names a partition to hand it to)."""
+
+    wait_s: float = 4.0
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     partitions: PartitionsConfig = PartitionsConfig()
     mig: MigConfig = MigConfig()
@@ -132,6 +143,7 @@ class SiteConfig:
     estimate: EstimateConfig = EstimateConfig()
     catalog_overrides: Mapping[str, Any] = field(default_factory=dict)  # xmem.gpus.load_catalog(overrides)
     deferred: DeferredConfig = DeferredConfig()
+    filter: FilterConfig = FilterConfig()
     source: str | None = None  # the file it was read from; None: built-in defaults
 
     def catalog(self) -> Mapping[str, GpuType]:
@@ -214,6 +226,7 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         estimate=_estimate(_table(data, "estimate", _keys(EstimateConfig, memory_limit_bytes="memory_limit_gib"))),
         catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
         deferred=_deferred(_table(data, "deferred", _keys(DeferredConfig))),
+        filter=_filter(_table(data, "filter", _keys(FilterConfig))),
     )
     _check_gpu_types(config)
     return config
@@ -311,6 +324,13 @@ def _deferred(table: Mapping[str, Any]) -> DeferredConfig:
         or DeferredConfig.time_limit,
         mem=_optional_string(_get(table, "mem", DeferredConfig), "deferred.mem") or DeferredConfig.mem,
     )
+
+
+def _filter(table: Mapping[str, Any]) -> FilterConfig:
+    wait = _non_negative_number(_get(table, "wait_s", FilterConfig), "filter.wait_s")
+    if not 0 < wait <= MAX_FILTER_WAIT_S:
+        raise ConfigError(f"filter.wait_s: must be more than 0 seconds and at most {MAX_FILTER_WAIT_S:g}")
+    return FilterConfig(wait_s=float(wait))
 
 
 def _check_gpu_types(config: SiteConfig) -> None:

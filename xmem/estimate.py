@@ -45,7 +45,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              on_progress: Callable[[str], None] | None = None,
              catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None,
              memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES, warm_tracer: bool = False,
-             keep_traces: dict[str, Trace] | None = None) -> Estimate:
+             keep_traces: dict[str, Trace] | None = None, cancel: threading.Event | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
@@ -53,6 +53,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`);
     `warm_tracer`: the site's `estimate.warm_tracer` (`xmem.trace.warm.enabled`).
     `keep_traces`, if given, receives the traces by capability class (for pictures of the run: `xmem.pictures`).
+    `cancel`, set from another thread, stops the trace (the tracer's TraceCancelled): its answer is not wanted.
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
     """
@@ -62,7 +63,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
                                         timeout=timeout, python=python, on_progress=on_progress,
                                         gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes,
-                                        warm_tracer=warm_tracer)
+                                        warm_tracer=warm_tracer, cancel=cancel)
     if keep_traces is not None:
         keep_traces.update(traces)
     return estimate_traces(command, traces, targets, env=env, on_progress=on_progress, started=started)
@@ -140,7 +141,7 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
                                on_progress: Callable[[str], None] | None,
                                gpus_per_node: int | None = None,
                                memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES,
-                               warm_tracer: bool = False) -> dict[str, Trace]:
+                               warm_tracer: bool = False, cancel: threading.Event | None = None) -> dict[str, Trace]:
     """One trace per capability class among `targets`, sharing the first when it is not architecture-sensitive.
 
     Each class is traced as its GPU of highest capability among `targets` (its name and memory are what the
@@ -171,7 +172,7 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
             on_progress(line)
 
     try:
-        first = trace(representative[order[0]], first_progress)
+        first = trace(representative[order[0]], first_progress, cancel)
     except BaseException:
         others.cancel()
         raise

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,15 @@ def defer_reply(script: str, request: FilterRequest, config: SiteConfig) -> Filt
     return dataclasses.replace(reply, defer=token)
 
 
+def handoff_reply(script: str, request: FilterRequest, config: SiteConfig,
+                  waited_s: float) -> tuple[FilterReply, Callable[[], None]]:
+    """The reply for a submission whose inline estimate was not ready within `waited_s` (xmem.slurm.handoff):
+    deferred as in partition mode, the line saying why; and the function that removes its snapshot again, should
+    the estimate answer inline after all."""
+    reply, token = defer(script, request, config, waited_s=waited_s)
+    return dataclasses.replace(reply, defer=token), lambda: remove_spool(spool_root(config) / token)
+
+
 def cannot_defer(request: FilterRequest) -> str | None:
     """Why this submission cannot be deferred (post-submit could not start the estimation job), or None."""
     size = len(f"{EXPORT_ENV}={request.options.get('export') or ''}".encode()) + 1
@@ -97,9 +106,11 @@ def cannot_defer(request: FilterRequest) -> str | None:
     return None
 
 
-def defer(script: str, request: FilterRequest, config: SiteConfig) -> tuple[FilterReply, str]:
+def defer(script: str, request: FilterRequest, config: SiteConfig,
+          waited_s: float | None = None) -> tuple[FilterReply, str]:
     """Snapshot the submission and answer sbatch: hold the job, mark it pending. Returns the reply and the token
-    the Lua side hands to post-submit (`submit`)."""
+    the Lua side hands to post-submit (`submit`). `waited_s`: how long the inline estimate was waited for (its
+    line says so)."""
     token = uuid.uuid4().hex
     _sweep_unqueued(spool_root(config))
     spool = spool_root(config) / token
@@ -110,8 +121,9 @@ def defer(script: str, request: FilterRequest, config: SiteConfig) -> tuple[Filt
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
     was = user_request(request.options) or "none"
-    message = (f"GPU memory estimate queued on partition {config.deferred.cpu_partition}: the job is held until "
-               f"it is done (xmem-slurm status JOBID)")
+    waited = f" not ready within {waited_s:g} s," if waited_s is not None else ""
+    message = (f"GPU memory estimate{waited} queued on partition {config.deferred.cpu_partition}: the job is held "
+               f"until it is done (xmem-slurm status JOBID)")
     comment = _with_state(request.options.get("comment"), state_pairs("pending", was, why=message))
     return FilterReply(set={"hold": "set", "comment": comment}, message=message), token
 

@@ -2,9 +2,10 @@
 
 Owns the entry point (`python -m xmem.slurm.filter`, also `xmem-slurm filter`), the `--wrap` script, and which
 path a submission takes: none (no script, a CPU job, a hetjob), inline (xmem.slurm.inline: estimated now, or
-from the cache), or deferred (xmem.slurm.deferred: held and estimated as a CPU job). The JSON exchanged with the
-Lua side and the reply are xmem.slurm.contract's; parsing the script, the estimate and the policy belong to
-xmem.jobscript, xmem.analyze and xmem.policy, and nothing here second-guesses them.
+from the cache), deferred (xmem.slurm.deferred: held and estimated as a CPU job), or inline unless not ready
+within `[filter] wait_s`, then deferred (xmem.slurm.handoff: where the site has a CPU partition). The JSON
+exchanged with the Lua side and the reply are xmem.slurm.contract's; parsing the script, the estimate and the
+policy belong to xmem.jobscript, xmem.analyze and xmem.policy, and nothing here second-guesses them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from xmem.slurm.cache_check import REWRITE_OPTIONS, still_offered
 from xmem.slurm.cluster import test_only_refusal
 from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, drop_user_settings, failure_reply,
                                  key_for, recorded, reply_for)
+from xmem.slurm.handoff import hands_off, inline_or_handed_off
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
 
@@ -57,11 +59,12 @@ def run_filter(request: FilterRequest, config: SiteConfig, *,
                analyzer: Callable[..., Verdict] = analyze_submission) -> FilterReply:
     """One submission, start to reply. The site `config`'s estimate timeout bounds the
     wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze_submission`'s signature."""
-    deadline = time.monotonic() + config.estimate.timeout_s
+    started = time.monotonic()
+    deadline = started + config.estimate.timeout_s
 
-    def timed_analyzer(script: str, req: FilterRequest, site: Any) -> Verdict:
+    def timed_analyzer(script: str, req: FilterRequest, site: Any, **cancel: Any) -> Verdict:
         # the slot's wait counts against the deadline; the estimate still gets a second to say it timed out
-        return analyzer(script, req, site, deadline=max(deadline, time.monotonic() + 1.0))
+        return analyzer(script, req, site, deadline=max(deadline, time.monotonic() + 1.0), **cancel)
 
     with wrapped_script(request) as script:
         if script is None:
@@ -73,7 +76,7 @@ def run_filter(request: FilterRequest, config: SiteConfig, *,
             return FilterReply()  # a CPU job: no estimate, no change, no message
         try:
             return gpu_job_reply(script, command_files(job, request, script), request, config, timed_analyzer,
-                                 job=job)
+                                 job=job, handoff_at=started + config.filter.wait_s)
         except NoSlotFree as e:
             return failure_reply(str(e), request, config.failure)
         except OSError as e:
@@ -81,17 +84,34 @@ def run_filter(request: FilterRequest, config: SiteConfig, *,
 
 
 def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config: SiteConfig,
-                  analyzer: Callable[[str, FilterRequest, Any], Verdict], *, job: Any = None) -> FilterReply:
-    """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now; a rewrite
-    Slurm would refuse is not made (`refused_rewrite`)."""
+                  analyzer: Callable[..., Verdict], *, job: Any = None,
+                  handoff_at: float | None = None) -> FilterReply:
+    """A GPU job's reply: from the cache, else deferred when the site defers, else estimated now, or, where the
+    site has a CPU partition, handed off to it when not ready by `handoff_at` (time.monotonic(); xmem.slurm.handoff);
+    a rewrite Slurm would refuse is not made (`refused_rewrite`). `analyzer`: `inline.analyze_submission`'s
+    signature, less the deadline."""
     cache, digest = analysis_cache(config), config_digest(config)
     key = key_for(script, request, digest, files)
     usable = lambda verdict: still_offered(verdict, job, config, request.user)  # noqa: E731
-    if deferred.deferring(config) and cache_hit(cache, key, usable) is None:
+    missed = lambda: cache_hit(cache, key, usable) is None  # noqa: E731
+
+    def analysis(cancel: threading.Event | None = None) -> Verdict:
+        cancels = {"cancel": cancel} if cancel is not None else {}  # the test's analyzers need not take one
+        return cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
+                               analyzer=lambda *a: analyzer(*a, **cancels), key=key, usable=usable,
+                               slots=lambda: estimate_slots(config, cancel),
+                               progress_limit_s=config.filter.wait_s if cancel else None)
+
+    if deferred.deferring(config) and missed():
         return deferred.defer_reply(script, request, config)
-    analysis = cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
-                               analyzer=analyzer, slots=lambda: estimate_slots(config), key=key, usable=usable)
-    reply = reply_for(analysis, request, config.failure)
+    if handoff_at is not None and hands_off(config, request) and missed():
+        verdict = inline_or_handed_off(analysis, handoff_at, lambda: deferred.handoff_reply(
+            script, request, config, config.filter.wait_s))
+        if isinstance(verdict, FilterReply):  # not ready in time: held, estimated on the CPU partition
+            return verdict
+    else:
+        verdict = analysis()
+    reply = reply_for(verdict, request, config.failure)
     return refused_rewrite(reply, job, request) or reply
 
 

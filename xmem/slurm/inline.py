@@ -41,37 +41,45 @@ def _error_text(error: Any) -> str:
 
 
 def analyze_submission(script: str, request: FilterRequest, config: SiteConfig, *,
-                       deadline: float | None = None) -> Verdict:
+                       deadline: float | None = None, cancel: threading.Event | None = None) -> Verdict:
     """Run the real analysis (parse, estimate, policy), done by `deadline` (time.monotonic(); default: the site's
-    estimate timeout from now). Imported here: torch loads only on a cache miss."""
+    estimate timeout from now). `cancel`, once set, stops its traces: the answer is no longer wanted (the filter
+    handed the job off). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
 
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
                                    config=config, env=dict(request.env) or None, user=request.user,
                                    submit_cwd=request.cwd, deadline=deadline,
-                                   estimator=guarded_estimator(request.options, script))
+                                   estimator=guarded_estimator(request.options, script, cancel))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Verdict(decision=None, errors=(_error_text(e),))
     kept = kept_decision(job_analysis.errors)  # a user's program is never traced as root
     return Verdict(decision=kept) if kept else verdict_of(job_analysis)
 
 
-def guarded_estimator(options: Mapping[str, str], script: str | None) -> Callable[..., Any] | None:
-    """None for an ordinary user (the analysis uses the real estimator); as root, the real estimator behind
-    xmem.trace.privileges' check (whose job it is), which refuses before anything starts."""
+def guarded_estimator(options: Mapping[str, str], script: str | None,
+                      cancel: threading.Event | None = None) -> Callable[..., Any] | None:
+    """None for an ordinary user with nothing to cancel (the analysis uses the real estimator); else the real
+    estimator given `cancel` and, as root, behind xmem.trace.privileges' check (whose job it is), which refuses
+    before anything starts."""
     from xmem.trace import privileges
 
-    if not privileges.as_root():
+    root = privileges.as_root()
+    if not root and cancel is None:
         return None
 
     def estimate(command: Sequence[str], **kw: Any) -> Any:
-        who = privileges.foreign_owner(options, script, command, kw.get("cwd"))
+        who = privileges.foreign_owner(options, script, command, kw.get("cwd")) if root else None
         if who:
             raise privileges.RootTraceRefused(privileges.notice(who))
+        if cancel is not None and cancel.is_set():  # an array's next task: its first one was cancelled already
+            from xmem.trace import TraceCancelled
+
+            raise TraceCancelled()
         from xmem.estimate import estimate as real
 
-        return real(list(command), **kw)
+        return real(list(command), cancel=cancel, **kw)
     return estimate
 
 
@@ -120,16 +128,18 @@ def config_digest(config: SiteConfig) -> str:
     return file_digest(config.source) if config.source else ""
 
 
-def estimate_slots(config: SiteConfig) -> contextlib.AbstractContextManager:
-    """One of the host's estimate slots, waiting at most the site's estimate timeout."""
-    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s)
+def estimate_slots(config: SiteConfig, cancel: threading.Event | None = None) -> contextlib.AbstractContextManager:
+    """One of the host's estimate slots, waiting at most the site's estimate timeout, or until `cancel` is set."""
+    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s,
+                         cancel=cancel)
 
 
 def cached_analysis(script: str, request: FilterRequest, config: SiteConfig, *, cache: AnalysisCache,
                     config_digest: str, files: Sequence[str] = (),
                     analyzer: Callable[[str, FilterRequest, Any], Verdict] = analyze_submission,
                     slots: Callable[[], contextlib.AbstractContextManager] | None = None,
-                    key: str | None = None, usable: Callable[[Verdict], bool] | None = None) -> Verdict:
+                    key: str | None = None, usable: Callable[[Verdict], bool] | None = None,
+                    progress_limit_s: float | None = None) -> Verdict:
     """The analysis from the cache, else computed (holding an estimate slot) and cached if it succeeded.
     Failures are not cached: the next submission tries again (the cause may have been transient). `key`: the
     cache key when the caller has it already (key_for reads and hashes the script and its files).
@@ -137,12 +147,14 @@ def cached_analysis(script: str, request: FilterRequest, config: SiteConfig, *, 
     The key hashes the files before the trace reads them: the result is stored only if they hash the same
     afterwards (an edit during the estimate would otherwise file the edited program's estimate under the
     original's key). The answer itself stands: it is of the files the job will run. `usable`: whether a cached
-    verdict still holds (cache_check.still_offered); one that does not is a miss."""
+    verdict still holds (cache_check.still_offered); one that does not is a miss. `progress_limit_s`: the "at most"
+    of the progress line (default: the estimate timeout)."""
     key = key or key_for(script, request, config_digest, list(files))
     hit = cache_hit(cache, key, usable)
     if hit is not None:
         return hit
-    with estimate_progress(script, request, config), slots() if slots else contextlib.nullcontext():
+    with estimate_progress(script, request, config, progress_limit_s), \
+            slots() if slots else contextlib.nullcontext():
         hit = cache_hit(cache, key, usable)  # a burst of the same job: the first slot holder's result serves the others
         if hit is not None:
             return hit
@@ -183,7 +195,8 @@ TICK_S = 1.0
 
 
 @contextlib.contextmanager
-def estimate_progress(script: str, request: FilterRequest, config: SiteConfig) -> Iterator[None]:
+def estimate_progress(script: str, request: FilterRequest, config: SiteConfig,
+                      limit_s: float | None = None) -> Iterator[None]:
     """While a submission waits for an estimate (a cache miss: an estimate slot, then the trace), one line on
     sbatch's terminal, its seconds counted in place and ended with a newline before sbatch goes on (the line stays:
     it says why this sbatch took long). Nothing when sbatch's stderr is not a terminal, under `sbatch --quiet`, or
@@ -195,8 +208,8 @@ def estimate_progress(script: str, request: FilterRequest, config: SiteConfig) -
         yield
         return
     name = "the --wrap command" if request.script is None else os.path.basename(script)
-    ticker = _Ticker(fd, name, getattr(getattr(config, "estimate", None), "timeout_s", None))
-    restore = _sigterm_exits()  # a `timeout` kill ends the line too (the Lua side's notice then starts a new one)
+    ticker = _Ticker(fd, name, limit_s or getattr(getattr(config, "estimate", None), "timeout_s", None))
+    restore = sigterm_exits()  # a `timeout` kill ends the line too (the Lua side's notice then starts a new one)
     ticker.start()
     try:
         yield
@@ -222,7 +235,7 @@ def _progress_terminal(request: FilterRequest) -> int | None:
             os.close(passed)
 
 
-def _sigterm_exits() -> Callable[[], None]:
+def sigterm_exits() -> Callable[[], None]:
     """SIGTERM raises SystemExit until the returned function is called (what xmem.trace.runner.sigterm_raises does
     during a trace, here also during the wait for a slot), so that the line is ended. Only where it is ours to change:
     the main thread, SIGTERM's default action."""
