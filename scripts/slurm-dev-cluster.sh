@@ -2,9 +2,11 @@
 # A real single-node Slurm 22.05 cluster on this machine, for development and the integration tests, with
 # xmem-slurm's cli_filter, TaskProlog and Epilog installed from the project's slurm/ files.
 #
-#   scripts/slurm-dev-cluster.sh up   [--lab DIR] [--port N] [--mode inline|partition]
+#   scripts/slurm-dev-cluster.sh up   [--lab DIR] [--port N] [--mode inline|partition|handoff]
 #                                      start (idempotent); prints the `export SLURM_CONF=...` line. partition:
-#                                      also a `cpu` partition, and the config's deferred mode (issue 5)
+#                                      also a `cpu` partition, and the config's deferred mode (issue 5); handoff:
+#                                      the `cpu` partition in inline mode: an estimate not ready within
+#                                      [filter] wait_s goes there (issue 35 item 5)
 #   scripts/slurm-dev-cluster.sh down [--lab DIR]              cancel jobs, stop slurmd and slurmctld by PID
 #
 # DIR defaults to /tmp/xmem-slurm-lab; N (slurmctld's port, slurmd uses N+1) to 6817. Run as root; jobs run as their
@@ -29,7 +31,7 @@ while [ $# -gt 0 ]; do
     --lab) LAB=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
     --mode) MODE=$2; shift 2 ;;
-    *) echo "slurm-dev-cluster: unknown argument $1 (use: up|down [--lab DIR] [--port N] [--mode inline|partition])" >&2
+    *) echo "slurm-dev-cluster: unknown argument $1 (use: up|down [--lab DIR] [--port N] [--mode inline|partition|handoff])" >&2
        exit 2 ;;
   esac
 done
@@ -99,7 +101,7 @@ NodeName=localhost CPUs=16 Sockets=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemo
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   # Deferred mode: estimation jobs run on a CPU partition (the same node here).
-  if [ "$MODE" = partition ]; then
+  if [ "$MODE" = partition ] || [ "$MODE" = handoff ]; then
     echo "PartitionName=cpu Nodes=ALL MaxTime=INFINITE State=UP" >> "$LAB/etc/slurm.conf"
   fi
   cat > "$LAB/etc/gres.conf" <<EOF
@@ -122,6 +124,7 @@ import re, sys
 text = open(sys.argv[1]).read()
 if sys.argv[3] == "partition":  # deferred mode, estimates on the `cpu` partition
     text = re.sub(r'(?m)^mode = "inline"', 'mode = "partition"', text, count=1)
+if sys.argv[3] in ("partition", "handoff"):  # handoff: inline, slow estimates handed to the `cpu` partition
     text = re.sub(r'(?m)^cpu_partition = ""', 'cpu_partition = "cpu"', text, count=1)
     text = re.sub(r'(?m)^mem = "16G"', 'mem = "2G"', text, count=1)  # the node declares 8000 MB
 # In the [shard] table, `enabled = true` becomes false: this cluster has no shard GRES (see the header).

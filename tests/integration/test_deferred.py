@@ -188,6 +188,40 @@ def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_clu
     cluster.run("scancel", *ids)
 
 
+# --- inline mode with a CPU partition: sbatch waits at most [filter] wait_s (issue 35 item 5) -------------------
+
+WAIT_S = 3
+MARGIN_S = 6  # the filter's start, the snapshot and post-submit's two sbatch calls, on a loaded 2-core machine
+SLOW = "import time\ntime.sleep(15)  # a slow start: data loading, say\n"
+
+
+def test_a_slow_estimate_is_handed_off_and_the_job_released_with_its_estimate(deferred_cluster, work):
+    cluster = deferred_cluster
+    config = re.sub(r'(?m)^mode = "partition"', 'mode = "inline"', cluster.config.read_text(), count=1)
+    config, waits = re.subn(r"(?m)^wait_s = .*$", f"wait_s = {WAIT_S}", config, count=1)
+    assert waits == 1, "the cluster's config has no [filter] wait_s"
+    (work / "slow_train.py").write_text(SLOW + TRAIN)
+    path = script(work, "slow.sh", "python slow_train.py\n")
+    before = cluster.analyses()
+    with cluster.site_config_text(config):
+        sub = cluster.sbatch(path, "--begin=now+3600")  # released, it stays pending: only its request is checked
+        assert sub.returncode == 0, sub.stderr
+        print(f"\nfigure: sbatch of a slow estimate returned in {sub.seconds:.2f} s (wait {WAIT_S} s)")
+        assert sub.seconds < WAIT_S + MARGIN_S
+        assert f"GPU memory estimate not ready within {WAIT_S} s, queued on partition cpu" in sub.stderr
+        assert sum(line.startswith("xmem-slurm:") for line in sub.stderr.splitlines()) == 1, sub.stderr
+        held = cluster.job(sub.job_id)
+        assert (held["Reason"], xmem_state(held)) == ("JobHeldUser", "pending")
+        assert "gres:gpu:1" == held["TresPerNode"]  # not rewritten inline, however the estimate ended
+        info = wait_settled(cluster, sub.job_id)
+        assert xmem_state(info) == "done"
+        assert info["TresPerNode"] == f"gres:{expected_gres(cluster, path, path.read_text(), before)}"
+        again = cluster.sbatch(path, "--begin=now+3600")  # the estimate, cached: answered inline at once
+        assert again.returncode == 0 and "(cached estimate)" in again.stderr, again.stderr
+        assert cluster.job(again.job_id)["TresPerNode"] == info["TresPerNode"] and again.seconds < WAIT_S
+    cluster.run("scancel", sub.job_id, again.job_id)
+
+
 # --- robustness (issue 14: W7, W8, H1, H2, H3, L4), as an ordinary user ----------------------------------------
 
 @pytest.fixture(scope="module")
