@@ -9,6 +9,7 @@ partition's GPU types, and runs the estimator; the decision itself is `xmem.poli
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -153,8 +154,50 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         return JobAnalysis(job, results, scope.site_types, peaks, errors=errors, partitions=scope.partitions,
                            notes=notes)
     decision, options = _decide(job, peaks, scope, user, ask_cluster, untrusted)
+    if decision is not None and decision.action == "no_fit":
+        hint = _BatchHintJob(path, tuple(script_args), job.directives, env, submit_cwd, deadline,
+                             estimator or _default_estimator())
+        decision = hint.added_to(decision, results, scope)
     return JobAnalysis(job, results, scope.site_types, peaks, decision, partitions=scope.partitions,
                        notes=notes, options=options)
+
+
+@dataclass(frozen=True)
+class _BatchHintJob:
+    """What the hint of a job that fits no offer needs of the analysis: the script as submitted, its environment and
+    directory, the time left and the estimator."""
+
+    path: str
+    script_args: tuple[str, ...]
+    directives: Any  # the job's xmem.jobscript.SbatchRequest: the SLURM_* variables its commands see
+    env: Mapping[str, str]
+    submit_cwd: str
+    deadline: float
+    estimator: Estimator
+
+    def added_to(self, decision: Decision, results: Sequence[CommandEstimate], scope: _Scope) -> Decision:
+        """`decision` with the largest batch size of the first counted command that has one (`xmem.fit_trace`)
+        added to its reason, the filter's line and check's decision: found in what is left of the time limit, at
+        most HINT_BUDGET_S (a few traces); unchanged where there is no batch option or no time."""
+        from xmem.fit_trace import HINT_BUDGET_S, batch_knob, largest_batch
+
+        first = next((r for r in results if r.counted and batch_knob(r.command.argv)), None)
+        budget = min(HINT_BUDGET_S, self.deadline - time.monotonic())
+        if first is None or budget <= 1:
+            return decision
+        name, given = batch_knob(first.command.argv) or ("", 0)
+        config, command = scope.config, first.command
+        see_more = f"xmem-slurm check --vary {name}=1..{given} {shlex.quote(self.path)}" + (
+            f" -- {shlex.join(self.script_args)}" if self.script_args else "")
+        settings = {"iterations": config.estimate.iterations, "timeout": budget,
+                    "env": {**self.env, **slurm_runtime_env(self.directives, self.submit_cwd,
+                                                            first.array_task), **command.env},
+                    "cwd": command.cwd or self.submit_cwd, "python": command.python or config.estimate.python,
+                    "memory_limit_bytes": config.estimate.memory_limit_bytes,
+                    "warm_tracer": config.estimate.warm_tracer}
+        hint = largest_batch(command.argv, scope.targets, config, settings, see_more, budget_s=budget,
+                             estimator=self.estimator)
+        return decision if hint is None else replace(decision, reason=f"{decision.reason}; {hint.text()}")
 
 
 def decide_on_peaks(job: JobScript, peaks: Mapping[str, int], config: SiteConfig, *, user: str | None = None,

@@ -197,3 +197,34 @@ def test_the_type_picked_is_the_one_shown_marked_and_drawn(workdir):
     assert marked == ["1g.10gb *"]
     assert "line 3, at the peak on H100-SXM5-80GB: " in done.stdout
     assert "wrote job.png (memory over the run on H100-SXM5-80GB)" in done.stderr
+
+
+PER_SAMPLE = """\
+import sys
+import torch
+
+batch = torch.empty(int(sys.argv[2]) * 2**30, dtype=torch.uint8, device="cuda")  # a GiB per sample
+model = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_job_that_fits_no_offer_exits_14_with_its_largest_batch(workdir):
+    """Issue 32: 'no request fits' with no next step, exit 0; now exit 14 and the batch size that fits the largest
+    offer (an 80 GB H100), with the command that shows more."""
+    (workdir / "per_sample.py").write_text(PER_SAMPLE)
+    (workdir / "job.sh").write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n#SBATCH -p debug\ncd {workdir}\n"
+                                    "python per_sample.py --batch-size 100\n")
+    done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), "-n", "1", cwd=workdir,
+                 XMEM_WARM_TRACER="1")
+    assert done.returncode == 14, done.stderr
+    data = json.loads(done.stdout)
+    assert data["exit_code"] == 14 and data["decision"]["action"] == "no_fit"
+    # 64 GiB and the context fit 79.65 GiB with the 10 % margin, 72 do not (answers in eights above 64)
+    assert data["decision"]["reason"].endswith(
+        f"; the largest --batch-size that fits is 64; to see more: xmem-slurm check --vary batch-size=1..100 "
+        f"{workdir / 'job.sh'}")

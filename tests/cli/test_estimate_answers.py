@@ -151,3 +151,48 @@ def test_table_marks_the_type_shown_below_and_a_site_pick_moves_it(record):
     # where it does not fit, the breakdown is what it needs (issue 32), not what fitted before the failed allocation
     assert "What the job needs on RTX-4060-8GB" in text
     assert sum(result.breakdowns[shown].values()) == result.gpus[shown].unlimited_peak_bytes
+
+
+# A GiB per sample: 8 samples need more than an RTX 4060 (7.75 GiB) or a T4 (15 GiB with the margin) hold.
+PER_SAMPLE = """\
+import argparse, torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int)
+batch = torch.empty(parser.parse_args().batch_size * 2**30, dtype=torch.uint8, device="cuda")
+model = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+"""
+
+
+def estimate_per_sample(tmp_path, *args: str) -> tuple[int, dict]:
+    (tmp_path / "per_sample.py").write_text(PER_SAMPLE)
+    result = CliRunner().invoke(app, ["estimate", "-g", "rtx4060", "-n", "1", "--json", "--", "python",
+                                      str(tmp_path / "per_sample.py"), *args], env={"XMEM_CONFIG": ""})
+    return result.exit_code, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_job_that_fits_nowhere_exits_14_with_its_largest_batch(tmp_path):
+    """Issue 32: it exited 0; now a documented code, and the largest batch that fits with the command to see more."""
+    code, data = estimate_per_sample(tmp_path, "--batch-size", "16")
+    assert code == 14 and data["error"] == "no_fit" and data["exit_code"] == 14
+    assert data["gpus"]["RTX-4060-8GB"]["fits"] is False  # the answer is there too
+    hint = data["largest_batch"]
+    # 6 GiB + the context fit 7.75 GiB with the 10 % margin; 7 do not
+    assert hint["largest"] == 6 and hint["complete"] and hint["option"] == "batch-size"
+    assert hint["see_more"].startswith("xmem-slurm fit --vary batch-size=1..16 --gpu RTX-4060-8GB -- python ")
+    assert "the largest --batch-size that fits is 6" in data["message"]
+
+
+@pytest.mark.slow
+def test_a_job_that_fits_nowhere_at_batch_1_says_so(tmp_path):
+    code, data = estimate_per_sample(tmp_path, "--batch-size=1")
+    assert code == 0  # 1 GiB fits: the same script, the code follows the answer
+    (tmp_path / "huge.py").write_text(PER_SAMPLE.replace("2**30", "9 * 2**30"))
+    result = CliRunner().invoke(app, ["estimate", "-g", "rtx4060", "-n", "1", "--", "python",
+                                      str(tmp_path / "huge.py"), "--batch-size", "1"], env={"XMEM_CONFIG": ""})
+    assert result.exit_code == 14
+    assert "it does not fit even at --batch-size 1" in " ".join(result.stdout.split())

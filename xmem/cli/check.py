@@ -2,7 +2,8 @@
 
 Owns the command's I/O: the parsed job, the estimate per eligible GPU type and the request with its reason, as
 tables for people or one JSON object (`--json`), and the exit codes: 0 analysed (whatever the decision), 2 bad
-input or site config, 8 script not understood, 3-7 and 9 the estimator's (as `xmem-slurm estimate`), 1 internal.
+input or site config, 8 script not understood, 3-7 and 9 the estimator's (as `xmem-slurm estimate`), 14 no offer
+fits (the decision names the largest batch size that does), 1 internal.
 The work is `xmem.analyze.analyze_job`.
 """
 
@@ -24,7 +25,7 @@ from rich.table import Table
 
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
-from xmem.cli.common import (EXIT_INTERNAL, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
+from xmem.cli.common import (EXIT_INTERNAL, EXIT_NO_FIT, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
                              TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, shown_gpu,
                              stdout_to_stderr, timeout_option)
 from xmem.cli.estimate import breakdown_title, shown_warnings
@@ -176,7 +177,10 @@ def _script_file(script: Optional[str], wrap: Optional[str]) -> Iterator[str]:
 
 
 def exit_code(analysis: JobAnalysis) -> int:
-    """0 when a decision was made; else the code of the first error."""
+    """0 when a decision was made, EXIT_NO_FIT when it is that no offer fits (as `estimate` says a job that fits no
+    GPU type asked); else the code of the first error."""
+    if analysis.decision is not None and analysis.decision.action == "no_fit":
+        return EXIT_NO_FIT
     if analysis.decision is not None or not analysis.errors:
         return EXIT_OK
     return ANALYSIS_EXIT_CODES.get(analysis.errors[0].kind, EXIT_INTERNAL)

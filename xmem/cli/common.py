@@ -21,7 +21,8 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 # The exit codes: one table, xmem/cli/exit_codes.py (README's and --help's); the verbs import them from here.
-from xmem.cli.exit_codes import EXIT_INTERNAL, EXIT_NO_SLURM, EXIT_NOT_UNDERSTOOD, EXIT_USAGE  # noqa: F401
+from xmem.cli.exit_codes import (EXIT_INTERNAL, EXIT_NO_FIT, EXIT_NO_SLURM, EXIT_NOT_UNDERSTOOD,  # noqa: F401
+                                 EXIT_USAGE)
 from xmem.cli.exit_codes import KIND_EXIT_CODES as TRACE_EXIT_CODES
 from xmem.config import MAX_TIMEOUT_S, ConfigError, MarginConfig
 from xmem.estimate import BadJobSettingError

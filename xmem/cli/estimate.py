@@ -1,9 +1,8 @@
 """`xmem-slurm estimate`: predict a training command's peak GPU memory on each GPU type.
 
-Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, and the exit
-codes (0 ok, 1 internal, 2 bad option or GPU name, 3 command not found, 4 not a Python program, 5 the user's code
-raised, 6 no optimizer step reached, 7 timeout, 9 the program ended without using the GPU, 10 over the trace's
-host-memory limit). The work itself is `xmem.estimate.estimate`.
+Owns the command's I/O: the table for people, the JSON object for scripts, the progress display, what a job that
+fits nowhere is told to try (`xmem.fit_trace.largest_batch`), and the exit codes (xmem/cli/exit_codes.py; 14 where
+the job fits none of the GPU types asked). The work itself is `xmem.estimate.estimate`.
 """
 
 from __future__ import annotations
@@ -21,11 +20,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.common import (EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
+from xmem.cli.common import (EXIT_NO_FIT, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
                               fail_on_error, margin_text, show_options, shown_gpu, stdout_to_stderr, timeout_option)
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, Estimate, estimate as run_estimate
+from xmem.fit_trace import BatchHint, batch_knob, fit_command_text, largest_batch
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import privileges
@@ -125,20 +125,67 @@ def estimate_command(
         with stdout_to_stderr() as out:
             result = run_estimate(command, **settings) if as_json else _estimate_with_progress(err, command, settings)
         options = _site_options(result, site) if config else None  # a site named: its offers side by side
+        hint = _no_fit_hint(err, command, result, site, settings, as_json)
         if as_json:
             out.write(json.dumps({**with_margin(result.to_json(), site.margin),
-                                  **({"options": options.to_json()} if options else {})}) + "\n")
+                                  **({"options": options.to_json()} if options else {}),
+                                  **(no_fit_json(result, hint) if fits_nowhere(result, site.margin) else {})}) + "\n")
             out.flush()
         else:
             show_estimate(Console(), result, site.margin, verbose, shown=_shown(result, options, site))
             if options is not None and options.rows:
                 show_options(Console(), options)
+            if fits_nowhere(result, site.margin):
+                Console().print(f"[red]Fits none of the GPU types asked:[/] {escape(no_fit_message(result, hint))}",
+                                highlight=False, soft_wrap=True)  # the command to copy stays on one line
         if traces is not None:
             _write_pictures(result, traces, plot, snapshot, plot_gpu, site, options)
     except PictureError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e))
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
         fail_on_error(as_json, e)
+    if fits_nowhere(result, site.margin):  # the answer was given; a script must still see that it says no
+        raise typer.Exit(EXIT_NO_FIT)
+
+
+def fits_nowhere(result: Estimate, margin: MarginConfig) -> bool:
+    """The job fits none of the GPU types estimated, as the table's verdict says "fits" (the site margin on the
+    peak at most the GPU's memory): exit EXIT_NO_FIT."""
+    return result.used_cuda and bool(result.gpus) and not any(
+        g.fits and margin.needed(g.peak_bytes) <= g.total_bytes for g in result.gpus.values())
+
+
+def no_fit_message(result: Estimate, hint: BatchHint | None) -> str:
+    """What to do next, in one line: a smaller batch (`hint`), else more memory per GPU or more GPUs."""
+    if hint is not None:
+        return hint.text()
+    return ("ask for a GPU type with more memory, shard the model over more GPUs (FSDP, ZeRO), or make it smaller; "
+            "`xmem-slurm fit --vary NAME=LOW..HIGH -- COMMAND` finds the largest value of a knob that fits")
+
+
+def no_fit_json(result: Estimate, hint: BatchHint | None) -> dict[str, Any]:
+    """The fields --json adds to an answer that fits nowhere: the table's `error` kind and the next step."""
+    return {"error": "no_fit", "message": no_fit_message(result, hint), "exit_code": EXIT_NO_FIT,
+            "largest_batch": hint.to_json() if hint is not None else None}
+
+
+def _no_fit_hint(err: Console, command: list[str], result: Estimate, site: SiteConfig, settings: dict[str, Any],
+                 as_json: bool) -> BatchHint | None:
+    """Where the job fits nowhere and its command has a batch size: the largest that fits (a few traces, bounded
+    by HINT_BUDGET_S); else None, at no cost."""
+    if not fits_nowhere(result, site.margin):
+        return None
+    types = list(result.gpus)
+    knob = batch_knob(command)
+    if knob is None:
+        return None
+    see_more = fit_command_text(command, knob[0], knob[1], types)
+    kept = {k: v for k, v in settings.items() if k not in ("gpus", "catalog_overrides", "keep_traces")}
+    with stdout_to_stderr():  # what the traced program prints is not the answer
+        if as_json or not err.is_terminal:
+            return largest_batch(command, types, site, kept, see_more)
+        with err.status(f"the job fits nowhere: looking for the largest --{knob[0]} that fits"):
+            return largest_batch(command, types, site, kept, see_more)
 
 
 def _shown(result: Estimate, options: OptionTable | None, site: SiteConfig) -> str:

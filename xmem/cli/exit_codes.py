@@ -20,6 +20,7 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_NOT_UNDERSTOOD = 8  # `check`, `fit`: a batch script or command whose training command xmem cannot read
 EXIT_NO_SLURM = 12  # `status`: Slurm cannot be asked (no scontrol, or it never reached slurmctld)
+EXIT_NO_FIT = 14  # `estimate`, `check`: the answer was given, and the job fits none of the GPU types asked
 
 # The answer given, and what `xmem-slurm` tells apart when it gives none.
 EXIT_CODES: tuple[ExitCode, ...] = (
@@ -47,6 +48,10 @@ EXIT_CODES: tuple[ExitCode, ...] = (
                                     "program's line that reached it"),
     ExitCode(EXIT_NO_SLURM, ("slurm_unreachable",), "(status) Slurm is not reachable"),
     ExitCode(13, ("crashed",), "the program was killed by a signal (a crash in a native extension, say)"),
+    ExitCode(EXIT_NO_FIT, ("no_fit",),
+             "(estimate, check) the answer was given (the table, or the JSON with this `error` beside it), and the "
+             "job fits none of the GPU types asked: it would run out of memory on each; the answer names the largest "
+             "batch size that fits, where the command has one, and the `xmem-slurm fit` command to see more"),
 )
 
 # Every error kind to its exit code: the tracer's (`xmem.trace.errors.KINDS`, each in the table: a test says so)

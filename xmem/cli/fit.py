@@ -23,16 +23,13 @@ from xmem.cli import app
 from xmem.cli.common import (EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text,
                              stdout_to_stderr, timeout_option)
 from xmem.config import MarginConfig, SiteConfig, load_site_config
-from xmem.estimate import allocator_config, busiest_replay, capability_class  # the job's replay, as estimated
 from xmem.estimate import estimate as run_estimate
-from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary, phase_peaks
-from xmem.gpus import GpuType, find_gpu
-from xmem.orchestrate import GpuOps, orchestrate
+from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary
+from xmem.fit_trace import point_tracer
+from xmem.gpus import find_gpu
 from xmem.policy import estimate_types
 from xmem.policy.options import FixedOption, fixed_options
-from xmem.simulate import SimResult, simulate
 from xmem.units import MIB, gib_text, size_text
-from xmem.trace.events import Trace
 
 
 @app.command("fit", cls=JsonErrorsCommand)
@@ -95,18 +92,14 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
     err = Console(stderr=True)
 
     traced: list[int] = []
+    updates: dict[int, Callable[[str], None] | None] = {}
+    tracer = point_tracer(command, vary, names, catalog, settings, run_estimate, progress=updates.get)
 
     def trace(value: int) -> Point:
         traced.append(value)
-        traces: dict[str, Trace] = {}
         with _progress(err, progress, f"trace {len(traced)}: {vary.name}={value}") as update:
-            result = run_estimate(command_at(command, vary, value), gpus=list(names), catalog=catalog,
-                                  keep_traces=traces, on_progress=update, **settings)
-        if not result.used_cuda:
-            return Point.from_estimate(value, result, names, {}, 0)
-        largest = max((catalog[name] for name in result.gpus), key=lambda g: g.total_bytes)  # as fit always read
-        phases, reserved = _unlimited(traces, largest, settings.get("env"))
-        return Point.from_estimate(value, result, names, phases, reserved)
+            updates[value] = update
+            return tracer(value)
 
     return find_limits(vary, options, trace, site.margin.needed, resolution=step), options
 
@@ -120,23 +113,6 @@ def _progress(err: Console, wanted: bool, what: str) -> Iterator[Callable[[str],
     err.print(what, highlight=False)
     with err.status(what) as status:
         yield lambda message: status.update(f"{what}: {message}")
-
-
-def _unlimited(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None
-               ) -> tuple[dict[str, dict[str, int]], int]:
-    """On `gpu`, the tensors at each phase's peak and the peak reserved of a replay with no memory limit (what the
-    job needs where the estimate's replay ran out of memory), on the busiest of its trace's devices (as in the
-    estimate)."""
-    trace = traces[capability_class(gpu.capability)]
-    job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
-    config = allocator_config(trace, job_env)
-
-    def replay(device: int) -> tuple[GpuOps, SimResult]:
-        ops = orchestrate(trace, gpu, job_env, device=device)
-        return ops, simulate(ops.ops, config)
-
-    ops, sim, _device = busiest_replay(trace, replay)
-    return phase_peaks(ops.ops, ops.labels), sim.peak_reserved
 
 
 def _site_types(site: SiteConfig) -> list[str]:
