@@ -158,6 +158,20 @@ def test_user_code_raising_exits_5_with_its_traceback(tmp_path):
     assert "load_data" in run.stderr and "FileNotFoundError" in run.stderr  # the user's traceback, for people
     data = json_stdout(run)
     assert data["error"] == "user_error" and "load_data" in data["traceback"]
+    # the line to fix is in the one line too (issue 32): where a log keeps only the last line, or the filter's reply
+    assert data["message"].endswith("(at broken.py:4)")
+    assert run.stderr.splitlines()[-1] == f"xmem-slurm estimate: {data['message']}"
+
+
+def test_a_syntax_error_names_its_file_and_line_in_one_line(tmp_path):
+    script = write(tmp_path, "typo.py", """
+        import torch
+        x = torch.zeros(3, device="cuda"
+        print(x)
+    """)
+    run = xmem("--json", "--gpu", "t4", "--", PYTHON, str(script), cwd=tmp_path)
+    assert run.returncode == 5, run.stderr
+    assert json_stdout(run)["message"].endswith("(typo.py, line 3)")
 
 
 def test_no_optimizer_step_within_the_time_limit_exits_6(tmp_path):
