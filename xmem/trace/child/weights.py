@@ -100,9 +100,18 @@ def _inside_from_pretrained() -> bool:
 
 
 def _make_fake(shape: Any, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A fake tensor of a checkpoint entry, on `device`, the host included: a host tensor made by the fake mode's
+    factories would be real there (host work runs for real), and a 7B-70B checkpoint loaded to the host first
+    (then converted to fp32 by transformers' loader, then sharded) would be allocated, converted and touched for
+    real, 2-3 s per GB on 2 cores, for values no GPU figure depends on."""
     assert _fake_context is not None, "weights.install() was not called"
     with _fake_context():
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
+        if torch.device(device).type != "cpu":
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        with unset_fake_temporarily():
+            meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return FakeTensor(mode, meta, torch.device("cpu"))
 
 
 # ---- safetensors ----------------------------------------------------------------------------------------------------
