@@ -130,3 +130,44 @@ def test_status_without_a_reachable_slurm_says_so_in_one_line(tmp_path):
         "xmem-slurm status: Slurm is not reachable from here (scontrol: Unable to contact slurm controller)"]
     answer = json.loads(silent.stdout)
     assert (answer["error"], answer["exit_code"]) == ("slurm_unreachable", 12)
+
+
+def fake_scontrol(where: Path, body: str) -> dict[str, str]:
+    """A PATH whose scontrol is the shell script `body`: what a real one says, without a cluster."""
+    where.mkdir(exist_ok=True)
+    (where / "scontrol").write_text(f"#!/bin/sh\n{body}\n")
+    (where / "scontrol").chmod(0o755)
+    return {"PATH": f"{where}:{os.environ['PATH']}"}
+
+
+def test_status_of_an_unknown_job_is_one_line_and_json(tmp_path):
+    """Issue 32: it printed scontrol's raw error, and no JSON with --json."""
+    env = fake_scontrol(tmp_path / "bin", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1')
+    for args in (("status", "99"), ("status", "99", "--json")):
+        done = run(*args, env=env)
+        assert done.returncode == 2
+        assert done.stderr == "xmem-slurm status: Slurm does not know job 99 (Invalid job id specified)\n"
+    answer = json.loads(done.stdout)
+    assert (answer["error"], answer["exit_code"]) == ("unknown_job", 2)
+    assert answer["message"] == "Slurm does not know job 99 (Invalid job id specified)"
+
+
+def test_status_gives_up_on_a_silent_slurm_within_seconds(tmp_path):
+    """Issue 32: with no reachable Slurm (configless DNS lookups) it hung 31 s; a SLURM_CONF naming no file was
+    'job unknown'."""
+    import time
+
+    from xmem.cli.slurm import STATUS_TIMEOUT_S
+
+    started = time.monotonic()
+    silent = run("status", "5", "--json", env=fake_scontrol(tmp_path / "bin", "exec sleep 60"))
+    assert time.monotonic() - started < STATUS_TIMEOUT_S + 5
+    assert silent.returncode == 12 and json.loads(silent.stdout)["error"] == "slurm_unreachable"
+    assert silent.stderr == (f"xmem-slurm status: Slurm is not reachable from here (scontrol had no answer in "
+                             f"{STATUS_TIMEOUT_S:g} s)\n")
+    missing = run("status", "5", env=fake_scontrol(
+        tmp_path / "bin", 'echo "scontrol: error: s_p_parse_file: unable to read file" >&2; '
+                          'echo "scontrol: fatal: Unable to process configuration file" >&2; exit 1'))
+    assert missing.returncode == 12
+    assert missing.stderr == ("xmem-slurm status: Slurm is not reachable from here (scontrol: Unable to process "
+                              "configuration file)\n")

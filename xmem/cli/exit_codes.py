@@ -27,7 +27,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ExitCode(EXIT_OK, (), "the answer was given"),
     ExitCode(EXIT_INTERNAL, ("internal",), "internal error: xmem-slurm's own bug (please report it, with the command)"),
     ExitCode(EXIT_USAGE, ("bad_option", "unknown_gpu", "bad_input", "no_gpu_types", "not_a_batch_script",
-                          "not_as_root"),
+                          "not_as_root", "unknown_job"),
              "bad option or argument: an unknown GPU type (or, for status, job), an unwritable --plot/--snapshot "
              "path, --plot without matplotlib (told before the trace), root tracing another user's program"),
     ExitCode(3, ("not_found",), "the command (or its script or module) was not found"),
@@ -46,7 +46,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
                                     "with no fake kernel, a GPU tensor's storage, a call that reached the real CUDA "
                                     "runtime, a library's own load of the driver), named in one line with the "
                                     "program's line that reached it"),
-    ExitCode(EXIT_NO_SLURM, ("slurm_unreachable",), "(status) Slurm is not reachable"),
+    ExitCode(EXIT_NO_SLURM, ("slurm_unreachable",), "(status) Slurm is not reachable, or gave no answer in a few seconds"),
     ExitCode(13, ("crashed",), "the program was killed by a signal (a crash in a native extension, say)"),
     ExitCode(EXIT_NO_FIT, ("no_fit",),
              "(estimate, check) the answer was given (the table, or the JSON with this `error` beside it), and the "

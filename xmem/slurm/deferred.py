@@ -337,12 +337,12 @@ def rescue(spool: Path, job_id: str, config: SiteConfig) -> str:
 
 # --- status --------------------------------------------------------------------------------------------------
 
-def job_status(job_id: str) -> dict[str, Any]:
+def job_status(job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
     """Where a job stands, from `scontrol show job`: its state and the xmem token of its comment (inline or
     deferred: `why`, the user's line; `request_before`, the GPU request as submitted). LookupError for a job
-    Slurm does not know; SlurmUnreachable when Slurm cannot be asked."""
+    Slurm does not know; SlurmUnreachable when Slurm cannot be asked (or gives no answer in `timeout_s`)."""
     try:
-        fields = scontrol_show_job(job_id)
+        fields = scontrol_show_job(job_id, timeout_s)
     except FileNotFoundError:
         raise SlurmUnreachable("no scontrol on PATH") from None
     except subprocess.TimeoutExpired as e:

@@ -13,7 +13,9 @@ import subprocess
 
 # What scontrol (22.05) says when it never reached slurmctld, as opposed to the controller's own answer: no
 # slurm.conf and no DNS SRV record, a controller name that does not resolve, nobody listening, no reply.
+# A configuration file it cannot read (SLURM_CONF naming no file) is the same: no controller was asked.
 UNREACHABLE = re.compile(r"Could not establish a configuration source|Unable to establish control machine address"
+                         r"|Unable to process configuration file"
                          r"|Unable to contact slurm controller|Unable to resolve|Communication connection failure"
                          r"|Connection refused|Socket timed out|Zero Bytes were transmitted", re.IGNORECASE)
 
@@ -38,5 +40,6 @@ def scontrol_show_job(job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
         unreachable = UNREACHABLE.search(out.stderr)
         if unreachable:
             raise SlurmUnreachable(f"scontrol: {unreachable.group(0)}")
-        raise LookupError(out.stderr.strip() or f"no job {job_id}")
+        said = [line for line in out.stderr.splitlines() if line.strip()]  # scontrol's last word is its reason
+        raise LookupError(said[-1].split(" error: ", 1)[-1].strip() if said else f"no job {job_id}")
     return parse_scontrol_record(out.stdout)
