@@ -332,3 +332,52 @@ def test_a_mapped_checkpoint_saved_over_keeps_its_tensors(tmp_path):
     trace = run_trace([sys.executable, str(script)], iterations=2, cwd=str(tmp_path), timeout=300)
     assert trace.iterations == 2
     assert not (tmp_path / "last.pt").exists()  # written in the sandbox only
+
+
+HOLED_CHECKPOINT = """\
+import json, os, struct, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+out = sys.argv[1]
+config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, torch_dtype="float16")
+config.save_pretrained(out)
+with torch.device("meta"):
+    model = LlamaForCausalLM(config)
+header, offset = {}, 0
+for name, tensor in model.state_dict().items():
+    header[name] = {"dtype": "F16", "shape": list(tensor.shape), "data_offsets": [offset, offset + 2 * tensor.numel()]}
+    offset += 2 * tensor.numel()
+raw = json.dumps(header).encode()
+raw += b" " * (-len(raw) % 8)
+with open(os.path.join(out, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    f.truncate(8 + len(raw) + offset)  # the weights a hole: 1.3 GB that take no disk
+"""
+
+LOADS_ON_THE_HOST_FIRST = """\
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)  # 2.7 GB in fp32
+model = model.cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    ids = torch.randint(0, 32000, (1, 16), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+
+
+def test_a_checkpoint_loaded_on_the_host_first_costs_the_trace_no_host_memory(tmp_path):
+    """Issue 31: fine-tunes load the checkpoint on the host in fp32 before moving or sharding it (a 7B one is 28 GB
+    there); the trace holds none of it: a 2.7 GB fp32 load passes a 1 GiB resident limit, with every parameter on
+    the fake GPU."""
+    from xmem.trace import run_trace
+    (tmp_path / "make.py").write_text(HOLED_CHECKPOINT)
+    subprocess.run([sys.executable, str(tmp_path / "make.py"), str(tmp_path / "llama")], check=True,
+                   capture_output=True)
+    (tmp_path / "train.py").write_text(LOADS_ON_THE_HOST_FIRST)
+    trace = run_trace(["python", "train.py", str(tmp_path / "llama")], iterations=2, cwd=str(tmp_path),
+                      memory_limit_bytes=1 << 30, timeout=600)
+    assert trace.iterations == 2
+    parameters = sum(e.nbytes for e in trace.events if e.action == "alloc" and e.category == "parameter")
+    assert parameters >= 4 * 660_000_000  # every fp32 parameter, made on the GPU by .cuda()
