@@ -36,6 +36,15 @@ _ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mi
 _SCANNED_COUNTS = {"accelerate": (("--num_processes", "--num-processes"), ("--num_machines", "--num-machines"), True),
                    "deepspeed": (("--num_gpus", "--num-gpus"), ("--num_nodes", "--num-nodes"), False)}
 
+# srun's grammar, as far as finding its command goes: the short options that take a value, and the long ones that
+# take none (`srun --label python train.py`); any other long option takes one (`--ntasks 4` or `--ntasks=4`).
+SRUN_SHORT_WITH_VALUE = set("AbBcCdDeGiJLmMnNopqrStTwWx")
+SRUN_LONG_FLAGS = {"contiguous", "exact", "help", "hold", "label", "multi-prog", "no-allocate", "no-kill",
+                   "overcommit", "overlap", "oversubscribe", "preserve-env", "pty", "quiet", "quit-on-interrupt",
+                   "reboot", "resv-ports", "spread-job", "test-only", "unbuffered", "usage", "use-min-nodes",
+                   "verbose", "version", "disable-status", "x11", "exclusive", "kill-on-bad-exit", "immediate",
+                   "compress", "send-libs", "propagate", "nice"}
+
 
 class LaunchError(ValueError):
     """A command this grammar cannot read as a Python program: kind "not_found" (no program in it) or "not_python"
@@ -75,6 +84,20 @@ class Target:
 
     def world_size(self, gpus_per_node: int) -> int:
         return self.local_world_size(gpus_per_node) * self.nnodes
+
+
+def srun_shim() -> str:
+    """A POSIX shell `srun` for inside a trace (no controller to ask): it reads its options by the grammar above and
+    runs its command once, as the step's task 0 (the fake process group stands in for the others, as for every
+    launcher), in the batch step's environment."""
+    flags = "|".join(f"--{name}" for name in sorted(SRUN_LONG_FLAGS))
+    letters = "".join(sorted(SRUN_SHORT_WITH_VALUE))
+    return (f"#!/bin/sh\n# srun in a traced job (xmem-slurm): its command once, as task 0 of the step\n"
+            f"while [ $# -gt 0 ]; do\n  case \"$1\" in\n    --) shift; break ;;\n    --*=*|{flags}) shift ;;\n"
+            f"    --*) shift; [ $# -gt 0 ] && shift ;;\n    -[{letters}]) shift; [ $# -gt 0 ] && shift ;;\n"
+            f"    -*) shift ;;\n    *) break ;;\n  esac\ndone\n"
+            f"[ $# -gt 0 ] || {{ echo 'srun: no command given' >&2; exit 1; }}\n"
+            f"export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_STEP_ID=0\nexec \"$@\"\n")
 
 
 def is_python(name: str) -> bool:

@@ -378,3 +378,22 @@ def test_a_shell_script_that_starts_no_python_is_not_the_training(tmp_path):
     (tmp_path / "train.py").write_text("")
     command = only_command(f"cd {tmp_path}\nbash prepare.sh\npython train.py\n")
     assert command.argv[0] == "python" and command.argv[1].endswith("train.py")
+
+
+def test_a_script_the_static_read_cannot_name_is_run_whole(tmp_path):
+    """Issue 31: a training command in a loop (or behind a value known only when the job runs) is not guessed: the
+    batch script itself is the command, run as Slurm runs it (its shebang, the job's working directory)."""
+    script = tmp_path / "job.sh"
+    body = "#!/bin/bash\n#SBATCH --gres=gpu:1\nfor lr in 0.1 0.01; do\n  srun python train.py --lr $lr\ndone\n"
+    script.write_text(body)
+    job = parse_jobscript(body, path=str(script), script_args=["x"], submit_cwd=str(tmp_path), env=ENV)
+    assert len(job.commands) == 1
+    command = job.commands[0]
+    assert command.argv == ("/bin/bash", str(script), "x") and command.launcher == "batch script"
+    assert command.cwd == str(tmp_path)
+    assert all(problem.reason.endswith("the script is run whole instead") for problem in job.problems)
+
+
+def test_a_script_that_names_no_python_launcher_is_not_run(tmp_path):
+    job = parse("for f in a b; do\n  ./simulate $f\ndone\n")
+    assert not job.commands and job.problems

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand
+from xmem.jobscript.commands import Finder, Problem, ShellState, TrainCommand, _mentions_launcher
 from xmem.jobscript.directives import (MAGIC, DirectiveError, GresItem, SbatchRequest, array_task_ids, build_request,
                                        directive_arguments, parse_gpus, parse_gres, scan_directives)
 from xmem.jobscript.shell import ShellSyntaxError, tokenize
@@ -79,11 +79,26 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
     except ShellSyntaxError as e:
         problems.append(Problem(e.line_no, lines[e.line_no - 1] if 0 < e.line_no <= len(lines) else "",
                                 f"shell syntax: {e.reason}"))
-    problems += finder.problems + _sbatch_refusals(text, lines)
+    refused = _sbatch_refusals(text, lines)
+    if not finder.commands and finder.problems and not problems and not refused and _mentions_launcher(text.split()):
+        # -- issue 31: what the static read cannot name (a loop, a conditional, a value known only when the job runs)
+        # is run as Slurm runs it: the whole script, in the sandbox, every Python process it starts traced
+        whole = TrainCommand(argv=(*_shebang_words(lines), path or "job.sh", *script_args), cwd=cwd, env={},
+                             python=None, launcher="batch script", line_no=0)
+        notes = [replace(p, reason=f"{p.reason}; the script is run whole instead") for p in finder.problems]
+        return JobScript(request, (whole,), tuple(notes), path, het_line, array_task)
+    problems += finder.problems + refused
     if not finder.commands and not problems:
         problems.append(Problem(0, "", "no training command found (python/python3, torchrun, srun python, "
                                        "accelerate launch)"))
     return JobScript(request, tuple(finder.commands), tuple(problems), path, het_line, array_task)
+
+
+def _shebang_words(lines: Sequence[str]) -> list[str]:
+    """The interpreter Slurm runs the batch script with: its shebang's words (sbatch refuses a script without one;
+    /bin/sh stands in)."""
+    words = lines[0][2:].split() if lines and lines[0].startswith("#!") else []
+    return words or ["/bin/sh"]
 
 
 def job_array_tasks(request: SbatchRequest) -> tuple[int, ...]:

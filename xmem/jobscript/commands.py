@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from xmem.jobscript.shell import REDIRECTIONS, SEPARATORS, Op, Part, Token, Unknown, Word, expand
 from xmem.launchers import LAUNCHER_NAMES, LaunchError, Target, console_script_python, gpus_per_node, is_python, \
-    launcher_variables, parse_launch, shebang_python
+    launcher_variables, parse_launch, shebang_python, SRUN_LONG_FLAGS, SRUN_SHORT_WITH_VALUE
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,7 @@ _UNSUPPORTED_LAUNCHERS = {"mpirun", "mpiexec", "horovodrun", "singularity", "app
                           "podman", "enroot", "charliecloud", "parallel", "xargs"}
 _NOT_TRAINING_MODULES = {"pip", "venv", "ensurepip", "site", "json.tool", "http.server", "pytest",
                          "torch.utils.collect_env", "sysconfig", "platform"}
-_SRUN_SHORT_VALUE = set("AbBcCdDeGiJLmMnNopqrStTwWx")
-_SRUN_LONG_FLAGS = {"contiguous", "exact", "help", "hold", "label", "multi-prog", "no-allocate", "no-kill",
-                    "overcommit", "overlap", "oversubscribe", "preserve-env", "pty", "quiet", "quit-on-interrupt",
-                    "reboot", "resv-ports", "spread-job", "test-only", "unbuffered", "usage", "use-min-nodes",
-                    "verbose", "version", "disable-status", "x11", "exclusive", "kill-on-bad-exit", "immediate",
-                    "compress", "send-libs", "propagate", "nice"}
+_SRUN_SHORT_VALUE, _SRUN_LONG_FLAGS = SRUN_SHORT_WITH_VALUE, SRUN_LONG_FLAGS
 _BLOCK_OPENERS = {"if", "while", "until", "for", "case", "select", "{"}
 _BLOCK_CLOSERS = {"fi", "done", "esac", "}"}
 _BLOCK_CONTINUATIONS = {"then", "do", "else", "elif", "!"}

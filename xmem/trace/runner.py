@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
-from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter
+from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter, srun_shim
 import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
@@ -105,7 +105,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         child = [*helper, interpreter, "-m", module, "--out", str(out), "--iterations", str(iterations),
                  "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
                  "--deadline", f"{time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS):.3f}"]
-        child_env = _child_env(env, target, gpus)
+        child_env = _with_srun_shim(_child_env(env, target, gpus), Path(scratch))
         argv = [*child, "--progress-fd", "-1", "--", *program]  # the descriptor: set when started
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
             if warm.enabled(warm_tracer) else None
@@ -166,6 +166,17 @@ def _is_binary(path: str) -> bool:
             return f.read(4) == b"\x7fELF"
     except OSError:
         return False
+
+
+def _with_srun_shim(env: dict[str, str], scratch: Path) -> dict[str, str]:
+    """`srun` inside the job (a batch script run whole, a wrapper) is `launchers.srun_shim`, first on the job's PATH:
+    the real one would ask the controller for a step the trace has no allocation for."""
+    shims = scratch / "bin"
+    shims.mkdir(mode=0o700)
+    srun = shims / "srun"
+    srun.write_text(srun_shim())
+    srun.chmod(0o700)
+    return {**env, "PATH": os.pathsep.join([str(shims), env.get("PATH", os.defpath)])}
 
 
 def _launched_python(python: str | None, env: Mapping[str, str]) -> str | None:

@@ -83,3 +83,10 @@ def test_a_python_error_inside_a_wrapper_is_the_programs_own_traceback(tmp_path)
     with pytest.raises(TraceError) as raised:
         run_trace(["bash", "-c", "python bad.py"], cwd=str(tmp_path))
     assert raised.value.kind == "user_error" and "no shard" in raised.value.message
+
+
+def test_srun_inside_a_wrapper_runs_the_training_once_under_the_trace(job):
+    folder, direct = job
+    trace = run_trace(["bash", "-c", "srun --ntasks-per-node=1 -c 2 python train.py"], cwd=str(folder),
+                      env=_env(FROM_WRAPPER="1"))
+    assert peak(trace) == peak(direct)
