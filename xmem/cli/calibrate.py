@@ -25,6 +25,7 @@ from rich.table import Table
 from xmem.bench.overhead_fit import OverheadSample, calibration_toml, fit_overheads
 from xmem.bench.records import BadRecord, Reference, load_references
 from xmem.cli import app
+from xmem.cli.common import add_gpu_column
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
 from xmem.gpus.catalog import CALIBRATION_PATH
 from xmem.slurm.store import DEFAULT_STORE
@@ -76,8 +77,9 @@ def samples_from(refs: list[Reference], estimates: dict[str, dict]) -> list[Over
 
 def show_fits(console: Console, fits) -> None:
     table = Table(title="Fitted non-allocator overhead per GPU type")
-    for name in ("GPU type", "runs", "context MiB", "unclamped base MiB", "library terms MiB", "spread p10-p90 MiB"):
-        table.add_column(name, justify="left" if name == "GPU type" else "right")
+    add_gpu_column(table)
+    for name in ("runs", "context MiB", "unclamped base MiB", "library terms MiB", "spread p10-p90 MiB"):
+        table.add_column(name, justify="right")
     for fit in fits.values():
         terms = ", ".join(f"{lib} {n / MIB:.0f}" for lib, n in fit.library_bytes.items())
         context = "catalog's" if fit.context_bytes is None else f"{fit.context_bytes / MIB:.0f}"

@@ -26,7 +26,7 @@ from rich.table import Table
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.common import (EXIT_INTERNAL, EXIT_NO_FIT, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
-                             TRACE_EXIT_CODES, VERBOSE_OPTION, fail, margin_text, show_options, shown_gpu,
+                             TRACE_EXIT_CODES, VERBOSE_OPTION, add_gpu_column, fail, margin_text, show_options, shown_gpu,
                              stdout_to_stderr, timeout_option)
 from xmem.cli.estimate import breakdown_title, shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
@@ -302,8 +302,9 @@ def _show_estimates(console: Console, analysis: JobAnalysis, site: SiteConfig, p
                   caption=f"fits: the peak with the site margin ({margin_text(site.margin)}) is at most the GPU's "
                           "memory, as in `estimate` and `fit`" + ("; *: the type picked, shown below and drawn by "
                                                                    "--plot" if picked else ""))
-    for column in ("GPU type", "predicted peak", "with margin", "GPU memory"):
-        table.add_column(column, justify="left" if column == "GPU type" else "right")
+    add_gpu_column(table)
+    for column in ("predicted peak", "with margin", "GPU memory"):
+        table.add_column(column, justify="right")
     catalog = site.catalog()
     for gpu_type, peak in analysis.peaks.items():
         total = gres_memory_bytes(gpu_type, site.mig.parent_of(gpu_type), catalog)

@@ -118,6 +118,17 @@ def shown_gpu(result: Any, picked: str | None = None, catalog: Mapping[str, GpuT
     return result.breakdown_gpu
 
 
+# Below this console width a table drops what can be read off its other columns (80: rich's width for a pipe or a
+# log file, and many terminals).
+WIDE_COLUMNS = 100
+
+
+def add_gpu_column(table: Table, header: str = "GPU type") -> None:
+    """The column of GPU type names, never cut: at 80 columns rich cut 'A100-SXM4-40GB' and 'A100-SXM4-80GB' to
+    the same 'A100-SXM4-8…'; the other columns wrap instead."""
+    table.add_column(header, no_wrap=True)
+
+
 def margin_text(margin: MarginConfig) -> str:
     """The margin in words, e.g. '+10 %' or '+10 % + 512 MiB' (said the same by every command)."""
     text = f"+{100 * margin.relative:g} %"
@@ -127,8 +138,10 @@ def margin_text(margin: MarginConfig) -> str:
 def show_options(console: Console, options: OptionTable) -> None:
     """Every offer of the site side by side (`xmem.policy.options`), the pick and the nearest cheaper miss."""
     table = Table(title="Every way the site offers the job's GPU types (site preference order, smallest first)")
-    for column in ("GPU", "request", "usable", "peak", "with margin", "fits"):
-        table.add_column(column, justify="right" if column in ("usable", "peak", "with margin") else "left")
+    add_gpu_column(table, "GPU")
+    table.add_column("request", no_wrap=True)  # what to type, as the GPU names: never cut
+    for column in ("usable", "peak", "with margin", "fits"):
+        table.add_column(column, justify="left" if column == "fits" else "right")
     for row in options.rows:
         slack = size_text(abs(row.slack_bytes), mib_digits=0)
         mark = f"[green]yes[/], {slack} spare" if row.fits else f"[red]no[/], {slack} short"

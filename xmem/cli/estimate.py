@@ -20,8 +20,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.common import (EXIT_NO_FIT, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, JsonErrorsCommand, fail,
-                              fail_on_error, margin_text, show_options, shown_gpu, stdout_to_stderr, timeout_option)
+from xmem.cli.common import (EXIT_NO_FIT, EXIT_USAGE, JSON_OPTION, PLOT_OPTION, VERBOSE_OPTION, WIDE_COLUMNS,
+                              JsonErrorsCommand, add_gpu_column, fail, fail_on_error, margin_text, show_options,
+                              shown_gpu, stdout_to_stderr, timeout_option)
 from xmem.cli.pictures import KeptRun, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import ALLOCATOR_SLACK, OVERHEAD, Estimate, estimate as run_estimate
@@ -264,8 +265,11 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
     is), warnings and time. "fits" applies the site margin, as `check` and `fit` do."""
     shown = shown if shown in result.breakdowns else result.breakdown_gpu  # a record from before `breakdowns`
     table = Table(title=f"Predicted peak GPU memory of: {' '.join(result.command)}")
-    for column in ("GPU type", "predicted peak", "with margin", "GPU memory", "headroom", "verdict"):
-        table.add_column(column, justify="left" if column in ("GPU type", "verdict") else "right")
+    compact = console.width < WIDE_COLUMNS  # headroom is memory less peak; torch's words go below the table
+    add_gpu_column(table)
+    for column in ("predicted peak", "with margin", "GPU memory", *(() if compact else ("headroom",)), "verdict"):
+        table.add_column(column, justify="left" if column == "verdict" else "right")
+    below = []
     for g in sorted(result.gpus.values(), key=lambda g: g.total_bytes):
         needed = margin.needed(g.unlimited_peak_bytes or g.peak_bytes)
         peak, headroom, verdict = size_text(g.peak_bytes), size_text(g.headroom_bytes), "[green]fits[/]"
@@ -275,10 +279,15 @@ def show_estimate(console: Console, result: Estimate, margin: MarginConfig = Mar
             # the replay stopped where the real job would crash: show what it would need, and torch's own words
             needs = g.unlimited_peak_bytes or g.peak_bytes
             peak, headroom = f"needs {size_text(needs)}", f"-{size_text(needs - g.total_bytes)}"
-            verdict = "[red]does not fit[/]" + (f" (out of memory: {_tried(g.oom.message)})" if g.oom else "")
+            oom = f"out of memory: {_tried(g.oom.message)}" if g.oom else ""
+            verdict = "[red]does not fit[/]" + (f" ({oom})" if oom and not compact else "")
+            below += [f"{g.gpu}: {oom}"] if oom and compact else []
         verdict += " [bold]*[/]" if g.gpu == shown and result.breakdown else ""
-        table.add_row(g.gpu, peak, size_text(needed), size_text(g.total_bytes), headroom, verdict)
+        table.add_row(g.gpu, peak, size_text(needed), size_text(g.total_bytes), *(() if compact else (headroom,)),
+                      verdict)
     console.print(table)
+    for line in below:
+        console.print(escape(line), highlight=False)
     console.print(f"fits: the peak with the site margin ({margin_text(margin)}) is at most the GPU's memory, as in "
                   "`check` and `fit`", highlight=False)
     if result.breakdown:

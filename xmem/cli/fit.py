@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.common import (EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JsonErrorsCommand, fail, fail_on_error, margin_text,
-                             stdout_to_stderr, timeout_option)
+from xmem.cli.common import (EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JsonErrorsCommand, add_gpu_column, fail,
+                             fail_on_error, margin_text, stdout_to_stderr, timeout_option)
 from xmem.config import MarginConfig, SiteConfig, load_site_config
 from xmem.estimate import estimate as run_estimate
 from xmem.fit import FitError, FitResult, Point, Vary, command_at, find_limits, parse_vary
@@ -130,8 +130,9 @@ def show_fit(console: Console, result: FitResult, usable: Mapping[tuple[str, str
     table = Table(title=f"Largest {vary.name} in {vary.low}..{vary.high} that fits{step}",
                   caption=f"fits: the peak with the site margin ({margin_text(margin)}) is at most the offer's "
                           "usable memory, as in `estimate` and `check`")
-    for column in ("GPU type", "offer", "usable", f"largest {vary.name}"):
-        table.add_column(column, justify="right" if column != "GPU type" and column != "offer" else "left")
+    add_gpu_column(table)
+    for column in ("offer", "usable", f"largest {vary.name}"):
+        table.add_column(column, justify="left" if column == "offer" else "right")
     for gpu, limits in result.limits.items():
         for name, value in limits.items():
             shown = "[red]none[/] (not even " + str(vary.low) + ")" if value is None else str(value)

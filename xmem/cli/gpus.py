@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from xmem.cli import app
-from xmem.cli.common import EXIT_USAGE, JSON_OPTION, fail
+from xmem.cli.common import EXIT_USAGE, JSON_OPTION, add_gpu_column, fail
 from xmem.config import ConfigError, load_site_config
 from xmem.gpus import CatalogError, GpuType
 from xmem.units import size_text
@@ -35,8 +35,11 @@ def gpus_command(
         sys.stdout.write(json.dumps({"gpus": [gpu_json(g) for g in gpus]}) + "\n")
         return
     table = Table(title="GPU types (any name in a row works for --gpu; a100-80 works as a100-80gb does)")
-    for column in ("GPU type", "memory", "compute capability", "aliases", "MIG profiles"):
-        table.add_column(column, justify="right" if column == "memory" else "left")
+    add_gpu_column(table)
+    table.add_column("memory", justify="right")
+    table.add_column("compute capability")
+    for column in ("aliases", "MIG profiles"):  # names --gpu takes: folded onto the next line, never cut
+        table.add_column(column, overflow="fold")
     for g in gpus:
         table.add_row(g.name, size_text(g.total_bytes), f"{g.capability[0]}.{g.capability[1]}",
                       ", ".join(g.aliases), ", ".join(p.name for p in g.mig_profiles) or "-")

@@ -173,13 +173,16 @@ def report_command(
     from rich.console import Console
     from rich.table import Table
 
+    from xmem.cli.common import add_gpu_column
+
     def pct(x: Optional[float]) -> str:
         return "-" if x is None else f"{100 * x:.1f} %"
 
     table = Table(title=f"xmem-slurm: estimate vs measured peak ({len(records)} jobs, {store})")
-    for column in ("GPU type", "jobs", "measured", "median |err|", "p90 |err|", "mean err", "under-est.",
-                   "over request"):
-        table.add_column(column, justify="left" if column == "GPU type" else "right")
+    add_gpu_column(table)
+    # at 80 columns the figures wrap (folded where a word is longer than its column), never cut: GPU names whole
+    for column in ("jobs", "measured", "median |err|", "p90 |err|", "mean err", "under-est.", "over request"):
+        table.add_column(column, justify="right", overflow="fold")
     for s in summaries:
         table.add_row(s.gpu_type, str(s.jobs), str(s.measured), pct(s.median_abs_rel_error),
                       pct(s.p90_abs_rel_error), pct(s.mean_rel_error), str(s.underestimates), str(s.over_request))
