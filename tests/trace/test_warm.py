@@ -8,6 +8,7 @@ torch (seconds), a warm one is no child of ours.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -249,6 +250,74 @@ def test_server_dying_mid_way_falls_back_to_cold(warm_on, tmp_path):
     thread.join(timeout=300)
     assert outcome.get("trace", {}).get("iterations") == 2 and outcome["cpu"] > COLD_CPU_S
     assert wait_for(lambda: not sandbox.descendants(process.pid), 10)
+
+
+def test_one_socket_per_interpreter_and_import_environment_whatever_the_job():
+    """issue 32: the interpreter as the job names it and the launcher's per-job GPU list gave each job its own
+    server (12 under one test worker); what shapes the server's imports still does."""
+    venv_bin = os.path.dirname(sys.executable)
+    names = [sys.executable, os.path.join(venv_bin, "python3"), os.path.join(venv_bin, ".", "python")]
+    base = {"HOME": "/home/u", "PATH": "/usr/bin"}
+    jobs = [{**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n)))} for n in (1, 2, 8)]
+    assert len({warm.socket_path(name, env) for name in names for env in jobs}) == 1
+    assert warm.socket_path(sys.executable, {**base, "OMP_NUM_THREADS": "1"}) != warm.socket_path(sys.executable, base)
+    assert warm.socket_path(sys.executable, {**base, "HF_HOME": "/x"}) != warm.socket_path(sys.executable, base)
+
+
+def test_one_server_serves_jobs_that_differ(monkeypatch, tmp_path):
+    """Several warm traces of jobs that differ (interpreter named python or python3, GPUs on the node, cwd) start
+    one server, and the jobs after it run on it."""
+    directory = Path(tempfile.mkdtemp(prefix="xw-"))
+    python3 = os.path.join(os.path.dirname(sys.executable), "python3")
+    try:
+        for name, value in warm_settings(directory).items():
+            monkeypatch.setenv(name, value)
+        traced(MLP)  # cold: it starts the server
+        assert wait_for(lambda: warm.connect(socket_for(MLP)) is not None, SERVER_START_S, 0.5), "no server"
+        for command, options in [([python3, *MLP[1:]], {}), (MLP, {"device_count": 2}),
+                                 ([sys.executable, *MLP[1:]], {"cwd": str(tmp_path)})]:
+            _, cpu = traced(command, **options)
+            assert cpu < COLD_CPU_S, f"{command[0]} {options} was not run warm"
+        assert len(list(directory.glob("*.sock"))) == 1
+        assert wait_for(lambda: len(warm.server_pids(directory)) == 1, 10), warm.server_pids(directory)
+    finally:
+        for pid in warm.server_pids(directory):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_warm_job_that_goes_on_after_its_server_gave_out_leaves_the_cold_run_alone(monkeypatch, tmp_path):
+    """issue 32: a server that never said the job started (busy, or its handler died) may still run the job, whose
+    sandbox then made its folders in the scratch the cold run was given: `[Errno 17] File exists`. Here the
+    "server" takes the request, hangs up, and the job's sandbox sets up 0.2 s later, as the cold run starts."""
+    client, server_end = socket.socketpair()
+    for name, value in warm_settings(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(warm, "socket_path", lambda interpreter, env: tmp_path / "server.sock")
+    monkeypatch.setattr(warm, "connect", lambda path: client)
+    wrote: list[Path] = []
+
+    def late_job() -> None:
+        _, fds, _, _ = socket.recv_fds(server_end, warm.HEADER.size, 2)
+        request = json.loads(server_end.recv(1 << 20))
+        server_end.close()
+        for fd in fds:
+            os.close(fd)
+        helper = request["argv"]
+        scratch = Path(helper[helper.index("--scratch") + 1])
+        time.sleep(0.2)
+        try:
+            (scratch / sandbox.COW_DIR).mkdir()
+            (scratch / sandbox.RESULT_FILE).write_text('{"status": {"exit": 3}}')
+            wrote.append(scratch)
+        except FileNotFoundError:  # its own scratch, removed already
+            pass
+
+    job = threading.Thread(target=late_job)
+    job.start()
+    trace, cpu = traced(MLP)
+    job.join()
+    assert trace["iterations"] == 2 and cpu > COLD_CPU_S
 
 
 def test_sigterm_stops_a_warm_job(warm_on, tmp_path):

@@ -281,18 +281,33 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
         warm.start_server(interpreter, path, warm.server_env(env, BOOT_DIR), after=scratch)
         return None
 
-    def start(log: Any, progress_fd: int) -> warm.WarmJob | None:
-        return warm.WarmJob.submit(connection, warm.job_request(argv, env, cwd), [log.fileno(), progress_fd])
+    # -- issue 32: the warm job writes into a scratch of its own, handed over only when it ran to its end: a job the
+    # server still runs after we gave up on it (a late reply from a busy server, a dying handler) made the cold
+    # run's sandbox folders first (`[Errno 17] File exists`) and merged its result into the cold one's.
+    own = Path(tempfile.mkdtemp(prefix=f"{scratch.name}-warm-", dir=scratch.parent))
+    request = warm.job_request(_in_scratch(argv, scratch, own), env, cwd)
 
-    run = _run_child(start, timeout, on_progress, cancel)
-    if run is None:  # declined, or the server died mid-way: the cold child starts from a clean scratch
-        connection.close()
-        for entry in scratch.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+    def start(log: Any, progress_fd: int) -> warm.WarmJob | None:
+        return warm.WarmJob.submit(connection, request, [log.fileno(), progress_fd])
+
+    try:
+        run = _run_child(start, timeout, on_progress, cancel)
+        if run is None:  # declined, or the server died mid-way: the cold child starts in the untouched scratch
+            connection.close()
+        else:
+            for entry in own.iterdir():
+                os.replace(entry, scratch / entry.name)
+    finally:
+        shutil.rmtree(own, ignore_errors=True)  # what a job still dying writes later: remove_stale_scratch's
     return run
+
+
+def _in_scratch(argv: list[str], scratch: Path, own: Path) -> list[str]:
+    """The helper's and tracer's options (before the program's `--`) with paths under `scratch` moved to `own`."""
+    end = argv.index("--", argv.index("--") + 1)  # the helper's options end at the first, the tracer's here
+    moved = [str(own) + arg[len(str(scratch)):] if arg == str(scratch) or arg.startswith(f"{scratch}{os.sep}")
+             else arg for arg in argv[:end]]
+    return moved + argv[end:]
 
 
 def _run_child(start: Start, timeout: float | None, on_progress: Callable[[str], None] | None,

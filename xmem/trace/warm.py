@@ -43,6 +43,9 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
                        "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
                        "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
+# -- issue 32: set per job by its launcher (`launchers.launcher_env`: the node's GPUs) and read only once CUDA starts,
+# in the job, where its whole environment is applied: in the key, every GPU count had a server of its own.
+PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)
 # The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
 # at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
 # these settings pass. A job that sets anything else of that kind is traced cold, where its environment is applied
@@ -85,13 +88,22 @@ def socket_path(interpreter: str, env: dict[str, str]) -> Path | None:
     if any(_runs_code_at_start(name) for name in env):
         return None  # cold: such a variable is applied inside the sandbox only
     imports = sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and _shapes_imports(k))
-    key = json.dumps([os.path.abspath(interpreter), os.geteuid(), os.getegid(), sorted(os.getgroups()), imports])
+    key = json.dumps([_interpreter_identity(interpreter), os.geteuid(), os.getegid(), sorted(os.getgroups()),
+                      imports])
     path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.sock"
     return path if len(str(path)) <= MAX_SOCKET_PATH else None
 
 
+def _interpreter_identity(interpreter: str) -> list[str]:
+    """The interpreter however the job names it (`python`, `python3`, a relative path, a link): its binary and the
+    directory it is started from, whose `pyvenv.cfg` (or the one above) picks the environment. -- issue 32: the
+    path as written gave `.venv/bin/python` and its `python3` a server each."""
+    path = os.path.abspath(interpreter)
+    return [os.path.realpath(os.path.dirname(path)), os.path.realpath(path)]
+
+
 def _shapes_imports(name: str) -> bool:
-    return name.startswith(IMPORT_ENV_PREFIXES) or name in IMPORT_ENV_NAMES
+    return (name.startswith(IMPORT_ENV_PREFIXES) or name in IMPORT_ENV_NAMES) and name not in PER_JOB_ENV
 
 
 def _runs_code_at_start(name: str) -> bool:
