@@ -32,6 +32,7 @@ import xmem.trace.child.deepspeed_ops as deepspeed_ops
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.meta_kernels as meta_kernels
 import xmem.trace.child.triton_launch as triton_launch
+from xmem.trace.errors import as_on_a_gpu
 from xmem.trace.events import Category
 from xmem.trace.child.on_import import patch_on_import
 
@@ -684,6 +685,18 @@ def _patch_cuda_data_functions() -> None:
     torch.utils._device._device_constructors()
     for name in ("tensor", "as_tensor", "asarray"):
         _replace_torch_function(name, _lift_then_move(getattr(torch, name), shortcuts.enabled()))
+    new_tensor = torch.Tensor.new_tensor
+
+    def new_tensor_of_read_values(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        (read,), kwargs = _gpu_values_read((data,), kwargs)  # reads a sequence's tensors as torch.tensor does
+        if read is data:
+            return new_tensor(self, data, *args, **kwargs)
+        try:
+            return new_tensor(self, read, *args, **kwargs)
+        except (ValueError, TypeError) as error:
+            raise as_on_a_gpu(error)
+
+    torch.Tensor.new_tensor = new_tensor_of_read_values
 
 
 def _replace_torch_function(name: str, wrapper: Callable) -> None:
@@ -700,6 +713,15 @@ def _replace_torch_function(name: str, wrapper: Callable) -> None:
 
 
 def _lift_then_move(create: Callable, empty_shortcut: bool) -> Callable:
+    def create_from_gpu_values_read(*args: Any, **kwargs: Any) -> torch.Tensor:
+        read_args, read_kwargs = _gpu_values_read(args, kwargs)
+        if read_args is args and read_kwargs is kwargs:
+            return create_on_host_then_move(*args, **kwargs)
+        try:
+            return create_on_host_then_move(*read_args, **read_kwargs)
+        except (ValueError, TypeError) as error:  # upstream's checks of the elements: a GPU raises them too
+            raise as_on_a_gpu(error)
+
     def create_on_host_then_move(*args: Any, **kwargs: Any) -> torch.Tensor:
         device = kwargs.get("device")
         if not _is_cuda(device):
@@ -711,7 +733,47 @@ def _lift_then_move(create: Callable, empty_shortcut: bool) -> Callable:
             return torch.empty(0, dtype=dtype, device=device, requires_grad=kwargs.get("requires_grad", False))
         kwargs["device"] = "cpu"
         return create(*args, **kwargs).to(device)
-    return create_on_host_then_move
+    return create_from_gpu_values_read
+
+
+def _gpu_values_read(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The data of `torch.tensor(data)` (as_tensor, asarray) with every GPU tensor inside a list or tuple replaced by a
+    host tensor of its values. Upstream's internal_new_from_data reads the value of each tensor in a sequence (a
+    device-to-host copy per element on a GPU: `torch.tensor([freq / 8 for freq in inv_freq], device=...)`, the
+    Llama 3 RoPE rescaling) with the Python dispatch key excluded, so a fake tensor's read skips the fake mode and
+    reaches the real CUDA runtime. Read here instead, above dispatch: known values where the trace has them, else the
+    stand-ins (`.item()`, `.tolist()`); upstream's own rules (dtype inference from the elements, a many-element
+    tensor refused) then apply to host tensors of the same dtype and shape."""
+    if args:
+        data = _sequence_values_read(args[0])
+        return (args if data is args[0] else (data, *args[1:])), kwargs
+    for name in ("data", "obj"):
+        if name in kwargs:
+            data = _sequence_values_read(kwargs[name])
+            return args, (kwargs if data is kwargs[name] else {**kwargs, name: data})
+    return args, kwargs
+
+
+def _sequence_values_read(data: Any) -> Any:
+    if type(data) is not list and not isinstance(data, tuple):
+        return data  # a tensor or an array is lifted whole, through the fake mode
+    read: list | None = None
+    for index, item in enumerate(data):
+        if isinstance(item, FakeTensor):
+            value = item.item() if item.dim() == 0 else item.tolist()
+            with unset_fake_temporarily():
+                new = _ORIGINAL_TENSOR(value, dtype=item.dtype, device="cpu")
+        elif type(item) is list or isinstance(item, tuple):
+            new = _sequence_values_read(item)
+        else:
+            continue
+        if new is not item:
+            read = list(data) if read is None else read
+            read[index] = new
+    return data if read is None else (read if type(data) is list else tuple(read))
+
+
+_ORIGINAL_TENSOR = torch.tensor
 
 
 def _no_data(args: tuple, kwargs: dict) -> bool:

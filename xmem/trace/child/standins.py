@@ -48,6 +48,7 @@ BINCOUNT_RANGE_WARNING = ("bincount() counted bins up to the highest value its i
 BINCOUNT_MINLENGTH_WARNING = "bincount() took its minlength bins, as if every value were below it (no real data)"
 SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
 MAX_TRUE_STAND_INS = 100
+_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
 _INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
 
 # Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
@@ -329,9 +330,13 @@ def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict,
 
 
 def _caller_frame() -> FrameType | None:
-    """The innermost frame outside the tracer and torch's dispatch machinery: the code that asked."""
+    """The innermost frame outside the tracer and torch's dispatch machinery: the code that asked. A torch function
+    mode's handler is machinery too, wherever it is defined: under `with torch.device("cuda")` every tensor method
+    passes through DeviceContext.__torch_function__ (torch/utils/_device.py), and a `while True: ... if not
+    mask.any(): break` loop (nn.init.trunc_normal_'s rejection sampling) must be found in its own frame."""
     frame = sys._getframe(1)
-    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL_FILES):
+    while frame is not None and (frame.f_code.co_name in _HANDLERS or
+                                 any(part in frame.f_code.co_filename for part in _INTERNAL_FILES)):
         frame = frame.f_back
     return frame
 
