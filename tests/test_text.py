@@ -28,20 +28,34 @@ def test_a_long_line_is_cut_to_its_limit_with_a_mark_and_a_short_one_kept_whole(
 
 
 @pytest.mark.parametrize("value, written", [
-    ("no command of the job used CUDA", "no+command+of+the+job+used+CUDA"),
-    ("gpu:a100:1,mps:10", "gpu:a100:1+mps:10"),
-    ("a;b=c", "a+b=c"),  # `=` stays: a pair splits at its first one
-    ('say "hi", \'x\'\\\n\ty', "say+hi+x+y"),
-    ("nul\x00bell\x07", "nul+bell+"),
+    ("no command of the job used CUDA", "no%20command%20of%20the%20job%20used%20CUDA"),
+    ("gpu:a100:1,mps:10", "gpu:a100:1%2Cmps:10"),
+    ("a;b=c", "a%3Bb=c"),  # `=` stays: a pair splits at its first one
+    ('say "hi", \'x\'\\\n\ty', "say%20%22hi%22%2C%20%27x%27%5C%0A%09y"),
+    ("nul\x00bell\x07", "nul%00bell%07"),
+    ("100% + 256 MiB", "100%25%20+%20256%20MiB"),  # `+` passes: it is no space here
+    ("ünïcode 中文\u2028", "ünïcode%20中文%E2%80%A8"),  # letters pass; unicode whitespace is encoded
     (7 * 2**30, str(7 * 2**30)),
 ])
-def test_a_comment_value_holds_no_separator_of_the_token_or_of_export(value, written):
+def test_a_comment_value_percent_encodes_exactly_what_the_token_or_export_cannot_hold(value, written):
     assert comment_value(value) == written
 
 
-def test_a_comment_value_is_short_and_reads_back_as_words():
-    assert len(comment_value("why " * 1000)) == 200 and len(comment_value("x" * 50, limit=10)) == 10
-    assert comment_text(comment_value("kept the user's  request: no CUDA")) == "kept the user s request: no CUDA"
+@pytest.mark.parametrize("line", [
+    "needs 7.9 GiB + 256 MiB -> --gres=mps:40",
+    "kept the user's request, as asked; 100% of a=b",
+    'a "quoted" word, a \\ backslash, %41 and %zz and a lone %',
+    "ünïcode: 中文, emoji 🚀, NBSP\u00a0and\u2028separator",
+    "+;=,'\"%",
+])
+def test_a_comment_value_reads_back_exactly_as_written(line):
+    assert comment_text(comment_value(line)) == line
+
+
+def test_a_comment_value_is_cut_to_its_limit_with_a_mark():
+    assert comment_text(comment_value("why " * 1000)).endswith(CUT_MARK)
+    assert len(comment_text(comment_value("why " * 1000))) <= 600
+    assert comment_text(comment_value("x" * 50, limit=10)) == "x" * (10 - len(CUT_MARK)) + CUT_MARK
 
 
 def test_a_hostile_value_keeps_the_comment_token_whole_and_readable():
@@ -49,6 +63,7 @@ def test_a_hostile_value_keeps_the_comment_token_whole_and_readable():
     why = comment_value('a;b c,"d')
     comment = add_to_comment("my run", stamp, f"why={why}")
     assert comment.startswith("my run xmem:") and len(comment.split()) == 3
-    assert comment_fields(comment) == {"peak": "1", "type": "a100+x=1", "req": "gpu:1+mps:10", "act": "keep",
-                                       "why": "a+b+c+d"}
+    assert comment_fields(comment) == {"peak": "1", "type": "a100%20%3Bx=1", "req": "gpu:1%2Cmps:10",
+                                       "act": "keep", "why": "a%3Bb%20c%2C%22d"}
+    assert JobStamp.from_comment(comment) == stamp  # read back decoded
     assert all("," not in v and ";" not in v for v in stamp.env().values())

@@ -7,8 +7,9 @@ Two sinks, two rules, because they break on different characters:
   text may hold newlines or terminal escapes, so every run of whitespace and control characters is one space.
   Where the text can be a user's 1 MB message, a limit cuts it, with a mark so nobody takes it for the whole.
 - a value inside the job comment's `xmem:key=value;key=value` token and the `XMEM_*` variables (`comment_value`):
-  the token ends at whitespace, its pairs split at `;`, sbatch's `--export` splits at commas and quotes, so each
-  run of those (and of control characters) is one `+`; `comment_text` reads such a value back for people.
+  the token ends at whitespace, its pairs split at `;`, sbatch's `--export` splits at commas and reads quotes, so
+  exactly those characters (and control characters, backslashes, and `%` itself) are percent-encoded (RFC 3986's
+  `%XX` of each UTF-8 byte); `comment_text` decodes it, so every reader gets the text exactly as it was written.
 And one rule for numbers read back from text a user can write (a job comment, a variable): `ascii_whole_number`.
 Pure text: no I/O.
 """
@@ -16,13 +17,16 @@ Pure text: no I/O.
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 CUT_MARK = " [... cut]"
-COMMENT_VALUE_MAX_CHARS = 200  # a reason in the comment stays short: Slurm shows the comment whole
+# The longest line the filter prints (`slurm.contract.MESSAGE_MAX_CHARS`), so that its reason travels whole; Slurm
+# shows the comment whole, so a longer value is cut.
+COMMENT_VALUE_MAX_CHARS = 600
 
 _LINE_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f]+")
-_COMMENT_BREAKERS = re.compile(r"[\s\x00-\x1f\x7f,;\"'\\]+")
-_COMMENT_SPACE = "+"
+# What the token and --export cannot hold (unicode whitespace and C1 controls included); all else passes as it is.
+_COMMENT_UNSAFE = re.compile(r"[\s\x00-\x1f\x7f-\x9f,;\"'\\%]")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 WHOLE_NUMBER_MAX_DIGITS = 20  # any count of bytes, seconds or ids xmem reads fits in 20 digits (2**64 has 20)
 
@@ -37,14 +41,21 @@ def one_line(text: object, limit: int | None = None) -> str:
 
 
 def comment_value(value: object, limit: int = COMMENT_VALUE_MAX_CHARS) -> str:
-    """`value` as one value of the comment's `xmem:` token or of an `XMEM_*` variable: each run of whitespace,
-    control characters, commas, semicolons, quotes or backslashes one `+`, at most `limit` characters."""
-    return _COMMENT_BREAKERS.sub(_COMMENT_SPACE, str(value))[:limit]
+    """`value` as one value of the comment's `xmem:` token or of an `XMEM_*` variable: at most `limit` characters
+    of it (cut with `CUT_MARK`), each character the token or --export cannot hold percent-encoded."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit - len(CUT_MARK)].rstrip() + CUT_MARK
+    return _COMMENT_UNSAFE.sub(_percent_encoded, text)
+
+
+def _percent_encoded(match: re.Match) -> str:
+    return "".join(f"%{byte:02X}" for byte in match.group().encode("utf-8", "surrogatepass"))
 
 
 def comment_text(value: str) -> str:
-    """A value `comment_value` wrote, read back for people: its `+` as spaces."""
-    return value.replace(_COMMENT_SPACE, " ")
+    """A value `comment_value` wrote, decoded: the text as it was (the one reader of the comment and XMEM_*)."""
+    return unquote(value, errors="replace")
 
 
 def ascii_whole_number(text: str | None, max_digits: int = WHOLE_NUMBER_MAX_DIGITS) -> int | None:

@@ -106,7 +106,7 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     assert done["JobState"] == "COMPLETED"  # the submitted version ran, not the edited one
     out = cluster.output(work, sub.job_id)
     assert "trained on cpu" in out and f"XMEM_PEAK_BYTES={status['stamp']['peak_bytes']}" in out
-    assert f"XMEM_WHY={comment_fields(info['Comment'])['why']}\n" in out  # from the comment, by the TaskProlog
+    assert f"XMEM_WHY={status['why']}\n" in out  # from the comment, decoded by the TaskProlog
     record = {r.job_id: r for r in read_records(cluster.store)}[sub.job_id]  # the Epilog's record
     assert (record.deferred_state, record.request_before, record.gres) == ("done", "gpu:1", info["TresPerNode"][5:])
 

@@ -22,7 +22,6 @@ from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
 from xmem.slurm.stamp import JobStamp
 from xmem.slurm.store import read_records
-from xmem.text import comment_text, comment_value
 
 pytestmark = pytest.mark.slurm
 
@@ -144,18 +143,18 @@ def status_of(cluster, job_id: str) -> dict:
     return json.loads(done.stdout)
 
 
-def as_recorded(line: str) -> str:
-    """The user's line at sbatch as the job keeps it (its comment's value rule), read back for people."""
-    return comment_text(comment_value(line.removeprefix("xmem-slurm: ")))
+def as_printed(line: str) -> str:
+    """The user's line at sbatch, without the filter's prefix: what status and the job's XMEM_WHY must show."""
+    return line.removeprefix("xmem-slurm: ")
 
 
 def test_status_and_the_job_have_the_users_line_and_the_request_before(cluster, work, generic):
     _, sub, _, info = generic
     (line,) = xmem_lines(sub.stderr)
     status = status_of(cluster, sub.job_id)
-    assert (status["estimate"], status["why"], status["request_before"]) == ("done", as_recorded(line), "gpu:1")
+    assert (status["estimate"], status["why"], status["request_before"]) == ("done", as_printed(line), "gpu:1")
     assert status["request_now"] == f"TresPerNode={info['TresPerNode']}"
-    assert f"XMEM_WHY={comment_value(line.removeprefix('xmem-slurm: '))}\n" in cluster.output(work, sub.job_id)
+    assert f"XMEM_WHY={as_printed(line)}\n" in cluster.output(work, sub.job_id)  # decoded by the TaskProlog
 
 
 def test_resubmission_hits_the_cache(cluster, generic):
@@ -237,8 +236,8 @@ def test_job_the_estimator_cannot_handle_runs_unchanged(cluster, work):
     assert info["JobState"] == "FAILED"  # it ran, and failed as the user's script does
     # why it went unchanged stays with the job: `status`, and the job's own environment
     status = status_of(cluster, sub.job_id)
-    assert (status["estimate"], status["why"], status["request_before"]) == ("failed", as_recorded(line), "gpu:1")
-    assert f"XMEM_WHY={comment_value(line.removeprefix('xmem-slurm: '))}\n" in cluster.output(work, sub.job_id)
+    assert (status["estimate"], status["why"], status["request_before"]) == ("failed", as_printed(line), "gpu:1")
+    assert f"XMEM_WHY={as_printed(line)}\n" in cluster.output(work, sub.job_id)  # its apostrophe and ; too
 
 
 def test_non_python_gpu_job_runs_unchanged(cluster, work):

@@ -9,7 +9,7 @@ from tests.slurm.submissions import GIB, PEAKS, decision, request
 from xmem.policy import Decision
 from xmem.slurm.contract import MESSAGE_MAX_CHARS, FilterReply, FilterRequest, Verdict, reply_for, with_exports
 from xmem.slurm.stamp import JobStamp, comment_fields
-from xmem.text import comment_value
+from xmem.text import comment_text, comment_value
 
 
 def test_request_from_lua_json_strips_the_gres_prefix_sbatch_reads_back():
@@ -28,7 +28,7 @@ def test_rewrite_sets_gres_comment_and_exports():
     why = comment_value(reply.message)  # the user's line, as the comment and the environment hold it
     assert reply.set == {"gres": "mps:a100:40", "comment": f"{stamp.comment()};why={why};was=gpu:1",
                          "export": "ALL," + ",".join(f"{k}={v}" for k, v in stamp.env().items()) +
-                                   f",XMEM_WHY={why}"}
+                                   f",XMEM_WHY_ENCODED={why}"}
     assert reply.message.endswith("-> --gres=mps:a100:40") and reply.reject is None
 
 
@@ -83,10 +83,11 @@ def test_estimator_fault_fails_open_with_one_line():
     assert reply.message == ("cannot estimate this job's GPU memory (user_error: ImportError: no module named foo)"
                              "; submitted unchanged")
     # the job keeps its request; why, and what it asked for, stay with it (comment, environment)
-    assert reply.set == {"comment": "run 3 xmem:state=failed;why=cannot+estimate+this+job+s+GPU+memory+(user_error:"
-                                    "+ImportError:+no+module+named+foo)+submitted+unchanged;was=gpu:1",
-                         "export": "ALL,XMEM_WHY=cannot+estimate+this+job+s+GPU+memory+(user_error:+ImportError:"
-                                   "+no+module+named+foo)+submitted+unchanged"}
+    line = ("cannot%20estimate%20this%20job%27s%20GPU%20memory%20(user_error:%20ImportError:%20no%20module%20named"
+            "%20foo)%3B%20submitted%20unchanged")
+    assert reply.set == {"comment": f"run 3 xmem:state=failed;why={line};was=gpu:1",
+                         "export": f"ALL,XMEM_WHY_ENCODED={line}"}
+    assert comment_text(comment_fields(reply.set["comment"])["why"]) == reply.message  # exactly as the user saw it
 
 
 def test_estimator_fault_is_refused_when_closed():
@@ -129,7 +130,7 @@ def test_an_untrusted_estimate_keeps_the_request_and_says_why_in_the_comment():
     reply = reply_for(Verdict(Decision("keep", why), {}), request(gres="gres:gpu:1", comment="run 3"),
                       "open")
     assert "gres" not in reply.set and reply.message.startswith(why) and "keeping gpu:1" in reply.message
-    assert reply.set["comment"].startswith("run 3 xmem:") and "why=no+command+of+the+job" in reply.set["comment"]
+    assert reply.set["comment"].startswith("run 3 xmem:") and "why=no%20command%20of%20the%20job" in reply.set["comment"]
     assert JobStamp.from_comment(reply.set["comment"]).peak_bytes is None  # no MPS limit from it
 
 

@@ -9,6 +9,7 @@ from xmem.slurm.node import (NodeSettings, epilog_record, exit_code_of, mps_limi
                              mps_share_mib, prolog_exports, read_measure_file, sacct_gpumem)
 from xmem.slurm.stamp import JobStamp, add_to_comment, comment_fields
 from xmem.slurm.store import DEFAULT_STORE
+from xmem.text import comment_value
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -27,7 +28,8 @@ def test_stamp_roundtrips_through_env_and_comment():
 
 def test_stamp_values_never_break_sbatch_export_lists():
     stamp = JobStamp(request="gpu:a100:1,mps:10")
-    assert stamp.env() == {"XMEM_REQUEST": "gpu:a100:1+mps:10"}
+    assert stamp.env() == {"XMEM_REQUEST": "gpu:a100:1%2Cmps:10"}
+    assert JobStamp.from_env(stamp.env()) == stamp
 
 
 def test_comment_keeps_the_users_text_and_replaces_an_old_stamp():
@@ -136,18 +138,25 @@ def test_prolog_reads_the_comment_when_the_job_exported_nothing():
     assert asked == ["7"] and exports == STAMP.env()
 
 
-def test_prolog_exports_the_users_line_from_the_comment_when_the_job_lacks_it():
-    """A deferred job (rewritten after sbatch) or one submitted unchanged with --export=NONE: the comment's `why`
-    becomes XMEM_WHY; a job whose environment has it is not given it twice."""
-    done = "note " + STAMP.comment() + ";state=done;was=gpu:1;why=needs+8+GiB+->+--gres=mps:40"
+def test_prolog_exports_the_users_line_decoded_from_the_comment_or_the_exported_line():
+    """The job's XMEM_WHY is the line exactly as the user saw it at sbatch: decoded from the comment's `why` (a
+    deferred job, rewritten after sbatch; --export=NONE) or from XMEM_WHY_ENCODED, which the filter exported. A
+    job step inherits the batch script's decoded XMEM_WHY: it is never decoded again."""
+    line = "needs 8 GiB + 256 MiB -> --gres=mps:40 (the user's, as asked; 100%)"
+    done = "note " + STAMP.comment() + f";state=done;was=gpu:1;why={comment_value(line)}"
     exports = prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
                              comment_of=lambda j: done)
-    assert exports == [*STAMP.env().items(), ("XMEM_WHY", "needs+8+GiB+->+--gres=mps:40")]
-    failed = "xmem:state=failed;why=cannot+estimate;was=gpu:1"
+    assert exports == [*STAMP.env().items(), ("XMEM_WHY", line)]
+    failed = "xmem:state=failed;why=cannot%20estimate;was=gpu:1"
     assert prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
-                          comment_of=lambda j: failed) == [("XMEM_WHY", "cannot+estimate")]
-    assert prolog_exports({"SLURM_JOB_ID": "7", "XMEM_WHY": "cannot+estimate"}, total_bytes_of=lambda t: None,
-                          measure_dir=None, comment_of=lambda j: failed) == []
+                          comment_of=lambda j: failed) == [("XMEM_WHY", "cannot estimate")]
+    step = {"SLURM_JOB_ID": "7", "XMEM_WHY_ENCODED": comment_value("50%41 off"), "XMEM_WHY": "50%41 off",
+            **STAMP.env()}
+    assert prolog_exports(step, total_bytes_of=lambda t: None, measure_dir=None,
+                          comment_of=lambda j: None)[-1] == ("XMEM_WHY", "50%41 off")
+    hostile = "xmem:state=failed;why=a%0Aexport%20LD_PRELOAD=/x.so"  # a comment the user set: still one line
+    assert prolog_exports({"SLURM_JOB_ID": "7"}, total_bytes_of=lambda t: None, measure_dir=None,
+                          comment_of=lambda j: hostile) == [("XMEM_WHY", "a export LD_PRELOAD=/x.so")]
 
 
 def test_prolog_exports_nothing_for_a_job_xmem_never_saw():

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xmem.cache import cache_key
-from xmem.slurm.stamp import WHY_ENV, JobStamp, add_to_comment
-from xmem.text import comment_value, one_line
+from xmem.slurm.stamp import WHY_ENCODED_ENV, JobStamp, add_to_comment
+from xmem.text import COMMENT_VALUE_MAX_CHARS, comment_value, one_line
 
 if TYPE_CHECKING:
     from xmem.policy import Decision
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 # The variables the Lua side sets for the filter; every other XMEM_* variable the filter finds is the submitting
 # user's (XMEM_CONFIG, XMEM_WARM_*, XMEM_SANDBOX, XMEM_SHIM_DIR...), and must not change or slow what it does.
 FROM_LUA = frozenset({"XMEM_PROGRESS_FD"})
-MESSAGE_MAX_CHARS = 600  # a user's 1 MB exception message must not flood the terminal or the job comment
+# A user's 1 MB exception message must not flood the terminal or the job comment, where the line travels whole.
+MESSAGE_MAX_CHARS = COMMENT_VALUE_MAX_CHARS
 # sbatch options that say nothing about the job's GPU memory: left out of the cache key.
 OPTIONS_NOT_IN_KEY = frozenset({
     "argv", "output", "error", "input", "job-name", "parsable", "wait", "quiet", "verbose", "comment", "export",
@@ -211,12 +212,13 @@ def recorded(line: str, request: FilterRequest, stamp: JobStamp | None = None,
     """The options that leave the user's line (`why`) and the GPU request as submitted (`was`) on the job, for
     `xmem-slurm status` and the job itself: the comment's `xmem:` token (the stamp's pairs first; `state` when
     no request came of the estimate: `failed`, `unchanged`) and the job's environment (the stamp's `XMEM_*`
-    and XMEM_WHY; not with the user's --export=NONE, where the TaskProlog reads the comment)."""
+    and the line percent-encoded, which the TaskProlog decodes into XMEM_WHY; not with the user's --export=NONE,
+    where the TaskProlog reads the comment)."""
     stamp = stamp or JobStamp()
     notes = {"state": state, "why": line, "was": user_request(request.options) or "none"}
     pairs = ";".join(f"{key}={comment_value(value)}" for key, value in notes.items() if value)
     options = {"comment": add_to_comment(request.options.get("comment"), stamp, pairs)}
-    export = with_exports(request.options.get("export"), {**stamp.env(), WHY_ENV: comment_value(line)})
+    export = with_exports(request.options.get("export"), {**stamp.env(), WHY_ENCODED_ENV: comment_value(line)})
     if export is not None:
         options["export"] = export
     return options

@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from xmem.slurm.scontrol import scontrol_show_job
-from xmem.slurm.stamp import WHY_ENV, JobStamp, comment_fields
+from xmem.slurm.stamp import WHY_ENCODED_ENV, WHY_ENV, JobStamp, comment_fields
 from xmem.slurm.store import DEFAULT_STORE, JobRecord
-from xmem.text import ascii_whole_number, comment_text
+from xmem.text import ascii_whole_number, comment_text, one_line
 from xmem.units import MIB
 
 MEASURE_FILE_MAX_BYTES = 4096
@@ -65,14 +65,15 @@ def comment_from_scontrol(job_id: str, timeout_s: float = 5.0) -> str | None:
 def job_stamp(env: Mapping[str, str],
               comment_of: Callable[[str], str | None] = comment_from_scontrol) -> tuple[JobStamp, str | None]:
     """The stamp from the job's XMEM_* variables, else (--export=NONE; a deferred job, whose request was set
-    after sbatch) from its comment, with the comment's `why` (the user's line) when the job's environment lacks
-    it. Slurm is asked only for a job that exported no stamp."""
-    stamp = JobStamp.from_env(env)
+    after sbatch) from its comment; and `why`, the user's line decoded (`xmem.text.comment_text`), from the line
+    the filter exported (WHY_ENCODED_ENV), else from the comment. Slurm is asked only for a job that exported no
+    stamp."""
+    stamp, exported = JobStamp.from_env(env), env.get(WHY_ENCODED_ENV)
     if stamp.is_empty() and env.get("SLURM_JOB_ID"):
         comment = comment_of(env["SLURM_JOB_ID"])
-        why = None if WHY_ENV in env else comment_fields(comment).get("why")
-        return JobStamp.from_comment(comment), why
-    return stamp, None
+        why = exported if exported is not None else comment_fields(comment).get("why")
+        return JobStamp.from_comment(comment), comment_text(why) if why else None
+    return stamp, comment_text(exported) if exported else None
 
 
 def mps_memory_limit(env: Mapping[str, str], stamp: JobStamp, total_bytes: int | None) -> str | None:
@@ -105,7 +106,8 @@ def prolog_exports(env: Mapping[str, str], *, total_bytes_of: Callable[[str], in
                    comment_of: Callable[[str], str | None] = comment_from_scontrol) -> list[tuple[str, str]]:
     """The (name, value) pairs the TaskProlog exports into the task. Empty for a job xmem-slurm never saw."""
     stamp, why = job_stamp(env, comment_of)
-    exports = [(WHY_ENV, why)] if why else []  # a value as the comment holds it: no quotes, commas or spaces
+    # Slurm takes the rest of the line as the value: a decoded newline (a comment the user set) would start another
+    exports = [(WHY_ENV, one_line(why))] if why else []
     if stamp.is_empty():
         return exports
     exports = list(stamp.env().items()) + exports

@@ -4,7 +4,7 @@ Owns its two written forms, one format each: `XMEM_*` variables in the job's env
 sees) and one `xmem:peak=...;need=...;type=...;req=...;act=...` token in the job's comment (what the Epilog and
 `xmem-slurm status` see), followed by `why=` (the user's line at sbatch, also `XMEM_WHY`) and `was=` (the GPU
 request as submitted) for every job the filter decided on, and deferred mode's `state=` and `fix=`. Each value is
-written by `xmem.text.comment_value`. Pure text: no Slurm calls here.
+written by `xmem.text.comment_value` and read back by `xmem.text.comment_text`. Pure text: no Slurm calls here.
 
 The grammar is ours alone, whatever the user's own comment holds: the filter's token is the comment's last word that
 starts with `xmem:` (`add_to_comment` puts it after the user's text, and its values hold no whitespace), only our
@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from xmem.text import ascii_whole_number, comment_value
+from xmem.text import ascii_whole_number, comment_text, comment_value
 
 COMMENT_TAG = "xmem:"
 # Every key the token may hold: the stamp's, then what contract.recorded and deferred mode add.
@@ -30,6 +30,10 @@ _TOKEN = re.compile(r"(?:^|(?<=\s))xmem:(\S*)")
 _OURS = re.compile(r"\s*xmem:(?:" + "|".join(TOKEN_KEYS) + r")=\S*")
 # The one line the user saw at sbatch, in the job's environment (its comment's `why=`): what `status` shows.
 WHY_ENV = "XMEM_WHY"
+# -- issue 32: how the filter hands that line to the job through --export (percent-encoded, as in the comment); the
+# TaskProlog exports it decoded as XMEM_WHY. Under a name of its own, so that no task decodes a decoded line again
+# (a job step inherits the batch script's XMEM_WHY).
+WHY_ENCODED_ENV = "XMEM_WHY_ENCODED"
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,8 @@ class JobStamp:
     @classmethod
     def _build(cls, raw: Mapping[str, str | None]) -> JobStamp:
         as_int = ascii_whole_number  # `peak=²` or 5000 digits: no number, the rest of the stamp stands
-        return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")),
-                   gpu_type=raw.get("gpu_type") or None, request=raw.get("request") or None,
-                   action=raw.get("action") or None)
+        text = {f: comment_text(raw.get(f) or "") or None for f in ("gpu_type", "request", "action")}
+        return cls(peak_bytes=as_int(raw.get("peak_bytes")), needed_bytes=as_int(raw.get("needed_bytes")), **text)
 
 
 def add_to_comment(user_comment: str | None, stamp: JobStamp, state: str = "") -> str:
