@@ -86,6 +86,39 @@ def test_calibrate_command_joins_runs_and_estimates_and_writes_the_file(tmp_path
     assert "xmem-slurm calibrate --data" in table["provenance"]
 
 
+def runs_and_estimates(tmp_path) -> tuple:
+    data, estimates = tmp_path / "d.jsonl", tmp_path / "e.jsonl"
+    data.write_text("\n".join(json.dumps(record(p, g)) for p, g in [("a", 3000), ("b", 4100)]))
+    estimates.write_text("\n".join(json.dumps({"path": p, "estimate_bytes": 0, "oom": False, "seconds": 1,
+                                               "peak_reserved_bytes": r * MIB, "libraries": ["cublas", "cudnn"]})
+                                   for p, r in [("a", 2500), ("b", 3500)]))
+    return data, estimates
+
+
+def test_calibrate_writes_the_sites_calibration_the_config_names_and_estimates_read_it(tmp_path):
+    """issue 32: the default was the installed package's calibration.toml, which an upgrade replaces."""
+    from xmem.config import load_site_config
+    from xmem.gpus.catalog import CALIBRATION_PATH
+
+    shipped = CALIBRATION_PATH.read_bytes()
+    site_file, config = tmp_path / "etc" / "calibration.toml", tmp_path / "xmem.toml"
+    config.write_text(f'[catalog]\ncalibration = "{site_file}"\n')
+    data, estimates = runs_and_estimates(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "xmem.cli", "calibrate", "--data", str(data), "--estimates",
+                           str(estimates), "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert site_file.is_file() and CALIBRATION_PATH.read_bytes() == shipped
+    gpu = find_gpu("rtx3060", load_site_config(config).catalog())
+    assert gpu.libraries["cublas"] == 550 * MIB and "xmem-slurm calibrate --data" in gpu.overhead_provenance
+
+
+def test_a_site_calibration_must_be_an_absolute_path(tmp_path):
+    from xmem.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="catalog.calibration: an absolute path"):
+        config_from_dict({"catalog": {"calibration": "calibration.toml"}})
+
+
 def test_calibrate_without_usable_runs_says_what_to_do(tmp_path):
     data, estimates = tmp_path / "d.jsonl", tmp_path / "e.jsonl"
     data.write_text(json.dumps(record("a", 3000)))

@@ -224,7 +224,7 @@ def config_from_dict(data: Mapping[str, Any]) -> SiteConfig:
         failure=_choice(_get(policy, "failure", SiteConfig), "policy.failure", FAILURE_MODES),
         exclude=_exclude(_table(data, "exclude", _keys(ExcludeConfig))),
         estimate=_estimate(_table(data, "estimate", _keys(EstimateConfig, memory_limit_bytes="memory_limit_gib"))),
-        catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead"))),
+        catalog_overrides=_catalog(_table(data, "catalog", ("gpus", "overhead", "calibration"))),
         deferred=_deferred(_table(data, "deferred", _keys(DeferredConfig))),
         filter=_filter(_table(data, "filter", _keys(FilterConfig))),
     )
@@ -308,7 +308,12 @@ def _estimate(table: Mapping[str, Any]) -> EstimateConfig:
 
 
 def _catalog(table: Mapping[str, Any]) -> Mapping[str, Any]:
-    return dict(table)  # checked by the catalog itself, in _check_gpu_types (one load)
+    """Checked by the catalog itself, in _check_gpu_types (one load); `calibration` (the site's calibration file,
+    which `xmem-slurm calibrate` writes and every estimate reads) must be an absolute path."""
+    path = table.get("calibration")
+    if path is not None and not (isinstance(path, str) and os.path.isabs(path)):
+        raise ConfigError(f"catalog.calibration: an absolute path, e.g. \"/etc/xmem/calibration.toml\" (got {path!r})")
+    return dict(table)
 
 
 def _deferred(table: Mapping[str, Any]) -> DeferredConfig:

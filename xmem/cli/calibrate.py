@@ -1,7 +1,10 @@
 """`xmem-slurm calibrate`: fit the per-GPU-type overhead (context + libraries) from real runs and our estimates.
 
 Owns the command's I/O: reading the measurements and the benchmark's estimates, joining them, printing the fit,
-and writing `xmem/gpus/calibration.toml` (or `--out`). The model and the fit are `xmem.bench.overhead_fit`.
+and writing the site's calibration: the file the site config's `[catalog] calibration` names (default
+/etc/xmem/calibration.toml; every estimate reads it), or `--out` (the project's own, shipped in the package:
+`--out xmem/gpus/calibration.toml`). Never the installed package by default: an upgrade would replace it. The model
+and the fit are `xmem.bench.overhead_fit`.
 
     xmem-slurm calibrate --data benchmarks/data/xmem-dev.jsonl --estimates benchmarks/results/dev/estimates.jsonl
     xmem-slurm calibrate --from-store [--store S] [--config SITE]   # the site's own jobs (xmem.slurm.store_fit)
@@ -27,7 +30,7 @@ from xmem.bench.records import BadRecord, Reference, load_references
 from xmem.cli import app
 from xmem.cli.common import add_gpu_column
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog
-from xmem.gpus.catalog import CALIBRATION_PATH
+from xmem.gpus.catalog import SITE_CALIBRATION_PATH, site_calibration_path
 from xmem.slurm.store import DEFAULT_STORE
 from xmem.slurm.store_fit import MAX_MOVE_BYTES, MIN_USERS, TRUSTED_MEASUREMENTS
 from xmem.units import MIB
@@ -99,8 +102,11 @@ def calibrate_command(
     store: Optional[str] = typer.Option(None, "--store", help="With --from-store: the record store "
                                                               f"(default: $XMEM_STORE, else {DEFAULT_STORE})."),
     config: Optional[str] = typer.Option(None, "--config", metavar="PATH",
-                                         help="With --from-store: the site config (MIG slices, catalog)."),
-    out: Path = typer.Option(CALIBRATION_PATH, "--out", help="Where to write the calibration TOML."),
+                                         help="The site config: its [catalog] calibration is where the fit is "
+                                              "written; with --from-store, also its MIG slices and catalog."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the calibration TOML (default: the site "
+                                                           "config's [catalog] calibration, else "
+                                                           f"{SITE_CALIBRATION_PATH})."),
     quantile: float = typer.Option(0.5, "--quantile", min=0.0, max=1.0,
                                    help="Quantile of the residuals taken as the fitted overhead (0.5: median)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the fit and the TOML; write nothing."),
@@ -117,6 +123,7 @@ def calibrate_command(
 ) -> None:
     """Fit CUDA context + per-library overhead per GPU type from real runs, and write the calibration file."""
     err = Console(stderr=True)
+    out = out or _site_calibration(err, config)
     if from_store:
         trusted = TRUSTED_MEASUREMENTS | {"file"} if trust_job_files else TRUSTED_MEASUREMENTS
         _calibrate_from_store(err, store, config, out, quantile, dry_run,
@@ -210,6 +217,17 @@ def _calibrate_from_store(err: Console, store: Optional[str], config: Optional[s
     _write(err, out, text)
 
 
+def _site_calibration(err: Console, config: Optional[str]) -> Path:
+    """The calibration file every estimate of the site reads (xmem.gpus.catalog.site_calibration_path)."""
+    from xmem.config import ConfigError, load_site_config
+
+    try:
+        return site_calibration_path(load_site_config(config).catalog_overrides)
+    except ConfigError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+
+
 def _existing(err: Console, out: Path) -> str:
     """The calibration file in effect (its other GPU types' tables are kept), "" when there is none yet."""
     try:
@@ -221,6 +239,7 @@ def _existing(err: Console, out: Path) -> str:
 
 def _write(err: Console, out: Path, text: str) -> None:
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # /etc/xmem on a site's first calibration
         out.write_text(text)
     except OSError as e:
         err.print(f"[red]error:[/] cannot write {out}: {e.strerror}")

@@ -1,10 +1,11 @@
 """The GPU catalog: which GPU types exist, how much memory each gives a job, and what it costs besides tensors.
 
-Owns `catalog.toml` (shipped defaults), the merge with `calibration.toml` (measured overheads, written by
-`xmem-slurm calibrate`) and with a site's overrides, name lookup (canonical names, Slurm GRES names, NVML names),
+Owns `catalog.toml` (shipped defaults), the merge with `calibration.toml` (measured overheads: the shipped one, then
+the site's, `[catalog] calibration`, which `xmem-slurm calibrate` writes) and with a site's overrides, name lookup (canonical names, Slurm GRES names, NVML names),
 MIG profiles, the non-allocator overhead model and the cuBLAS workspace size per architecture.
 
-Everything here is pure except `load_catalog`, which reads the two TOML files shipped in this folder.
+Everything here is pure except `load_catalog`, which reads the TOML files shipped in this folder and the site's
+calibration.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Any
 from xmem.units import GIB
 
 CATALOG_PATH = Path(__file__).with_name("catalog.toml")
-CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")
+CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")  # the project's, measured on its GPUs
+# The site's own calibration (`[catalog] calibration` in the site config; this when it names none): outside the
+# installed package, which an upgrade replaces. Per GPU type, its tables replace the shipped ones.
+SITE_CALIBRATION_PATH = Path("/etc/xmem/calibration.toml")
+SITE_CALIBRATION_KEY = "calibration"  # the key of [catalog] (`overrides`) that names it
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize(): ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB.
 CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
@@ -83,14 +88,32 @@ def normalize_name(name: str) -> str:
 
 def load_catalog(overrides: Mapping[str, Any] | None = None, *,
                  calibration_path: Path | None = CALIBRATION_PATH) -> dict[str, GpuType]:
-    """Every GPU type by canonical name: shipped catalog, then calibration file (if present), then `overrides`.
+    """Every GPU type by canonical name: shipped catalog, then calibration files (if present: `calibration_path`,
+    then the site's, `site_calibration_path`), then `overrides`. `calibration_path=None`: the shipped catalog alone.
 
     `overrides` has the catalog's shape: `{"gpus": {name: {field: value}}, "overhead": {name|"default": {...}}}`;
     a `gpus` entry for an unknown name adds a new type (it then needs `total_bytes` and `capability`).
     """
     base = _read_toml(CATALOG_PATH)
-    calibration = _read_toml(calibration_path) if calibration_path and calibration_path.exists() else {}
-    return catalog_from_tables(base, calibration, overrides or {})
+    overrides = overrides or {}
+    if calibration_path is None:
+        return catalog_from_tables(base, {}, overrides)
+    calibration = _optional_toml(calibration_path)
+    site = _optional_toml(site_calibration_path(overrides))
+    overhead = {**calibration.get("overhead", {}), **site.get("overhead", {})}  # per GPU type, the site's wins
+    return catalog_from_tables(base, {"overhead": overhead}, overrides)
+
+
+def site_calibration_path(overrides: Mapping[str, Any] | None) -> Path:
+    """The site's calibration file: the one `[catalog] calibration` names, else SITE_CALIBRATION_PATH."""
+    return Path((overrides or {}).get(SITE_CALIBRATION_KEY) or SITE_CALIBRATION_PATH)
+
+
+def _optional_toml(path: Path) -> dict[str, Any]:
+    try:
+        return _read_toml(path) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError) as e:  # there but unreadable: the figures would silently change
+        raise CatalogError(f"{path}: cannot read the calibration ({e})") from None
 
 
 def catalog_from_tables(base: Mapping[str, Any], calibration: Mapping[str, Any],
