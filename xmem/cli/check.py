@@ -26,12 +26,13 @@ from rich.table import Table
 from xmem.analyze import JobAnalysis, analyze_job
 from xmem.cli import app
 from xmem.cli.common import (EXIT_INTERNAL, EXIT_NO_FIT, EXIT_NOT_UNDERSTOOD, EXIT_USAGE, JSON_OPTION, PLOT_OPTION,
-                             TRACE_EXIT_CODES, VERBOSE_OPTION, add_gpu_column, fail, margin_text, show_options, shown_gpu,
-                             stdout_to_stderr, timeout_option)
+                             TRACE_EXIT_CODES, VERBOSE_OPTION, add_gpu_column, fail, margin_text, show_options,
+                             shown_gpu, stdout_to_stderr, timeout_option)
 from xmem.cli.estimate import breakdown_title, shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
+from xmem.slurm.from_check import SharedAnalysis, check_request
 from xmem.text import one_line
 from xmem.trace import privileges
 from xmem.units import MIB, gib_text, size_text
@@ -104,12 +105,18 @@ def check_command(
             fit_job(path, list(args or ()), cli_options, site, gpu, vary, as_json, step=step)
         raise typer.Exit(EXIT_OK)
     estimator = _picture_estimator(as_json, plot, snapshot, plot_gpu, site)
+    # what sbatch of this job will look up: the same job as the filter sees it (not another GPU type's, trace length's
+    # or interpreter's analysis, nor a --wrap, whose script is a temporary file)
+    shared = None if gpu or iterations or python or script is None else SharedAnalysis.start(
+        script, check_request(script, list(args or ()), cli_options, os.environ, os.getcwd()), site)
     try:
         with _script_file(script, wrap) as path:
             analysis = _analyze(err, as_json, path, list(args or ()), cli_options, site, gpu, estimator)
     except Exception as e:  # noqa: BLE001 - our bug: one line, the right exit code
         fail(as_json, EXIT_INTERNAL, "internal", f"internal error: {type(e).__name__}: {e}", verb="check")
     analysis = _without_site_config(analysis, config, gpu)
+    if shared is not None:
+        shared.file(analysis)
     if estimator is not None and estimator.runs:
         _write_pictures(as_json, estimator, analysis, plot, snapshot, plot_gpu)
     code = exit_code(analysis)

@@ -145,11 +145,32 @@ class Verdict:
                    errors=tuple(data.get("errors", [])), cached=cached)
 
 
-def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str]) -> str:
-    options = {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
-    return cache_key(script=Path(script).read_bytes(), script_args=request.script_args, options=options,
-                     env=request.env, files=files,
+def key_for(script: str, request: FilterRequest, config_digest: str, files: list[str], job: Any = None) -> str:
+    """The cache key of a submission: what its analysis reads (the script's bytes and arguments, the request as
+    parsed, the relevant environment, the files its commands run, the site config, the user and directory).
+    `job`: the script as `xmem.jobscript` parsed it for `request`, when the caller has it (else parsed here)."""
+    return cache_key(script=Path(script).read_bytes(), script_args=request.script_args,
+                     options=parsed_request(script, request, job), env=request.env, files=files,
                      extra={"config": config_digest, "user": request.user or "", "cwd": request.cwd or ""})
+
+
+def parsed_request(script: str, request: FilterRequest, job: Any = None) -> dict[str, str]:
+    """The job's request as the analysis reads it: the script's #SBATCH lines with sbatch's options and SBATCH_*
+    variables over them (`xmem.jobscript`'s SbatchRequest, less the options that say nothing about GPU memory).
+
+    Not the options as sent: sbatch hands cli_filter the script's directives merged in, where `check job.sh` has
+    only its own command line, so the same job keyed twice and was estimated twice (check, then sbatch). A script
+    that does not parse is keyed by the options as sent."""
+    if job is None:
+        from xmem.jobscript import parse_jobscript
+
+        try:
+            job = parse_jobscript(Path(script).read_text(errors="replace"), path=script,
+                                  script_args=list(request.script_args), submit_cwd=request.cwd,
+                                  cli_options=request.cli_options(), env=dict(request.env) or None)
+        except Exception:  # noqa: BLE001 - the analysis says why in its own words; the key needs only to differ
+            return {k: v for k, v in request.options.items() if k not in OPTIONS_NOT_IN_KEY}
+    return {name: str(value) for name, value in vars(job.directives).items() if name not in ("raw", "job_name")}
 
 
 # --- from verdict to reply -------------------------------------------------------------------------------------
