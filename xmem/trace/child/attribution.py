@@ -10,6 +10,10 @@ what the program printed. It is the fake GPU's when any exception of the chain i
   DataDependentOutputException, ...), except the one that restates a real op's check (FAKE_MODE_AS_ON_A_GPU), or
   the refusal of torch.library.custom_op's fake kernel for an op registered without one (CUSTOM_OP_FILE);
 - the CUDA driver or runtime: an exception class of a CUDA binding package (CUDA_BINDINGS);
+- a size that depends on values of GPU tensors the fake GPU does not have (`nonzero` of a mask made from model
+  weights, a boolean-mask selection, `unique`, `bincount`: StandIns.sized_in), where the error was raised under the
+  code that asked for it, or is an op's or a library's refusal (RuntimeError, IndexError, ValueError) after it: the
+  shapes that failed were the stand-in's, not the program's;
 and, unless the program's own `raise` statement made it (its words are then its own):
 - a CUDA library's file named in the error (a failed load: this machine has no driver, and the fake GPU none);
 - torch's answers from its real runtime, which has no device here (REAL_CUDA_SIGNS);
@@ -32,7 +36,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
-from typing import Collection, Iterator
+from typing import Collection, Iterator, Mapping
 
 from xmem.trace.errors import REAL_CUDA_SIGNS, NotModelled, raised_as_on_a_gpu
 
@@ -66,11 +70,13 @@ class Attribution:
     user_traceback: str  # the user's own frames and the exception line
 
 
-def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = ()) -> Attribution:
+def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = (),
+              stand_in_sizes: Mapping[CodeType, str] | None = None) -> Attribution:
     """The kind and one-line message of `error`, which ended the program (a SystemExit: a non-zero status).
-    `stand_in_askers`: the code objects that were handed stand-in values of GPU tensors (StandIns.asked_in)."""
+    `stand_in_askers`: the code objects that were handed stand-in values of GPU tensors (StandIns.asked_in);
+    `stand_in_sizes`: those that were handed a stood-in size, with what it was and where (StandIns.sized_in)."""
     if isinstance(error, SystemExit):
-        return _attribute_exit(error, stand_in_askers)
+        return _attribute_exit(error, stand_in_askers, stand_in_sizes)
     frames = traceback.extract_tb(error.__traceback__)
     own = [frame for frame in frames if _is_users(frame.filename)]
     text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(own),
@@ -79,6 +85,11 @@ def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = ()) 
         lack = _what_we_lack(link)
         if lack is not None:
             return Attribution("not_modelled", f"not modelled: {lack}{_where(own, frames)}", text)
+    sized = _stood_in_size(error, stand_in_sizes or {})
+    if sized is not None:
+        return Attribution("not_modelled", "not modelled: a size that depends on values of GPU tensors, which the "
+                           f"fake GPU does not have (the size of {sized} was stood in for), then "
+                           f"{type(error).__name__}: {first_line(error)}{_where(own, frames)}", text)
     if frames and _checked_stand_ins(error, frames[-1], stand_in_askers):
         return Attribution("not_modelled", "not modelled: a check failed on values of GPU tensors, which the fake "
                            f"GPU stands in for ({type(error).__name__}: {first_line(error)}){_where(own, frames)}", text)
@@ -86,11 +97,12 @@ def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = ()) 
     return Attribution("user_error", f"{type(error).__name__}: {first_line(error)}{where}", text)
 
 
-def _attribute_exit(error: SystemExit, stand_in_askers: Collection[CodeType]) -> Attribution:
+def _attribute_exit(error: SystemExit, stand_in_askers: Collection[CodeType],
+                    stand_in_sizes: Mapping[CodeType, str] | None) -> Attribution:
     """sys.exit(N) while handling an exception (a CLI that prints the error and exits): that exception decides."""
     handled = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     if handled is not None:
-        found = attribute(handled, stand_in_askers)
+        found = attribute(handled, stand_in_askers, stand_in_sizes)
         if found.kind == "not_modelled":
             return found
     return Attribution("user_error", f"the program exited with status {error.code}", "")
@@ -130,6 +142,25 @@ def _what_we_lack(error: BaseException) -> str | None:
         return f"this reached the real CUDA runtime ({first_line(error)})"
     if isinstance(error, (RuntimeError, NotImplementedError)) and FAKE_REPRESENTATION.search(text):
         return f"a GPU tensor's data or storage, which the fake GPU does not hold ({said})"
+    return None
+
+
+def _stood_in_size(error: BaseException, sizers: Mapping[CodeType, str]) -> str | None:
+    """What stood-in size the error follows from, if any: one asked by code the error was raised under (any
+    exception: its shapes, its checks of them), else the first one asked, where the error is an op's or a library's
+    refusal (RuntimeError, IndexError, ValueError; not the program's own `raise`/`assert`, whose words are its own)."""
+    if not sizers:
+        return None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in sizers:
+            return sizers[tb.tb_frame.f_code]
+        tb = tb.tb_next
+    origin = _origin(error)
+    own_statement = origin is not None and _is_users(origin.filename) and \
+        (origin.line or "").lstrip().startswith(("raise", "assert"))
+    if isinstance(error, (RuntimeError, IndexError, ValueError)) and not own_statement:
+        return next(iter(sizers.values()))
     return None
 
 

@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 from types import CodeType
-from typing import Any, Callable, Collection, Iterator, NoReturn
+from typing import Any, Callable, Collection, Iterator, Mapping, NoReturn
 
 XMEM_DIR = str(Path(__file__).resolve().parents[2])  # the xmem package directory
 
@@ -132,7 +132,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         outcome = error
     seconds = time.monotonic() - started
     if outcome is not None and not state.stopped:
-        raise _failure_from(outcome, recorder.stand_ins.asked_in)
+        raise _failure_from(outcome, recorder.stand_ins.asked_in, recorder.stand_ins.sized_in)
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
     trace.quick_key_misses = shortcuts.quick_key_misses(fake_mode)
@@ -290,13 +290,14 @@ def _run_user_program(command: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _failure_from(error: BaseException, stand_in_askers: Collection[CodeType] = ()) -> ChildFailure:
+def _failure_from(error: BaseException, stand_in_askers: Collection[CodeType] = (),
+                  stand_in_sizes: Mapping[CodeType, str] | None = None) -> ChildFailure:
     """User code raised (or exited non-zero): whose fault it is (xmem.trace.child.attribution), the one-line message and
     the user's own frames (a non-zero exit while handling an exception is that exception's)."""
     if isinstance(error, ChildFailure):
         return error
     from xmem.trace.child.attribution import attribute
-    found = attribute(error, stand_in_askers)
+    found = attribute(error, stand_in_askers, stand_in_sizes)
     return ChildFailure(found.kind, found.message, found.user_traceback)
 
 

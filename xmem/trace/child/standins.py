@@ -81,6 +81,9 @@ class StandIns:
         # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
         # that is: xmem.trace.child.attribution).
         self.asked_in: set[CodeType] = set()
+        # Where a size that depends on GPU values was stood in (the code that asked -> "op() at file:line"): shapes
+        # made from it are not the program's (xmem.trace.child.attribution)
+        self.sized_in: dict[CodeType, str] = {}
 
     def note_host_results(self, args: tuple, kwargs: dict, out: Any) -> None:
         """After a fake op: remember the host tensors it made from GPU data (an argument on the GPU, or a host tensor
@@ -107,6 +110,12 @@ class StandIns:
         frame = _caller_frame()
         if frame is not None:
             self.asked_in.add(frame.f_code)
+
+    def _note_sizer(self, what: str) -> None:
+        frame = _caller_frame()
+        if frame is not None and frame.f_code not in self.sized_in:
+            what = what if what.startswith("a ") else f"{what}()"
+            self.sized_in[frame.f_code] = f"{what} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
     # ---- scalars ------------------------------------------------------------------------------------------------
     def scalar(self, tensor: torch.Tensor) -> Any:
@@ -155,6 +164,8 @@ class StandIns:
         if name == "_pack_padded_sequence":
             return self._packed_from_host_lengths(func, args, kwargs)
         self._stood_in(x, f"the size of {name}()")
+        if name not in ("index", "masked_select"):  # a mask's count may be known: _selected
+            self._note_sizer(name)
         if name in _UNIQUE_OPS:
             self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
             return _unique_upper_bound(name, x, args, kwargs, self.value_range(x))
@@ -237,6 +248,7 @@ class StandIns:
         value = self.known_value(mask)
         if value is None:
             self.warn(SELECTION_WARNING)
+            self._note_sizer("a boolean-mask selection")
             return shape.numel()
         with unset_fake_temporarily():
             return int(value.broadcast_to(shape).count_nonzero())
