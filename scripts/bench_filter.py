@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """How much time xmem-slurm's cli_filter adds to `sbatch`, measured on the real dev cluster.
 
-    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--mode inline|partition] [--warm] [--json]
+    .venv/bin/python scripts/bench_filter.py [--repeat 10] [--fresh 3] [--mode inline|partition|handoff] [--warm]
+                                             [--burst N] [--json]
 
 Starts its own dev cluster (scripts/slurm-dev-cluster.sh, LAB in a temporary directory, ports 6857/6858), submits
 held jobs (they never run) and reports the median wall time of `sbatch` for:
   baseline   the GPU job through a slurm.conf without the cli_filter (same controller)
   cpu        a CPU job through the filter (parsed, no estimate)
   fresh      the GPU job with a fresh estimate (the script's bytes changed each time); with --mode partition
-             (deferred, issue 5) the estimate is queued as a CPU job instead: this is sbatch's latency then
+             (deferred, issue 5) the estimate is queued as a CPU job instead: this is sbatch's latency then;
+             with --mode handoff, inline if ready within [filter] wait_s, else queued
   cached     the unchanged GPU job again (the analysis comes from the cache)
   with --warm, also (the filter's estimates through the warm tracer, xmem.trace.warm, in a socket directory of
   its own):
   warm-first the first fresh estimate: it finds no server, starts one in the background and runs cold
   warm       fresh estimates once the server listens
-and the filter's share: each minus the baseline. Run as root (the dev cluster needs it).
+and the filter's share: each minus the baseline. `--burst N`: only N distinct GPU jobs at once, sbatch's p50/p95 and
+the load average; with --mode handoff (issue 35 item 5) also how many were handed to the cpu partition and, once
+their estimation jobs are done, how many carry an estimate-based request. Run as root (the dev cluster needs it).
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=10, help="submissions per cheap case (median reported)")
     parser.add_argument("--fresh", type=int, default=3, help="submissions with a fresh estimate")
-    parser.add_argument("--mode", choices=("inline", "partition"), default="inline",
-                        help="the dev cluster's estimation mode")
+    parser.add_argument("--mode", choices=("inline", "partition", "handoff"), default="inline",
+                        help="the dev cluster's estimation mode (handoff: inline, with a cpu partition to hand an "
+                             "estimate not ready within [filter] wait_s to)")
     parser.add_argument("--warm", action="store_true", help="also fresh estimates through the warm tracer")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--burst", type=int, default=0, metavar="N",
@@ -125,9 +130,9 @@ def measure(lab: Path, work: Path, env: dict[str, str], repeat: int, fresh: int,
         changed = work / f"gpu-{i}.sh"
         changed.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# variant {i}\npython train.py\n")
         samples["fresh"].append(sbatch_seconds(changed, env))
-    if mode == "partition":
-        sbatch_seconds(gpu, env, expect="queued")
-        wait_for_estimates(env)  # the estimation jobs fill the cache
+    if mode != "inline":
+        sbatch_seconds(gpu, env, expect="queued" if mode == "partition" else None)
+        wait_for_estimates(env)  # the estimation jobs fill the cache (handoff: if it was handed off)
     else:
         sbatch_seconds(gpu, env, expect="smallest fit")  # fill the cache
     for _ in range(repeat):
@@ -149,19 +154,36 @@ def measure_burst(work: Path, env: dict[str, str], count: int) -> dict[str, dict
         path.write_text(f"#!/bin/bash\n#SBATCH --gres=gpu:1\n# burst {i}\npython train.py\n")
         scripts.append(path)
 
-    def one(path: Path) -> tuple[float, bool]:
+    def one(path: Path) -> tuple[float, str, str]:
         started = time.perf_counter()
         done = subprocess.run(["sbatch", "--hold", "--parsable", "-o", "/dev/null", str(path)], cwd=work, env=env,
                               capture_output=True, text=True, timeout=900)
-        return time.perf_counter() - started, "smallest fit" in done.stderr
+        return time.perf_counter() - started, done.stderr, done.stdout.strip().split(";")[0]
 
     with ThreadPoolExecutor(max_workers=count) as pool:
         results = list(pool.map(one, scripts))
-    seconds = sorted(s for s, _ in results)
+    load = os.getloadavg()[0]  # as the last sbatch returned: what the burst itself costs the machine
+    seconds = sorted(s for s, _, _ in results)
     figures = summary({"burst": seconds}, 0.0)
+    handed_off = [job for _, said, job in results if "queued on partition" in said]
     figures["burst"].update(p95_s=round(seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))], 3),
-                            estimated=sum(ok for _, ok in results))
+                            estimated=sum("smallest fit" in said for _, said, _ in results),
+                            handed_off=len(handed_off), load_1min=round(load, 1))
+    if handed_off:  # each must end with an estimate-based request (state=done), none lost or left pending
+        started = time.monotonic()
+        wait_for_estimates(env)
+        states = [deferred_state(env, job) for job in handed_off]
+        figures["burst"].update(deferred_done=states.count("done"), deferred_s=round(time.monotonic() - started),
+                                deferred_other=sorted(s for s in states if s != "done"))
     return figures
+
+
+def deferred_state(env: dict[str, str], job: str) -> str:
+    """The outcome deferred estimation wrote in the job's comment (`state=`), or what is missing."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                           timeout=30).stdout
+    match = re.search(r"xmem:\S*\bstate=(\w+)", shown)
+    return match.group(1) if match else "no-state"
 
 
 def summary(samples: dict[str, list[float]], base: float) -> dict[str, dict]:
@@ -215,8 +237,12 @@ def report(figures: dict[str, dict], as_json: bool) -> None:
               f"{f['added_s']:>15.2f}s")
     if "burst" in figures:
         f = figures["burst"]
-        print(f"burst: p50 {f['median_s']:.1f} s, p95 {f['p95_s']:.1f} s; {f['estimated']} of {f['n']} estimated, "
-              "the rest submitted unchanged")
+        print(f"burst: p50 {f['median_s']:.1f} s, p95 {f['p95_s']:.1f} s (load {f['load_1min']} as the last sbatch "
+              f"returned); {f['estimated']} of {f['n']} estimated inline, {f['handed_off']} handed off, the rest "
+              "submitted unchanged")
+        if f["handed_off"]:
+            print(f"handed off: {f['deferred_done']} released with an estimate-based request (state=done) within "
+                  f"{f['deferred_s']} s of the burst; others: {f['deferred_other'] or 'none'}")
 
 
 if __name__ == "__main__":
