@@ -355,3 +355,39 @@ def test_fit_shows_progress_on_a_terminal_only():
             if update:
                 update("replaying")
         assert ("trace 1: b=8" in out.getvalue()) == terminal
+
+
+def test_the_batch_hint_finds_the_batch_option_and_says_what_to_do():
+    """Issue 32: a job that fits nowhere is told its largest batch size (xmem.fit_trace), read off its command."""
+    from xmem.fit_trace import BatchHint, batch_knob, fit_command_text
+
+    assert batch_knob(["python", "t.py", "--lr", "3", "--batch-size", "64"]) == ("batch-size", 64)
+    assert batch_knob(["python", "t.py", "--per_device_train_batch_size=8"]) == ("per_device_train_batch_size", 8)
+    assert batch_knob(["python", "t.py", "--batch-size", "auto"]) is None
+    assert batch_knob(["python", "t.py", "--batch-size", "٣"]) is None  # a digit, not ASCII
+    see = fit_command_text(["python", "t.py", "--bs", "32"], "bs", 32, ["T4"])
+    assert see == "xmem-slurm fit --vary bs=1..32 --gpu T4 -- python t.py --bs 32"
+    assert BatchHint("bs", 32, 12, True, see).text() == f"the largest --bs that fits is 12; to see more: {see}"
+    assert BatchHint("bs", 1, None, True, see).text().startswith("it does not fit even at --bs 1; ")
+    assert "a larger one may" in BatchHint("bs", 32, 12, False, see).text()
+
+
+def test_the_batch_hint_stops_at_its_time_budget(monkeypatch):
+    """A search that would take longer than its budget ends with what it has: a lower bound, said as one."""
+    import time
+
+    import xmem.fit_trace as fit_trace
+    from tests.estimates import GIB, estimate, gpu_estimate
+    from xmem.config import SiteConfig
+
+    calls = []
+
+    def slow_estimator(command, **settings):
+        calls.append(command)
+        time.sleep(0.6)
+        value = int(command[-1])
+        return estimate({"T4": gpu_estimate(value * GIB, total=15 * GIB, name="T4")}, used_cuda=False)
+
+    hint = fit_trace.largest_batch(["python", "t.py", "--batch-size", "64"], ["T4"], SiteConfig(), {}, "see",
+                                   budget_s=2.5, estimator=slow_estimator)
+    assert hint is not None and not hint.complete and hint.value in (1, 2, 4) and len(calls) <= 3

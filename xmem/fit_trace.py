@@ -101,7 +101,7 @@ class BatchHint:
         if self.value is None and self.complete:
             found = f"it does not fit even at --{self.name} 1"
         elif self.value is None:
-            found = f"no smaller --{self.name} was confirmed to fit in {HINT_BUDGET_S:g} s"
+            found = f"no smaller --{self.name} was confirmed to fit in the time allowed"
         elif self.complete:
             found = f"the largest --{self.name} that fits is {self.value}"
         else:
