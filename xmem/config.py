@@ -127,6 +127,8 @@ class FilterConfig:
     job is handed to deferred estimation (only where [deferred] cpu_partition names a partition to hand it to)."""
 
     wait_s: float = 4.0
+    # Where the filter's own faults go (xmem.slurm.site_log): "syslog", an absolute path of a file, or "none".
+    log: str = "syslog"
 
 
 @dataclass(frozen=True)
@@ -335,7 +337,10 @@ def _filter(table: Mapping[str, Any]) -> FilterConfig:
     wait = _non_negative_number(_get(table, "wait_s", FilterConfig), "filter.wait_s")
     if not 0 < wait <= MAX_FILTER_WAIT_S:
         raise ConfigError(f"filter.wait_s: must be more than 0 seconds and at most {MAX_FILTER_WAIT_S:g}")
-    return FilterConfig(wait_s=float(wait))
+    log = _get(table, "log", FilterConfig)
+    if not isinstance(log, str) or not (log in ("syslog", "none") or os.path.isabs(log)):
+        raise ConfigError(f"filter.log: \"syslog\", \"none\" or an absolute path of a file (got {log!r})")
+    return FilterConfig(wait_s=float(wait), log=log)
 
 
 def _check_gpu_types(config: SiteConfig) -> None:

@@ -7,6 +7,10 @@
 - `calibrate`           xmem/cli/calibrate.py  (per-GPU overhead fit)
 - `fit`                 xmem/cli/fit.py        (the largest value of one knob that fits each offer)
 - `gpus`                xmem/cli/gpus.py       (the GPU types, their memory, aliases and MIG profiles)
+- `admin ...`           xmem/cli/admin.py      (a site's install: the Slurm files, filled in)
+
+Shell completion (typer's): `xmem-slurm --install-completion` (bash, zsh, fish; then a new shell),
+`xmem-slurm --show-completion` prints the script instead.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ app = typer.Typer(
     epilog=escape("Exit codes (README.md has the same table):\n"
                   + "\n".join(table_lines())),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (issue 32: they were off)
     pretty_exceptions_enable=False,
 )
 
@@ -58,6 +62,7 @@ COMMAND_MODULES: dict[str, str] = {
     "calibrate": "calibrate",
     "fit": "fit",
     "gpus": "gpus",
+    "admin": "admin",
 }
 
 

@@ -31,6 +31,7 @@ from xmem.slurm.cluster import test_only_refusal
 from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, drop_user_settings, failure_reply,
                                  key_for, recorded, reply_for)
 from xmem.slurm.handoff import hands_off, inline_or_handed_off
+from xmem.slurm.site_log import log_fault
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
 
@@ -150,6 +151,7 @@ def filter_main(*, config_path: str | None = None, failure_mode: bool = False, s
     try:
         site = load_site_config(config_path, user_env=False)
     except Exception as e:  # the failure mode itself is unknown: the Lua side applies its default
+        log_fault(f"site config: {e}")  # -- issue 32: to syslog, as its own [filter] log is unknown too
         if failure_mode:
             print(f"xmem-slurm filter: {e}", file=sys.stderr)
             return 3
@@ -160,12 +162,22 @@ def filter_main(*, config_path: str | None = None, failure_mode: bool = False, s
     try:
         request = FilterRequest.from_json(json.load(stdin))
     except (ValueError, TypeError, AttributeError) as e:
+        log_fault(f"bad filter input: {e}", site.filter.log)
         return _emit(stdout, FilterReply(fault=f"bad filter input: {e}"))
     try:
         reply = run_filter(request, site)
     except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
+        log_fault(f"internal error: {type(e).__name__}: {e} ({_where(e)}), script {request.script}", site.filter.log)
         reply = failure_reply(f"internal error: {type(e).__name__}: {e}", request, site.failure)
     return _emit(stdout, reply)
+
+
+def _where(error: BaseException) -> str:
+    """The file and line that raised `error`: what an admin's bug report needs."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "no traceback"
 
 
 def _emit(stdout: IO[str], reply: FilterReply) -> int:
