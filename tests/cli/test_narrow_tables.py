@@ -78,3 +78,18 @@ def test_gpus_and_report_through_a_pipe_keep_every_name(tmp_path):
     done = run_piped("report", "--store", str(store))
     assert done.returncode == 0, done.stderr
     assert_readable(done.stdout)
+
+
+def test_estimate_through_a_pipe_at_80_columns(tmp_path):
+    """The real command, its table piped (rich's 80 columns) with COLUMNS=80 set as a log's runner might."""
+    (tmp_path / "train.py").write_text(
+        "import torch\nmodel = torch.nn.Linear(256, 256).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n    model(torch.randn(8, 256, device='cuda')).sum().backward()\n    opt.step()\n")
+    for columns in (None, "80"):
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        done = subprocess.run([XMEM_SLURM, "estimate", "-n", "1", "--gpu", "a100", "--gpu", "a100-80gb", "--gpu",
+                               "a100-pcie-80gb", "--", sys.executable, str(tmp_path / "train.py")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env={**env, "XMEM_CONFIG": "", **({"COLUMNS": columns} if columns else {})})
+        assert done.returncode == 0, done.stderr
+        assert_readable(done.stdout, A100S[:3])
