@@ -465,6 +465,48 @@ def test_fsdp1_keeps_whole_sharded_gradients_of_units_that_mix_frozen_and_traina
         assert reasons == ()
 
 
+# Lightning Fabric's FSDP strategy over the same model (fabric_fsdp_lora.py: Fabric sets use_orig_params=True, the
+# blocks wrapped whole by auto_wrap_policy={Adapted}, as a LoRA recipe wraps its transformer blocks): each block's
+# flat parameter holds its frozen base beside its adapter and requires grad as a whole (_validate_tensors_to_flatten;
+# torch's FSDP docs: the memory is "equivalent to not freezing those parameters"), so rank 0 holds the gradient of
+# its whole shard, frozen elements included, and autograd makes the whole unsharded gradient in backward.
+# Fabric's precision -> (MixedPrecision param dtype, reduce dtype) in fsdp1_figures' terms (FSDPPrecision:
+# "32-true" asks for fp32, the parameters' own dtype, so no low-precision copy: as no MixedPrecision at all)
+FABRIC_LORA = {"32-true": ("none", "fp32"), "bf16-mixed": ("bf16", "bf16")}
+
+
+def fabric_lora_traced(precision: str, *options: str):
+    world = 2
+    key = ("fabric_fsdp_lora.py", world, precision, *options)
+    if key not in TRACES:  # Fabric launches its own ranks: the node has the GPUs it asks for
+        TRACES[key] = run_trace([sys.executable, str(SCRIPTS / "fabric_fsdp_lora.py"), "--devices", str(world),
+                                 "--precision", precision, *options], iterations=2, device_count=world)
+    return world, TRACES[key]
+
+
+@pytest.mark.parametrize("precision", FABRIC_LORA)
+def test_fabric_fsdp1_lora_keeps_the_whole_gradient_of_units_that_mix_frozen_and_trainable_parameters(precision):
+    world, result = fabric_lora_traced(precision)
+    figures = fsdp1_figures(world, True, "FULL_SHARD", *FABRIC_LORA[precision], "base")
+    assert_as_fsdp1_figures(result, figures)
+    # the blocks' gradients are their whole shards: 34944 elements each, of which rank 0's trainable ones are none
+    # (the adapters lie at the end of each flat parameter, in rank 1's shard)
+    block_shard = sum(numel for numel, _ in LORA_BLOCK) // world
+    assert figures["gradient"] == sorted([block_shard * FP32] * 2 + [(16 * 256 + 16) // world * FP32])
+    reasons = audit(result)
+    assert len(reasons) == 1 and f"rank {world - 1}'s shards hold {2 * 2 * 4096 * FP32} bytes more" in reasons[0]
+
+
+def test_fabric_fsdp1_lora_bf16_true_from_the_meta_device_keeps_every_figure_in_bf16():
+    """precision="bf16-true" with fabric.init_module(empty_init=True): built on the meta device in bf16, materialised
+    by FSDP; MixedPrecision's bf16 equals the parameters' dtype, so nothing is cast and no low-precision copy is made:
+    each figure of "32-true" at half the bytes (parameters, whole-shard gradients, AdamW's moments, gathers, the
+    unsharded gradient and its reduce-scatter output all bf16)."""
+    world, result = fabric_lora_traced("bf16-true", "--empty-init", "1")
+    figures = fsdp1_figures(world, True, "FULL_SHARD", "none", "fp32", "base")
+    assert_as_fsdp1_figures(result, {name: [n * BF16 // FP32 for n in sizes_] for name, sizes_ in figures.items()})
+
+
 def test_fsdp1_mixed_precision_buffer_dtype_keeps_each_buffer_whole_in_bf16_on_every_rank():
     # fsdp1_lora.py --buffers 1: each block holds an fp32 buffer of 256 elements. FSDP1 flattens parameters only:
     # buffers stay whole on every rank, whatever the world. The root's lazy init (_lazy_init:
