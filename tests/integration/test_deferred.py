@@ -385,3 +385,43 @@ def test_an_estimation_job_leaves_no_warm_tracer_behind(deferred_cluster, submit
     left = subprocess.run(["ps", "-u", submitter.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
     assert "xmem" not in left, left
     cluster.run("scancel", sub.job_id)
+
+
+# A program that never ends (it waits on something that never comes): inline, it held sbatch for the whole
+# estimate timeout (300 s); with a CPU partition it holds sbatch for the wait, and its job until the estimation job
+# ends, however that ends (issue 35 items 5 and 7).
+NEVER_ENDS = "import time\nwhile True:\n    time.sleep(1)\n"
+
+
+def handoff_config(cluster, *, failure: str = "open") -> str:
+    """The cluster's config in inline mode with its cpu partition: slow estimates are handed off after WAIT_S."""
+    text = site_config(cluster, mode='"inline"', wait_s=str(WAIT_S), failure=f'"{failure}"')
+    assert f"wait_s = {WAIT_S}" in text and 'cpu_partition = "cpu"' in text
+    return text
+
+
+@pytest.mark.parametrize("who, failure", [("root", "open"), ("user", "open"), ("user", "closed")])
+def test_a_program_that_never_ends_holds_neither_sbatch_nor_its_job(deferred_cluster, work, request, who, failure):
+    """Released unchanged when the site fails open, cancelled when it fails closed: the failure modes as before."""
+    cluster = deferred_cluster
+    user = request.getfixturevalue("submitter") if who == "user" else None
+    where = request.getfixturevalue("mine") if user else work
+    (where / "forever.py").write_text(NEVER_ENDS)
+    path = script(where, f"forever-{who}-{failure}.sh", "python forever.py\n")
+    if user:
+        give(user, where)
+    with cluster.site_config_text(handoff_config(cluster, failure=failure)):
+        sub = cluster.sbatch(path, "--begin=now+3600", user=user)
+        assert sub.returncode == 0, sub.stderr
+        assert sub.seconds < WAIT_S + MARGIN_S and f"not ready within {WAIT_S} s" in sub.stderr
+        assert xmem_state(cluster.job(sub.job_id)) == "pending"
+        estimate = cluster.run("squeue", "-h", "-n", f"xmem-estimate-{sub.job_id}", "-o", "%i").stdout.split()
+        assert len(estimate) == 1
+        cluster.run("scancel", estimate[0])  # as an admin would, or its time limit: the watchdog releases the job
+        info = wait_settled(cluster, sub.job_id)
+    if failure == "closed":
+        assert (info["JobState"], xmem_state(info)) == ("CANCELLED", "refused")
+        return
+    assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
+    assert info["Reason"] != "JobHeldUser"
+    cluster.run("scancel", sub.job_id)
