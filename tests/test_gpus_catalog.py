@@ -197,3 +197,68 @@ def test_alias_equal_to_another_types_name_is_an_error():
 def test_new_type_without_total_is_an_error():
     with pytest.raises(CatalogError, match="total_bytes"):
         load_catalog({"gpus": {"X1": {"capability": [8, 0]}}}, calibration_path=None)
+
+
+# ---- issue 34, item 9: the 96 GB Hoppers and the Blackwell parts, with their MIG profiles ----------------------
+@pytest.mark.parametrize("name, canonical", [
+    ("NVIDIA B300 SXM6 AC", "B300"),
+    ("b300", "B300"),
+    ("NVIDIA GB200", "GB200"),
+    ("gb300", "GB300"),
+    ("h100-96gb", "H100-96GB"),
+    ("H100_HBM2e", "H100-96GB"),
+    ("NVIDIA H100 NVL", "H100-NVL-94GB"),
+])
+def test_blackwell_and_96gb_hopper_names(catalog, name, canonical):
+    assert find_gpu(name, catalog).name == canonical
+
+
+def test_blackwell_and_96gb_hopper_totals_and_capabilities(catalog):
+    # nvidia-smi's memory.total in public logs, in MiB; the H100 96GB's is nominal (undocumented)
+    assert catalog["B300"].total_bytes == 275_040 * MIB and catalog["B300"].capability == (10, 3)
+    assert catalog["GB200"].total_bytes == 189_471 * MIB and catalog["GB200"].capability == (10, 0)
+    assert catalog["GB300"].total_bytes == 284_208 * MIB and catalog["GB300"].capability == (10, 3)
+    assert catalog["H100-96GB"].total_bytes == 96 * GIB and catalog["H100-96GB"].capability == (9, 0)
+
+
+NEW_MIG = {
+    "H100-NVL-94GB": ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
+    "GH200-96GB": ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+    "H100-96GB": ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+    "B200": ["1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"],
+    "B300": ["1g.34gb", "1g.67gb", "2g.67gb", "3g.135gb", "4g.135gb", "7g.269gb"],
+}
+
+
+@pytest.mark.parametrize("gpu", NEW_MIG)
+def test_hopper_and_blackwell_mig_profiles_as_nvidia_lists_them(catalog, gpu):
+    assert [p.name for p in catalog[gpu].mig_profiles] == NEW_MIG[gpu]
+    assert [p.compute_slices for p in catalog[gpu].mig_profiles] == [1, 1, 2, 3, 4, 7]
+    assert mig_profile(catalog[gpu], f"MIG {NEW_MIG[gpu][2]}").memory_bytes < catalog[gpu].total_bytes // 4
+
+
+def test_mig_memory_follows_nvidias_fractions_on_every_seven_slice_gpu(catalog):
+    """The MIG user guide's fractions of memory on 7-slice GPUs: the smallest 1g 1/8, the larger 1g and the 2g 2/8,
+    3g and 4g 4/8, 7g all of it. Each figure, measured or approximated, is its fraction of the 7g slice's memory or
+    at most 10 % less (the driver keeps some back per instance), and the 7g slice fits in the GPU's total."""
+    checked = []
+    for gpu in catalog.values():
+        profiles = {p.name: p for p in gpu.mig_profiles}
+        full = next((p for p in gpu.mig_profiles if p.compute_slices == 7), None)
+        if full is None:
+            continue
+        smallest_1g = min(p.memory_bytes for p in gpu.mig_profiles if p.compute_slices == 1)
+        for profile in profiles.values():
+            slices = profile.compute_slices
+            eighths = {1: 1 if profile.memory_bytes == smallest_1g else 2, 2: 2, 3: 4, 4: 4, 7: 8}[slices]
+            share = full.memory_bytes * eighths / 8
+            assert 0.9 * share <= profile.memory_bytes <= share + 0.01 * GIB, (gpu.name, profile)
+        assert full.memory_bytes <= gpu.total_bytes, gpu.name
+        checked.append(gpu.name)
+    assert set(NEW_MIG) | {"A100-SXM4-40GB", "H100-SXM5-80GB", "H200-141GB"} <= set(checked)
+
+
+def test_grace_blackwell_parts_offer_no_mig_slice_until_nvidia_lists_their_profiles(catalog):
+    for gpu in ("GB200", "GB300"):
+        with pytest.raises(UnknownGpuError, match="no MIG"):
+            mig_profile(catalog[gpu], "1g.23gb")
