@@ -184,6 +184,30 @@ def test_snapshot_names_the_ops_and_modules_behind_each_allocation(estimated):
     assert {"parameter", "gradient", "optimizer_state", "activation"} <= categories  # the viewer's colours
 
 
+def line_of(text: str) -> int:
+    """The line of TRAIN that starts (after its indent) with `text`."""
+    return next(n for n, line in enumerate(TRAIN.splitlines(), 1) if line.strip().startswith(text))
+
+
+def test_snapshot_frames_point_at_the_programs_line_of_each_allocation(estimated):
+    """issue 32: each allocation's frames hold the line of train.py that made it (the forward's line for an
+    activation, `loss.backward()` for a gradient, `opt.step()` for the optimizer's state), as memory_viz shows it."""
+    folder, _data, _stderr = estimated
+    snapshot = pickle.loads((folder / "run.pickle").read_bytes())
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    where = {}
+    for e in allocs:
+        program = [f for f in e["frames"] if f["filename"].endswith("train.py")]
+        where.setdefault(e["category"], set()).update((f["line"], f["name"]) for f in program)
+    assert (line_of("return x + self.down"), "forward") in where["activation"], where
+    assert (line_of("loss.backward()"), "<module>") in where["gradient"], where
+    assert (line_of("opt.step()"), "<module>") in where["optimizer_state"], where
+    assert (line_of("x = torch.randn"), "<module>") in where["input"], where
+    assert all(f["filename"] == str(folder / "train.py") for e in allocs for f in e["frames"][1:-1])
+    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert any(f["filename"].endswith("train.py") for b in blocks for f in b["frames"])  # segment_plot's view
+
+
 @pytest.mark.parametrize("kind", ["trace_plot", "segment_plot", "stats"])
 def test_torchs_memory_viz_reads_the_snapshot(estimated, kind, tmp_path, monkeypatch, capsys):
     """`python -m torch.cuda._memory_viz KIND FILE`, run in this process (runpy executes the module's command line as

@@ -6,9 +6,10 @@ Owns the mapping from a `GpuRun` (xmem.pictures) to the snapshot's dict: `segmen
 end of the run: each segment with its blocks, active or inactive) and `device_traces` (one list per device of the
 allocator's actions: alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap,
 oom). Allocations carry their category (parameter, activation...), which the viewer colours by; each action carries
-the frame of the traced op behind it: file = the module, function = the ATen op, plus
-one frame naming the category, phase and iteration (there is no Python stack in a trace). `time_us` is the op's
-index in the replay.
+frames as torch's do, innermost first: the traced op behind it (file = the module, function = the ATen op), then,
+for an allocation, the program's line that made it (file, line, function: `Trace.sites`, the innermost frame
+outside torch and xmem that the tracer saw), then one frame naming the category, phase and iteration. `time_us` is
+the op's index in the replay.
 
 One deliberate difference from torch: an alloc/free action's `size` is the block's (rounded) size, not the bytes
 asked for (those are in `requested_size`), so that the viewers' active-memory total is `memory_allocated()`, the
@@ -57,10 +58,20 @@ def _frames(run: GpuRun):
             when = f"iteration {iteration}" if iteration >= 0 else "setup"
             own = [{"filename": event.module or "<no module>", "line": 0, "name": event.op or "<alloc>"}] \
                 if event is not None else []
-            cache[op_index] = own + [{"filename": "xmem", "line": 0, "name": f"{category} ({phase}, {when})"}]
+            cache[op_index] = own + _program_frame(run, event) + \
+                [{"filename": "xmem", "line": 0, "name": f"{category} ({phase}, {when})"}]
         return cache[op_index]
 
     return frames
+
+
+def _program_frame(run: GpuRun, event: Any) -> list[dict]:
+    """The program's line behind an allocation, as a frame of torch's form; none for a free or an unknown line."""
+    sites = run.trace.sites
+    if event is None or not 0 <= event.site < len(sites):
+        return []
+    filename, line, name = sites[event.site]
+    return [{"filename": filename, "line": line, "name": name}]
 
 
 def _trace_entry(entry: TraceEntry, frames: list[dict], category: str) -> dict[str, Any]:

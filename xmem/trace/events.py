@@ -64,6 +64,7 @@ class MemEvent:
     phase: str = Phase.OTHER
     iteration: int = -1  # -1: before the first optimizer step's iteration started (model load, setup)
     category: str = Category.OTHER
+    site: int = -1  # an alloc's line of the program behind it: an index into Trace.sites (-1: none found)
 
 
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))
@@ -150,6 +151,9 @@ class Trace:
     # diagnostics, no figure depends on them: why ops went FakeTensorMode's own way, not the tracer's quick key
     # (xmem.trace.child.shortcuts), counted by reason
     quick_key_misses: dict[str, int] = field(default_factory=dict)
+    # The program's lines that allocated (MemEvent.site indexes them), once each: (file, line, function) of the
+    # innermost frame outside torch, xmem and the standard library (xmem.trace.child.recorder.UserSites)
+    sites: list[tuple[str, int, str]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}
@@ -163,6 +167,7 @@ class Trace:
         d = {k: v for k, v in d.items() if k in _TRACE_FIELDS}  # a field a saved trace has but Trace no longer does
         d["events"] = [MemEvent(*row) for row in d.get("events", [])]
         d["capability"] = tuple(d.get("capability", (9, 0)))
+        d["sites"] = [tuple(site) for site in d.get("sites", [])]
         facts = d.get("facts")
         d["facts"] = None if facts is None else [Fact(**{**f, "categories": tuple(f["categories"])}) for f in facts]
         return cls(**d)

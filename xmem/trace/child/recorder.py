@@ -271,6 +271,7 @@ class AllocationRecorder(TorchDispatchMode):
         self.stand_ins.known_value = self.known.value
         self.bounds = ValueBounds()  # the ranges of integer GPU values, which the stand-ins of sizes follow
         self.stand_ins.value_range = self.bounds.of
+        self.sites = UserSites()
         self._connect()
 
     def _connect(self) -> None:
@@ -475,7 +476,7 @@ class AllocationRecorder(TorchDispatchMode):
             stream = self.fake.current_stream.stream_id
             self._live[key] = (block, nbytes, device, stream)
             self.rows.append(["alloc", block, nbytes, device, stream, op, self.module_path(), state.phase,
-                              state.iteration])
+                              state.iteration, self.sites.current()])
             self.category[block] = _category_at_birth(state.phase, op, from_host)
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -621,11 +622,13 @@ class AllocationRecorder(TorchDispatchMode):
     def to_trace(self, capability: tuple[int, int], seconds: float) -> Trace:
         if not self.state.completed:
             self._number_forward_passes()
-        events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER)) for row in self.rows]
+        events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER),
+                           site=row[9] if len(row) > 9 else -1) for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows),
-                     alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__)
+                     alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__,
+                     sites=self.sites.table())
 
 
     def _number_forward_passes(self) -> None:
@@ -636,6 +639,58 @@ class AllocationRecorder(TorchDispatchMode):
                 number += 1
             if number >= 0:
                 row[8] = number
+
+
+class UserSites:
+    """The program's line behind each allocation, for the memory snapshot's frames (issue 32): the innermost Python
+    frame outside torch, xmem and the standard library (the model's own forward, a library's modeling code, or
+    the training script), taken with sys._getframe only when a storage is allocated. An allocation on an autograd
+    device thread (backward on a fake GPU), whose stack is torch's alone, takes the main thread's line (its
+    `loss.backward()`). Each (file, line, function) is stored once; an alloc row carries its index."""
+
+    def __init__(self) -> None:
+        self._index: dict[tuple[str, int, str], int] = {}
+        # id(code) -> (code, whether its file is skipped), asked once each: by id, as hashing a code object hashes
+        # its whole body; the code is held, so that its id is not reused
+        self._library_code: dict[int, tuple[Any, bool]] = {}
+        self._main = threading.main_thread().ident
+
+    def current(self) -> int:
+        """The index of the calling allocation's site; -1 when no frame of the program is on the stack."""
+        frame = self._outside_libraries(sys._getframe(1))
+        if frame is None and threading.get_ident() != self._main:
+            frame = self._outside_libraries(sys._current_frames().get(self._main))
+        if frame is None:
+            return -1
+        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        return self._index.setdefault(key, len(self._index))
+
+    def table(self) -> list[tuple[str, int, str]]:
+        return list(self._index)  # in index order: a dict keeps its insertion order
+
+    def _outside_libraries(self, frame: Any) -> Any:
+        known = self._library_code
+        while frame is not None:
+            code = frame.f_code
+            entry = known.get(id(code))
+            if entry is None:
+                entry = known[id(code)] = (code, _skipped_file(code.co_filename))
+            if not entry[1]:
+                return frame
+            frame = frame.f_back
+        return None
+
+
+# Frames that are never the program's line: torch's, ours, the standard library's (not its site-packages), and
+# generated code (`<string>`, torch.fx's `<eval_with_key>`, `<frozen ...>`).
+_SKIPPED_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # torch/
+                 os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")) + os.sep)  # xmem/
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
+def _skipped_file(filename: str) -> bool:
+    return (filename.startswith(("<", *_SKIPPED_DIRS))
+            or (filename.startswith(_STDLIB_DIR) and "-packages" + os.sep not in filename))
 
 
 # Sparse layouts hold their memory in index and value tensors that the fake mode does not make for the GPU (its
