@@ -43,9 +43,12 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
                        "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TIMM_", "LIGHTNING_", "PL_", "TQDM_",
                        "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
-# -- issue 32: set per job by its launcher (`launchers.launcher_env`: the node's GPUs) and read only once CUDA starts,
-# in the job, where its whole environment is applied: in the key, every GPU count had a server of its own.
-PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)
+# -- issue 32: what no import reads, set per job, and applied in the job with its whole environment; in the key, each
+# value had a server of its own. The node's GPUs (`launchers.launcher_env`; read when CUDA starts), the allocator's
+# setting (read at the job's first allocation: the recorder's alloc_conf), the elastic agent's restart counters and
+# run id (`launchers._RANK_ZERO`; read when the job's process group starts).
+PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 # The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
 # at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
 # these settings pass. A job that sets anything else of that kind is traced cold, where its environment is applied
