@@ -64,10 +64,21 @@ def test_excluded_user_is_not_estimated(tmp_path):
 
 
 def test_script_not_understood(tmp_path):
-    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\nfor i in 1 2; do python t.py; done\n"),
-                     FakeEstimator({}))
+    """A script sbatch itself refuses (no #! line) is not run, whatever the static read found in it."""
+    path = tmp_path / "job.sh"
+    path.write_text("#SBATCH --gres=gpu:1\n\nfor i in 1 2; do python t.py; done\n")
+    result = analyze(path, FakeEstimator({}))
     assert result.decision is None
     assert result.errors[0].kind == "not_understood" and "line 3" in result.errors[0].message
+
+
+def test_a_script_the_static_read_cannot_name_is_estimated_run_whole(tmp_path):
+    path = job(tmp_path, "#SBATCH --gres=gpu:1\nfor i in 1 2; do python t.py; done\n")
+    estimator = FakeEstimator({str(path): {name: 10 << 30 for name in ("a100-40gb", "a100-80gb", "A100-SXM4-40GB",
+                                                                         "A100-SXM4-80GB")}})
+    result = analyze(path, estimator)
+    assert [command for command, _ in estimator.calls] == [["/bin/bash", str(path)]]
+    assert result.peaks and not result.errors
 
 
 def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_path):

@@ -76,7 +76,8 @@ def test_human_output_shows_job_estimate_and_decision(workdir):
 
 
 def test_script_not_understood_exits_8_with_the_line(workdir):
-    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\nfor s in 1 2; do python train.py 8; done\n")
+    # sbatch refuses a script without #!: the static read's problems stand, nothing is run
+    (workdir / "job.sh").write_text("#SBATCH --gres=gpu:1\n\nfor s in 1 2; do python train.py 8; done\n")
     done = check(str(workdir / "job.sh"), "--json", "--config", str(EXAMPLE_CONFIG), cwd=workdir)
     assert done.returncode == 8
     data = json.loads(done.stdout)
@@ -144,12 +145,12 @@ def test_partition_unknown_to_config_and_cluster_exits_2(workdir):
 
 
 def test_human_output_shows_script_text_literally(workdir):
-    (workdir / "job.sh").write_text("#!/bin/bash\n#SBATCH --gres=gpu:1\n"
+    (workdir / "job.sh").write_text("#SBATCH --gres=gpu:1\n\n"
                                     "for s in 1 2; do python train.py [red]x; done\n")
     done = check(str(workdir / "job.sh"), "--config", str(EXAMPLE_CONFIG), cwd=workdir, COLUMNS="200")
     assert done.returncode == 8
     assert "[for s in 1 2; do python train.py [red]x; done]" in done.stdout  # not taken as Rich markup
-    assert done.stderr.strip().endswith("not understood: 1 problem(s) listed above")
+    assert done.stderr.strip().endswith("not understood: 2 problem(s) listed above")  # the loop; sbatch's refusal
 
 
 def test_wrap_is_checked_like_sbatch_wraps_it(workdir):
