@@ -67,6 +67,11 @@ class Block(nn.Module):
 with torch.device("cuda"):
     model = Block()
 assert model.rope.cache.device.type == "cuda" and model.rope.theta.shape == ({DIM // 2},)
+# made on the GPU from torch.arange, its values are known: the same as the host's, rescaled or not per frequency
+on_host = ScaledRoPE({DIM}, {SEQ}, old_context=64)
+with torch.device("cuda"):
+    on_gpu = ScaledRoPE({DIM}, {SEQ}, old_context=64)
+assert on_gpu.theta.tolist() == on_host.theta.tolist() != ScaledRoPE({DIM}, {SEQ}, old_context=10**9).theta.tolist()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(2):
     model(torch.randn(2, {SEQ}, {WIDTH}, device="cuda")).backward()
@@ -102,6 +107,31 @@ for _ in range(2):
     model(torch.stack([rebuilt, made]).float()).sum().backward()
     optimizer.step()
 """
+
+
+DEVICE_RANGES = """import math
+import torch
+def frequencies(device):  # a HF-style Llama 3 rescaling: torch.where on wavelengths, values read with .item()
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64, device=device).float() / 64))
+    wavelen = 2 * math.pi / inv
+    return int((wavelen > 8192).sum()), torch.where(wavelen > 8192, inv / 8, inv).max().item()
+host, gpu = frequencies("cpu"), frequencies("cuda")
+assert gpu == host and host[0] not in (0, 1), (gpu, host)
+ids = torch.arange(10, device="cuda")
+assert ids[ids > 6].shape == (3,)  # a selection from a known range: its real count
+model = torch.nn.Linear(4, 1).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_ranges_made_on_the_gpu_have_their_values(tmp_path):
+    """torch.arange (linspace, logspace, eye) on the GPU: values its arguments fix, kept as known values, so what
+    the program reads from them (.item(), a count, a selection's size) is what a GPU run reads: no stand-in."""
+    trace = trace_source(tmp_path, "ranges.py", DEVICE_RANGES, iterations=2)
+    assert not [w for w in trace.warnings if "stand-in" in w or "no real data" in w], trace.warnings
 
 
 def test_gpu_scalars_in_a_sequence_are_read_with_their_known_values_and_dtypes(tmp_path):

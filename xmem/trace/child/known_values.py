@@ -8,7 +8,8 @@ the stand-ins ask it first.
 
 The rules:
 - kept: the results (at most PER_TENSOR_BYTES each, TOTAL_BYTES alive in all) of a copy from a host tensor
-  (`.to("cuda")`, `.cuda()`, `copy_` of a host tensor into a GPU one), and of any op whose tensor arguments all
+  (`.to("cuda")`, `.cuda()`, `copy_` of a host tensor into a GPU one), of a factory whose values its arguments fix
+  (`arange`, `linspace`, `logspace`, `eye` on the GPU: position ids, RoPE frequencies), and of any op whose tensor arguments all
   have known values or are host tensors, one at least known (`batch.max().int() + 1`, `mask.sum()`, a view,
   `torch.cat(batches)`, `mask.cpu()`): the op runs again on the host copies, on the CPU. Never an op on a host
   parameter or a tensor that requires grad (a model's weights: following them would run its training on the host,
@@ -38,6 +39,9 @@ TOTAL_BYTES = 64 << 20
 # `to` arrives whole under inference_mode (the recorder decomposes it below itself, out of this table's sight)
 _COPIES = frozenset({"_to_copy", "to", "copy_", "_copy_from"})
 _NO_DATA_WRITES = frozenset({"record_stream", "detach_", "requires_grad_"})  # "write" flags, not values
+# Factories whose values follow from their arguments alone (no draw, no uninitialised memory): a range made on the
+# GPU (position ids, RoPE frequencies: torch.arange(0, dim, 2, device="cuda")) holds what the host's would
+_FACTORIES = frozenset({"arange", "linspace", "logspace", "eye"})
 _CPU = torch.device("cpu")
 _UNKNOWN = object()
 
@@ -93,7 +97,7 @@ class KnownValues:
         """Before a fake op: count its in-place writes to kept storages, and return its host form if its result can
         be known. Cheap when it cannot: most ops meet an unknown fake tensor at their first argument."""
         name = func._opname
-        if not self._watched and name not in _COPIES:
+        if not self._watched and name not in _COPIES and name not in _FACTORIES:
             return None
         plan = self._host_form(func, name, args, kwargs)
         if self._watched and func._schema.is_mutable and name not in _NO_DATA_WRITES:
@@ -148,7 +152,8 @@ class KnownValues:
                 return None
             host_kwargs[key] = host
         copied = name in _COPIES and known[1]
-        if not (known[0] or copied) or torch.Tag.nondeterministic_seeded in func.tags:
+        made = name in _FACTORIES and not any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values()))
+        if not (known[0] or copied or made) or torch.Tag.nondeterministic_seeded in func.tags:
             return None
         return Plan(func, tuple(host_args), host_kwargs, from_program=known[1])
 
