@@ -260,7 +260,8 @@ def test_one_socket_per_interpreter_and_import_environment_whatever_the_job():
     base = {"HOME": "/home/u", "PATH": "/usr/bin"}
     jobs = [{**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n)))} for n in (1, 2, 8)]
     jobs += [{**base, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-             {**base, "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}]  # a torchrun of 1 process
+             {**base, "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"},  # a torchrun of 1 process
+             {**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}]  # torch's own, once a process compiled
     assert len({warm.socket_path(name, env) for name in names for env in jobs}) == 1
     assert warm.socket_path(sys.executable, {**base, "OMP_NUM_THREADS": "1"}) != warm.socket_path(sys.executable, base)
     assert warm.socket_path(sys.executable, {**base, "HF_HOME": "/x"}) != warm.socket_path(sys.executable, base)
