@@ -2,7 +2,10 @@
 `device="cuda"` factories, buffers computed at construction (RoPE caches, rescaled frequencies), weight inits that
 loop on GPU values. None may reach the real CUDA runtime; each is traced through the real tracer."""
 
+import inspect
+
 import pytest
+import torch
 
 from tests.trace.child.test_host import allocs, trace_source
 from xmem.trace import TraceError
@@ -151,8 +154,8 @@ TRUNC_NORMAL = """import torch
 import torch.nn as nn
 with torch.device("cuda"):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
-    for layer in (model[0], model[2]):
-        nn.init.trunc_normal_(layer.weight, std=0.02)  # a rejection loop: `if not mask.any(): break`
+    nn.init.trunc_normal_(model[0].weight, std=0.02)  # a rejection loop: `if not mask.any(): break`
+    nn.init.trunc_normal_(model[2].weight, std=1.0)  # [-2, 2] is 2 std: 4.6 % of each draw lands outside
 optimizer = torch.optim.AdamW(model.parameters())
 for _ in range(2):
     model(torch.randn(4, 32, device="cuda")).sum().backward()
@@ -163,6 +166,15 @@ for _ in range(2):
 def test_a_weight_init_that_loops_on_gpu_values_ends_under_the_device_context(tmp_path):
     """nn.init.trunc_normal_ (torch 2.14) redraws until no value is out of bounds. Under torch.device("cuda") each
     `mask.any()` passed through DeviceContext.__torch_function__, taken for the asking code: no while loop there, so
-    the stand-in answered True for ever (a hang). The loop's own frame is found now: it ends."""
+    the stand-in answered True for ever (a hang). The loop's own frame is found now, and it redraws as often as the
+    draws of a GPU need (without the device context it redrew 100 times, the stand-in's loop limit)."""
     trace = trace_source(tmp_path, "init.py", TRUNC_NORMAL, iterations=2, timeout=240)
     assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([32 * 64 * 4, 64 * 4, 64 * 8 * 4, 8 * 4])
+    # redraws as many as a GPU's draws need: none for std 0.02 within [-2, 2]; for std 1, of the 512 elements
+    # 512 * 0.0455 = 23.3 are expected out after the first draw, 1.06 after one redraw, 0.05 after two: two
+    # redraws, each a fresh draw (empty_like) and the merged values (where) of that weight's size
+    redrawn = [e.nbytes for e in trace.events if e.action == "alloc" and e.op in ("where", "empty_like")]
+    assert redrawn == ([64 * 8 * 4] * 4 if REJECTION_LOOP else [])  # torch 2.13 draws once, by inverse CDF
+
+
+REJECTION_LOOP = "mask.any()" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)

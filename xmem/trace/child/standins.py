@@ -49,6 +49,8 @@ BINCOUNT_MINLENGTH_WARNING = "bincount() took its minlength bins, as if every va
 SELECTION_WARNING = "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)"
 MAX_TRUE_STAND_INS = 100
 _HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
+# the function of nn.init.trunc_normal_ whose loop redraws until every value is in bounds (StandIns._redraw_truth)
+_TRUNC_NORMAL_CODE = getattr(getattr(torch.nn.init, "_no_grad_trunc_normal_", None), "__code__", None)
 _INTERNAL_FILES = (f"{os.sep}xmem{os.sep}trace{os.sep}", f"torch{os.sep}_", "_python_dispatch.py", "overrides.py")
 
 # Boolean tensors whose stand-in truth is known from the op (training code asks "no NaN?", "all finite?").
@@ -78,6 +80,7 @@ class StandIns:
         # recorder's ValueBounds.of)
         self.value_range: Callable[[Any], tuple[int, int] | None] = lambda tensor: None
         self._true_answers: dict[tuple, int] = {}
+        self._redraw_asks: dict[int, int] = {}  # trunc_normal_'s loop: checks so far per running call (its frame)
         # The code that was handed stand-in values: a check the program makes there may fail on them (whose fault
         # that is: xmem.trace.child.attribution).
         self.asked_in: set[CodeType] = set()
@@ -137,6 +140,8 @@ class StandIns:
 
     def unknown_truth(self) -> bool:
         frame = _caller_frame()
+        if frame is not None and frame.f_code is _TRUNC_NORMAL_CODE:
+            return self._redraw_truth(frame)
         if frame is None or not _in_while_loop(frame.f_code, frame.f_lasti):
             return True  # no loop waits on it here: the same answer every time
         key = (frame.f_code.co_filename, frame.f_lineno, *self.where())
@@ -145,6 +150,22 @@ class StandIns:
             return True
         self.warn(f"a condition on tensor data was answered True {MAX_TRUE_STAND_INS} times at one place; "
                   "answered False from then on, to end the loop")
+        return False
+
+    def _redraw_truth(self, frame: FrameType) -> bool:
+        """Whether nn.init.trunc_normal_'s rejection loop (torch 2.14's _no_grad_trunc_normal_: redraw the values
+        outside [a, b] until none is) goes on at this check. On a GPU it goes on while some element is still out of
+        bounds: with p the chance that a draw lands inside (the function's own `p`) and n elements, n * (1 - p) ** j
+        are expected out at the j-th check, so True while that is at least one. The usual init (std 0.02 in
+        [-2, 2]) ends at its first check; 100 stand-in redraws of every weight were neither fast nor the GPU's."""
+        key = id(frame)
+        asks = self._redraw_asks[key] = self._redraw_asks.get(key, 0) + 1
+        inside, tensor = frame.f_locals.get("p"), frame.f_locals.get("tensor")
+        expected_out = tensor.numel() * (1.0 - inside) ** asks \
+            if isinstance(inside, float) and isinstance(tensor, torch.Tensor) else 0.0
+        if expected_out >= 1.0:
+            return True
+        del self._redraw_asks[key]
         return False
 
     def equal(self, op: str, args: tuple = ()) -> bool:
