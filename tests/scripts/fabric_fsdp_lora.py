@@ -4,7 +4,8 @@ it (down 256->8, up 8->256, no bias), each block one FSDP unit (auto_wrap_policy
 mixed in it), the root unit holding a trainable head Linear(256, 16); AdamW over the trainable parameters only, set
 up with Fabric. The same model as fsdp1_lora.py. `python fabric_fsdp_lora.py --devices N --precision 32-true |
 bf16-mixed | bf16-true [--empty-init 1]` (built under fabric.init_module(empty_init=True): on the meta device, FSDP
-materialising it), Fabric launching the other ranks itself."""
+materialising it) [--ac 1] (each block checkpointed: activation_checkpointing_policy={Adapted}), Fabric launching
+the other ranks itself."""
 import argparse
 
 import lightning as L
@@ -34,8 +35,9 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--empty-init", type=int, default=0)  # built on the meta device, materialised by FSDP
+    parser.add_argument("--ac", type=int, default=0)  # activation checkpointing of each block, as LoRA recipes set
     args = parser.parse_args()
-    strategy = FSDPStrategy(auto_wrap_policy={Adapted})
+    strategy = FSDPStrategy(auto_wrap_policy={Adapted}, activation_checkpointing_policy={Adapted} if args.ac else None)
     fabric = L.Fabric(accelerator="cuda", devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
     fabric.seed_everything(0)
