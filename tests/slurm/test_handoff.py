@@ -80,6 +80,26 @@ def test_an_estimate_not_ready_is_handed_off_held_with_one_line_and_cancelled(tm
     assert not list((tmp_path / "cache").rglob("analyses/*.json"))  # a cancelled estimate is no answer
 
 
+def test_the_progress_line_says_the_wait_and_ends_before_sbatch_goes_on(tmp_path, monkeypatch):
+    """On sbatch's terminal the count's "at most" is the wait, and its line is ended before the handoff's own
+    line (printed by the Lua side after the reply) starts."""
+    import os
+    import pty
+
+    terminal, passed = pty.openpty()
+    monkeypatch.setenv("XMEM_PROGRESS_FD", str(passed))  # the filter closes it, as it closes the Lua side's
+
+    def slow(path, req, config, *, deadline, cancel):
+        cancel.wait(30)
+        return Verdict(decision=None, errors=("TraceCancelled",))
+
+    reply = run_filter(submission(tmp_path), site(tmp_path), analyzer=slow)
+    assert reply.set["hold"] == "set"
+    shown = os.read(terminal, 4096).decode()
+    os.close(terminal)
+    assert "(not cached, at most 1 s)" in shown and shown.endswith("\r\n")
+
+
 def test_an_estimate_done_after_the_handoff_never_answers_inline_and_is_cached(tmp_path):
     """It ignored its cancel and finished during the handoff: the job is held all the same (the estimation job
     finds the answer in the cache), and a later identical submission is answered from the cache at once."""
