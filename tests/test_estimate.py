@@ -149,8 +149,8 @@ def test_every_catalog_type_when_no_gpu_is_named(traced):
 
 
 def test_unknown_gpu_fails_before_tracing(traced):
-    with pytest.raises(UnknownGpuError, match="'B300'"):
-        estimate(["python", "train.py"], gpus=["a100", "B300"])
+    with pytest.raises(UnknownGpuError, match="'X9000'"):
+        estimate(["python", "train.py"], gpus=["a100", "X9000"])
     assert traced.calls == []
 
 
