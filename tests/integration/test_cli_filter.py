@@ -125,7 +125,7 @@ def test_a_job_that_never_uses_cuda_keeps_its_request(cluster, sbatch, work):
     assert sub.returncode == 0, sub.stderr
     info = cluster.job(sub.job_id)
     assert info["TresPerNode"] == "gres:gpu:1" and "used CUDA" in sub.stderr
-    assert "act=keep;why=no+command+of+the+job+used+CUDA" in info["Comment"]
+    assert "act=keep;why=no%20command%20of%20the%20job%20used%20CUDA" in info["Comment"]  # percent-encoded
     cluster.run("scancel", sub.job_id)
 
 

@@ -91,7 +91,7 @@ def test_deferred_job_end_to_end_estimates_the_submitted_version(deferred_cluste
     assert "estimate queued on partition cpu: the job is held" in sub.stderr
     held = cluster.job(sub.job_id)
     assert (held["JobState"], held["Reason"], xmem_state(held)) == ("PENDING", "JobHeldUser", "pending")
-    assert ";why=GPU+memory+estimate+queued+on+partition+cpu" in held["Comment"]  # the line sbatch showed
+    assert ";why=GPU%20memory%20estimate%20queued%20on%20partition%20cpu" in held["Comment"]  # the line sbatch showed
     started = time.monotonic()
     info = wait_settled(cluster, sub.job_id)
     print(f"\nfigure: deferred sbatch took {sub.seconds:.2f} s; submission to release "
@@ -117,7 +117,7 @@ def test_failed_estimate_releases_the_job_unchanged(deferred_cluster, work):
     assert sub.returncode == 0, sub.stderr
     info = wait_settled(cluster, sub.job_id)
     assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
-    assert "cannot+estimate" in info["Comment"]
+    assert "cannot%20estimate" in info["Comment"]
     assert cluster.wait(sub.job_id)["JobState"] == "FAILED"  # it ran, and failed as the user's script does
 
 
@@ -129,7 +129,7 @@ def test_failed_estimate_cancels_the_job_when_fail_closed(deferred_cluster, work
         assert sub.returncode == 0, sub.stderr
         info = wait_settled(cluster, sub.job_id)
     assert (info["JobState"], xmem_state(info)) == ("CANCELLED", "refused")
-    assert "job+refused" in info["Comment"]
+    assert "job%20refused" in info["Comment"]
 
 
 def test_a_users_comment_that_starts_with_xmem_keeps_the_rewrite(deferred_cluster, work):
@@ -155,7 +155,7 @@ def test_estimation_job_cancelled_by_hand_releases_the_job(deferred_cluster, wor
     cluster.run("scancel", estimate[0])
     info = wait_settled(cluster, sub.job_id)
     assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
-    assert "estimation+job+failed" in info["Comment"]
+    assert "estimation%20job%20failed" in info["Comment"]
 
 
 def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_cluster, work):
@@ -339,7 +339,7 @@ def test_a_site_config_broken_while_the_job_waits_still_releases_it(deferred_clu
         cluster.run("scontrol", "release", estimate)
         info = wait_settled(cluster, sub.job_id)
     assert (xmem_state(info), info["TresPerNode"]) == ("failed", "gres:gpu:1")
-    assert "xmem+failed" in info["Comment"]
+    assert "xmem%20failed" in info["Comment"]
     cluster.run("scancel", sub.job_id)
 
 
@@ -362,7 +362,7 @@ def test_a_request_slurm_will_not_take_back_keeps_the_job_held_not_gpuless(defer
     while xmem_state(info := cluster.job(sub.job_id)) == "pending" and time.monotonic() < deadline:
         time.sleep(0.3)
     assert xmem_state(info) == "stuck" and info["Reason"] == "JobHeldUser", info
-    assert f"fix=scontrol+update+JobId={sub.job_id}+TresPerNode=gres:gpu:1" in info["Comment"]
+    assert f"fix=scontrol%20update%20JobId={sub.job_id}%20TresPerNode=gres:gpu:1" in info["Comment"]
     status = json.loads(cluster.run("xmem-slurm", "status", sub.job_id, "--json").stdout)
     assert (status["estimate"], status["fix"]) == (
         "stuck", f"scontrol update JobId={sub.job_id} TresPerNode=gres:gpu:1 && scontrol release {sub.job_id}")
