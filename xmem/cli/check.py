@@ -261,8 +261,10 @@ def show_analysis(console: Console, analysis: JobAnalysis, site: SiteConfig, ver
         extra += [f"{command.ranks} ranks per node (one estimated)"] if command.ranks and command.ranks > 1 else []
         console.print(f"command (line {command.line_no}, {command.launcher}): [cyan]{escape(' '.join(command.argv))}"
                       "[/]" + (f"  ({escape('; '.join(extra))})" if extra else ""))
+    # a script run whole (xmem.jobscript: what the static read could not name) lists what it could not read as notes
+    label = "read by running it" if any(c.launcher == "batch script" for c in job.commands) else "not understood"
     for problem in job.problems:
-        console.print(f"[yellow]not understood:[/] {escape(str(problem))}")
+        console.print(f"[yellow]{label}:[/] {escape(str(problem))}")
     chosen = analysis.options.chosen if analysis.options is not None else None
     picked = chosen.gpu_type if chosen is not None else None
     _show_estimates(console, analysis, site, chosen.gres_type if chosen is not None else None)
