@@ -24,6 +24,13 @@ weight = model.weight
 if where == "checkpoint":  # saved and loaded on the host
     torch.save(model.state_dict(), "base.pt")
     weight = torch.load("base.pt", map_location="cpu")["weight"]
+if where == "moved":  # built on the host, moved to the GPU before the adapter's init reads it there
+    weight = model.cuda().weight
+if where == "loaded":  # made on the GPU, then a host checkpoint loaded into it
+    torch.save(model.state_dict(), "base.pt")
+    model = nn.Linear({N}, {N}, device="cuda")
+    model.load_state_dict(torch.load("base.pt", map_location="cpu"))
+    weight = model.weight
 with torch.no_grad():  # the positions of the K largest magnitudes
     _, top = torch.topk(weight.abs().flatten(), {K})
     mask = torch.zeros_like(weight).flatten()
@@ -44,10 +51,12 @@ for _ in range(2):
 """
 
 
-@pytest.mark.parametrize("where", ["host", "checkpoint", "copied"])
+@pytest.mark.parametrize("where", ["host", "checkpoint", "copied", "moved", "loaded"])
 def test_adapter_shapes_follow_weight_values_that_exist_on_the_host(tmp_path, where):
     """Host: the mask and its nonzero are real. Copied: the mask's values were copied to the GPU, so its nonzero
-    there has the real count. Either way K positions (two int64 index tensors on the GPU) and K adapter values."""
+    there has the real count. Moved, loaded: the weights' values came from the host (.cuda() of the host model,
+    load_state_dict of a host checkpoint), so the mask made from them on the GPU, under no_grad, has its real
+    count too. Either way K positions (int64 indices on the GPU) and K adapter values."""
     trace = trace_source(tmp_path, "adapter.py", ADAPTER, where, iterations=2)
     assert trace.iterations == 2
     assert sorted(e.nbytes for e in allocs(trace, "parameter")) == sorted([K * 4, N * N * 4, N * 4])
@@ -56,7 +65,7 @@ def test_adapter_shapes_follow_weight_values_that_exist_on_the_host(tmp_path, wh
     # (K, 2) result of nonzero there
     copied = [e.nbytes for e in trace.events if e.action == "alloc" and e.op == "_to_copy" and e.nbytes == K * 8]
     found = [e.nbytes for e in trace.events if e.action == "alloc" and e.op == "nonzero"]
-    assert (copied, found) == (([], [K * 2 * 8]) if where == "copied" else ([K * 8, K * 8], []))
+    assert (copied, found) == (([], [K * 2 * 8]) if where in ("copied", "moved", "loaded") else ([K * 8, K * 8], []))
 
 
 def test_adapter_shapes_from_weights_only_on_the_gpu_are_the_fake_gpus_gap(tmp_path):
@@ -66,7 +75,7 @@ def test_adapter_shapes_from_weights_only_on_the_gpu_are_the_fake_gpus_gap(tmp_p
     with pytest.raises(TraceError) as raised:
         trace_source(tmp_path, "adapter.py", ADAPTER, "gpu", iterations=2)
     assert raised.value.kind == "not_modelled", raised.value.message
-    assert "the size of nonzero() at adapter.py:18" in raised.value.message
+    assert "the size of nonzero() at adapter.py:25" in raised.value.message
 
 
 SELECTED = """import torch

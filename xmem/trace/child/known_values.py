@@ -11,9 +11,11 @@ The rules:
   (`.to("cuda")`, `.cuda()`, `copy_` of a host tensor into a GPU one), of a factory whose values its arguments fix
   (`arange`, `linspace`, `logspace`, `eye` on the GPU: position ids, RoPE frequencies), and of any op whose tensor arguments all
   have known values or are host tensors, one at least known (`batch.max().int() + 1`, `mask.sum()`, a view,
-  `torch.cat(batches)`, `mask.cpu()`): the op runs again on the host copies, on the CPU. Never an op on a host
-  parameter or a tensor that requires grad (a model's weights: following them would run its training on the host,
-  and the values a program reads from a model, losses and metrics, stay stand-ins), nor one that draws random
+  `torch.cat(batches)`, `mask.cpu()`): the op runs again on the host copies, on the CPU. An op on a host
+  parameter or a tensor that requires grad (a model's weights) only with grad mode off, as `.cuda()`,
+  load_state_dict and an adapter's init under no_grad read them (WEIGHT_BYTES of them at most): in training,
+  following them would run it on the host, and the values a program reads from a model there, losses and metrics,
+  stay stand-ins (its optimizer's step writes the weights, which forgets them). Never an op that draws random
   numbers (on the host it would draw from the program's own generator, which a GPU's draws leave alone);
 - forgotten: once the tensor's storage (through any view of it) is written in place by a dispatched op (`add_`,
   `index_put_`, `copy_`, an `out=` argument), unless that op's own result is kept again;
@@ -36,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 PER_TENSOR_BYTES = 4 << 20
 TOTAL_BYTES = 64 << 20
+WEIGHT_BYTES = 16 << 20  # of TOTAL_BYTES, at most this made from weights: the data's values keep the rest
 # `to` arrives whole under inference_mode (the recorder decomposes it below itself, out of this table's sight)
 _COPIES = frozenset({"_to_copy", "to", "copy_", "_copy_from"})
 _NO_DATA_WRITES = frozenset({"record_stream", "detach_", "requires_grad_"})  # "write" flags, not values
@@ -49,19 +52,21 @@ _UNKNOWN = object()
 class _Entry:
     """A kept value: the host copy, its fake tensor's storage and that storage's write count when it was taken."""
 
-    __slots__ = ("host", "key", "writes", "nbytes")
+    __slots__ = ("host", "key", "writes", "nbytes", "weights")
 
     def __init__(self) -> None:
         self.host: torch.Tensor | None = None
         self.key = self.writes = self.nbytes = 0
+        self.weights = False  # made from a model's weights (counted in WEIGHT_BYTES too)
 
 
 class Plan:
     """An op whose result can be known: its arguments on the host, run at most once."""
 
-    def __init__(self, func: Any, args: tuple, kwargs: dict, from_program: bool) -> None:
+    def __init__(self, func: Any, args: tuple, kwargs: dict, from_program: bool, weights: bool = False) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
         self.from_program = from_program  # a host argument is the program's own tensor: results may alias it
+        self.weights = weights  # an argument is a model's weight (or made from one), read with grad mode off
         self._result: Any = _UNKNOWN
 
     def result(self) -> Any:
@@ -80,6 +85,7 @@ class KnownValues:
 
     def __init__(self) -> None:
         self.alive_bytes = 0
+        self.weight_bytes = 0  # of alive_bytes, those made from weights
         self._entries: dict[int, _Entry] = {}  # id(fake tensor) -> entry, dropped as the tensor dies
         self._watched: dict[int, int] = {}  # storage key -> kept tensors on it
         self._writes: dict[int, int] = {}  # storage key -> in-place writes to it since it was first watched
@@ -120,7 +126,7 @@ class KnownValues:
             return
         for fake, host in zip(fakes, real):
             if host.shape == fake.shape and host.dtype == fake.dtype:
-                self._keep(fake, _host_clone(host) if plan.from_program else host)
+                self._keep(fake, _host_clone(host) if plan.from_program else host, plan.weights)
 
     def made_on_host(self, plan: Plan | None, device: torch.device) -> Any:
         """For an op whose output size depends on data (nonzero, unique, masked selection): fake outputs of the
@@ -135,7 +141,8 @@ class KnownValues:
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _host_form(self, func: Any, name: str, args: tuple, kwargs: dict) -> Plan | None:
-        known = [False, False]  # [a kept value among the arguments, a program's host tensor among them]
+        # [a kept value among the arguments, a program's host tensor among them, a weight among them]
+        known = [False, False, False]
         written = {id(v) for v in self._written(func, args, kwargs) if isinstance(v, torch.Tensor)} \
             if func._schema.is_mutable else set()
         copy_into = name == "copy_"
@@ -155,12 +162,14 @@ class KnownValues:
         made = name in _FACTORIES and not any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values()))
         if not (known[0] or copied or made) or torch.Tag.nondeterministic_seeded in func.tags:
             return None
-        return Plan(func, tuple(host_args), host_kwargs, from_program=known[1])
+        return Plan(func, tuple(host_args), host_kwargs, from_program=known[1], weights=known[2])
 
     def _on_host(self, value: Any, known: list, written: set, fresh: bool) -> Any:
         if isinstance(value, FakeTensor):
             if value.requires_grad:  # a parameter (loaded by copy_ into it), or computed from one
-                return _UNKNOWN
+                if torch.is_grad_enabled():
+                    return _UNKNOWN
+                known[2] = True
             if fresh:  # copy_'s destination: every element is overwritten, its old values never matter
                 with unset_fake_temporarily():
                     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_CPU)
@@ -170,9 +179,12 @@ class KnownValues:
             known[0] = True
             return _host_clone(host) if id(value) in written else host  # kept values are never written
         if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor or value.requires_grad or value.device.type != "cpu":
-                return _UNKNOWN  # a parameter, another subclass, a meta tensor
+            weight = type(value) is torch.nn.Parameter or value.requires_grad
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.device.type != "cpu" or \
+                    weight and torch.is_grad_enabled():
+                return _UNKNOWN  # another subclass, a meta tensor, a weight being trained
             known[1] = True
+            known[2] = known[2] or weight
             return value
         if isinstance(value, torch.device):
             return _CPU if value.type == "cuda" else value
@@ -194,11 +206,13 @@ class KnownValues:
                 (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write)
         return [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
 
-    def _keep(self, fake: torch.Tensor, host: torch.Tensor) -> None:
+    def _keep(self, fake: torch.Tensor, host: torch.Tensor, weights: bool = False) -> None:
         nbytes = host.untyped_storage().nbytes()
         entry = self._entries.get(id(fake))
         held = entry.nbytes if entry is not None else 0
-        if nbytes > PER_TENSOR_BYTES or self.alive_bytes - held + nbytes > TOTAL_BYTES:
+        held_weights = held if entry is not None and entry.weights else 0
+        if nbytes > PER_TENSOR_BYTES or self.alive_bytes - held + nbytes > TOTAL_BYTES or \
+                weights and self.weight_bytes - held_weights + nbytes > WEIGHT_BYTES:
             return
         if entry is None:
             entry = self._entries[id(fake)] = _Entry()
@@ -209,11 +223,14 @@ class KnownValues:
         self._watched[key] = self._watched.get(key, 0) + 1
         entry.host, entry.key, entry.writes, entry.nbytes = host, key, self._writes.get(key, 0), nbytes
         self.alive_bytes += nbytes - held
+        self.weight_bytes += (nbytes if weights else 0) - held_weights
+        entry.weights = weights
 
     def _forget(self, ident: int) -> None:
         entry = self._entries.pop(ident, None)
         if entry is not None:
             self.alive_bytes -= entry.nbytes
+            self.weight_bytes -= entry.nbytes if entry.weights else 0
             self._unwatch(entry.key)
 
     def _unwatch(self, key: int) -> None:
