@@ -178,3 +178,26 @@ def test_a_weight_init_that_loops_on_gpu_values_ends_under_the_device_context(tm
 
 
 REJECTION_LOOP = "mask.any()" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)
+
+
+RNG_UNDER_DEVICE = """import torch
+import torch.nn as nn
+with torch.device("cuda"):  # the GPU's generator states, seeded and restored under the device context
+    torch.cuda.manual_seed(3)
+    state = torch.cuda.get_rng_state()
+    assert state.device.type == "cpu" and state.numel() == 16  # as upstream: a host tensor (seed, offset)
+    noise = torch.randn(3, generator=torch.Generator(device="cuda"))
+    torch.cuda.set_rng_state(state)
+    with torch.random.fork_rng(devices=[0], device_type="cuda"):
+        torch.cuda.manual_seed(5)
+    assert torch.cuda.initial_seed() == 3 and noise.device.type == "cuda"
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randint(0, 16, (4,), device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_gpu_random_states_under_the_device_context_stay_off_the_real_runtime(tmp_path):
+    assert trace_source(tmp_path, "rng.py", RNG_UNDER_DEVICE, iterations=2).iterations == 2
