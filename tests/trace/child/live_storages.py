@@ -37,3 +37,8 @@ def by_category(live: dict[int, MemEvent]) -> dict[str, list[int]]:
     for alloc in live.values():
         held.setdefault(alloc.category, []).append(alloc.nbytes)
     return {category: sorted(nbytes) for category, nbytes in held.items()}
+
+
+def peak_live_bytes(result) -> int:
+    """The most bytes the trace's storages held live at once (requested sizes, before the allocator's rounding)."""
+    return max((sum(e.nbytes for e in live.values()) for _, live in walk(result)), default=0)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.trace.child.live_storages import peak_live_bytes as peak
 from xmem.trace import run_trace, sandbox
 from xmem.trace.child import guard
 
@@ -16,14 +17,6 @@ opt = torch.optim.Adam(model.parameters())
 for _ in range(4):
     opt.zero_grad(); model(torch.randn(16, 128, device="cuda")).sum().backward(); opt.step()
 """
-
-
-def peak(trace) -> int:
-    live = high = 0
-    for event in trace.events:
-        live += event.nbytes if event.action == "alloc" else -event.nbytes if event.action == "free" else 0
-        high = max(high, live)
-    return high
 
 
 @pytest.fixture(scope="module")

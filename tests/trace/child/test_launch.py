@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from tests.trace.child.live_storages import peak_live_bytes as peak
 from xmem.trace import TraceError, run_trace
 
 TRAIN = """\
@@ -17,14 +18,6 @@ opt = torch.optim.AdamW(model.parameters())
 for _ in range(4):
     opt.zero_grad(); model(torch.randn(32, 256, device="cuda")).sum().backward(); opt.step()
 """
-
-
-def peak(trace) -> int:
-    live = high = 0
-    for event in trace.events:
-        live += event.nbytes if event.action == "alloc" else -event.nbytes if event.action == "free" else 0
-        high = max(high, live)
-    return high
 
 
 @pytest.fixture(scope="module")
