@@ -115,7 +115,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         return JobAnalysis(None, errors=(AnalysisError("bad_input", f"cannot read {path}: {e.strerror}"),))
     submit_cwd = submit_cwd or os.getcwd()  # where sbatch (and the filter it runs) is: the job's default dir
     job = parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
-                          cli_options=cli_options, env=env)
+                          cli_options=cli_options, env=env, run_unnamed=True)
     user = user or env.get("USER")
 
     early = screen(job.directives, config, user=user)  # no GPU wanted, or excluded: no estimate needed
@@ -134,7 +134,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                             "[partitions.gpu_types] in the site config"),))
 
     tasks = [job] + [parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
-                                     cli_options=cli_options, env=env, array_task=t)
+                                     cli_options=cli_options, env=env, array_task=t, run_unnamed=True)
                      for t in job_array_tasks(job.directives)[1:]]
     notes = scope.notes + _array_note(tasks)
     deadline = deadline if deadline is not None else time.monotonic() + config.estimate.timeout_s

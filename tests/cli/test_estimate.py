@@ -110,10 +110,10 @@ def test_broken_site_config_exits_2(tmp_path):
 
 
 def test_unknown_gpu_exits_2_before_tracing(tmp_path):
-    run = xmem("--json", "--gpu", "B300", "--", PYTHON, "does-not-exist.py", cwd=tmp_path)
+    run = xmem("--json", "--gpu", "X9000", "--", PYTHON, "does-not-exist.py", cwd=tmp_path)
     assert run.returncode == 2
     assert json_stdout(run)["error"] == "unknown_gpu"
-    assert run.stderr.strip().splitlines()[-1].startswith("xmem-slurm estimate: unknown GPU type 'B300'")
+    assert run.stderr.strip().splitlines()[-1].startswith("xmem-slurm estimate: unknown GPU type 'X9000'")
 
 
 def test_bad_option_exits_2(tmp_path):

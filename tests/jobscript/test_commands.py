@@ -386,7 +386,9 @@ def test_a_script_the_static_read_cannot_name_is_run_whole(tmp_path):
     script = tmp_path / "job.sh"
     body = "#!/bin/bash\n#SBATCH --gres=gpu:1\nfor lr in 0.1 0.01; do\n  srun python train.py --lr $lr\ndone\n"
     script.write_text(body)
-    job = parse_jobscript(body, path=str(script), script_args=["x"], submit_cwd=str(tmp_path), env=ENV)
+    job = parse_jobscript(body, path=str(script), script_args=["x"], submit_cwd=str(tmp_path), env=ENV,
+                          run_unnamed=True)
+    assert not parse_jobscript(body, path=str(script), env=ENV).commands  # the static read alone names none
     assert len(job.commands) == 1
     command = job.commands[0]
     assert command.argv == ("/bin/bash", str(script), "x") and command.launcher == "batch script"
@@ -395,5 +397,5 @@ def test_a_script_the_static_read_cannot_name_is_run_whole(tmp_path):
 
 
 def test_a_script_that_names_no_python_launcher_is_not_run(tmp_path):
-    job = parse("for f in a b; do\n  ./simulate $f\ndone\n")
+    job = parse("for f in a b; do\n  ./simulate $f\ndone\n", run_unnamed=True)
     assert not job.commands and job.problems

@@ -44,14 +44,18 @@ class JobScript:
 
 def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence[str] = (),
                     submit_cwd: str | None = None, cli_options: Mapping[str, str | None] | None = None,
-                    env: Mapping[str, str] | None = None, array_task: int | None = None) -> JobScript:
+                    env: Mapping[str, str] | None = None, array_task: int | None = None,
+                    run_unnamed: bool = False) -> JobScript:
     """Read a batch script as sbatch and bash would, without running it.
 
     `cli_options`: sbatch's command-line options by long name (as cli_filter reports them); they override the
     SBATCH_* variables of `env`, which override the `#SBATCH` lines. `env`: the submitting environment (sbatch's
     default `--export=ALL` hands it to the job); defaults to this process's environment. `submit_cwd`: where
     sbatch runs (the job's default working directory). `array_task`: for a job array, the task to read the commands
-    for (default: its first; `job_array_tasks` names the ones whose paths may differ).
+    for (default: its first; `job_array_tasks` names the ones whose paths may differ). `run_unnamed`: where the
+    static read cannot name the training command (a loop, a conditional, a value known only when the job runs) but
+    the script names a Python launcher, the command is the script itself, run whole as Slurm runs it (what `check`
+    and the filter estimate); its problems stay as notes.
     """
     lines = text.splitlines()
     scan = scan_directives(lines)
@@ -80,7 +84,8 @@ def parse_jobscript(text: str, *, path: str | None = None, script_args: Sequence
         problems.append(Problem(e.line_no, lines[e.line_no - 1] if 0 < e.line_no <= len(lines) else "",
                                 f"shell syntax: {e.reason}"))
     refused = _sbatch_refusals(text, lines)
-    if not finder.commands and finder.problems and not problems and not refused and _mentions_launcher(text.split()):
+    if run_unnamed and not finder.commands and finder.problems and not problems and not refused and \
+            _mentions_launcher(text.split()):
         # -- issue 31: what the static read cannot name (a loop, a conditional, a value known only when the job runs)
         # is run as Slurm runs it: the whole script, in the sandbox, every Python process it starts traced
         whole = TrainCommand(argv=(*_shebang_words(lines), path or "job.sh", *script_args), cwd=cwd, env={},
