@@ -44,12 +44,13 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
                        "XDG_", "NUMPY_", "TRITON_", "NCCL_", "LC_", "USE_", "XLA_", "WANDB_")
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
 # -- issue 32: what no import reads, only the running job, where its whole environment is applied; in the key, each
-# value had a server of its own. The node's GPUs (`launchers.launcher_env`; read when CUDA starts), the allocator's
-# setting (read at the job's first allocation: the recorder's alloc_conf), the elastic agent's restart counters and
+# value had a server of its own. The allocator's setting (read at the job's first allocation: the recorder's alloc_conf), the elastic agent's restart counters and
 # run id (`launchers._RANK_ZERO`; read when the job's process group starts), and inductor's cache folder, which torch
 # itself writes into the environment of a process the first time it compiles (cache_dir_utils.cache_dir): a test
-# run or a notebook that compiled once then keyed every later job apart.
-RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHELASTIC_RESTART_COUNT",
+# run or a notebook that compiled once then keyed every later job apart. Not the node's GPUs (CUDA_VISIBLE_DEVICES
+# stays in the key): what the server preloads depends on them, and a DDP job over 2 GPUs forked from a server
+# started for 1 ended in "DDP expects same model across all ranks" (tests/test_corpus.py after a tensor-parallel one).
+RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHINDUCTOR_CACHE_DIR")
 # The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
 # at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
