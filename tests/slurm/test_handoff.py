@@ -95,9 +95,21 @@ def test_the_progress_line_says_the_wait_and_ends_before_sbatch_goes_on(tmp_path
 
     reply = run_filter(submission(tmp_path), site(tmp_path), analyzer=slow)
     assert reply.set["hold"] == "set"
-    shown = os.read(terminal, 4096).decode()
+    shown = _read_line_end(terminal)
     os.close(terminal)
     assert "(not cached, at most 1 s)" in shown and shown.endswith("\r\n")
+
+
+def _read_line_end(terminal: int, within_s: float = 5.0) -> str:
+    """What the terminal shows once the line is ended: the ticker writes its end from its own thread, which the
+    filter waits for at most one tick (on a loaded machine the end can come just after the reply)."""
+    import os
+    import select
+    shown, deadline = "", time.monotonic() + within_s
+    while not shown.endswith("\r\n") and time.monotonic() < deadline:
+        if select.select([terminal], [], [], 0.1)[0]:
+            shown += os.read(terminal, 4096).decode()
+    return shown
 
 
 def test_an_estimate_done_after_the_handoff_never_answers_inline_and_is_cached(tmp_path):
