@@ -96,7 +96,7 @@ def job_interpreter(command: list[str], target: Target, env: Mapping[str, str], 
 def _real_interpreter(found: str) -> str:
     """`found` itself when it is a binary (a venv's `bin/python` link included); else what the wrapper it is runs
     (asked once, in a clean environment but the PATH it was found on)."""
-    if _first_bytes(found, 4) == ELF_MAGIC:
+    if is_binary(found):
         return found
     try:
         done = subprocess.run([found, "-c", WHICH_EXECUTABLE], capture_output=True, text=True, timeout=60,
@@ -127,6 +127,14 @@ def _script_target(program: str, args: list[str], cwd: str | None, require_pytho
     if not require_python and _looks_binary(path):
         raise TraceError("not_python", f"{program} is a binary file, not a Python script")
     return Target(os.path.abspath(path), None, tuple(args))
+
+
+def is_binary(path: str) -> bool:
+    """A compiled program (an ELF file): an interpreter binary, not a shell shim; False when it cannot be read."""
+    try:
+        return _first_bytes(path, 4) == ELF_MAGIC
+    except TraceError:
+        return False
 
 
 def _first_bytes(path: str, n: int = 512) -> bytes:

@@ -33,7 +33,8 @@ import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
 import xmem.trace.warm as warm
-from xmem.trace.command import console_script_interpreter, job_interpreter, parse_command, starts_programs
+from xmem.trace.command import console_script_interpreter, is_binary, job_interpreter, parse_command, \
+    starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.child.follow import BOOT_DIR
@@ -157,15 +158,7 @@ def interpreter_binaries(named: list[str], env: Mapping[str, str]) -> list[str]:
         except OSError:
             continue
     real = dict.fromkeys(os.path.realpath(path) for path in found if path)
-    return [path for path in real if os.path.isfile(path) and _is_binary(path)]
-
-
-def _is_binary(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"\x7fELF"
-    except OSError:
-        return False
+    return [path for path in real if os.path.isfile(path) and is_binary(path)]
 
 
 def _with_srun_shim(env: dict[str, str], scratch: Path) -> dict[str, str]:
