@@ -50,8 +50,11 @@ IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
 # run or a notebook that compiled once then keyed every later job apart. Not the node's GPUs (CUDA_VISIBLE_DEVICES
 # stays in the key): what the server preloads depends on them, and a DDP job over 2 GPUs forked from a server
 # started for 1 ended in "DDP expects same model across all ranks" (tests/test_corpus.py after a tensor-parallel one).
+# Also torch's NVML device-count switch (read when the job first asks for its GPUs), which importing Lightning
+# writes into the importing process's environment: every estimate made after one had a server of its own.
 RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHELASTIC_RESTART_COUNT",
-               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHINDUCTOR_CACHE_DIR")
+               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHINDUCTOR_CACHE_DIR",
+               "PYTORCH_NVML_BASED_CUDA_CHECK")
 # The server runs outside the sandbox, so it starts with none of what makes a process or an interpreter run code
 # at start (the dynamic loader's LD_*, Python's PYTHONSTARTUP, PYTHONHOME, a pycache prefix, ...): of PYTHON*, only
 # these settings pass. A job that sets anything else of that kind is traced cold, where its environment is applied

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from xmem.trace.events import Category
-from xmem.trace.child.on_import import patch_on_import
+from xmem.trace.child.on_import import patch_on_import, rebind_loaded
 
 # upstream torch/distributed/constants + DDP defaults: the first bucket is small so communication starts early
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -49,10 +49,8 @@ def install(fake: Any) -> None:
     _patch_distributed_checkpoint_save()
     _patch_fsdp2_post_forward_shards()
     _patch_fsdp1_optim_state_dict()
-    import torch.nn.parallel
     import torch.nn.parallel.distributed
-    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
-    torch.nn.parallel.distributed.DistributedDataParallel = DistributedDataParallel
+    rebind_loaded(torch.nn.parallel.distributed.DistributedDataParallel, DistributedDataParallel)
 
 
 def _patch_init_process_group(fake: Any, dist: Any) -> None:
@@ -143,8 +141,8 @@ def _patch_spawn() -> None:
         os.environ.setdefault("MASTER_PORT", "29500")
         fn(0, *args)
 
-    mp.spawn = run_rank_zero
-    mp.start_processes = run_rank_zero
+    rebind_loaded(mp.spawn, run_rank_zero)
+    rebind_loaded(mp.start_processes, run_rank_zero)
 
 
 def _patch_device_mesh() -> None:

@@ -29,3 +29,15 @@ def patch_on_import(module_name: str, patch: Callable[[Any], None]) -> None:
             return spec
 
     sys.meta_path.insert(0, PatchAfterLoading())
+
+
+def rebind_loaded(original: Any, replacement: Any) -> None:
+    """Bind `replacement` wherever a module already loaded holds `original` by a name of its own (`from
+    torch.nn.parallel import DistributedDataParallel as DDP`). The warm tracer preloads Lightning, whose strategies
+    bind torch's DDP at import: patching torch's attribute alone left them the real class, which read the fake
+    process group's unwritten buffers (ranks 'disagreed' on the model, or a size overflowed, as the memory had it)."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            for name in [name for name, value in namespace.items() if value is original]:
+                namespace[name] = replacement
