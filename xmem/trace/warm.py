@@ -48,8 +48,7 @@ IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "LANG")
 # run id (`launchers._RANK_ZERO`; read when the job's process group starts), and inductor's cache folder, which torch
 # itself writes into the environment of a process the first time it compiles (cache_dir_utils.cache_dir): a test
 # run or a notebook that compiled once then keyed every later job apart. Not the node's GPUs (CUDA_VISIBLE_DEVICES
-# stays in the key): what the server preloads depends on them, and a DDP job over 2 GPUs forked from a server
-# started for 1 ended in "DDP expects same model across all ranks" (tests/test_corpus.py after a tensor-parallel one).
+# stays in the key): a library may read them at import.
 # Also torch's NVML device-count switch (read when the job first asks for its GPUs), which importing Lightning
 # writes into the importing process's environment: every estimate made after one had a server of its own.
 RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHELASTIC_RESTART_COUNT",
