@@ -34,6 +34,10 @@ def _as_if_activated() -> None:
 
 
 _as_if_activated()
+# The product's default is the warm tracer (`[estimate] warm_tracer = true`); the suite's estimates run cold unless a
+# module takes the `warm_tracer` fixture below (or a test sets it), so that a test's answer never depends on which
+# server an earlier test left running. The filter ignores this (the site's setting alone): `stop_new_warm_servers`.
+os.environ.setdefault("XMEM_WARM_TRACER", "0")
 
 
 def xdist_group(item: pytest.Item) -> str | None:
@@ -71,6 +75,19 @@ def put_group_in_id(item: pytest.Item, group: str) -> None:
         item._id = type(item._id).parse(f"{item.nodeid}@{group}")
     else:
         item._nodeid = f"{item.nodeid}@{group}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_new_warm_servers():
+    """At the end, stop the warm servers the run started wherever it started them (the filter under test starts
+    them as the submitting users, in their own directories): a server would otherwise idle 15 minutes."""
+    from xmem.trace import warm
+
+    before = {server.pid for server in warm.servers()}
+    yield
+    for server in warm.servers():
+        if server.pid not in before:
+            warm.stop(server)
 
 
 @pytest.fixture(scope="session")

@@ -155,8 +155,8 @@ def test_partition_mode_without_a_cpu_partition_is_refused():
         config_from_dict({"deferred": {"mode": "partition"}})
 
 
-def test_warm_tracer_is_off_unless_the_site_turns_it_on(tmp_path):
-    assert config_from_dict({}).estimate.warm_tracer is False
-    assert config_from_dict({"estimate": {"warm_tracer": True}}).estimate.warm_tracer is True
+def test_warm_tracer_is_on_unless_the_site_turns_it_off(tmp_path):
+    assert config_from_dict({}).estimate.warm_tracer is True
+    assert config_from_dict({"estimate": {"warm_tracer": False}}).estimate.warm_tracer is False
     with pytest.raises(ConfigError, match="estimate.warm_tracer"):
         config_from_dict({"estimate": {"warm_tracer": "yes"}})

@@ -107,7 +107,7 @@ class EstimateConfig:
     max_concurrent: int = 2
     python: str | None = None  # interpreter for jobs that name none (None: the one xmem runs on)
     memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES  # host memory one trace may use (0: no limit)
-    warm_tracer: bool = False  # estimates through a warm tracer per user (xmem.trace.warm); $XMEM_WARM_TRACER wins
+    warm_tracer: bool = True  # estimates through a warm tracer per user (xmem.trace.warm); $XMEM_WARM_TRACER wins
 
 
 @dataclass(frozen=True)

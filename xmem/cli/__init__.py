@@ -8,6 +8,7 @@
 - `fit`                 xmem/cli/fit.py        (the largest value of one knob that fits each offer)
 - `gpus`                xmem/cli/gpus.py       (the GPU types, their memory, aliases and MIG profiles)
 - `admin ...`           xmem/cli/admin.py      (a site's install: the Slurm files, filled in)
+- `warm`                xmem/cli/warm.py       (the warm tracer's servers: memory, idle time; --stop)
 
 Shell completion (typer's): `xmem-slurm --install-completion` (bash, zsh, fish; then a new shell),
 `xmem-slurm --show-completion` prints the script instead.
@@ -63,6 +64,7 @@ COMMAND_MODULES: dict[str, str] = {
     "fit": "fit",
     "gpus": "gpus",
     "admin": "admin",
+    "warm": "warm",
 }
 
 

@@ -9,8 +9,10 @@ interpreter and import environment: `socket_path`; a socket or directory someone
 (`start_server`: the first estimate that finds none, which itself runs cold), and the request one estimate sends
 (`job_request`: the cold command line, the program's environment, cwd, umask and resource limits; `WarmJob`: sent
 with its output and progress descriptors, then waited on or stopped) with the wire format both ends read (`HEADER`,
-`peer_ids`, `with_option`). A job the server declines runs cold. Off unless XMEM_WARM_TRACER=1 (or the site's
-`warm_tracer`). Imports only the standard library and xmem modules that do not import torch.
+`peer_ids`, `with_option`). A job the server declines runs cold. On unless the site's `warm_tracer` is false (or
+XMEM_WARM_TRACER=0). Also what bounds and reports the servers' memory: at most MAX_SERVERS_PER_USER per user (the
+least recently used one stops for a new one), `servers` lists the running ones with what each holds.
+Imports only the standard library and xmem modules that do not import torch.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import hashlib
 import json
 import os
 import resource
+import signal
 import socket
 import stat
 import struct
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,10 @@ ENABLE_ENV = "XMEM_WARM_TRACER"  # "1": estimates go through the warm tracer
 DIR_ENV = "XMEM_WARM_DIR"  # where the sockets live (default: a 0700 directory of the user's in the temporary one)
 IDLE_ENV = "XMEM_WARM_IDLE_S"
 DEFAULT_IDLE_S = 900.0
+# A user has one server per interpreter and import environment; most have one or two (single-process jobs, and jobs a
+# launcher starts as several processes a node). The bound keeps a user of many environments at about 1.3 GiB of
+# servers' own memory (0.65 GiB each) on a shared login node.
+MAX_SERVERS_PER_USER = 2
 CONNECT_TIMEOUT_S = 2.0  # a server that does not answer this fast is treated as absent
 STOP_GRACE_S = 5  # as the runner gives the cold helper
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
@@ -134,6 +143,7 @@ def start_server(interpreter: str, path: Path, env: dict[str, str],
     goes on cold meanwhile."""
     idle = os.environ.get(IDLE_ENV, str(DEFAULT_IDLE_S))
     wait = ["--after", str(after), "--caller", str(os.getpid())] if after is not None else []
+    make_room(path.parent)
     try:
         # -s: no user site-packages outside the sandbox (a job that has one is declined, `_declined`)
         return subprocess.Popen([interpreter, "-s", "-c", SERVER_MAIN, "--socket", str(path), "--idle", idle, *wait],
@@ -155,6 +165,87 @@ def server_pids(directory: Path) -> list[int]:
     return found
 
 
+@dataclass(frozen=True)
+class Server:
+    """A running warm server, as `xmem-slurm warm` reports it."""
+    pid: int
+    uid: int
+    socket: str
+    interpreter: str
+    idle_s: float  # since its last estimate (its socket's mtime: `connect` marks each use)
+    private_bytes: int  # memory it holds of its own (not the libraries' code all servers share): what stopping frees
+
+
+def servers(directory: Path | None = None) -> list[Server]:
+    """The warm servers running (a job forked from one is not one), those listening in `directory` when given. Every
+    user's for root; another user's memory reads as 0 where /proc hides it."""
+    found = _server_commands()
+    listed = []
+    for pid, argv in found.items():
+        path = argv[argv.index("--socket") + 1] if "--socket" in argv[:-1] else ""
+        if _parent(pid) in found or (directory is not None and Path(path).parent != directory):
+            continue
+        try:
+            uid, idle = os.stat(f"/proc/{pid}").st_uid, time.time() - os.lstat(path).st_mtime
+        except OSError:
+            uid, idle = _owner(pid), 0.0  # still loading: no socket yet
+        listed.append(Server(pid, uid, path, argv[0], max(idle, 0.0), _private_bytes(pid)))
+    return [server for server in listed if server.uid >= 0]
+
+
+def make_room(directory: Path) -> list[Server]:
+    """Stop this directory's least recently used servers so that one more keeps its user within
+    MAX_SERVERS_PER_USER; returns those stopped (a job one still runs ends on its own: it is a process of its own)."""
+    running = sorted(servers(directory), key=lambda server: server.idle_s)
+    stopped = running[MAX_SERVERS_PER_USER - 1:]
+    for server in stopped:
+        stop(server)
+    return stopped
+
+
+def stop(server: Server) -> None:
+    try:
+        os.kill(server.pid, signal.SIGTERM)  # the server removes its socket and leaves
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _server_commands() -> dict[int, list[str]]:
+    commands = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if SERVER_MAIN in argv:
+                commands[int(entry.name)] = argv
+    return commands
+
+
+def _parent(pid: int) -> int:
+    try:  # the field after the command's closing parenthesis: state, then the parent's pid
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _owner(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1  # gone
+
+
+def _private_bytes(pid: int) -> int:
+    """Private_Clean + Private_Dirty of /proc/PID/smaps_rollup (kB there): the pages no other process maps."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(("Private_Clean:", "Private_Dirty:")))
+
+
 # ---- the client side ---------------------------------------------------------------------------------------------
 
 def connect(path: Path) -> socket.socket | None:
@@ -171,6 +262,7 @@ def connect(path: Path) -> socket.socket | None:
         connection.connect(str(path))
         if peer_ids(connection)[0] != os.geteuid():
             raise OSError("the socket's server is another user's")
+        os.utime(path, follow_symlinks=False)  # used now: the least recently used server is the one `make_room` stops
     except OSError:
         connection.close()
         return None
