@@ -28,3 +28,26 @@ def test_the_pages_never_rules_hold():
     assert broken(rules, graph) == []
     # the check can fail: a rule the code breaks today is reported
     assert broken([("xmem.estimate", "xmem.simulate")], graph)
+
+
+def test_the_page_holds_the_rules_the_boundary_needs():
+    """Rules once broken and dropped from the page stay on it: analyze asks no Slurm, the tracer reads no site
+    config and no simulator, and slurm leaves the warm tracer's internals alone."""
+    rules = set(RULE.findall((ROOT / "docs" / "architecture.md").read_text()))
+    assert {("xmem.analyze", "xmem.slurm"), ("xmem.trace", "xmem.simulate"), ("xmem.trace", "xmem.config"),
+            ("xmem.slurm", "xmem.trace.warm")} <= rules
+
+
+def test_a_rule_the_code_breaks_is_reported_by_name():
+    graph = {"xmem.trace.runner": {"xmem.config"}, "xmem.config": {"xmem.units"}}
+    assert broken([("xmem.trace", "xmem.config")], graph) == [
+        "xmem.trace.runner imports xmem.config (never: xmem.trace -> xmem.config)"]
+    assert broken([("xmem.config", "xmem.trace")], graph) == []
+
+
+def test_the_tracers_default_memory_limit_is_the_sites():
+    """Stated twice because config and trace import nothing of each other: the two must say the same."""
+    from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
+    from xmem.trace.runner import DEFAULT_MEMORY_LIMIT_BYTES
+
+    assert DEFAULT_MEMORY_LIMIT_BYTES == DEFAULT_TRACE_MEMORY_BYTES

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from xmem.config import SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, job_array_tasks, parse_jobscript, slurm_runtime_env
@@ -25,7 +25,6 @@ from xmem.policy.options import OptionRow, OptionTable, option_table
 if TYPE_CHECKING:
     from xmem.estimate_record import Estimate
     from xmem.gpus import GpuType
-    from xmem.slurm.cluster import ClusterInfo
 
 @dataclass(frozen=True)
 class AnalysisError:
@@ -92,6 +91,21 @@ class JobAnalysis:
 
 
 Estimator = Callable[..., "Estimate"]  # xmem.estimate.estimate's signature
+
+
+class ClusterInfo(Protocol):
+    """What the analysis reads of the cluster's offers (xmem.slurm.cluster.ClusterInfo has it). A protocol, so that
+    the analysis needs no Slurm: the caller that can ask Slurm hands the answer in."""
+
+    @property
+    def default_partition(self) -> str | None: ...
+
+    @property
+    def gpu_types(self) -> Mapping[str, tuple[str, ...]]: ...
+
+    def gres_counts(self, partition: str) -> dict[str, dict[str, int]]: ...
+
+
 ClusterSource = Callable[[], "ClusterInfo | None"]  # what Slurm says, or None when it cannot be asked
 
 
@@ -104,8 +118,9 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     """Analyse the batch script at `script_path` as it would be submitted (`sbatch [cli_options] script args`).
 
     `env`: the submitting environment (default: this process's). `gpus`: estimate these GPU types instead of the
-    partition's. `estimator` defaults to `xmem.estimate.estimate`; `cluster` to a Slurm query, made at most once and
-    only when the site config lets the cluster fill in what it leaves out (partitions, default, GPUs per node).
+    partition's. `estimator` defaults to `xmem.estimate.estimate`. `cluster`: what Slurm says (the caller's query,
+    xmem.slurm.cluster.ask_slurm: the analysis never asks Slurm itself), asked at most once and only when the site
+    config lets the cluster fill in what it leaves out (partitions, default, GPUs per node); None: no cluster.
     `deadline` (time.monotonic()) bounds the estimates; default: the site's estimate timeout from now."""
     env = dict(os.environ if env is None else env)
     path = os.path.abspath(script_path)
@@ -125,7 +140,7 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
         reasons = "; ".join(str(p) for p in job.problems) or "no training command found"
         return JobAnalysis(job, errors=(AnalysisError("not_understood", reasons),))
 
-    ask_cluster = _once(cluster or _query_cluster) if config.partitions.from_cluster else (lambda: None)
+    ask_cluster = _once(cluster) if cluster and config.partitions.from_cluster else (lambda: None)
     scope = _gpu_scope(job, config, gpus, ask_cluster)
     if not scope.site_types:
         where = ", ".join(scope.partitions) or "(none named, and no default partition in the site config)"
@@ -204,7 +219,7 @@ def decide_on_peaks(job: JobScript, peaks: Mapping[str, int], config: SiteConfig
                     cluster: ClusterSource | None = None) -> Decision:
     """The policy's decision for `job` on peaks already known, weighed against the cluster's offers as
     `analyze_job` weighs them: what a cached decision must still be to be used (xmem.slurm.cache_check)."""
-    ask_cluster = _once(cluster or _query_cluster) if config.partitions.from_cluster else (lambda: None)
+    ask_cluster = _once(cluster) if cluster and config.partitions.from_cluster else (lambda: None)
     return _decide(job, peaks, _gpu_scope(job, config, None, ask_cluster), user, ask_cluster)[0]
 
 
@@ -374,16 +389,6 @@ def _once(source: ClusterSource) -> ClusterSource:
             answer.append(source())
         return answer[0]
     return ask
-
-
-def _query_cluster() -> ClusterInfo | None:
-    """What Slurm says; None when it cannot be asked from here (no Slurm client, controller down)."""
-    from xmem.slurm.cluster import ClusterError, query_cluster
-
-    try:
-        return query_cluster()
-    except ClusterError:
-        return None
 
 
 def _default_estimator() -> Estimator:

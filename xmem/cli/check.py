@@ -32,6 +32,7 @@ from xmem.cli.estimate import breakdown_title, shown_warnings
 from xmem.cli.pictures import KeepingEstimator, PictureError, check_outputs, check_plot_gpu, write_pictures
 from xmem.config import DEFAULT_CONFIG_PATH, ConfigError, SiteConfig, load_site_config
 from xmem.policy import gres_memory_bytes
+from xmem.slurm.cluster import ask_slurm
 from xmem.slurm.from_check import SharedAnalysis, check_request
 from xmem.text import one_line
 from xmem.trace import privileges
@@ -222,7 +223,7 @@ def _analyze(err: Console, as_json: bool, script: str, args: list[str], cli_opti
              gpus: Optional[list[str]], estimator: Optional[KeepingEstimator] = None) -> JobAnalysis:
     def run(on_progress: Any = None) -> JobAnalysis:
         return analyze_job(script, script_args=args, cli_options=cli_options, config=site, gpus=gpus or None,
-                           on_progress=on_progress, estimator=estimator)
+                           on_progress=on_progress, estimator=estimator, cluster=ask_slurm)
 
     if as_json:
 

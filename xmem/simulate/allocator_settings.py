@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from xmem.alloc_conf import alloc_conf_setting
 from xmem.units import MIB as MiB  # spelt as upstream's comments spell it
 
 # The allocator's constants, named and valued as upstream (c10/core/AllocatorConfig.h in torch 2.13/2.14, except
@@ -91,16 +92,6 @@ class AllocatorConfig:
             return cls.parse(text)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
-
-
-def alloc_conf_setting(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(variable, text) of the allocator setting: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else
-    PYTORCH_ALLOC_CONF; None if neither is set."""
-    # CUDAAllocatorConfig::instance() reads PYTORCH_CUDA_ALLOC_CONF first; checked on torch 2.13 and 2.14.
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if name in env:
-            return name, env[name]
-    return None
 
 
 def _is_power_of_2(value: int) -> bool:

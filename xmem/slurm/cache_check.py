@@ -47,8 +47,9 @@ def still_offered(verdict: Any, job: JobScript | None, config: SiteConfig, user:
     if job is None:
         return False
     from xmem.analyze import decide_on_peaks
+    from xmem.slurm.cluster import ask_slurm
 
-    now = decide_on_peaks(job, verdict.peaks, config, user=user)
+    now = decide_on_peaks(job, verdict.peaks, config, user=user, cluster=ask_slurm)
     return (now.action, now.option, now.gres, now.gpus) == (cached.action, cached.option, cached.gres, cached.gpus)
 
 

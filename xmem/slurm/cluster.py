@@ -98,6 +98,15 @@ def query_cluster(backend: str = "auto", *, run: Runner | None = None) -> Cluste
     return query_cli(run)
 
 
+def ask_slurm() -> ClusterInfo | None:
+    """What Slurm says; None when it cannot be asked from here (no Slurm client, controller down): the cluster
+    source the analysis is handed (`xmem.analyze.analyze_job(cluster=...)`), which never asks Slurm itself."""
+    try:
+        return query_cluster()
+    except ClusterError:
+        return None
+
+
 def query_cli(run: Runner) -> ClusterInfo:
     """Two commands when Slurm answers; one timeout when it does not (a failure stops the queries)."""
     try:

@@ -207,14 +207,13 @@ def load_request(spool: Path) -> tuple[FilterRequest, str]:
 def run(spool: Path, job_id: str, config: SiteConfig) -> str:
     """Runs as the estimation job. Returns what happened, one line (also in the job's comment). Always cold: a
     warm tracer started here would outlive the job on the estimation node (0.7 GiB for its idle time), and no
-    later estimate of this user is sure to land on the same node to use it."""
-    from xmem.trace.warm import ENABLE_ENV
-
-    os.environ[ENABLE_ENV] = "0"  # wins over the site's [estimate] warm_tracer and the user's own setting
+    later estimate of this user is sure to land on the same node to use it (the user's own XMEM_WARM_TRACER is gone:
+    `main` dropped the user's settings, so the site's, made cold here, decide)."""
+    cold = dataclasses.replace(config, estimate=dataclasses.replace(config.estimate, warm_tracer=False))
     request, original = load_request(spool)
     job = parse_job(request.script, request)
     analysis = cached_analysis(
-        request.script, request, config, cache=analysis_cache(config), config_digest=config_digest(config),
+        request.script, request, cold, cache=analysis_cache(config), config_digest=config_digest(config),
         files=command_files(job, request, original), slots=lambda: estimate_slots(config),
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
     reply = reply_for(analysis, request, config.failure)

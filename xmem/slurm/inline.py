@@ -46,11 +46,12 @@ def analyze_submission(script: str, request: FilterRequest, config: SiteConfig, 
     estimate timeout from now). `cancel`, once set, stops its traces: the answer is no longer wanted (the filter
     handed the job off). Imported here: torch loads only on a cache miss."""
     from xmem.analyze import analyze_job
+    from xmem.slurm.cluster import ask_slurm
 
     try:
         job_analysis = analyze_job(script, script_args=request.script_args, cli_options=request.cli_options(),
                                    config=config, env=dict(request.env) or None, user=request.user,
-                                   submit_cwd=request.cwd, deadline=deadline,
+                                   submit_cwd=request.cwd, deadline=deadline, cluster=ask_slurm,
                                    estimator=guarded_estimator(request.options, script, cancel))
     except Exception as e:  # an estimator fault of any kind: the failure mode decides what happens
         return Verdict(decision=None, errors=(_error_text(e),))

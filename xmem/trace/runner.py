@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-from xmem.config import DEFAULT_TRACE_MEMORY_BYTES as DEFAULT_MEMORY_LIMIT_BYTES
 from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter, srun_shim
 import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
@@ -39,7 +38,7 @@ from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
-from xmem.units import gib_words
+from xmem.units import GIB, gib_words
 
 OUTPUT_TAIL = 4000  # characters of the program's output kept in a TraceError
 NO_CUDA_MESSAGE = ("the program ended without using the GPU (torch.cuda.device_count() was {gpus}); its last "
@@ -62,6 +61,10 @@ OFFLINE_NODE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS
                 "USE_HUB_KERNELS": "NO"}
 LAUNCH_MODULE = "xmem.trace.child.launch"  # the root of a command that is not Python itself
 STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its group is killed
+# The host memory a trace may hold where its caller names no limit. The site's default ([estimate]
+# memory_limit_gib, xmem.config) is the same figure, stated there since config and trace import nothing of each
+# other; tests/test_architecture.py holds the two equal.
+DEFAULT_MEMORY_LIMIT_BYTES = 8 * GIB
 
 
 def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int, int] = (9, 0),

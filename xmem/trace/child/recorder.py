@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xmem.simulate.allocator_settings import alloc_conf_setting
+from xmem.alloc_conf import alloc_conf_setting
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.fft as fft
