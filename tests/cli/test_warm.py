@@ -17,17 +17,10 @@ import pytest
 
 from xmem.trace import warm
 
+from tests.waiting import wait_for
+
 XMEM = [sys.executable, "-m", "xmem.cli"]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(condition, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture
@@ -47,7 +40,7 @@ def held(tmp_path):
         listener.bind(str(path))
         sockets.append(listener)
         os.utime(path, (time.time() - last_used,) * 2, follow_symlinks=False)
-        assert wait_for(lambda: process.pid in {s.pid for s in warm.servers(directory)})
+        assert wait_for(lambda: process.pid in {s.pid for s in warm.servers(directory)}, 20)
         return process.pid
 
     yield directory, start
@@ -64,7 +57,7 @@ def test_a_new_server_stops_the_users_least_recently_used_one_beyond_the_bound(h
     oldest, recent = start("oldest", last_used=600), start("recent", last_used=60)
     newest = start("newest", last_used=0)  # its start made room first
     running = {server.pid for server in warm.servers(directory)}
-    assert wait_for(lambda: oldest not in {server.pid for server in warm.servers(directory)})
+    assert wait_for(lambda: oldest not in {server.pid for server in warm.servers(directory)}, 20)
     assert {recent, newest} <= running
 
 
@@ -78,5 +71,5 @@ def test_the_report_lists_each_server_with_its_own_memory_and_stop_ends_them(hel
     text = subprocess.run([*XMEM, "warm"], capture_output=True, text=True, check=True).stdout
     assert str(pid) in text and "server(s)" in text
     subprocess.run([*XMEM, "warm", "--stop"], capture_output=True, check=True)
-    assert wait_for(lambda: pid not in {server.pid for server in warm.servers()})
+    assert wait_for(lambda: pid not in {server.pid for server in warm.servers()}, 20)
 

@@ -7,13 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from xmem.trace import TraceCancelled, run_trace
 
+from tests.waiting import wait_for
 
 def processes_running(marker: str) -> list[int]:
     """Pids of live processes whose command line mentions `marker`."""
@@ -29,15 +29,6 @@ def processes_running(marker: str) -> list[int]:
         if marker in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
-
-
-def wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

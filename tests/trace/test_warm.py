@@ -28,6 +28,7 @@ from xmem.trace import TraceError, run_trace, runner, sandbox, warm
 from xmem.trace.command import parse_command
 
 from tests.throwaway_users import users_fixture
+from tests.waiting import wait_for
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 MLP = ["python", str(SCRIPTS / "mlp_adam.py"), "--steps", "4"]
@@ -89,15 +90,6 @@ def socket_for(command: list[str]) -> Path:
 
 def warm_settings(directory: Path) -> dict[str, str]:
     return {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(directory), warm.IDLE_ENV: "600"}
-
-
-def wait_for(condition, seconds: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(step)
-    return False
 
 
 def stop(process: subprocess.Popen) -> None:
