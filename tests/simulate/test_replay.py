@@ -33,8 +33,8 @@ def test_double_free_is_an_unknown_block():
 def test_alloc_of_a_live_id_and_unknown_actions_are_rejected():
     with pytest.raises(ValueError, match=r"^op 1: ALLOC of block 1, which is already allocated"):
         simulate([alloc(1, 100), alloc(1, 100)])
-    with pytest.raises(ValueError, match=r"^op 0: unknown action 5"):
-        simulate([(5, 1, 100, 0)])
+    with pytest.raises(ValueError, match=r"^op 0: unknown action 9"):
+        simulate([(9, 1, 100, 0)])
     with pytest.raises(ValueError, match=r"^op 0: ALLOC of block 1 with negative size"):
         simulate([alloc(1, -1)])
 

@@ -5,14 +5,17 @@ snapshots) and its decisions, one function per upstream rule and under upstream'
 `get_allocation_size`, `get_free_block`, `should_split`, `alloc_found_block`, `free_block`, `try_merge_blocks`,
 `alloc_block`, `release_block`, `release_available_cached_blocks`, `release_cached_blocks`,
 `garbage_collect_cached_blocks`, `malloc`, `free`, `empty_cache`, and for expandable segments
-`find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`; `snapshot` lists the segments.
+`find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`; for CUDA graphs' private pools
+(`PrivatePool`) `begin_allocate_to_pool`, `end_allocate_to_pool`, `release_pool`, `create_or_incref_pool`; `snapshot`
+lists the segments.
 The rules are re-stated from reading upstream's `c10/cuda/CUDACachingAllocator.cpp`, each function beside the
 upstream function of its name (`Block::splice`, `DeviceCachingAllocator::alloc_found_block` ...), not copied.
 
 What is not modelled, on purpose:
 - `record_stream` / cross-stream uses: a freed block goes back to its pool at once (no deferred `free_block`, no
   CUDA events); `trigger_free_memory_callbacks` has nothing registered in a replay.
-- CUDA graphs and MemPools (private pools), IPC, `release_lock_on_cudamalloc`, `cudaMallocAsync`.
+- MemPools with an allocator of their own, `use_on_oom` and `no_split` pools, IPC, `release_lock_on_cudamalloc`,
+  `cudaMallocAsync`. A CUDA graph's private pool is modelled; its capture filter is "the capturing stream".
 - Several devices: one `DeviceCachingAllocator` is one device.
 
 Model choices where upstream depends on the real device:
@@ -90,12 +93,14 @@ class Block:
 
 
 class BlockPool:
-    """The free blocks of one pool (small or large), all streams, best-fit ordered by (stream, size, ptr)."""
+    """The free blocks of one pool (small or large), all streams, best-fit ordered by (stream, size, ptr); `owner` is
+    the CUDA graph pool it belongs to (upstream owner_PrivatePool), None for the device's own two pools."""
 
-    __slots__ = ("is_small", "keys", "blocks", "unmapped", "get_free_blocks_call_count")
+    __slots__ = ("is_small", "keys", "blocks", "unmapped", "get_free_blocks_call_count", "owner")
 
-    def __init__(self, is_small: bool) -> None:
+    def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small
+        self.owner = owner
         self.keys: list[int] = []  # sorted _key()s of the free mapped blocks (the upstream std::set)
         self.blocks: dict[int, Block] = {}
         self.unmapped: set[Block] = set()  # unmapped ranges of expandable segments
@@ -112,6 +117,21 @@ class BlockPool:
         key = (block.stream << 128) | (block.size << 64) | block.ptr  # _key(), inlined
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
+
+
+class PrivatePool:
+    """A CUDA graph's memory pool (upstream PrivatePool, keyed by MempoolId): its own small and large blocks, which only
+    allocations made while a capture records into it take, and which stay reserved until every graph that shares it
+    is gone (`use_count`) and the cache is emptied. `cudaMalloc_count` counts its segments still held."""
+
+    __slots__ = ("id", "use_count", "cudaMalloc_count", "small_blocks", "large_blocks")
+
+    def __init__(self, pool_id: int) -> None:
+        self.id = pool_id
+        self.use_count = 1
+        self.cudaMalloc_count = 0
+        self.small_blocks = BlockPool(is_small=True, owner=self)
+        self.large_blocks = BlockPool(is_small=False, owner=self)
 
 
 @dataclass(frozen=True)
@@ -228,6 +248,11 @@ class DeviceCachingAllocator:
         self.next_address = _FIRST_ADDRESS
         self.expandable_segments: list[ExpandableSegment] = []
         self.active_blocks: set[Block] = set()  # the allocated blocks (upstream active_blocks)
+        # CUDA graphs: the private pools by id, those no graph uses any more, and the captures recording now as
+        # (pool id, capturing stream), latest last (upstream captures_underway, whose filter is the stream here)
+        self.graph_pools: dict[int, PrivatePool] = {}
+        self.graph_pools_freeable: dict[int, PrivatePool] = {}
+        self.captures_underway: list[tuple[int, int]] = []
 
     def clone(self, capacity: int | None, device_total: int | None) -> tuple[DeviceCachingAllocator, dict]:
         """A copy of this allocator's whole state (segments, blocks, pools, counters) under another limit, and the
@@ -240,7 +265,13 @@ class DeviceCachingAllocator:
                      "last_oom_alloc_size", "next_address"):
             setattr(twin, name, getattr(self, name))
         pools = {id(self.small_blocks): twin.small_blocks, id(self.large_blocks): twin.large_blocks}
-        blocks = [*self.small_blocks.blocks.values(), *self.large_blocks.blocks.values(), *self.active_blocks]
+        for pool_id, private in self.graph_pools.items():
+            copy = twin.graph_pools[pool_id] = PrivatePool(pool_id)
+            copy.use_count, copy.cudaMalloc_count = private.use_count, private.cudaMalloc_count
+            pools[id(private.small_blocks)], pools[id(private.large_blocks)] = copy.small_blocks, copy.large_blocks
+        twin.graph_pools_freeable = {pool_id: twin.graph_pools[pool_id] for pool_id in self.graph_pools_freeable}
+        twin.captures_underway = list(self.captures_underway)
+        blocks = [block for pool in self._all_pools() for block in pool.blocks.values()] + list(self.active_blocks)
         copies: dict[Block, Block] = {}
         for block in blocks:
             copy = copies[block] = Block(block.stream, block.size, block.ptr, pools[id(block.pool)])
@@ -248,7 +279,7 @@ class DeviceCachingAllocator:
         for block, copy in copies.items():  # every piece of a segment is free (in a pool) or allocated (active)
             copy.prev = copies[block.prev] if block.prev is not None else None
             copy.next = copies[block.next] if block.next is not None else None
-        for pool in (self.small_blocks, self.large_blocks):
+        for pool in self._all_pools():
             into = pools[id(pool)]
             into.keys = list(pool.keys)
             into.blocks = {key: copies[block] for key, block in pool.blocks.items()}
@@ -256,27 +287,40 @@ class DeviceCachingAllocator:
         twin.active_blocks = {copies[block] for block in self.active_blocks}
         return twin, copies
 
+    def _all_pools(self) -> list[BlockPool]:
+        """The device's two pools and every private pool's two."""
+        pools = [self.small_blocks, self.large_blocks]
+        for private in self.graph_pools.values():
+            pools += [private.small_blocks, private.large_blocks]
+        return pools
+
     # ---- the request path ------------------------------------------------------------------------------------
 
     def malloc(self, orig_size: int, stream: int) -> Block | None:
         """DeviceCachingAllocator::malloc: a block for `orig_size` bytes on `stream`, or None on out-of-memory."""
         size = round_size(orig_size, self.divisions)
-        pool = self.get_pool(size)
+        pool = self.get_pool(size, stream)
         p = AllocParams(size, stream, pool, get_allocation_size(size, self.config.large_segment_size))
         if not self.get_free_block(p):
             if self.gc_enabled:
                 self.garbage_collect_cached_blocks()
             found = (self.alloc_block(p, is_retry=False)
                      or (self.release_available_cached_blocks(p) and self.alloc_block(p, is_retry=False))
-                     or (self.release_cached_blocks() and self.alloc_block(p, is_retry=True)))
+                     or (not self.captures_underway and self.release_cached_blocks()
+                         and self.alloc_block(p, is_retry=True)))
             if not found:
                 self.num_ooms += 1
                 self.last_oom_alloc_size = p.alloc_size
                 return None
         return self.alloc_found_block(p, self.should_split(p.block, size))
 
-    def get_pool(self, size: int) -> BlockPool:
-        """DeviceCachingAllocator::get_pool: small pool for rounded sizes up to kSmallSize."""
+    def get_pool(self, size: int, stream: int) -> BlockPool:
+        """DeviceCachingAllocator::get_pool: small pool for rounded sizes up to kSmallSize; while a capture records on
+        `stream`, the latest such capture's private pool instead."""
+        for pool_id, capturing in reversed(self.captures_underway):
+            if capturing == stream:
+                private = self.graph_pools[pool_id]
+                return private.small_blocks if size <= kSmallSize else private.large_blocks
         return self.small_blocks if size <= kSmallSize else self.large_blocks
 
     def get_free_block(self, p: AllocParams) -> bool:
@@ -384,9 +428,13 @@ class DeviceCachingAllocator:
             return False
         if self.config.expandable_segments:
             p.block = self.try_allocate_expandable_block(p.stream, p.pool, p.size)
+            if p.block is not None and p.pool.owner is not None:
+                p.pool.owner.cudaMalloc_count += 1  # as upstream, never taken back for expandable pages
             return p.block is not None
         if self.capacity is not None and self.total_allocated_memory + p.alloc_size > self.capacity:
             return False  # cudaMalloc: cudaErrorMemoryAllocation
+        if p.pool.owner is not None:
+            p.pool.owner.cudaMalloc_count += 1
         ptr = self.next_address
         self.next_address += p.alloc_size
         self.total_allocated_memory += p.alloc_size
@@ -400,6 +448,8 @@ class DeviceCachingAllocator:
         block.pool.erase(block)
         self.total_allocated_memory -= block.size
         self.num_segments -= 1
+        if block.pool.owner is not None:
+            block.pool.owner.cudaMalloc_count -= 1
 
     def release_available_cached_blocks(self, p: AllocParams) -> bool:
         """DeviceCachingAllocator::release_available_cached_blocks: free oversize cached blocks (max_split only)."""
@@ -425,9 +475,17 @@ class DeviceCachingAllocator:
         return released >= key_size
 
     def release_cached_blocks(self) -> bool:
-        """DeviceCachingAllocator::release_cached_blocks: cudaFree every unsplit cached block, unmap free pages."""
-        self.release_blocks(self.large_blocks)
-        self.release_blocks(self.small_blocks)
+        """DeviceCachingAllocator::release_cached_blocks (of the default pool): cudaFree every unsplit cached block
+        and unmap free pages, the device's own only while no capture records; then those of every private pool no
+        graph uses any more, and forget such a pool once it holds no segment."""
+        if not self.captures_underway:
+            self.release_blocks(self.large_blocks)
+            self.release_blocks(self.small_blocks)
+        for pool_id, private in list(self.graph_pools_freeable.items()):
+            self.release_blocks(private.small_blocks)
+            self.release_blocks(private.large_blocks)
+            if private.cudaMalloc_count == 0:
+                del self.graph_pools[pool_id], self.graph_pools_freeable[pool_id]
         return True
 
     def release_blocks(self, pool: BlockPool) -> None:
@@ -478,6 +536,44 @@ class DeviceCachingAllocator:
                     total_age -= gc_count(block)
                     count -= 1
                     self.release_block(block)
+
+    # ---- CUDA graphs' private pools --------------------------------------------------------------------------
+
+    def create_or_incref_pool(self, pool_id: int) -> None:
+        """DeviceCachingAllocator::create_or_incref_pool: a new pool used once, or one more use of a live one."""
+        private = self.graph_pools.get(pool_id)
+        if private is None:
+            self.graph_pools[pool_id] = PrivatePool(pool_id)
+        else:
+            if private.use_count <= 0:
+                raise ValueError(f"pool {pool_id} is no longer used by any graph: it cannot be shared again")
+            private.use_count += 1
+
+    def begin_allocate_to_pool(self, pool_id: int, stream: int) -> None:
+        """DeviceCachingAllocator::beginAllocateToPool (CUDAGraph::capture_begin): from now on, allocations on
+        `stream` come from pool `pool_id`, created or shared."""
+        if any(recording == pool_id for recording, _ in self.captures_underway):
+            raise ValueError(f"pool {pool_id}: already recording to it")
+        self.create_or_incref_pool(pool_id)
+        self.captures_underway.append((pool_id, stream))
+
+    def end_allocate_to_pool(self, pool_id: int) -> None:
+        """DeviceCachingAllocator::endAllocateToPool (CUDAGraph::capture_end): the capture into `pool_id` ended."""
+        for index, (recording, _) in enumerate(self.captures_underway):
+            if recording == pool_id:
+                del self.captures_underway[index]
+                return
+        raise ValueError(f"pool {pool_id}: not recording to it")
+
+    def release_pool(self, pool_id: int) -> None:
+        """DeviceCachingAllocator::releasePool (a graph reset or deleted): one use fewer; with none left, the pool's
+        unsplit free segments go back to the device at the next release_cached_blocks (empty_cache, OOM retry)."""
+        private = self.graph_pools.get(pool_id)
+        if private is None or private.use_count <= 0:
+            raise ValueError(f"pool {pool_id}: released more often than used")
+        private.use_count -= 1
+        if private.use_count == 0:
+            self.graph_pools_freeable[pool_id] = private
 
     # ---- expandable segments ---------------------------------------------------------------------------------
 
@@ -586,7 +682,7 @@ class DeviceCachingAllocator:
     def snapshot(self) -> tuple[Segment, ...]:
         """DeviceCachingAllocator::snapshot: every segment with memory behind it, in address order."""
         everything = set(self.active_blocks)
-        for pool in (self.small_blocks, self.large_blocks):
+        for pool in self._all_pools():
             everything.update(pool.blocks.values())
             everything.update(pool.unmapped)
         segments = []

@@ -1,6 +1,7 @@
 """Replay an alloc/free sequence through the allocator model and report peaks, fragmentation and a timeline.
 
-Owns: the op format (`ALLOC`, `FREE`, `EMPTY_CACHE` tuples), checking it, and turning allocator state into a
+Owns: the op format (`ALLOC`, `FREE`, `EMPTY_CACHE`, and for CUDA graphs `BEGIN_POOL`, `END_POOL`, `RELEASE_POOL`
+tuples), checking it, and turning allocator state into a
 `SimResult`. The allocator rules live in `allocator.py`.
 Must not: do I/O; it is pure and deterministic.
 """
@@ -18,6 +19,11 @@ from xmem.simulate.result import OomInfo, SimResult, downsample_timeline, oom_me
 ALLOC = 0
 FREE = 1
 EMPTY_CACHE = 2
+# A CUDA graph's private pool (`block` is the pool's id): a capture starts recording the allocations on `stream`
+# into it (CUDAGraph::capture_begin), stops (capture_end), and the graph is reset or deleted (its releasePool).
+BEGIN_POOL = 3
+END_POOL = 4
+RELEASE_POOL = 5
 
 
 def simulate(
@@ -31,7 +37,9 @@ def simulate(
     """Replay `(action, block, nbytes, stream)` ops on one device; stop at the first out-of-memory.
 
     `block` is the caller's id of an allocation: a FREE names the id its ALLOC used (its nbytes and stream are
-    ignored). An ALLOC of 0 bytes makes no block (torch returns a null pointer) but its FREE is accepted.
+    ignored). BEGIN_POOL, END_POOL and RELEASE_POOL name a CUDA graph's pool by `block` (BEGIN_POOL: the capture
+    records the ALLOCs on `stream`; their nbytes is 0). An ALLOC of 0 bytes makes no block (torch returns a null
+    pointer) but its FREE is accepted.
     `capacity` is what cudaMalloc can obtain on the device (None = unlimited; zero or less, as when overheads
     exceed the device, lets no allocation succeed). `device_total` is the device's whole memory, of which a
     memory fraction is taken (as `set_per_process_memory_fraction` does); `capacity` stands in when it is not
@@ -154,8 +162,11 @@ class _Replay:
                     free(block)
             elif action == EMPTY_CACHE:
                 allocator.empty_cache()
+            elif action in _POOL_ACTIONS:
+                self._pool_op(index, action, block_id, stream)
             else:
-                raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1 or EMPTY_CACHE=2")
+                raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1, EMPTY_CACHE=2, "
+                                 f"BEGIN_POOL=3, END_POOL=4 or RELEASE_POOL=5")
             allocated = allocator.allocated_bytes
             reserved = allocator.total_allocated_memory
             record_allocated(allocated)
@@ -170,9 +181,26 @@ class _Replay:
         self.peak_allocated, self.peak_reserved = peak_allocated, peak_reserved
         self.next_index = index + 1
 
+    def _pool_op(self, index: int, action: int, pool_id: int, stream: int) -> None:
+        """A CUDA graph's pool op; its stream is numbered as ALLOCs number theirs, so that the capture's filter
+        meets the allocations on it."""
+        try:
+            if action == BEGIN_POOL:
+                s = self.stream_index.setdefault(stream, len(self.stream_index))
+                self.allocator.begin_allocate_to_pool(pool_id, s)
+            elif action == END_POOL:
+                self.allocator.end_allocate_to_pool(pool_id)
+            else:
+                self.allocator.release_pool(pool_id)
+        except ValueError as error:
+            raise ValueError(f"op {index}: {error}") from None
+
     def result(self, timeline_points: int) -> SimResult:
         return _result(self.allocator, self.allocated_at, self.reserved_at, self.peak_allocated_index,
                        self.peak_reserved_index, self.segments_at_peak, timeline_points, self.oom)
+
+
+_POOL_ACTIONS = (BEGIN_POOL, END_POOL, RELEASE_POOL)
 
 
 def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> OomInfo:
