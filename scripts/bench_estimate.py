@@ -18,7 +18,9 @@ Targets (issue #12): GPT-2 <= 3 s; 7B <= 15 s and <= 2 GiB peak RSS; `small` <= 
 `--warm` runs each case R times cold and R times through the warm tracer (xmem.trace.warm, in a socket directory
 of its own: a first estimate starts it, as a user's first estimate would, and is reported on its own line) and
 prints the median wall time of each; a warm run's RSS columns cover the estimating process only (the traced job
-is the warm server's child).
+is the warm server's child). With --warm it also times, R times, a fresh interpreter importing what the case's
+script imports (`python -c "import torch; from transformers import ..."`: the job's own libraries, cold) and prints
+the warm estimate's median over that import's (issue 35 item 6: the default estimate at most 0.6x of it).
 
     .venv/bin/python scripts/bench_estimate.py [--case gpt2|llama7b|small] [--iterations N] [--repeat R] [--warm]
 """
@@ -203,14 +205,25 @@ def stop_servers(directory: Path) -> None:
         os.kill(pid, signal.SIGTERM)
 
 
-def print_medians(runs: list[Run]) -> None:
-    print("\nmedian wall s   " + "".join(f" {mode:>8}" for mode in ("cold", "warm")))
+def cold_import_seconds(case: str) -> float:
+    """Wall time of a fresh interpreter that only imports what the case's script imports."""
+    imports = "\n".join(line for line in textwrap.dedent(CASES[case][0]).splitlines()
+                        if line.startswith(("import ", "from ")))
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", imports], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def print_medians(runs: list[Run], imports: dict[str, list[float]]) -> None:
+    print("\nmedian wall s   " + "".join(f" {mode:>8}" for mode in ("cold", "warm", "import")) + "  warm/import")
     for case in dict.fromkeys(run.case for run in runs):
         cells = []
         for mode in ("cold", "warm"):
             times = [r.seconds for r in runs if r.case == case and r.mode == mode and r.returncode == 0]
-            cells.append(f" {statistics.median(times):>8.2f}" if times else f" {'-':>8}")
-        print(f"{case:<16}" + "".join(cells))
+            cells.append(statistics.median(times) if times else None)
+        cells.append(statistics.median(imports[case]) if imports.get(case) else None)
+        ratio = f"{cells[1] / cells[2]:.2f}x" if cells[1] and cells[2] else "-"
+        print(f"{case:<16}" + "".join(f" {c:>8.2f}" if c else f" {'-':>8}" for c in cells) + f"  {ratio:>11}")
 
 
 def peak_cell(gpu: dict | None) -> str:
@@ -237,14 +250,16 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="xmem-bench-"))
     sockets = Path(tempfile.mkdtemp(prefix="xwb-"))  # short: a socket's path holds at most 108 bytes
     runs: list[Run] = []
+    imports: dict[str, list[float]] = {}
     try:
         if args.warm:
             runs.append(first_warm_estimate(workdir, sockets, args.iterations))
         for case in args.case or ["gpt2", "llama7b"]:
             for _ in range(args.repeat):
-                runs.append(run_case(case, workdir, args.iterations, cold_env() if args.warm else None))
+                runs.append(run_case(case, workdir, args.iterations, cold_env()))
                 if args.warm:
                     runs.append(run_case(case, workdir, args.iterations, warm_env(sockets), "warm"))
+                    imports.setdefault(case, []).append(cold_import_seconds(case))
     finally:
         stop_servers(sockets)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -266,7 +281,7 @@ def main() -> int:
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in largest_first)
             print(f"  breakdown (GiB) on {run.result.get('breakdown_gpu')}: {parts}")
     if args.warm:
-        print_medians(runs)
+        print_medians(runs, imports)
     return 0 if all(r.returncode == 0 for r in runs) else 1
 
 
