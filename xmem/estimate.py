@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xmem.audit import audit
+import xmem.rank_traces as rank_traces
 from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
 from xmem.estimate_record import ALLOCATOR_SLACK, OVERHEAD, Estimate, GpuEstimate, shown_gpu
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
@@ -60,13 +61,20 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     started = time.perf_counter()
     catalog = catalog if catalog is not None else load_catalog(catalog_overrides)
     targets = resolve_gpus(gpus, catalog)
-    traces = trace_per_capability_class(command, targets, iterations=iterations, env=env, cwd=cwd,
-                                        timeout=timeout, python=python, on_progress=on_progress,
-                                        gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes,
-                                        warm_tracer=warm_tracer, cancel=cancel)
+    def trace_rank(more_env: Mapping[str, str]) -> dict[str, Trace]:
+        return trace_per_capability_class(command, targets, iterations=iterations,
+                                          env={**(os.environ if env is None else env), **more_env}, cwd=cwd,
+                                          timeout=timeout, python=python, on_progress=on_progress,
+                                          gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes,
+                                          warm_tracer=warm_tracer, cancel=cancel)
+
+    traces = trace_rank({})
     if keep_traces is not None:
         keep_traces.update(traces)
-    return estimate_traces(command, traces, targets, env=env, on_progress=on_progress, started=started)
+    ranks = rank_traces.trace_stages(traces, trace_rank)  # -- issue 34: every pipeline stage's rank
+    estimates = {rank: estimate_traces(command, traced, targets, env=env, on_progress=on_progress, started=started)
+                 for rank, traced in ranks.items()}
+    return rank_traces.fullest(estimates, rank_traces.stages_by_rank(ranks))
 
 
 def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets: Sequence[GpuType], *,

@@ -96,6 +96,11 @@ class Estimate:
     forward_only: bool = False  # no training step was traced: the peak of what the program ran (Trace.forward_only)
     breakdowns: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # by GPU type
     interpreter: str = ""  # the job's Python interpreter that was traced (Trace.interpreter)
+    # Where ranks differ (pipeline stages: xmem.rank_traces): the rank whose figures these are, each traced rank's
+    # peak on the shown GPU type, and the stages each holds; None and empty where one rank stands for all
+    fullest_rank: int | None = None
+    rank_peaks: dict[int, int] = dataclasses.field(default_factory=dict)
+    rank_stages: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def suspect(self) -> bool:
@@ -119,6 +124,9 @@ class Estimate:
             "sandbox": self.sandbox,
             "forward_only": self.forward_only,
             "breakdowns": {name: dict(parts) for name, parts in self.breakdowns.items()},
+            "fullest_rank": self.fullest_rank,
+            "rank_peaks": {str(rank): peak for rank, peak in self.rank_peaks.items()},
+            "rank_stages": {str(rank): list(stages) for rank, stages in self.rank_stages.items()},
         }
 
     @classmethod
@@ -131,7 +139,10 @@ class Estimate:
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
                    suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
                    forward_only=d.get("forward_only", False), interpreter=d.get("interpreter", ""),
-                   breakdowns={name: dict(parts) for name, parts in d.get("breakdowns", {}).items()})
+                   breakdowns={name: dict(parts) for name, parts in d.get("breakdowns", {}).items()},
+                   fullest_rank=d.get("fullest_rank"),
+                   rank_peaks={int(rank): peak for rank, peak in d.get("rank_peaks", {}).items()},
+                   rank_stages={int(rank): tuple(stages) for rank, stages in d.get("rank_stages", {}).items()})
 
 
 def shown_gpu(gpus: Sequence[GpuEstimate]) -> str:

@@ -3,8 +3,8 @@ start one process per GPU (`torchrun` / `python -m torch.distributed.run`, `acce
 `python -m accelerate.commands.launch`, `deepspeed`), with the machine and world each shows rank 0.
 
 The one grammar of these command lines: the batch-script reader (`xmem.jobscript`) reads a script's lines through
-it, the tracer (`xmem.trace`) the command it is given. Rank 0 is the one estimated, in the world the launcher would
-make, so that FSDP/ZeRO shard by the real world size. Launchers a traced program starts itself need none of this:
+it, the tracer (`xmem.trace`) the command it is given. Rank 0 is the one traced (or the rank the estimate names,
+one per pipeline stage), in the world the launcher would make, so that FSDP/ZeRO shard by the real world size. Launchers a traced program starts itself need none of this:
 the tracer follows every Python process of the job (`xmem.trace.child.follow`). Also the one rule for a program file run
 directly (`shebang_python`): an environment's console script (`trl`, `tune`) or a script with a python shebang is a
 Python program. Pure: reads no file (callers hand it a file's first line).
@@ -28,6 +28,9 @@ _TORCHRUN_FLAGS = {"--standalone", "--module", "-m", "--run-path", "--use-env", 
 # api.py); `accelerate launch` and `deepspeed` start their ranks through the same agent.
 _RANK_ZERO = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+# The rank to trace, where the estimate traces another than rank 0 (one per pipeline stage: xmem.rank_traces); the
+# launcher's variables are then that rank's, and so is the rank torch.multiprocessing.spawn runs.
+TRACED_RANK_ENV = "XMEM_TRACE_RANK"
 _RENDEZVOUS = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # the job's own, where it sets them
 _ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mixed-precision":
                         "ACCELERATE_MIXED_PRECISION"}  # what `accelerate launch` hands the script's Accelerator
@@ -192,23 +195,36 @@ def gpus_per_node(target: Target, env: Mapping[str, str], requested: int | None 
     return 1
 
 
-def launcher_variables(target: Target, gpus: int) -> dict[str, str]:
-    """What the launcher sets in rank 0's environment on a node of `gpus`: its settings and, when it starts its
-    processes through the elastic agent, their ranks and the world's sizes (a run of `accelerate launch` with one
-    process is a plain `python`)."""
+def launcher_variables(target: Target, gpus: int, rank: int = 0) -> dict[str, str]:
+    """What the launcher sets in the environment of rank `rank` (default 0) on a node of `gpus`: its settings and,
+    when it starts its processes through the elastic agent, their ranks and the world's sizes (a run of
+    `accelerate launch` with one process is a plain `python`)."""
     variables = dict(target.settings)
     local, world = target.local_world_size(gpus), target.world_size(gpus)
     if not target.distributed or world == 1 and target.launcher == "accelerate":
         return variables
     variables.update(_RANK_ZERO, WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local),
                      GROUP_WORLD_SIZE=str(target.nnodes))
-    return variables
+    return {**variables, **rank_variables(rank, local)} if rank else variables
+
+
+def rank_variables(rank: int, local_world_size: int) -> dict[str, str]:
+    """What the elastic agent sets apart for global rank `rank` when each node runs `local_world_size` processes:
+    its rank, its place on its node, and its node's (torchrun's node rank is the agent's group rank)."""
+    return {"RANK": str(rank), "ROLE_RANK": str(rank), "LOCAL_RANK": str(rank % local_world_size),
+            "GROUP_RANK": str(rank // local_world_size)}
+
+
+def traced_rank(env: Mapping[str, str]) -> int:
+    """The rank the estimate asks to trace (`TRACED_RANK_ENV`; rank 0 where it asks none)."""
+    return int(env.get(TRACED_RANK_ENV, "0") or 0)
 
 
 def launcher_env(target: Target, env: Mapping[str, str], gpus: int) -> dict[str, str]:
-    """Rank 0's environment: `env` with the launcher's variables; CUDA_VISIBLE_DEVICES lists the node's `gpus` as
-    Slurm numbers them for a job. The job's own rendezvous address and thread count stay."""
-    variables = launcher_variables(target, gpus)
+    """The traced rank's environment (rank 0, or the one `env` names by `TRACED_RANK_ENV`): `env` with the launcher's
+    variables; CUDA_VISIBLE_DEVICES lists the node's `gpus` as Slurm numbers them for a job. The job's own rendezvous
+    address and thread count stay."""
+    variables = launcher_variables(target, gpus, traced_rank(env))
     if "RANK" in variables:
         variables = {**_RENDEZVOUS, **variables}
         if target.local_world_size(gpus) > 1:

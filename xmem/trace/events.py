@@ -124,6 +124,55 @@ FACT_ZERO_STATE = "the optimizer state of the rank whose ZeRO partitions are the
 FACT_OFFLOADED = "the parameters the optimizers step on the host, offloaded there by their wrapper"
 
 
+@dataclass(frozen=True, slots=True)
+class ActivationMeta:
+    """One tensor a pipeline stage passes to the next (torch.distributed.pipelining's `_TensorMeta`): `dtype` by its
+    torch name ("float32")."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+    def to_json(self) -> list:
+        return [list(self.shape), list(self.stride), self.dtype, self.requires_grad]
+
+    @classmethod
+    def from_json(cls, row: list) -> "ActivationMeta":
+        return cls(tuple(row[0]), tuple(row[1]), row[2], bool(row[3]))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRun:
+    """What a traced rank learned of the pipeline schedule it ran (xmem.trace.child.pipelining): by stage index, the
+    global rank holding each stage (`stage_ranks`, in this rank's pipeline group), the stages this rank holds, what
+    its stages sent on (by receiving stage: the activations' metadata, which the estimate hands to that stage's
+    rank), and the input metadata it assumed for its own stages where none was handed down."""
+
+    schedule: str
+    stage_ranks: tuple[int, ...]
+    own_stages: tuple[int, ...]
+    sent: dict[int, tuple[ActivationMeta, ...]]
+    assumed: dict[int, tuple[ActivationMeta, ...]]
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "stage_ranks": list(self.stage_ranks), "own_stages": list(self.own_stages),
+                "sent": _metas_json(self.sent), "assumed": _metas_json(self.assumed)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineRun":
+        return cls(d["schedule"], tuple(d["stage_ranks"]), tuple(d["own_stages"]), _metas_from_json(d["sent"]),
+                   _metas_from_json(d["assumed"]))
+
+
+def _metas_json(by_stage: dict[int, tuple[ActivationMeta, ...]]) -> dict[str, list]:
+    return {str(stage): [meta.to_json() for meta in metas] for stage, metas in by_stage.items()}
+
+
+def _metas_from_json(by_stage: dict[str, list]) -> dict[int, tuple[ActivationMeta, ...]]:
+    return {int(stage): tuple(ActivationMeta.from_json(row) for row in rows) for stage, rows in by_stage.items()}
+
+
 @dataclass(slots=True)
 class Trace:
     """Everything the tracer learned about one run of the user's program under fake CUDA."""
@@ -154,12 +203,15 @@ class Trace:
     # The program's lines that allocated (MemEvent.site indexes them), once each: (file, line, function) of the
     # innermost frame outside torch, xmem and the standard library (xmem.trace.child.recorder.UserSites)
     sites: list[tuple[str, int, str]] = field(default_factory=list)
+    pipeline: PipelineRun | None = None  # a pipeline schedule ran (torch.distributed.pipelining): its stages
 
     def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "facts")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("events", "facts", "pipeline")}
         # events as compact rows: they dominate the size (and asdict/astuple would copy each one twice)
         d["events"] = [tuple(map(e.__getattribute__, EVENT_FIELDS)) for e in self.events]
         d["facts"] = None if self.facts is None else [dataclasses.asdict(f) for f in self.facts]
+        d["pipeline"] = None if self.pipeline is None else self.pipeline.to_json()
         return d
 
     @classmethod
@@ -170,6 +222,7 @@ class Trace:
         d["sites"] = [tuple(site) for site in d.get("sites", [])]
         facts = d.get("facts")
         d["facts"] = None if facts is None else [Fact(**{**f, "categories": tuple(f["categories"])}) for f in facts]
+        d["pipeline"] = None if d.get("pipeline") is None else PipelineRun.from_json(d["pipeline"])
         return cls(**d)
 
     def save(self, path: Path) -> None:

@@ -49,6 +49,8 @@ def install(fake: Any) -> None:
     _patch_distributed_checkpoint_save()
     _patch_fsdp2_post_forward_shards()
     _patch_fsdp1_optim_state_dict()
+    import xmem.trace.child.pipelining as pipelining
+    pipelining.install()
     import torch.nn.parallel.distributed
     rebind_loaded(torch.nn.parallel.distributed.DistributedDataParallel, DistributedDataParallel)
 
@@ -129,17 +131,20 @@ def _received(obj: Any) -> Any:
 
 def _patch_spawn() -> None:
     """torch.multiprocessing.spawn(fn, args, nprocs): rank 0 runs here, in this process (fresh worker processes
-    would have no fake CUDA). The world size is the number of processes asked for."""
+    would have no fake CUDA), or the rank the estimate asks for (`launchers.TRACED_RANK_ENV`: a pipeline's stages).
+    The world size is the number of processes asked for."""
     import torch.multiprocessing as mp
+    from xmem.launchers import traced_rank
 
     def run_rank_zero(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
                       start_method: str = "spawn", **kwargs: Any) -> None:
+        rank = traced_rank(os.environ)
         os.environ.setdefault("WORLD_SIZE", str(nprocs))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("LOCAL_RANK", str(rank))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        fn(0, *args)
+        fn(rank, *args)
 
     rebind_loaded(mp.spawn, run_rank_zero)
     rebind_loaded(mp.start_processes, run_rank_zero)

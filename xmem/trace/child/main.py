@@ -56,6 +56,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _pipeline_note():
+    """The pipeline schedule the program ran, where it ran one (xmem.trace.child.pipelining)."""
+    if "xmem.trace.child.pipelining" not in sys.modules:
+        return None
+    return sys.modules["xmem.trace.child.pipelining"].note()
+
+
 def parse_capability(text: str) -> tuple[int, int]:
     major, _, minor = text.partition(".")
     return int(major), int(minor or 0)
@@ -135,6 +142,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
         raise _failure_from(outcome, recorder.stand_ins.asked_in, recorder.stand_ins.sized_in)
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
+    trace.pipeline = _pipeline_note()
     trace.quick_key_misses = shortcuts.quick_key_misses(fake_mode)
     if trace.used_cuda and trace.iterations == 0:
         _without_training(trace, state, len(fake.optimizers))

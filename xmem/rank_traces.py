@@ -1,0 +1,117 @@
+"""The ranks of a job that can differ, traced one each, and the answer that is the fullest of them.
+
+A trace runs one rank (rank 0: `xmem.launchers`). Data-parallel replicas (DDP, FSDP, ZeRO over even shards) hold
+alike and are traced once. Pipeline stages do not: the first holds the embedding and, under 1F1B, the most
+microbatches in flight; the last the head and the loss. Where rank 0's trace reports that a pipeline schedule ran
+(`Trace.pipeline`, `xmem.trace.child.pipelining`), the rank holding each other stage of its pipeline group is traced
+too (other pipeline groups are data-parallel replicas of this one), in stage order, each handed the activation
+shapes its input stages' ranks sent (`XMEM_PIPELINE_INPUTS`). A rank whose stage's input shapes were not known yet
+when it ran (an interleaved schedule's rank 0 holds stage P, fed by the last rank) assumed them; where the producing
+rank then sent others, that rank is traced again with the real ones.
+
+The answer, per GPU type, is the estimate of the rank that needs the most there (`fullest`), and it names that rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+
+from xmem.estimate_record import Estimate, GpuEstimate, shown_gpu
+from xmem.launchers import TRACED_RANK_ENV
+from xmem.trace.events import ActivationMeta, PipelineRun, Trace
+
+INPUTS_ENV = "XMEM_PIPELINE_INPUTS"  # as xmem.trace.child.pipelining reads it
+
+Traces = dict[str, Trace]  # by capability class, as xmem.estimate traces a rank
+TraceRank = Callable[[Mapping[str, str]], Traces]  # the job's traces with these variables added to its environment
+
+
+def pipeline_of(traces: Traces) -> PipelineRun | None:
+    """The pipeline a rank's traces report (its first trace's: the classes run the same schedule)."""
+    return next(iter(traces.values())).pipeline
+
+
+def trace_stages(first: Traces, trace_rank: TraceRank) -> dict[int, Traces]:
+    """Every rank that holds a stage of rank 0's pipeline, traced (rank 0's are `first`), by global rank; `first`
+    alone where no pipeline ran."""
+    pipeline = pipeline_of(first)
+    traced: dict[int, Traces] = {0: first}
+    if pipeline is None:
+        return traced
+    for rank in _ranks_in_stage_order(pipeline):
+        if rank not in traced:
+            traced[rank] = trace_rank(_rank_env(rank, traced))
+    for rank in _assumed_wrongly(traced):
+        traced[rank] = trace_rank(_rank_env(rank, traced))
+    return traced
+
+
+def _ranks_in_stage_order(pipeline: PipelineRun) -> list[int]:
+    return list(dict.fromkeys(pipeline.stage_ranks))
+
+
+def _sent(traced: Mapping[int, Traces]) -> dict[int, tuple[ActivationMeta, ...]]:
+    """What every traced rank's stages sent on, by receiving stage."""
+    sent: dict[int, tuple[ActivationMeta, ...]] = {}
+    for traces in traced.values():
+        pipeline = pipeline_of(traces)
+        sent.update(pipeline.sent if pipeline else {})
+    return sent
+
+
+def _rank_env(rank: int, traced: Mapping[int, Traces]) -> dict[str, str]:
+    inputs = {str(stage): [meta.to_json() for meta in metas] for stage, metas in _sent(traced).items()}
+    return {TRACED_RANK_ENV: str(rank), INPUTS_ENV: json.dumps(inputs)}
+
+
+def _assumed_wrongly(traced: Mapping[int, Traces]) -> list[int]:
+    """The ranks that assumed input shapes other than those their producing stages' ranks then sent."""
+    sent = _sent(traced)
+    wrong = []
+    for rank, traces in traced.items():
+        pipeline = pipeline_of(traces)
+        if pipeline and any(stage in sent and sent[stage] != metas for stage, metas in pipeline.assumed.items()):
+            wrong.append(rank)
+    return wrong
+
+
+def fullest(estimates: Mapping[int, Estimate], stages: Mapping[int, tuple[int, ...]]) -> Estimate:
+    """One answer from the estimates of several ranks (by rank; `stages`: the pipeline stages each holds): per GPU
+    type the rank that runs out of memory first, else needs the most; the breakdown, warnings and audit of the rank
+    shown. With one rank, its estimate as it is."""
+    if len(estimates) == 1:
+        return next(iter(estimates.values()))
+    names = list(next(iter(estimates.values())).gpus)
+    by_gpu = {name: max(estimates, key=lambda rank: _need(estimates[rank].gpus[name])) for name in names}
+    gpus = {name: estimates[by_gpu[name]].gpus[name] for name in names}
+    shown = shown_gpu(list(gpus.values()))
+    rank = by_gpu[shown]
+    chosen = estimates[rank]
+    line = (f"pipeline parallel: one rank traced per stage ({_ranks_words(stages)}); the figures are rank {rank}'s "
+            f"(stage{'s' if len(stages[rank]) > 1 else ''} {', '.join(map(str, stages[rank]))}), the fullest on "
+            f"{shown}")
+    warnings = dict.fromkeys(w for estimate in estimates.values() for w in estimate.warnings)
+    return dataclasses.replace(
+        chosen, gpus=gpus, breakdown_gpu=shown, breakdown=estimates[rank].breakdowns.get(shown, chosen.breakdown),
+        breakdowns={name: estimates[by_gpu[name]].breakdowns.get(name, {}) for name in names},
+        warnings=(line, *warnings), iterations=min(e.iterations for e in estimates.values()),
+        seconds=max(e.seconds for e in estimates.values()),
+        suspect_reasons=tuple(dict.fromkeys(r for e in estimates.values() for r in e.suspect_reasons)),
+        fullest_rank=rank, rank_peaks={r: e.gpus[shown].peak_bytes for r, e in estimates.items()},
+        rank_stages={r: tuple(stages[r]) for r in estimates})
+
+
+def stages_by_rank(traced: Mapping[int, Traces]) -> dict[int, tuple[int, ...]]:
+    """The pipeline stages each traced rank holds."""
+    return {rank: pipeline.own_stages if (pipeline := pipeline_of(traces)) else () for rank, traces in traced.items()}
+
+
+def _need(gpu: GpuEstimate) -> tuple[bool, int]:
+    return not gpu.fits, gpu.unlimited_peak_bytes or gpu.peak_bytes
+
+
+def _ranks_words(stages: Mapping[int, tuple[int, ...]]) -> str:
+    return ", ".join(f"rank {rank}: stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
+                     for rank, held in sorted(stages.items()))
