@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-# no_optimizer_step: the program made an optimizer and had not stepped it by the trace's time limit (a program
-# that makes none and only runs forward passes is estimated: forward_only);
-# memory_limit: the tracer hit its host-memory limit (or was killed, most likely for memory); crashed: the program
-# died of a signal (an abort, a segfault in an extension); no_cuda: the program ended without using the GPU;
-# not_modelled: the program used something the fake GPU does not model (named in the message).
-KINDS = ("not_found", "not_python", "user_error", "no_optimizer_step", "timeout", "memory_limit", "crashed",
-         "no_cuda", "not_modelled", "internal")
+from xmem.error_kinds import TRACER_KINDS, ErrorKind
+
+KINDS = TRACER_KINDS  # what a trace can end in (xmem.error_kinds says what each means, and its exit code)
 SHOWN_LINES = 20  # of the program's output, beside its traceback
 # What the CUDA runtime (through torch, or a native extension printing its error) says with no device here; and
 # what torch says instead in a child of the warm tracer (a fork of a process that loaded CUDA: `torch._C._cuda_init`
@@ -20,14 +16,15 @@ REAL_CUDA_SIGNS = ("Found no NVIDIA driver", "CUDA driver version is insufficien
 class TraceError(Exception):
     """The program could not be traced.
 
-    kind: one of KINDS. message: one line saying what to do. user_traceback: the user's own frames and the exception
-    line (empty unless kind is "user_error"). output: the program's captured stdout+stderr tail, if it ran.
+    kind: one of KINDS (given as the kind or its name). message: one line saying what to do. user_traceback: the
+    user's own frames and the exception line (empty unless kind is "user_error"). output: the program's captured
+    stdout+stderr tail, if it ran.
     """
 
-    def __init__(self, kind: str, message: str, user_traceback: str = "", output: str = "") -> None:
+    def __init__(self, kind: ErrorKind | str, message: str, user_traceback: str = "", output: str = "") -> None:
         assert kind in KINDS, kind
         super().__init__(message)
-        self.kind = kind
+        self.kind = ErrorKind(kind)
         self.message = message
         self.user_traceback = user_traceback
         self.output = output
