@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from xmem.gpus import GpuType, cublas_workspace_bytes
-from xmem.simulate import ALLOC, EMPTY_CACHE, FREE
-from xmem.trace.events import CUBLAS_OPS, Category, MemEvent, Phase, Trace
+from xmem.simulate import ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, RELEASE_POOL
+from xmem.trace.events import CUBLAS_OPS, POOL_ACTIONS, Category, MemEvent, Phase, Trace
 from xmem.units import MIB
 
 Op = tuple  # (action, block, nbytes, stream), the simulator's input row
@@ -118,6 +118,17 @@ def trace_devices(trace: Trace) -> list[int]:
     return sorted({e.device for e in trace.events}) or [0]
 
 
+# The events without bytes that reach the allocator: the cache emptied, and a CUDA graph's pool actions.
+_POOL_OPS = {"begin_pool": BEGIN_POOL, "end_pool": END_POOL, "release_pool": RELEASE_POOL}
+_NO_BYTES_KEPT = frozenset({"empty_cache", *POOL_ACTIONS})
+
+
+def reaches_allocator(event: MemEvent, device: int) -> bool:
+    """Whether `event` becomes an op of `device`'s replay: a 0-byte request never reaches the caching allocator's
+    malloc(); the cache emptied and a CUDA graph's pool actions do."""
+    return event.device == device and (event.nbytes != 0 or event.action in _NO_BYTES_KEPT)
+
+
 def host_thread(event: MemEvent) -> str:
     """The host thread that issued `event`'s op.
 
@@ -140,12 +151,16 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
     conv_count = attention_count = 0
 
     for index, e in enumerate(trace.events):
-        if e.device != device or (e.nbytes == 0 and e.action != "empty_cache"):
-            continue  # a 0-byte request never reaches the caching allocator's malloc()
+        if not reaches_allocator(e, device):
+            continue
         if e.iteration >= 0:
             iteration_starts.setdefault(e.iteration, len(ops))
         if e.action == "empty_cache":
             ops.append((EMPTY_CACHE, 0, 0, e.stream))
+            labels.append((Category.OTHER, e.phase, e.iteration))
+            continue
+        if e.action in POOL_ACTIONS:  # a CUDA graph's pool: the capture's allocations on its stream go there
+            ops.append((_POOL_OPS[e.action], e.block, 0, e.stream))
             labels.append((Category.OTHER, e.phase, e.iteration))
             continue
         ops.append((ALLOC if e.action == "alloc" else FREE, e.block, e.nbytes, e.stream))
@@ -182,5 +197,5 @@ def orchestrate(trace: Trace, gpu: GpuType, env: Mapping[str, str] | None = None
 
 __all__ = [
     "ATTENTION_BACKWARD_OPS", "AttentionWorkspaceModel", "CONV_OPS", "CUBLAS_OPS", "ConvWorkspaceModel", "GpuOps",
-    "Label", "Op", "host_thread", "orchestrate", "trace_devices",
+    "Label", "Op", "host_thread", "orchestrate", "reaches_allocator", "trace_devices",
 ]

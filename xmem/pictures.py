@@ -17,7 +17,7 @@ import numpy as np
 
 from xmem.estimate import allocator_config, busiest_replay, capability_class
 from xmem.gpus import GpuType, overhead_bytes
-from xmem.orchestrate import GpuOps, orchestrate
+from xmem.orchestrate import GpuOps, orchestrate, reaches_allocator
 from xmem.simulate import ALLOC, EMPTY_CACHE, FREE, SimResult, simulate
 from xmem.simulate.history import TraceEntry
 from xmem.trace.events import Category, MemEvent, Trace
@@ -71,8 +71,7 @@ def op_sources(trace: Trace, ops: GpuOps) -> list[int]:
     """The trace event behind each op. Orchestration only inserts ops (workspaces, with block ids above every
     traced one) after the event that caused them, and drops 0-byte requests: the rest map one to one, in order."""
     first_added_block = max((e.block for e in trace.events), default=0) + 1
-    replayed = iter([i for i, e in enumerate(trace.events)
-                     if e.device == ops.device and (e.nbytes != 0 or e.action == "empty_cache")])
+    replayed = iter([i for i, e in enumerate(trace.events) if reaches_allocator(e, ops.device)])
     sources, last = [], -1
     for action, block, _nbytes, _stream in ops.ops:
         if action == EMPTY_CACHE or block < first_added_block:

@@ -47,14 +47,18 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class MemEvent:
-    """One GPU storage allocation or free, or a `torch.cuda.empty_cache()` call, in program order.
+    """One GPU storage allocation or free, a `torch.cuda.empty_cache()` call, or a CUDA graph's pool action, in
+    program order.
 
     `block` identifies the storage: an alloc and its free share it. `nbytes` is the storage's requested size
     (unrounded: rounding is the simulator's job). A free repeats the alloc's size, stream and device. An
-    `empty_cache` event has block -1 and 0 bytes.
+    `empty_cache` event has block -1 and 0 bytes. The pool actions (POOL_ACTIONS) have 0 bytes and name a CUDA
+    graph's private memory pool by `block` (its own numbering, not a storage's): `begin_pool` (a capture starts:
+    the allocations on `stream` come from that pool), `end_pool` (the capture ended), `release_pool` (a graph that
+    used the pool was reset or deleted).
     """
 
-    action: Literal["alloc", "free", "empty_cache"]
+    action: Literal["alloc", "free", "empty_cache", "begin_pool", "end_pool", "release_pool"]
     block: int
     nbytes: int
     device: int = 0
@@ -68,6 +72,7 @@ class MemEvent:
 
 
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))
+POOL_ACTIONS = ("begin_pool", "end_pool", "release_pool")
 
 # ATen ops that run a cuBLAS (or cuBLASLt) GEMM/GEMV on CUDA and so acquire the thread's cuBLAS handle and workspace:
 # the tracer counts them as loading cuBLAS, the orchestrator gives their thread and stream a workspace.

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import xmem.trace.child.attention as attention
 import xmem.trace.child.cuda_driver as cuda_driver
+import xmem.trace.child.cuda_graphs as cuda_graphs
 import xmem.trace.child.deepspeed_ops as deepspeed_ops
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.meta_kernels as meta_kernels
@@ -194,6 +195,7 @@ class FakeCuda:
         self.on_empty_cache: Callable[[], None] = lambda: None
         self.on_warning: Callable[[str], None] = lambda message: None
         self.on_library: Callable[[str], None] = lambda name: None
+        self.on_graph_pool: Callable[[str, int, int], None] = lambda action, pool, stream: None  # cuda_graphs
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer the program created
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0
@@ -308,7 +310,7 @@ def _device_index(device: Any) -> int:
 
 def _patch_torch_cuda(fake: FakeCuda) -> None:
     """torch.cuda answers as a GPU would, surface by surface (each answer's maker below says what it covers)."""
-    answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake), **_graph_answers(fake)}
+    answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake)}
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
     _patch_random_generators(fake)
@@ -317,9 +319,7 @@ def _patch_torch_cuda(fake: FakeCuda) -> None:
     torch.cuda.memory.memory_allocated = answers["memory_allocated"]
     torch.cuda.memory.max_memory_allocated = answers["max_memory_allocated"]
     _patch_accelerator(fake, answers)
-    # The optimizer's CUDA-graph health check asks the real runtime; there is no capture here.
-    torch.cuda.is_current_stream_capturing = lambda: False
-    torch.cuda.graphs.is_current_stream_capturing = lambda: False
+    cuda_graphs.install(fake)  # graphs, their pools, and which stream captures (the optimizers' health check asks)
 
 
 def _device_answers(fake: FakeCuda) -> dict[str, Any]:
@@ -418,15 +418,6 @@ def _patch_random_generators(fake: FakeCuda) -> None:
     random._lazy_call = lambda callable, **kwargs: callable()
     for name in random.__all__:
         setattr(torch.cuda, name, getattr(random, name))
-
-
-def _graph_answers(fake: FakeCuda) -> dict[str, Any]:
-    """CUDA graphs: captured work runs eagerly (and says so)."""
-    return dict(
-        CUDAGraph=_eager_graph_class(fake),
-        graph=_eager_graph_context(fake),
-        make_graphed_callables=_graphed_callables_unchanged(fake),
-    )
 
 
 def _patch_accelerator(fake: FakeCuda, cuda_answers: dict[str, Any]) -> None:
@@ -957,41 +948,8 @@ def memory_size_warning(nbytes: int) -> str:
             "or MPS share shows another size, it may allocate otherwise than traced")
 
 
+# No longer said (CUDA graphs are modelled: xmem.trace.child.cuda_graphs); kept for the wording of traces made before.
 GRAPH_WARNING = "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"
-
-
-def _eager_graph_class(fake: FakeCuda) -> type:
-    class EagerCUDAGraph:
-        """torch.cuda.CUDAGraph stand-in: capture runs the captured code eagerly (once), replay does nothing."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            fake.on_warning(GRAPH_WARNING)
-
-        def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
-        def capture_end(self) -> None: ...
-        def replay(self) -> None: ...
-        def reset(self) -> None: ...
-        def pool(self) -> tuple[int, int]:
-            return (0, 0)
-        def enable_debug_mode(self) -> None: ...
-        def debug_dump(self, path: str) -> None: ...
-
-    return EagerCUDAGraph
-
-
-def _eager_graph_context(fake: FakeCuda) -> Callable:
-    @contextlib.contextmanager
-    def graph(cuda_graph: Any = None, pool: Any = None, stream: Any = None, **kwargs: Any):
-        fake.on_warning(GRAPH_WARNING)
-        yield
-    return graph
-
-
-def _graphed_callables_unchanged(fake: FakeCuda) -> Callable:
-    def make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
-        fake.on_warning(GRAPH_WARNING)
-        return callables
-    return make_graphed_callables
 
 
 def _patch_recurrent_layers() -> None:

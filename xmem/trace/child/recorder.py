@@ -279,6 +279,7 @@ class AllocationRecorder(TorchDispatchMode):
         fake.on_arch_question = self._arch_question
         fake.on_module_tensor = lambda tensor, kind: self.label(tensor, kind)
         fake.on_empty_cache = self._empty_cache
+        fake.on_graph_pool = self._graph_pool
         fake.on_warning = self.warn
         fake.on_library = self.libraries.add
         fake.live_bytes = lambda: self.live_bytes
@@ -562,6 +563,13 @@ class AllocationRecorder(TorchDispatchMode):
             self.rows.append(["empty_cache", -1, 0, self.fake.current_device, 0, "empty_cache", self.module_path(),
                               self.state.phase, self.state.iteration])
 
+    def _graph_pool(self, action: str, pool: int, stream: int) -> None:
+        """A CUDA graph's pool action (xmem.trace.child.cuda_graphs): `pool` in the block's place."""
+        if not self.state.stopped:
+            with self._lock:
+                self.rows.append([action, pool, 0, self.fake.current_device, stream, action, self.module_path(),
+                                  self.state.phase, self.state.iteration])
+
     def _reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
@@ -622,13 +630,17 @@ class AllocationRecorder(TorchDispatchMode):
     def to_trace(self, capability: tuple[int, int], seconds: float) -> Trace:
         if not self.state.completed:
             self._number_forward_passes()
-        events = [MemEvent(*row[:9], category=self.category.get(row[1], Category.OTHER),
-                           site=row[9] if len(row) > 9 else -1) for row in self.rows]
+        events = [MemEvent(*row[:9], category=self._category_of(row), site=row[9] if len(row) > 9 else -1)
+                  for row in self.rows]
         return Trace(events=events, iterations=self.state.completed, warnings=list(self.warnings),
                      libraries=sorted(self.libraries), op_counts=dict(self.op_counts), capability=capability,
                      arch_sensitive=self.arch_sensitive, used_cuda=bool(self.rows),
                      alloc_conf=self.alloc_conf or "", seconds=seconds, torch_version=torch.__version__,
                      sites=self.sites.table())
+
+    def _category_of(self, row: list) -> str:
+        """An alloc's or free's storage category; a pool action's block is a pool, not a storage."""
+        return self.category.get(row[1], Category.OTHER) if row[0] in ("alloc", "free") else Category.OTHER
 
 
     def _number_forward_passes(self) -> None:
