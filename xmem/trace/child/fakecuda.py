@@ -491,14 +491,10 @@ def _patch_grad_scaler(fake: FakeCuda) -> None:
 
 
 def _patch_compile(fake: FakeCuda) -> None:
-    """torch.compile cannot compile fake-CUDA graphs here: run eagerly and say so (compiled graphs usually need less
-    memory than eager, so the estimate errs on the safe side)."""
-
-    def eager(model: Any = None, **options: Any) -> Any:
-        fake.on_warning("torch.compile was ignored: the eager program was traced (compiled code often needs less)")
-        return model if model is not None else (lambda function: function)
-
-    torch.compile = eager
+    """torch.compile follows the compiled program: AOTAutograd's partition as Inductor makes it, run node by node
+    (xmem.trace.child.compiled); a region it cannot follow is traced eagerly, with a warning naming it."""
+    import xmem.trace.child.compiled as compiled
+    compiled.install(fake)
 
 
 def _patch_as_subclass() -> None:

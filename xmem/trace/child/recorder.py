@@ -300,6 +300,12 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd regions (xmem.trace.child.compiled): off while dynamo and AOTAutograd trace them, on again
+        # for the compiled graphs' ops as they run, which are what the GPU allocates (else dynamo runs them eagerly)
+        return True
+
         if self._shortcuts:
             device = shortcuts.device_of(func, args)
             if device is not shortcuts.NOT_TAKEN:
