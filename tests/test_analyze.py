@@ -218,6 +218,16 @@ def test_no_known_gpu_types_is_an_error_saying_where_to_list_them(tmp_path):
     assert result.errors[0].kind == "no_gpu_types" and "[partitions.gpu_types]" in result.errors[0].message
 
 
+def test_without_the_partitions_types_the_type_the_job_asks_for_is_estimated_with_a_note(tmp_path):
+    config = config_from_dict({"partitions": {"from_cluster": False}})  # a newcomer's machine: no site config
+    estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB}})
+    result = analyze(job(tmp_path, "#SBATCH --gres=gpu:a100:1\npython t.py\n"), estimator, config=config)
+    assert not result.errors and estimator.calls[0][1]["gpus"] == ["a100"] and result.peaks == {"a100": GIB}
+    assert any("the type the job asks for (a100)" in note for note in result.notes)
+    unknown = analyze(job(tmp_path, "#SBATCH --gres=gpu:x9000:1\npython t.py\n"), estimator, config=config)
+    assert unknown.errors[0].kind == "no_gpu_types"  # a type the catalog cannot size is still the site's to list
+
+
 def test_gpu_types_given_explicitly(tmp_path):
     estimator = FakeEstimator({"t.py": {"A100-SXM4-40GB": GIB}})
     result = analyze(job(tmp_path, "#SBATCH --gres=gpu:1\npython t.py\n"), estimator, gpus=["a100"])

@@ -260,7 +260,19 @@ def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
     if gpus:
         return _Scope(config, partitions, tuple(gpus), tuple(gpus), catalog)
     site_types, notes = _known_types(eligible_types(config, partitions), config, catalog)
+    if not eligible_types(config, partitions) and (asked := _asked_types(job, config, catalog)):
+        where = ", ".join(partitions) or "the default partition"
+        return _Scope(config, partitions, asked, asked, catalog, notes + (
+            f"no site config names the GPU types of {where}: estimated for the type the job asks for "
+            f"({', '.join(asked)})",))
     return _Scope(config, partitions, site_types, estimate_types(config, partitions), catalog, notes)
+
+
+def _asked_types(job: JobScript, config: SiteConfig, catalog: Mapping[str, GpuType]) -> tuple[str, ...]:
+    """The GPU types the job's own request names (`--gres=gpu:a100:1`, `--gpus=h100:2`) that the catalog knows: what
+    a newcomer without a site config, or a partition the config leaves out, is estimated for."""
+    named = tuple(dict.fromkeys(item.type for item in job.directives.gpu_items if item.type))
+    return _known_types(named, config, catalog)[0]
 
 
 def untrusted_estimate(results: Sequence[CommandEstimate]) -> str | None:

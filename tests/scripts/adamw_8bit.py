@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--optimizer", choices=["AdamW8bit", "PagedAdamW8bit"], default="AdamW8bit")
+parser.add_argument("--optimizer", choices=["AdamW8bit", "PagedAdamW8bit", "PagedAdamW"], default="AdamW8bit")
 parser.add_argument("--features", type=int, default=500, help="inputs of the first layer (its weight: 300 x this)")
 args = parser.parse_args()
 

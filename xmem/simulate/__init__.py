@@ -9,9 +9,9 @@ out. Everything here is pure: no I/O, no torch.
 """
 
 from xmem.simulate.allocator_settings import AllocatorConfig
-from xmem.simulate.replay import (ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, RELEASE_POOL, simulate,
+from xmem.simulate.replay import (ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, MANAGED, RELEASE_POOL, simulate,
                                   simulate_limits)
 from xmem.simulate.result import OomInfo, SimResult
 
-__all__ = ["ALLOC", "BEGIN_POOL", "EMPTY_CACHE", "END_POOL", "FREE", "RELEASE_POOL", "AllocatorConfig", "OomInfo",
-           "SimResult", "simulate", "simulate_limits"]
+__all__ = ["ALLOC", "BEGIN_POOL", "EMPTY_CACHE", "END_POOL", "FREE", "MANAGED", "RELEASE_POOL", "AllocatorConfig",
+           "OomInfo", "SimResult", "simulate", "simulate_limits"]

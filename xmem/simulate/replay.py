@@ -24,6 +24,11 @@ EMPTY_CACHE = 2
 BEGIN_POOL = 3
 END_POOL = 4
 RELEASE_POOL = 5
+# An ALLOC on this stream is CUDA managed memory (cudaMallocManaged: bitsandbytes' paged optimizer state), which the
+# caching allocator never sees: its bytes count beside the allocator's reserved bytes as device memory the job
+# holds, unrounded, and never take a segment; the device's limit does not refuse them (the driver pages managed
+# memory out to the host under pressure rather than fail), so a job may need more than its GPU without an OOM.
+MANAGED = -1
 
 
 def simulate(
@@ -43,7 +48,8 @@ def simulate(
     `capacity` is what cudaMalloc can obtain on the device (None = unlimited; zero or less, as when overheads
     exceed the device, lets no allocation succeed). `device_total` is the device's whole memory, of which a
     memory fraction is taken (as `set_per_process_memory_fraction` does); `capacity` stands in when it is not
-    given. `record_stream` is not modelled:
+    given. An ALLOC on stream MANAGED is managed memory: the allocated and reserved figures are the allocator's
+    plus the managed bytes live. `record_stream` is not modelled:
     a FREE returns the block to its pool at once.
     `history`, if given, receives the allocator's every action (`xmem.simulate.history`), for a memory snapshot.
     """
@@ -112,16 +118,18 @@ class _Replay:
         self.peak_allocated_index = self.peak_reserved_index = self.segments_at_peak = 0
         self.oom: OomInfo | None = None
         self.next_index = 0
+        self.managed = 0  # bytes of managed memory live
 
     def fork(self, capacity: int | None, device_total: int | None) -> _Replay:
         """This replay's state so far, continued under another limit (see `DeviceCachingAllocator.clone`)."""
         allocator, copies = self.allocator.clone(capacity, device_total)
         twin = _Replay(allocator)
-        twin.live = {block_id: copies[block] if block is not None else None for block_id, block in self.live.items()}
+        twin.live = {block_id: copies[block] if isinstance(block, Block) else block
+                     for block_id, block in self.live.items()}
         twin.stream_index = dict(self.stream_index)
         twin.allocated_at, twin.reserved_at = array("q", self.allocated_at), array("q", self.reserved_at)
         for name in ("peak_allocated", "peak_reserved", "peak_allocated_index", "peak_reserved_index",
-                     "segments_at_peak", "next_index"):
+                     "segments_at_peak", "next_index", "managed"):
             setattr(twin, name, getattr(self, name))
         return twin
 
@@ -132,6 +140,7 @@ class _Replay:
         malloc, free = allocator.malloc, allocator.free
         record_allocated, record_reserved = self.allocated_at.append, self.reserved_at.append
         peak_allocated, peak_reserved = self.peak_allocated, self.peak_reserved
+        managed = self.managed
         start = self.next_index if start is None else start
         index = start - 1
         for index in range(start, len(ops) if stop is None else stop):
@@ -141,7 +150,10 @@ class _Replay:
             if action == ALLOC:
                 if block_id in live:
                     raise ValueError(f"op {index}: ALLOC of block {block_id}, which is already allocated")
-                if nbytes > 0:
+                if stream == MANAGED and nbytes > 0:
+                    managed += nbytes
+                    live[block_id] = _Managed(nbytes)
+                elif nbytes > 0:
                     s = stream_index.get(stream)
                     if s is None:
                         s = stream_index[stream] = len(stream_index)
@@ -158,7 +170,9 @@ class _Replay:
                     raise ValueError(f"op {index}: FREE of block {block_id}, which is not allocated "
                                      f"(never allocated, or already freed)")
                 block = live.pop(block_id)
-                if block is not None:
+                if type(block) is _Managed:
+                    managed -= block.nbytes
+                elif block is not None:
                     free(block)
             elif action == EMPTY_CACHE:
                 allocator.empty_cache()
@@ -167,8 +181,8 @@ class _Replay:
             else:
                 raise ValueError(f"op {index}: unknown action {action!r}; expected ALLOC=0, FREE=1, EMPTY_CACHE=2, "
                                  f"BEGIN_POOL=3, END_POOL=4 or RELEASE_POOL=5")
-            allocated = allocator.allocated_bytes
-            reserved = allocator.total_allocated_memory
+            allocated = allocator.allocated_bytes + managed
+            reserved = allocator.total_allocated_memory + managed
             record_allocated(allocated)
             record_reserved(reserved)
             if allocated > peak_allocated:
@@ -179,6 +193,7 @@ class _Replay:
             if self.oom is not None:
                 break
         self.peak_allocated, self.peak_reserved = peak_allocated, peak_reserved
+        self.managed = managed
         self.next_index = index + 1
 
     def _pool_op(self, index: int, action: int, pool_id: int, stream: int) -> None:
@@ -197,10 +212,19 @@ class _Replay:
 
     def result(self, timeline_points: int) -> SimResult:
         return _result(self.allocator, self.allocated_at, self.reserved_at, self.peak_allocated_index,
-                       self.peak_reserved_index, self.segments_at_peak, timeline_points, self.oom)
+                       self.peak_reserved_index, self.segments_at_peak, timeline_points, self.oom, self.managed)
 
 
 _POOL_ACTIONS = (BEGIN_POOL, END_POOL, RELEASE_POOL)
+
+
+class _Managed:
+    """A live managed allocation (not a Block: the caching allocator never had it)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
 
 
 def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> OomInfo:
@@ -214,7 +238,8 @@ def _oom_info(allocator: DeviceCachingAllocator, index: int, requested: int) -> 
 
 
 def _result(allocator: DeviceCachingAllocator, allocated_at: array, reserved_at: array, peak_allocated_index: int,
-            peak_reserved_index: int, segments_at_peak: int, timeline_points: int, oom: OomInfo | None) -> SimResult:
+            peak_reserved_index: int, segments_at_peak: int, timeline_points: int, oom: OomInfo | None,
+            managed: int = 0) -> SimResult:
     if not allocated_at:
         return SimResult(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, (), None)
     peak_allocated = allocated_at[peak_allocated_index]
@@ -230,8 +255,8 @@ def _result(allocator: DeviceCachingAllocator, allocated_at: array, reserved_at:
         peak_reserved_index=peak_reserved_index,
         fullest_peak_index=max(at_peak, key=allocated_at.__getitem__),
         fragmentation_at_peak=fragmentation,
-        final_allocated=allocator.allocated_bytes,
-        final_reserved=allocator.total_allocated_memory,
+        final_allocated=allocator.allocated_bytes + managed,
+        final_reserved=allocator.total_allocated_memory + managed,
         num_segments_at_peak=segments_at_peak,
         num_alloc_retries=allocator.num_alloc_retries,
         num_ooms=allocator.num_ooms,

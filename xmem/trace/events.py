@@ -73,6 +73,11 @@ class MemEvent:
 
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemEvent))
 POOL_ACTIONS = ("begin_pool", "end_pool", "release_pool")
+# An alloc (and its free) on this stream is CUDA managed memory (cudaMallocManaged: bitsandbytes' paged optimizer
+# state), which the caching allocator never sees: the simulator counts it beside the allocator (its MANAGED, the
+# same number); its op is MANAGED_OP.
+MANAGED_STREAM = -1
+MANAGED_OP = "cudaMallocManaged"
 
 # ATen ops that run a cuBLAS (or cuBLASLt) GEMM/GEMV on CUDA and so acquire the thread's cuBLAS handle and workspace:
 # the tracer counts them as loading cuBLAS, the orchestrator gives their thread and stream a workspace.

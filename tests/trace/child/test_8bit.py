@@ -3,7 +3,7 @@ bitsandbytes' Optimizer2State.init_state: a parameter of at least min_8bit_size 
 states of its size and two fp32 absmax vectors of one value per 256-element block; a smaller one keeps two fp32
 states; the two 256-entry fp32 quantisation maps (signed, unsigned) are moved to the GPU once. Its update kernels
 are custom ops with fake kernels: in place, they allocate nothing. Paged state (parameters of 1e5 elements or more)
-is CUDA managed memory that bitsandbytes' native library allocates itself: not modelled, said so."""
+is CUDA managed memory: tests/trace/child/test_paged.py."""
 
 import importlib.util
 import sys
@@ -12,7 +12,6 @@ import pytest
 
 from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.audit import audit
-from xmem.trace import TraceError
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed"),
               pytest.mark.usefixtures("warm_tracer")]  # traces of what a program allocates: forked warm
@@ -59,10 +58,3 @@ def test_paged_adamw8bit_below_the_paging_size_is_plain_device_memory():
     result = trace(sys.executable, "adamw_8bit.py", "--optimizer", "PagedAdamW8bit", "--features", "100",
                    iterations=2)
     assert sizes(allocs(result, "optimizer_state")) == mlp_state(100)
-
-
-def test_paged_state_is_not_modelled_and_says_so():
-    with pytest.raises(TraceError) as failure:
-        trace(sys.executable, "adamw_8bit.py", "--optimizer", "PagedAdamW8bit", iterations=2)
-    assert failure.value.kind == "not_modelled"
-    assert "reached the real CUDA runtime" in failure.value.message

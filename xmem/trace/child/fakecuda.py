@@ -31,6 +31,7 @@ import xmem.trace.child.cuda_driver as cuda_driver
 import xmem.trace.child.cuda_graphs as cuda_graphs
 import xmem.trace.child.deepspeed_ops as deepspeed_ops
 import xmem.trace.child.distributed as distributed
+import xmem.trace.child.managed_memory as managed_memory
 import xmem.trace.child.meta_kernels as meta_kernels
 import xmem.trace.child.triton_launch as triton_launch
 from xmem.trace.errors import as_on_a_gpu
@@ -196,6 +197,7 @@ class FakeCuda:
         self.on_warning: Callable[[str], None] = lambda message: None
         self.on_library: Callable[[str], None] = lambda name: None
         self.on_graph_pool: Callable[[str, int, int], None] = lambda action, pool, stream: None  # cuda_graphs
+        self.on_managed: Callable[[torch.Tensor], None] = lambda tensor: None  # managed_memory
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer the program created
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0
@@ -266,6 +268,7 @@ def install(fake: FakeCuda) -> None:
     _patch_recurrent_layers()
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
+    managed_memory.install(fake)  # bitsandbytes' paged optimizer state: managed memory, beside the allocator's
     patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
     patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
     for module_name in deepspeed_ops.FINITE_GRADIENTS:  # ZeRO's overflow checks read stand-ins

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmem.alloc_conf import alloc_conf_setting
-from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, Category, MemEvent, Phase, Trace
+from xmem.trace.events import (ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, MANAGED_OP, MANAGED_STREAM, Category, MemEvent,
+                               Phase, Trace)
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.fft as fft
 import xmem.trace.child.shortcuts as shortcuts
@@ -280,6 +281,7 @@ class AllocationRecorder(TorchDispatchMode):
         fake.on_module_tensor = lambda tensor, kind: self.label(tensor, kind)
         fake.on_empty_cache = self._empty_cache
         fake.on_graph_pool = self._graph_pool
+        fake.on_managed = self._managed
         fake.on_warning = self.warn
         fake.on_library = self.libraries.add
         fake.live_bytes = lambda: self.live_bytes
@@ -575,6 +577,21 @@ class AllocationRecorder(TorchDispatchMode):
             with self._lock:
                 self.rows.append([action, pool, 0, self.fake.current_device, stream, action, self.module_path(),
                                   self.state.phase, self.state.iteration])
+
+    def _managed(self, tensor: torch.Tensor) -> None:
+        """A storage made as CUDA managed memory (xmem.trace.child.managed_memory): its alloc, and the free to come,
+        move to MANAGED_STREAM, outside the caching allocator."""
+        key = _storage_key(tensor)
+        with self._lock:
+            live = self._live.get(key)
+            if live is None or self.state.stopped:
+                return
+            block, nbytes, device, _stream = live
+            self._live[key] = (block, nbytes, device, MANAGED_STREAM)
+            for row in reversed(self.rows):
+                if row[0] == "alloc" and row[1] == block:
+                    row[4], row[5] = MANAGED_STREAM, MANAGED_OP
+                    return
 
     def _reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
