@@ -27,6 +27,7 @@ from xmem.orchestrate import GpuOps, orchestrate, trace_devices
 from xmem.simulate import ALLOC, FREE, AllocatorConfig, SimResult, simulate, simulate_limits
 from xmem.trace import run_trace
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
+from xmem.trace.wire import Note, NoteKind
 from xmem.trace_scheduler import TracesBeside
 
 NO_CUDA_WARNING = "the program never used CUDA"
@@ -350,9 +351,11 @@ def _warnings(traces: Mapping[str, Trace], devices: set[int]) -> tuple[str, ...]
     distinct = {id(t) for t in traces.values()}
     if len(distinct) > 1:
         classes = ", ".join(f"{cls} at sm_{t.capability[0]}{t.capability[1]}" for cls, t in traces.items())
-        seen[f"the job takes GPU-dependent code paths; traced once per class ({classes})"] = None
+        seen[Note(NoteKind.TRACED_PER_CLASS,
+                  f"the job takes GPU-dependent code paths; traced once per class ({classes})")] = None
     if len(devices) > 1:
-        seen[f"the job used {len(devices)} GPUs; figures are for the busiest one"] = None
+        seen[Note(NoteKind.GPUS_USED, f"the job used {len(devices)} GPUs; figures are for the busiest one",
+                  len(devices))] = None
     return tuple(seen)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xmem.simulate import OomInfo
+from xmem.trace.wire import notes_from_json, notes_json
 
 # The breakdown's parts beside the memory categories (xmem.trace.events.Category): named once, here.
 ALLOCATOR_SLACK = "allocator_slack"
@@ -115,6 +116,7 @@ class Estimate:
             "iterations": self.iterations,
             "seconds": round(self.seconds, 3),
             "warnings": list(self.warnings),
+            "notes": notes_json(self.warnings),  # each warning's kind (xmem.trace.wire), for who shows them
             "libraries": list(self.libraries),
             "used_cuda": self.used_cuda,
             "torch_version": self.torch_version,
@@ -135,7 +137,7 @@ class Estimate:
         return cls(command=tuple(d["command"]),
                    gpus={name: GpuEstimate.from_json(name, g) for name, g in d["gpus"].items()},
                    breakdown=dict(d["breakdown"]), breakdown_gpu=d.get("breakdown_gpu", ""),
-                   iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(d["warnings"]),
+                   iterations=d["iterations"], seconds=d["seconds"], warnings=tuple(notes_from_json(d, d["warnings"])),
                    libraries=tuple(d["libraries"]), used_cuda=d["used_cuda"], torch_version=d["torch_version"],
                    suspect_reasons=tuple(d.get("suspect_reasons", ())), sandbox=d.get("sandbox", ""),
                    forward_only=d.get("forward_only", False), interpreter=d.get("interpreter", ""),

@@ -78,24 +78,28 @@ def test_tracer_notes_are_in_the_json_and_behind_verbose(record):
 
 def test_warnings_that_stay_say_what_to_do():
     from xmem.cli.estimate import shown_warnings
+    from xmem.trace.child.fakecuda import GRAPH_WARNING, HOST_MODEL_WARNING
 
-    lines = shown_warnings(["CUDA graphs were traced eagerly: the graph's private memory pool is not modelled",
-                            "torch.compile was ignored: the eager program was traced (compiled code often needs "
-                            "less)"], verbose=False)
+    lines = shown_warnings([GRAPH_WARNING, HOST_MODEL_WARNING], verbose=False)
     assert len(lines) == 2 and "measure one run on a GPU" in lines[0] and "--verbose shows them" in lines[1]
 
 
 def test_each_warning_that_stays_is_said_in_plain_words_with_what_to_do():
-    """The tracer's words (fake tensors, stand-ins) stay in the JSON; the terminal says what it means for the job."""
+    """The tracer's words (fake tensors, stand-ins) stay in the JSON; the terminal says what each note's kind means
+    for the job (xmem.trace.wire.NoteKind), filled with the note's values."""
     from xmem.cli.estimate import shown_warnings
     from xmem.trace.child.fakecuda import GRAPH_WARNING, memory_size_warning
     from xmem.trace.child.standins import SELECTION_WARNING
+    from xmem.trace.wire import Note, NoteKind
 
-    made = [SELECTION_WARNING, GRAPH_WARNING, memory_size_warning(80 * 2**30),
-            "a condition on tensor data was answered True 100 times at one place; answered False from then on, "
-            "to end the loop", "torch.equal() on fake CUDA tensors answered True (no real data under fake CUDA)",
-            "tensor.tolist() returned ones (no real data under fake CUDA)",
-            "the job used 2 GPUs; figures are for the busiest one"]
+    made = [Note(NoteKind.SELECTION_ASSUMED_ALL, SELECTION_WARNING), GRAPH_WARNING, memory_size_warning(80 * 2**30),
+            Note(NoteKind.LOOP_ENDED, "a condition on tensor data was answered True 100 times at one place; "
+                                      "answered False from then on, to end the loop", 100),
+            Note(NoteKind.TENSORS_EQUAL, "torch.equal() on fake CUDA tensors answered True (no real data under "
+                                         "fake CUDA)", "equal"),
+            Note(NoteKind.VALUES_READ_AS_ONES, "tensor.tolist() returned ones (no real data under fake CUDA)",
+                 "tolist"),
+            Note(NoteKind.GPUS_USED, "the job used 2 GPUs; figures are for the busiest one", 2)]
     lines = shown_warnings(made, verbose=False)
     assert len(lines) == len(made)
     for line in lines:
@@ -104,17 +108,28 @@ def test_each_warning_that_stays_is_said_in_plain_words_with_what_to_do():
     assert "it was shown 80.0 GiB" in lines[2] and "(--gpu)" in lines[2]
     assert "ended after 100 rounds" in lines[3] and "--iterations" in lines[3]
     assert "torch.equal" in lines[4] and ".tolist()" in lines[5] and "2 GPUs" in lines[6]
-    forward = ("traced forward passes only (40 on the GPU, no backward pass or optimizer step, up to the trace's time "
-               "limit, the peak still rising): the estimate is the peak of what the program ran")
+    forward = Note(NoteKind.FORWARD_ONLY, "traced forward passes only (40 on the GPU, no backward pass or optimizer "
+                                          "step, up to the trace's time limit, the peak still rising): the estimate "
+                                          "is the peak of what the program ran", 40,
+                   "no backward pass or optimizer step", "the trace's time limit, the peak still rising")
     assert shown_warnings([forward], verbose=False) == [
         "[yellow]warning:[/] the program ran 40 forward passes and no backward pass or optimizer step (until the "
         "trace's time limit, the peak still rising): the figures are the peak of what it ran, right for evaluation "
         "or inference; a training job that steps later than that needs a longer trace (--timeout)"]
-    checkpoint = ("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
-                  "host-side code that reads their values gets stand-ins")
+    checkpoint = Note(NoteKind.CHECKPOINT_ON_HOST_FAKE, "checkpoint tensors loaded to the host past the trace's "
+                      "memory limit are fake (no real values): host-side code that reads their values gets stand-ins")
     assert shown_warnings([checkpoint], verbose=False) == [
         "[dim]1 more note(s) of the tracer, which do not change the figures: --verbose shows them[/]"]
     assert checkpoint in shown_warnings([checkpoint], verbose=True)[0]
+
+
+def test_a_note_of_no_kind_is_shown_as_its_maker_said_it():
+    """Words that come with no kind (a record saved before notes were typed, a maker that gives none) are shown
+    whole, never hidden and never reworded."""
+    from xmem.cli.estimate import shown_warnings
+
+    said = "cuFFT's work area and copies were left out of an FFT call (fft_r2c: reason)"
+    assert shown_warnings([said], verbose=False) == [f"[yellow]warning:[/] {said}"]
 
 
 def test_the_gpu_type_shown_is_the_first_asked_that_fits_else_the_largest():

@@ -30,57 +30,9 @@ from xmem.fit_trace import BatchHint, batch_knob, fit_command_text, largest_batc
 from xmem.policy import job_peak
 from xmem.policy.options import OptionTable, site_option_table
 from xmem.trace import privileges
+from xmem.trace.wire import as_note
 from xmem.units import size_text
 
-# Warnings that cannot change the figures or the program's path: the tracer's bookkeeping, shown with --verbose
-# and always in the JSON's `warnings`. Matched by how their makers begin them:
-QUIET_WARNINGS = (
-    "model tensors built on the host past",  # trace/fakecuda.py HOST_MODEL_WARNING: values only host code reads
-    "tensor.item()/float()/bool() returned a stand-in",  # trace/standins.py SCALAR_WARNING: a logged loss; a
-    # condition on it that loops has its own warning
-    "torch.compile was ignored",  # trace/fakecuda.py: libraries wrap functions with it at import; eager errs high
-    "the program's files were protected",  # trace/runner.py: the sandbox at work
-    "the job takes GPU-dependent code paths",  # estimate.py: traced once per GPU class, as it should be
-    "GradScaler assumed finite gradients",  # trace/fakecuda.py: every step taken, the memory of a step counted
-    "checkpoint tensors loaded to the host past",  # trace/child/weights.py: as the host model tensors above
-)
-# The warnings that stay, said for people with what to do, by a pattern of their makers' words (whose groups fill
-# the {}s); the makers' own words stay in the JSON's `warnings` and show with --verbose. Unmatched: shown as made.
-UPPER_BOUND = "the figures are an upper bound there: nothing to do"
-PLAIN_WARNINGS = (
-    (r"nonzero\(\)/boolean-mask selections assumed every element",
-     "the program selects GPU values by a condition (nonzero, a boolean mask): with no GPU the values are unknown, "
-     f"so every element was counted as selected; {UPPER_BOUND}"),
-    (r"unique\(\) assumed every value distinct",
-     f"torch.unique of GPU values was counted as if every value were distinct; {UPPER_BOUND}"),
-    (r"bincount\(\) assumed",
-     f"torch.bincount of GPU values was counted with one bin per element; {UPPER_BOUND}"),
-    (r"nms\(\) assumed every box kept",
-     f"non-maximum suppression (torchvision's nms) of GPU boxes was counted as keeping every box; {UPPER_BOUND}"),
-    (r"repeat_interleave\(\) with tensor repeats assumed",
-     f"repeat_interleave with repeats held on the GPU was counted at its largest; {UPPER_BOUND}"),
-    (r"a condition on tensor data was answered True (\d+) times",
-     "a loop of the program waits on values computed on the GPU: with no GPU to compute them it was ended after "
-     "{} rounds; if the job's memory grows with that loop, trace more steps (--iterations) or measure on a GPU"),
-    (r"torch\.(\w+)\(\) on fake CUDA tensors answered True",
-     "the program compares GPU tensors (torch.{}): with no GPU they were taken as equal; if the job's path "
-     "depends on it, the figures are for the path where they are equal"),
-    (r"tensor\.(numpy|tolist)\(\) returned ones",
-     "the program reads GPU values on the host (.{}()): with no GPU it got ones; if the job's path depends on "
-     "them, the figures are for that path"),
-    (r"CUDA graphs were traced eagerly",
-     "the program uses CUDA graphs: their private memory pool is not in the figures; ask for more than them, or "
-     "measure one run on a GPU"),
-    (r"the program read the GPU's memory size \(traced with ([\d.]+ GiB)\)",
-     "the program reads the GPU's memory size (it was shown {}) and may size its work by it, so on a GPU, MIG "
-     "slice or MPS share of another size it may use another amount: estimate for the GPU type the job will get "
-     "(--gpu)"),
-    (r"traced forward passes only \((\d+) on the GPU, ([^,]+), up to (.+)\): ",
-     "the program ran {} forward passes and {} (until {}): the figures are the peak of what it ran, right for "
-     "evaluation or inference; a training job that steps later than that needs a longer trace (--timeout)"),
-    (r"the job used (\d+) GPUs",
-     "the program used {} GPUs: the figures are per GPU, for the one that holds the most"),
-)
 # How the breakdown names its non-tensor parts for people.
 PART_NAMES = {ALLOCATOR_SLACK: "allocator slack (cached, rounding)", OVERHEAD: "CUDA context + libraries"}
 
@@ -241,21 +193,15 @@ def with_margin(record: dict[str, Any], margin: MarginConfig) -> dict[str, Any]:
 
 
 def shown_warnings(warnings: Sequence[str], verbose: bool) -> list[str]:
-    """The lines a person sees: a warning for each that can change the figures or the program's path (all of them
-    with --verbose), and a note saying how many were left out. Rich markup; escaped text."""
-    shown = [w for w in warnings if verbose or not w.startswith(QUIET_WARNINGS)]
-    hidden = len(warnings) - len(shown)
-    return [f"[yellow]warning:[/] {escape(plain_warning(w))}" for w in shown] + (
+    """The lines a person sees: each note that can change the figures or the program's path (all of them with
+    --verbose; the quiet ones are the tracer's bookkeeping: `NoteKind.quiet`), in its kind's words for people, and a
+    note saying how many were left out. Rich markup; escaped text."""
+    notes = [as_note(warning) for warning in warnings]
+    shown = [note for note in notes if verbose or not note.quiet]
+    hidden = len(notes) - len(shown)
+    return [f"[yellow]warning:[/] {escape(note.for_people())}" for note in shown] + (
         [f"[dim]{hidden} more note(s) of the tracer, which do not change the figures: --verbose shows them[/]"]
         if hidden else [])
-
-
-def plain_warning(warning: str) -> str:
-    """A warning in a user's words with what to do (`PLAIN_WARNINGS`), else as its maker said it."""
-    for pattern, plain in PLAIN_WARNINGS:
-        if found := re.match(pattern, warning):
-            return plain.format(*found.groups())
-    return warning
 
 
 def show_estimate(console: Console, result: Estimate, margin: MarginConfig = MarginConfig(),

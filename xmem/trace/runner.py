@@ -36,6 +36,7 @@ from xmem.trace.command import console_script_interpreter, is_binary, job_interp
     starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
+from xmem.trace.wire import Note, NoteKind, notes_from_json
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB, gib_words
@@ -125,13 +126,15 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         raise _classified(TraceError(payload["error"], payload["message"], payload.get("traceback", ""),
                                      output=run.output[-OUTPUT_TAIL:]), memory_limit_bytes)
     trace = Trace.from_json(payload)
+    trace.warnings = notes_from_json(payload, trace.warnings)
     if not trace.used_cuda:  # a 0-byte answer would send a GPU job out with no memory to spare
         said = NO_CUDA_MESSAGE if run.output.strip() else NO_CUDA_SILENT  # no lines to point at: say so
         raise TraceError("no_cuda", said.format(gpus=gpus), output=run.output[-OUTPUT_TAIL:])
     trace.sandbox = ended.get("protection", "unknown")
     trace.interpreter = trace.interpreter or interpreter
     if not trace.sandbox.startswith("namespaces"):  # a weaker protection: say so where people look
-        trace.warnings.append(f"the program's files were protected by the {trace.sandbox}")
+        trace.warnings.append(Note(NoteKind.FILES_PROTECTED,
+                                   f"the program's files were protected by the {trace.sandbox}"))
     return trace
 
 

@@ -36,6 +36,7 @@ import xmem.trace.child.meta_kernels as meta_kernels
 import xmem.trace.child.triton_launch as triton_launch
 from xmem.trace.errors import as_on_a_gpu
 from xmem.trace.events import Category
+from xmem.trace.wire import Note, NoteKind
 from xmem.trace.child.on_import import patch_on_import
 
 # What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
@@ -487,7 +488,8 @@ def _patch_grad_scaler(fake: FakeCuda) -> None:
 
     def always_step(self: GradScaler, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
         # upstream: steps only if no inf/NaN was found (found_inf.item()); fake gradients have no values.
-        fake.on_warning("GradScaler assumed finite gradients (no real data under fake CUDA)")
+        fake.on_warning(Note(NoteKind.GRAD_SCALER_STEPPED,
+                             "GradScaler assumed finite gradients (no real data under fake CUDA)"))
         return optimizer.step(*args, **kwargs)
 
     GradScaler._maybe_opt_step = always_step
@@ -516,8 +518,8 @@ def _patch_as_subclass() -> None:
 
 
 # Said when the program scripts anything (a library may script at import what never runs on the GPU)
-SCRIPTED_WARNING = ("the program uses TorchScript, whose GPU fuser was off: any scripted code ran op by op (fused "
-                    "kernels often need less)")
+SCRIPTED_WARNING = Note(NoteKind.TORCHSCRIPT_UNFUSED, "the program uses TorchScript, whose GPU fuser was off: any "
+                        "scripted code ran op by op (fused kernels often need less)")
 
 
 def _patch_torchscript(fake: FakeCuda) -> None:
@@ -864,8 +866,8 @@ def _patch_module_registration(fake: FakeCuda) -> None:
 # What module constructors make their tensors with (nn.Linear, nn.Embedding, convolutions: torch.empty; norms and
 # hand-written layers: the others)
 HOST_MODEL_FACTORIES = ("empty", "zeros", "ones", "full", "rand", "randn")
-HOST_MODEL_WARNING = (f"model tensors built on the host past {HOST_MODEL_BYTES >> 20} MiB are fake (no real values): "
-                      "host-side code that reads their values gets stand-ins")
+HOST_MODEL_WARNING = Note(NoteKind.HOST_MODEL_FAKE, f"model tensors built on the host past {HOST_MODEL_BYTES >> 20} "
+                          "MiB are fake (no real values): host-side code that reads their values gets stand-ins")
 
 
 def _in_module_constructor() -> bool:
@@ -941,14 +943,17 @@ def _read_for_a_cap_only() -> bool:
     return frame is not None and (frame.f_globals.get("__name__"), frame.f_code.co_name) in _CAP_ONLY_READERS
 
 
-def memory_size_warning(nbytes: int) -> str:
+def memory_size_warning(nbytes: int) -> Note:
     """Said once when the program reads the device's memory size (`FakeCuda.ask_total_memory`)."""
-    return (f"the program read the GPU's memory size (traced with {nbytes / 2**30:.1f} GiB); where its GPU, MIG slice "
-            "or MPS share shows another size, it may allocate otherwise than traced")
+    shown = f"{nbytes / 2**30:.1f} GiB"
+    return Note(NoteKind.MEMORY_SIZE_READ, f"the program read the GPU's memory size (traced with {shown}); where its "
+                                           "GPU, MIG slice or MPS share shows another size, it may allocate otherwise "
+                                           "than traced", shown)
 
 
 # No longer said (CUDA graphs are modelled: xmem.trace.child.cuda_graphs); kept for the wording of traces made before.
-GRAPH_WARNING = "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled"
+GRAPH_WARNING = Note(NoteKind.CUDA_GRAPHS_EAGER,
+                     "CUDA graphs were traced eagerly: the graph's private memory pool is not modelled")
 
 
 def _patch_recurrent_layers() -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 from types import CodeType
 from typing import Any, Callable, Collection, Iterator, Mapping, NoReturn
 
+from xmem.trace.wire import Note, NoteKind, notes_json
+
 XMEM_DIR = str(Path(__file__).resolve().parents[2])  # the xmem package directory
 
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     try:
         result = trace_program(args.command, args.iterations, parse_capability(args.capability),
                                args.device_count, progress, args.deadline)
-        payload = result.to_json()
+        payload = {**result.to_json(), "notes": notes_json(result.warnings)}
     except ChildFailure as failure:
         payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
     except BaseException as error:  # our own bug: say so, with our traceback
@@ -166,8 +168,9 @@ def _without_training(trace: Any, state: Any, optimizers: int) -> None:
     how = "the trace's time limit, the peak still rising" if state.peak_rising else \
         "the trace's limit for a program without an optimizer" if state.forward_only else "the program's end"
     what = "a backward pass but no optimizer step" if state.trained else "no backward pass or optimizer step"
-    trace.warnings.append(f"traced forward passes only ({state.forward_passes} on the GPU, {what}, up to {how}): "
-                          "the estimate is the peak of what the program ran")
+    trace.warnings.append(Note(NoteKind.FORWARD_ONLY, f"traced forward passes only ({state.forward_passes} on the "
+                                                      f"GPU, {what}, up to {how}): the estimate is the peak of what "
+                                                      "the program ran", state.forward_passes, what, how))
 
 
 _preloaded = False  # the shim and torch are loaded in this process (the warm tracer forks after loading them)

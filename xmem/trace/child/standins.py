@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from xmem.trace.errors import as_on_a_gpu
+from xmem.trace.wire import Note, NoteKind
 
 aten = torch.ops.aten
 
@@ -127,7 +128,7 @@ class StandIns:
             with unset_fake_temporarily():
                 return value.item()
         self._stood_in(tensor, "tensor.item()")
-        self.warn(SCALAR_WARNING)
+        self.warn(Note(NoteKind.SCALAR_STAND_IN, SCALAR_WARNING))
         self._note_asker()
         if tensor.dtype == torch.bool:
             truth = getattr(tensor, "_xmem_truth", None)
@@ -148,8 +149,9 @@ class StandIns:
         self._true_answers[key] = count = self._true_answers.get(key, 0) + 1
         if count <= MAX_TRUE_STAND_INS:
             return True
-        self.warn(f"a condition on tensor data was answered True {MAX_TRUE_STAND_INS} times at one place; "
-                  "answered False from then on, to end the loop")
+        self.warn(Note(NoteKind.LOOP_ENDED, f"a condition on tensor data was answered True {MAX_TRUE_STAND_INS} "
+                                            "times at one place; answered False from then on, to end the loop",
+                       MAX_TRUE_STAND_INS))
         return False
 
     def _redraw_truth(self, frame: FrameType) -> bool:
@@ -173,7 +175,8 @@ class StandIns:
         if len(values) == 2 and all(value is not None for value in values):
             with unset_fake_temporarily():
                 return getattr(torch, op)(*values, *args[2:])
-        self.warn(f"torch.{op}() on fake CUDA tensors answered True (no real data under fake CUDA)")
+        self.warn(Note(NoteKind.TENSORS_EQUAL, f"torch.{op}() on fake CUDA tensors answered True (no real data under "
+                                               "fake CUDA)", op))
         self._note_asker()
         return True
 
@@ -188,20 +191,22 @@ class StandIns:
         if name not in ("index", "masked_select"):  # a mask's count may be known: _selected
             self._note_sizer(name)
         if name in _UNIQUE_OPS:
-            self.warn("unique() assumed every value distinct (no real data under fake CUDA)")
+            self.warn(Note(NoteKind.UNIQUE_ASSUMED_DISTINCT,
+                           "unique() assumed every value distinct (no real data under fake CUDA)"))
             return _unique_upper_bound(name, x, args, kwargs, self.value_range(x))
         if name == "bincount":
             return self._bincount(x, args, kwargs)
         if name == "repeat_interleave":
-            self.warn("repeat_interleave() with tensor repeats assumed the largest output (no real data)")
+            self.warn(Note(NoteKind.REPEAT_INTERLEAVE_LARGEST,
+                           "repeat_interleave() with tensor repeats assumed the largest output (no real data)"))
             repeats = x if len(args) == 1 or not isinstance(args[1], torch.Tensor) else args[1]
             size = kwargs.get("output_size") or x.numel() * max(1, repeats.numel())
             return torch.empty(size, dtype=torch.long if repeats is x else x.dtype, device=x.device)
         if name == "nms":  # torchvision's: the indices of the boxes (N x 4) that it keeps
-            self.warn("nms() assumed every box kept (no real data under fake CUDA)")
+            self.warn(Note(NoteKind.NMS_KEPT_ALL, "nms() assumed every box kept (no real data under fake CUDA)"))
             return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         if name == "nonzero":
-            self.warn(SELECTION_WARNING)
+            self.warn(Note(NoteKind.SELECTION_ASSUMED_ALL, SELECTION_WARNING))
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
         if name == "masked_select":
             return torch.empty(self._selected(args[1], torch.broadcast_shapes(x.shape, args[1].shape)),
@@ -232,13 +237,14 @@ class StandIns:
         elif bounds is not None:
             largest = bounds[1]
             if largest >= minlength:
-                self.warn(BINCOUNT_RANGE_WARNING)
+                self.warn(Note(NoteKind.BINCOUNT_TO_RANGE, BINCOUNT_RANGE_WARNING))
         elif minlength:
             largest = minlength - 1
-            self.warn(BINCOUNT_MINLENGTH_WARNING)
+            self.warn(Note(NoteKind.BINCOUNT_MINLENGTH, BINCOUNT_MINLENGTH_WARNING))
         else:
             largest = x.numel() - 1
-            self.warn("bincount() assumed as many bins as input elements (no real data under fake CUDA)")
+            self.warn(Note(NoteKind.BINCOUNT_ASSUMED,
+                           "bincount() assumed as many bins as input elements (no real data under fake CUDA)"))
         return torch.zeros(max(largest + 1, minlength), dtype=dtype, device=x.device)
 
     def _packed_from_host_lengths(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -268,7 +274,7 @@ class StandIns:
         else every element (warned)."""
         value = self.known_value(mask)
         if value is None:
-            self.warn(SELECTION_WARNING)
+            self.warn(Note(NoteKind.SELECTION_ASSUMED_ALL, SELECTION_WARNING))
             self._note_sizer("a boolean-mask selection")
             return shape.numel()
         with unset_fake_temporarily():
@@ -290,7 +296,8 @@ class StandIns:
                 return original_numpy(value, force=force).copy()
             stand_ins._stood_in(tensor, "tensor.numpy()")
             stand_ins._note_asker()
-            stand_ins.warn("tensor.numpy() returned ones (no real data under fake CUDA)")
+            stand_ins.warn(Note(NoteKind.VALUES_READ_AS_ONES, "tensor.numpy() returned ones (no real data under fake "
+                                                              "CUDA)", "numpy"))
             return _ones_like_on_host(tensor).numpy()
 
         def tolist(tensor: torch.Tensor) -> Any:
@@ -301,7 +308,8 @@ class StandIns:
                 return original_tolist(value)
             stand_ins._stood_in(tensor, "tensor.tolist()")
             stand_ins._note_asker()
-            stand_ins.warn("tensor.tolist() returned ones (no real data under fake CUDA)")
+            stand_ins.warn(Note(NoteKind.VALUES_READ_AS_ONES, "tensor.tolist() returned ones (no real data under fake "
+                                                              "CUDA)", "tolist"))
             return original_tolist(_ones_like_on_host(tensor))
 
         def format_(tensor: torch.Tensor, spec: str) -> str:

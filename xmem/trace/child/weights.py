@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
 from xmem.trace.errors import as_on_a_gpu  # a corrupt checkpoint fails on a GPU too: the program's error
+from xmem.trace.wire import Note, NoteKind
 
 FakeContext = Callable[[], AbstractContextManager]
 
@@ -225,8 +226,8 @@ def _make_load(original: Callable) -> Callable:
                 raise
             # the trace's host-memory limit, not the job's (a mapping counts at its full size): past it the host
             # tensors are fake, as model tensors past the host budget are born
-            _say("checkpoint tensors loaded to the host past the trace's memory limit are fake (no real values): "
-                 "host-side code that reads their values gets stand-ins")
+            _say(Note(NoteKind.CHECKPOINT_ON_HOST_FAKE, "checkpoint tensors loaded to the host past the trace's "
+                      "memory limit are fake (no real values): host-side code that reads their values gets stand-ins"))
             return fake
         if kwargs.get("mmap") and is_path:
             identity = _file_identity(f)

@@ -1,0 +1,80 @@
+"""`xmem.trace.wire`: the notes the traced program's side sends back are typed records (a kind with its words for
+people, the maker's own words, the values that fill them), carried through the result JSON, so the estimator shows
+them by kind and never parses their words."""
+
+import copy
+import json
+import pickle
+import sys
+import textwrap
+
+from xmem.trace import run_trace
+from xmem.trace.wire import Note, NoteKind, as_note, notes_from_json, notes_json
+
+LOOP = Note(NoteKind.LOOP_ENDED, "a condition on tensor data was answered True 100 times at one place; answered "
+                                 "False from then on, to end the loop", 100)
+
+
+def test_a_note_is_its_makers_words_wherever_words_are_kept():
+    assert LOOP == "a condition on tensor data was answered True 100 times at one place; answered False from then " \
+                   "on, to end the loop"
+    assert json.dumps([LOOP]) == json.dumps([str(LOOP)])  # the records' `warnings` are unchanged
+    assert list(dict.fromkeys([LOOP, str(LOOP)])) == [LOOP]  # said once, as the recorder dedups them
+
+
+def test_a_note_keeps_its_kind_and_values_through_the_result_json():
+    plain = "cuFFT's work area and copies were left out of an FFT call"
+    payload = json.loads(json.dumps({"warnings": [LOOP, plain], "notes": notes_json([LOOP, plain])}))
+    back = notes_from_json(payload, payload["warnings"])
+    assert back == [LOOP, plain]
+    assert (back[0].kind, back[0].args) == (NoteKind.LOOP_ENDED, ("100",))
+    assert back[1].kind is None and back[1].for_people() == plain
+
+
+def test_a_result_without_notes_gives_its_warnings_untyped():
+    """A trace saved before notes were typed: its words are shown as made."""
+    assert notes_from_json({"warnings": ["said"]}, ["said"]) == ["said"]
+    assert as_note("said").kind is None and not as_note("said").quiet
+
+
+def test_a_kind_this_side_does_not_know_is_shown_as_made():
+    note = Note.from_json({"kind": "from_a_newer_child", "text": "said", "args": ["1"]})
+    assert note.kind is None and note.for_people() == "said"
+
+
+def test_copies_and_pickles_keep_the_kind():
+    for copied in (copy.deepcopy(LOOP), pickle.loads(pickle.dumps(LOOP))):
+        assert (copied, copied.kind, copied.args) == (LOOP, LOOP.kind, LOOP.args)
+
+
+def test_every_kind_has_a_stable_id_and_words_that_take_its_values():
+    ids = [kind.value for kind in NoteKind]
+    assert len(ids) == len(set(ids)) and all(i.isidentifier() and i.islower() for i in ids)
+    for kind in NoteKind:
+        assert not (kind.quiet and kind.plain), kind  # a quiet note is shown in its maker's words, with --verbose
+        if kind.plain:
+            kind.plain.format(*["x"] * kind.plain.count("{}"))
+
+
+PROGRAM = """
+    import torch
+    model = torch.nn.Linear(8, 8).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = torch.cuda.get_device_properties(0).total_memory  # sizes its work by the GPU: a note with the size
+    for step in range(3):
+        loss = model(torch.randn(4, 8, device="cuda")).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print(loss.item(), model.weight[0, :2].tolist())
+"""
+
+
+def test_the_childs_notes_reach_the_estimator_typed(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(PROGRAM))
+    trace = run_trace([sys.executable, str(tmp_path / "train.py")], iterations=2, cwd=str(tmp_path))
+    kinds = {note.kind: note for note in map(as_note, trace.warnings)}
+    assert {NoteKind.MEMORY_SIZE_READ, NoteKind.SCALAR_STAND_IN, NoteKind.VALUES_READ_AS_ONES} <= set(kinds)
+    assert kinds[NoteKind.MEMORY_SIZE_READ].args == ("80.0 GiB",)  # the pretended H100's, shown to the program
+    assert kinds[NoteKind.VALUES_READ_AS_ONES].args == ("tolist",)
+    assert kinds[NoteKind.SCALAR_STAND_IN].quiet

@@ -1,0 +1,133 @@
+"""What crosses the tracer's process boundary, typed: the notes the traced program's side sends back with its
+trace (what the fake GPU assumed or left out, each a `NoteKind` with its words for people).
+
+Both sides import this module and nothing of the other's: the child (`xmem.trace.child`) makes notes and writes
+them into its result JSON (`notes_json`); the estimator reads them back (`notes_from_json`) and the command line
+shows them by their kind, never by parsing their words. Nothing beyond the standard library; runs on Python 3.10
+too (the child runs on the job's interpreter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+UPPER_BOUND = "the figures are an upper bound there: nothing to do"
+
+
+class NoteKind(Enum):
+    """A kind of note. Its value is the stable id the result JSON carries; `quiet`: bookkeeping that cannot change
+    the figures or the program's path (shown with --verbose only); `plain`: what it means for the user's job and
+    what to do, its `{}`s filled by the note's `args` (None: the maker's own words are shown)."""
+
+    plain: str | None
+    quiet: bool
+
+    def __new__(cls, note_id: str, plain: str | None = None, quiet: bool = False) -> NoteKind:
+        kind = object.__new__(cls)
+        kind._value_ = note_id
+        kind.plain, kind.quiet = plain, quiet
+        return kind
+
+    # bookkeeping of the tracer: values only host code reads, a logged loss, the sandbox at work, ...
+    HOST_MODEL_FAKE = "host_model_fake", None, True  # model tensors past the host limit are born fake
+    SCALAR_STAND_IN = "scalar_stand_in", None, True  # a loop on such a value has its own note (LOOP_ENDED)
+    FILES_PROTECTED = "files_protected", None, True  # the sandbox kept the program's writes
+    TRACED_PER_CLASS = "traced_per_class", None, True  # GPU-dependent code paths: one trace per class, as it should
+    GRAD_SCALER_STEPPED = "grad_scaler_stepped", None, True  # every step taken, the memory of a step counted
+    CHECKPOINT_ON_HOST_FAKE = "checkpoint_on_host_fake", None, True  # as HOST_MODEL_FAKE, for loaded checkpoints
+    # what the fake GPU assumed where real values were needed
+    SELECTION_ASSUMED_ALL = "selection_assumed_all", (
+        "the program selects GPU values by a condition (nonzero, a boolean mask): with no GPU the values are "
+        f"unknown, so every element was counted as selected; {UPPER_BOUND}")
+    UNIQUE_ASSUMED_DISTINCT = "unique_assumed_distinct", (
+        f"torch.unique of GPU values was counted as if every value were distinct; {UPPER_BOUND}")
+    BINCOUNT_ASSUMED = "bincount_assumed", (
+        f"torch.bincount of GPU values was counted with one bin per element; {UPPER_BOUND}")
+    BINCOUNT_TO_RANGE = "bincount_to_range"  # counted up to the highest value the input's range allows
+    BINCOUNT_MINLENGTH = "bincount_minlength"  # its minlength bins, as if every value were below it
+    NMS_KEPT_ALL = "nms_kept_all", (
+        "non-maximum suppression (torchvision's nms) of GPU boxes was counted as keeping every box; "
+        f"{UPPER_BOUND}")
+    REPEAT_INTERLEAVE_LARGEST = "repeat_interleave_largest", (
+        f"repeat_interleave with repeats held on the GPU was counted at its largest; {UPPER_BOUND}")
+    LOOP_ENDED = "loop_ended", (  # args: the rounds answered True
+        "a loop of the program waits on values computed on the GPU: with no GPU to compute them it was ended after "
+        "{} rounds; if the job's memory grows with that loop, trace more steps (--iterations) or measure on a GPU")
+    TENSORS_EQUAL = "tensors_equal", (  # args: the torch function
+        "the program compares GPU tensors (torch.{}): with no GPU they were taken as equal; if the job's path "
+        "depends on it, the figures are for the path where they are equal")
+    VALUES_READ_AS_ONES = "values_read_as_ones", (  # args: numpy or tolist
+        "the program reads GPU values on the host (.{}()): with no GPU it got ones; if the job's path depends on "
+        "them, the figures are for that path")
+    # what the figures leave out or depend on
+    TORCHSCRIPT_UNFUSED = "torchscript_unfused"  # the GPU fuser was off: scripted code ran op by op
+    CUDA_GRAPHS_EAGER = "cuda_graphs_eager", (
+        "the program uses CUDA graphs: their private memory pool is not in the figures; ask for more than them, or "
+        "measure one run on a GPU")
+    MEMORY_SIZE_READ = "memory_size_read", (  # args: the memory shown ("80.0 GiB")
+        "the program reads the GPU's memory size (it was shown {}) and may size its work by it, so on a GPU, MIG "
+        "slice or MPS share of another size it may use another amount: estimate for the GPU type the job will get "
+        "(--gpu)")
+    FORWARD_ONLY = "forward_only", (  # args: the forward passes, what training there was, what ended the trace
+        "the program ran {} forward passes and {} (until {}): the figures are the peak of what it ran, right for "
+        "evaluation or inference; a training job that steps later than that needs a longer trace (--timeout)")
+    GPUS_USED = "gpus_used", (  # args: how many
+        "the program used {} GPUs: the figures are per GPU, for the one that holds the most")
+
+
+class Note(str):
+    """One note: its maker's words (the string itself: what the records, the JSON's `warnings` and --verbose
+    hold, unchanged), its kind (None: a note no kind describes, shown as made) and the values that fill the kind's
+    words for people. A string, so every place that keeps or compares warnings keeps notes as they are."""
+
+    kind: NoteKind | None
+    args: tuple[str, ...]
+
+    def __new__(cls, kind: NoteKind | None, text: str, *args: object) -> Note:
+        note = super().__new__(cls, text)
+        note.kind, note.args = kind, tuple(str(arg) for arg in args)
+        return note
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copies and pickles keep the kind
+        return (self.kind, str(self), *self.args)
+
+    @property
+    def quiet(self) -> bool:
+        return self.kind is not None and self.kind.quiet
+
+    def for_people(self) -> str:
+        """What it means for the job and what to do (the kind's words), else the maker's own words."""
+        if self.kind is None or self.kind.plain is None:
+            return str(self)
+        return self.kind.plain.format(*self.args)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": None if self.kind is None else self.kind.value, "text": str(self), "args": list(self.args)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Note:
+        kind = _KINDS_BY_ID.get(data.get("kind") or "")  # a kind this side does not know: shown as made
+        return cls(kind, data["text"], *(data.get("args") or ()))
+
+
+_KINDS_BY_ID = {kind.value: kind for kind in NoteKind}
+
+
+def as_note(warning: str) -> Note:
+    """A warning as a note: itself if it is one, else a note of no kind (words from a record made before notes
+    were typed, or by a maker that gives none)."""
+    return warning if isinstance(warning, Note) else Note(None, warning)
+
+
+def notes_json(warnings: Iterable[str]) -> list[dict[str, Any]]:
+    """The notes as the child's result JSON carries them (`"notes"`, beside the Trace's own fields)."""
+    return [as_note(warning).to_json() for warning in warnings]
+
+
+def notes_from_json(payload: dict[str, Any], warnings: Sequence[str]) -> list[str]:
+    """The trace's warnings as notes again: from the result's `"notes"`, else (a result without them: a trace
+    saved before notes were typed) the plain `warnings`."""
+    notes = payload.get("notes")
+    return list(warnings) if notes is None else [Note.from_json(note) for note in notes]
