@@ -28,6 +28,7 @@ from xmem.trace.events import (ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, MANAGED_OP, 
                                Phase, Trace)
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.fft as fft
+import xmem.trace.child.nf4 as nf4
 import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.attribution import DECLINED_BY_FAKE_MODE
 from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameters, inner_tensors
@@ -300,20 +301,20 @@ class AllocationRecorder(TorchDispatchMode):
     records_allocations = True  # how distributed.py tells this mode from others on the stack
     supports_higher_order_operators = True  # flex_attention and the like reach __torch_dispatch__ (see below)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # torch.compile'd regions (xmem.trace.child.compiled): off while dynamo and AOTAutograd trace them, on again
         # for the compiled graphs' ops as they run, which are what the GPU allocates (else dynamo runs them eagerly)
         return True
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if self._shortcuts:
             device = shortcuts.device_of(func, args)
             if device is not shortcuts.NOT_TAKEN:
                 return device
-        if distributed.dispatches_itself(types):
-            return NotImplemented  # DTensor dispatches first; its local ops come back here (see distributed.py)
+        if distributed.dispatches_itself(types) or nf4.dispatches_itself(types):
+            return NotImplemented  # DTensor and NF4 dispatch first; their inner ops come back here (see the modules)
         if _runs_on_host(args, kwargs):
             # Only what the GPU would hold is fake: host work runs for real, with real values, below the fake mode.
             with unset_fake_temporarily():
