@@ -232,10 +232,24 @@ def traced_backend(graph: fx.GraphModule, example_inputs: list, *, partitioner: 
         backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler,
                                partition_fn=partition, decompositions=decompositions,
                                keep_inference_input_mutations=True)
-        return backend(graph, example_inputs)
+        with _no_real_constants():
+            return backend(graph, example_inputs)
     except Exception as error:  # noqa: BLE001 - any failure of ours: the region is traced eagerly, and said so
         _warn(FALLBACK_WARNING.format(region=_region_name(graph), why=_first_line(error)))
         return graph.forward
+
+
+@contextlib.contextmanager
+def _no_real_constants() -> Iterator[None]:
+    """While AOTAutograd traces, proxy tracing computes one-element constants for real (torch.tensor(v) in the graph,
+    then its ops, `.to("cuda")` included: a real CUDA tensor at compile time, with no driver here). With its limit at
+    0 such values are traced as any other (one element each: no memory to speak of)."""
+    from torch.fx.experimental import proxy_tensor
+    limit, proxy_tensor.CONSTANT_NUMEL_LIMIT = proxy_tensor.CONSTANT_NUMEL_LIMIT, 0
+    try:
+        yield
+    finally:
+        proxy_tensor.CONSTANT_NUMEL_LIMIT = limit
 
 
 def _region_name(graph: fx.GraphModule) -> str:
