@@ -75,7 +75,10 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     ranks = rank_traces.trace_stages(traces, trace_rank)  # -- issue 34: every pipeline stage's rank
     estimates = {rank: estimate_traces(command, traced, targets, env=env, on_progress=on_progress, started=started)
                  for rank, traced in ranks.items()}
-    return rank_traces.fullest(estimates, rank_traces.stages_by_rank(ranks))
+    answer = rank_traces.fullest(estimates, rank_traces.stages_by_rank(ranks))
+    if keep_traces is not None and answer.fullest_rank is not None:  # the pictures show the rank the figures are
+        keep_traces.update(ranks[answer.fullest_rank])
+    return answer
 
 
 def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets: Sequence[GpuType], *,

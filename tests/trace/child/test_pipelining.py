@@ -20,6 +20,7 @@ from tests.trace.child.live_storages import by_category, walk
 from xmem import rank_traces
 from xmem.estimate import estimate
 from xmem.trace import run_trace
+from xmem.trace.errors import TraceError
 from xmem.trace.events import ActivationMeta, Category
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")
@@ -118,16 +119,78 @@ def test_under_1f1b_the_first_stage_holds_more_microbatches_than_the_last(one_f_
 
 
 def test_the_estimate_is_the_fullest_stage_and_names_its_rank():
-    answer = estimate(command(4, "1f1b", *FOUR), gpus=["H100"], iterations=2, python=sys.executable)
+    """2 stages of pp_stages.py's defaults: the last holds the head (2048 x 128) and its logits, the fullest."""
+    answer = estimate(command(2, "1f1b"), gpus=["H100"], iterations=2, python=sys.executable)
     peaks = answer.rank_peaks
-    assert sorted(peaks) == [0, 1, 2, 3]
-    assert answer.fullest_rank == max(peaks, key=peaks.get)
+    assert sorted(peaks) == [0, 1]
+    assert answer.fullest_rank == max(peaks, key=peaks.get) == 1
     assert answer.gpus[answer.breakdown_gpu].peak_bytes == peaks[answer.fullest_rank]
-    assert answer.rank_stages == {rank: (rank,) for rank in range(4)}
+    assert answer.rank_stages == {0: (0,), 1: (1,)}
     assert f"the figures are rank {answer.fullest_rank}'s (stage {answer.fullest_rank})" in answer.warnings[0]
     as_json = json.loads(json.dumps(answer.to_json()))
     assert as_json["fullest_rank"] == answer.fullest_rank
     assert {int(rank): peak for rank, peak in as_json["rank_peaks"].items()} == peaks
+
+
+def test_static_shapes_need_no_inference_and_hold_the_same_parameters():
+    """PipelineStage given input_args and output_args (requiring grad, so that gradients travel back): upstream's
+    static mode, no shapes exchanged; every stage's rank is still traced."""
+    traced = trace_every_stage(2, "gpipe", "--static", "1")
+    built = stage_parameter_bytes(2)
+    assert {rank: held_at_end(traces["sm80+"], Category.PARAMETER) for rank, traces in traced.items()} == built
+    assert traced[0]["sm80+"].pipeline.sent == {}  # nothing sent: static mode exchanges no metadata
+
+
+def test_with_fsdp_the_stages_of_rank_zeros_pipeline_group_are_traced_once_each():
+    """A (pp 2, dp 2) mesh over 4 ranks, each stage fully_shard'ed over "dp": rank 0's pipeline group is ranks 0 and
+    2 (the mesh's "pp" column), ranks 1 and 3 are their data-parallel replicas, not traced. Each traced rank holds
+    half its stage's parameters (fully_shard's dim-0 chunks; every dim 0 here is even)."""
+    traced = trace_every_stage(4, "1f1b", "--dp", "2")
+    assert list(traced) == [0, 2]
+    assert traced[0]["sm80+"].pipeline.stage_ranks == (0, 2)
+    assert traced[2]["sm80+"].pipeline.own_stages == (1,)
+    built = stage_parameter_bytes(4, "--dp", "2")
+    held = {rank: held_at_end(traces["sm80+"], Category.PARAMETER) for rank, traces in traced.items()}
+    assert held == {0: built[0] // 2, 2: built[1] // 2}
+
+
+def test_an_interleaved_schedule_traces_each_rank_of_its_looped_stages():
+    """ScheduleInterleaved1F1B, 2 ranks x 2 stages: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. Rank 0,
+    traced first, cannot have stage 1's output (rank 1's) for its stage 2: it assumes what its stage 0 sent, which
+    is what rank 1's stage 1 then sends (one activation shape through the model): no second trace of rank 0."""
+    traced = trace_every_stage(2, "interleaved", "--stages-per-rank", "2")
+    assert list(traced) == [0, 1]
+    zero, one = traced[0]["sm80+"].pipeline, traced[1]["sm80+"].pipeline
+    assert zero.schedule == "ScheduleInterleaved1F1B" and zero.stage_ranks == (0, 1, 0, 1)
+    assert zero.own_stages == (0, 2) and one.own_stages == (1, 3)
+    assert zero.assumed == {2: one.sent[2]} and one.assumed == {}
+    built = stage_parameter_bytes(2, "--stages-per-rank", "2")
+    held = {rank: held_at_end(traces["sm80+"], Category.PARAMETER) for rank, traces in traced.items()}
+    assert held == {0: built[0] + built[2], 1: built[1] + built[3]}
+
+
+def test_a_wrong_assumed_shape_is_not_modelled_not_the_users_error():
+    """--grow widens the activation after every stage: rank 0's stage 2 takes what rank 1's stage 1 sends, wider
+    than what rank 0's stage 0 sent, which it assumed: exit 11 naming the stage, never exit 5."""
+    with pytest.raises(TraceError) as raised:
+        run_trace(command(2, "interleaved", "--stages-per-rank", "2", "--grow", "32"), iterations=2,
+                  python=sys.executable)
+    assert raised.value.kind == "not_modelled"
+    assert "the input shapes of pipeline stage 2" in raised.value.message
+
+
+def test_the_tracing_frontend_stages_are_traced_each():
+    """pipeline() + Pipe.build_stage (upstream's _PipelineStage: shapes from the traced graph, none exchanged): each
+    rank holds one block's parameters (128 x 512 + 512 + 512 x 128 + 128 fp32 elements)."""
+    def trace_rank(more_env):
+        return {"sm80+": run_trace(["torchrun", "--nproc_per_node=2", str(SCRIPTS / "pp_split.py")], iterations=2,
+                                   python=sys.executable, env={**os.environ, **more_env})}
+    traced = rank_traces.trace_stages(trace_rank({}), trace_rank)
+    assert list(traced) == [0, 1]
+    assert traced[0]["sm80+"].pipeline.schedule == "ScheduleGPipe"
+    block = (128 * 512 + 512 + 512 * 128 + 128) * 4
+    assert {rank: held_at_end(traces["sm80+"], Category.PARAMETER) for rank, traces in traced.items()} == \
+        {0: block, 1: block}
 
 
 def test_the_traced_rank_has_its_own_launcher_variables():

@@ -113,6 +113,25 @@ def _patch_metadata_exchange(stage_module: Any) -> None:
             _sent[dst_stage] = tuple(_ours(m) for m in meta.forward_metas)
 
     stage_class._recv_meta, stage_class._send_meta = recv_meta_here, send_meta_here
+    _refuse_wrong_assumptions(stage_class)
+
+
+def _refuse_wrong_assumptions(stage_class: Any) -> None:
+    """A stage whose input shapes were assumed and whose first forward then fails on them: the assumption was wrong
+    (its input stage sends another shape), which is the trace's gap, not the program's error."""
+    infer = stage_class._forward_metadata_inference
+
+    def infer_or_refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return infer(self, *args, **kwargs)
+        except Exception as error:
+            if self.stage_index not in _assumed:
+                raise
+            _not_modelled(f"the input shapes of pipeline stage {self.stage_index}, fed by a stage of another rank "
+                          f"that runs after this one: assumed as this rank's stage before it sends them, they are "
+                          f"not ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+
+    stage_class._forward_metadata_inference = infer_or_refuse
 
 
 def _inputs_of(stage: Any) -> tuple[ActivationMeta, ...]:
