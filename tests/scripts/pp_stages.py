@@ -2,7 +2,8 @@
 language model (token embedding, `--layers` feed-forward blocks with a residual, a final LayerNorm and an output
 head) built whole on the host, each rank keeping its stage's part as torchtitan splits a model: the first stage
 holds the embedding, the last the norm and the head, the blocks are dealt out evenly. `--schedule` gpipe, 1f1b, or
-interleaved (ScheduleInterleaved1F1B over `--stages-per-rank` stages a rank, rank r holding stages r, r + P, ...);
+interleaved (ScheduleInterleaved1F1B over `--stages-per-rank` stages a rank, rank r holding stages r, r + P, ...),
+or zbv (ScheduleZBVZeroBubble: two stages a rank in a V, rank r holding stages r and 2P - 1 - r);
 `--microbatches` per step; `--grow N` widens the activation by N after each stage (a projection ends each stage
 but the last); `--dp N`: a (pp, dp) device mesh as torchtitan lays it out, each stage fully_shard'ed over its
 "dp" dimension (the world is stages x N; a rank's stage is its "pp" coordinate); `--static 1` gives the stage its input and output shapes (PipelineStage's
@@ -15,10 +16,11 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, \
+    ScheduleZBVZeroBubble
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zbv"))
 parser.add_argument("--stages-per-rank", type=int, default=1)
 parser.add_argument("--microbatches", type=int, default=4)
 parser.add_argument("--batch", type=int, default=8)
@@ -97,7 +99,8 @@ def main() -> None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda", (world, args.dp), mesh_dim_names=("pp", "dp"))
         group, rank = mesh["pp"].get_group(), mesh.get_local_rank("pp")
-    own = [rank + world * k for k in range(args.stages_per_rank)]
+    own = ([rank, 2 * world - 1 - rank] if args.schedule == "zbv"
+           else [rank + world * k for k in range(args.stages_per_rank)])
     modules = [Stage(index, stages).to(device) for index in own]
     if args.dp > 1:
         from torch.distributed.fsdp import fully_shard
@@ -105,8 +108,9 @@ def main() -> None:
             fully_shard(module, mesh=mesh["dp"])
     pipeline = [PipelineStage(module, index, stages, device, group=group, **static_shapes(index, stages, device))
                 for module, index in zip(modules, own)]
-    if args.schedule == "interleaved":
-        schedule = ScheduleInterleaved1F1B(pipeline, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    if args.schedule in ("interleaved", "zbv"):
+        kind = ScheduleInterleaved1F1B if args.schedule == "interleaved" else ScheduleZBVZeroBubble
+        schedule = kind(pipeline, n_microbatches=args.microbatches, loss_fn=loss_fn)
     else:
         kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
         schedule = kind(pipeline[0], n_microbatches=args.microbatches, loss_fn=loss_fn)

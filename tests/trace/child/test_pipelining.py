@@ -169,6 +169,20 @@ def test_an_interleaved_schedule_traces_each_rank_of_its_looped_stages():
     assert held == {0: built[0] + built[2], 1: built[1] + built[3]}
 
 
+def test_a_v_schedule_traces_each_rank_of_its_two_stages():
+    """ScheduleZBVZeroBubble, 2 ranks: rank 0 holds stages 0 and 3 (the embedding and the head), rank 1 stages 1 and
+    2, which pass their activation within the rank (upstream's same-rank path, no shapes exchanged)."""
+    traced = trace_every_stage(2, "zbv", "--stages-per-rank", "2")
+    zero, one = traced[0]["sm80+"].pipeline, traced[1]["sm80+"].pipeline
+    assert zero.schedule == "ScheduleZBVZeroBubble" and zero.stage_ranks == (0, 1, 1, 0)
+    assert zero.own_stages == (0, 3) and one.own_stages == (1, 2)
+    assert set(zero.sent) == {1} and set(one.sent) == {3}  # each rank sends across once, forward
+    assert zero.assumed == {3: one.sent[3]}
+    built = stage_parameter_bytes(2, "--stages-per-rank", "2")
+    held = {rank: held_at_end(traces["sm80+"], Category.PARAMETER) for rank, traces in traced.items()}
+    assert held == {0: built[0] + built[3], 1: built[1] + built[2]}
+
+
 def test_a_wrong_assumed_shape_is_not_modelled_not_the_users_error():
     """--grow widens the activation after every stage: rank 0's stage 2 takes what rank 1's stage 1 sends, wider
     than what rank 0's stage 0 sent, which it assumed: exit 11 naming the stage, never exit 5."""
