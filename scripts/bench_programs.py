@@ -57,7 +57,23 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 # anomalib's CLI needs what its `anomalib install` would add
                 "anomalib": ("anomalib==2.7.0", "lightning==2.6.6", "open_clip_torch==3.3.0", "timm==1.0.31",
                              "FrEIA==0.2", "kornia==0.9.0", "einops==0.8.2", "jsonargparse[signatures]==4.46.0",
-                             "omegaconf==2.4.0")}
+                             "omegaconf==2.4.0"),
+                # the second wave (issue 31 item 6): one venv each, as each package's users have it
+                "gluonts": ("gluonts[torch,shell]==0.17.0",), "ludwig": ("ludwig==0.11.0",), "axolotl": ("axolotl==0.17.0",),
+                "monai": ("monai[nibabel,fire,ignite,einops]==1.6.1",), "schnetpack": ("schnetpack==2.2.0",),
+                "coqui-tts": ("coqui-tts[codec]==0.28.0", "torchaudio==2.11.1"), "cellpose": ("cellpose==3.1.1.3",),
+                "nequip-allegro": ("nequip-allegro==0.8.3",),
+                "imitation": ("imitation==1.0.1", "setuptools<81"),  # it imports pkg_resources
+                "sample-factory": ("sample-factory==2.1.1",),
+                # cleanrl 1.2.0 requires pygame 2.1.0, which has no wheel for Python 3.11 (only its renderer
+                # uses it): its own package without dependencies, then what its agents import
+                "cleanrl": ("gym==0.23.1", "gymnasium==1.2.0", "tyro", "tensorboard", "stable-baselines3"),
+                "lerobot": ("lerobot==0.3.2",), "piper-tts": ("piper-tts[train]==1.8.0",),
+                "sevenn": ("sevenn==0.13.0",)}
+PACKAGE_PYTHON = {"schnetpack": "3.12"}  # schnetpack's current release requires Python 3.12 (uv finds it by version)
+# installed after PACKAGE_PINS, without their dependencies. ludwig pins bitsandbytes<0.41, whose libraries stop at
+# CUDA 12.2: on the product's torch (CUDA 13) it fails on a real GPU node as well, so its users take a newer one
+NO_DEPS = {"cleanrl": ("cleanrl==1.2.0",), "ludwig": ("bitsandbytes==0.50.2",)}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -90,6 +106,7 @@ class Record:
     reason: str = ""
     warnings: list[str] = field(default_factory=list)
     suspect: list[str] = field(default_factory=list)  # the self-audit's reasons: the filter keeps such a request
+    run: str = ""  # when and on which product commit it ran ("2026-12-07 a8a561d"), stamped by --merge
 
 
 def words(n: int, seed: int) -> list[str]:
@@ -153,6 +170,13 @@ def fixtures_trl(work: Path) -> None:
                                                 for t in text])
     write_jsonl(work / "kto" / "train.jsonl", [{"prompt": t[:20], "completion": t[20:], "label": i % 2 == 0}
                                                for i, t in enumerate(text)])
+    write_jsonl(work / "prompts" / "train.jsonl", [{"prompt": [{"role": "user", "content": t[:40]}]} for t in text])
+    hf_tokenizer(work / "llama-7b")
+    sparse_safetensors(llama_7b(), work / "llama-7b")
+    (work / "ds_zero3_offload.json").write_text(json.dumps(DS_ZERO3_OFFLOAD))
+    (work / "fsdp.json").write_text(json.dumps({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}))
+    (work / "sft.sh").write_text("#!/bin/bash\n# a user's wrapper, as a batch script's body runs it\nset -euo pipefail\n"
+                                 "export OMP_NUM_THREADS=1\ncd \"$1\"\nshift\nexec trl sft \"$@\"\n")
 
 
 def fixtures_llamafactory(work: Path) -> None:
@@ -194,6 +218,74 @@ def llamafactory_args(stage: str, finetuning: str, dataset: str = "tiny") -> tup
             "--save_strategy", "no", "--bf16", "true", "--overwrite_cache", "true")
 
 
+# Llama 2 7B's shape (Hugging Face's LlamaConfig), bf16 as its checkpoints are published
+LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 0}
+# DeepSpeed ZeRO-3 with the optimizer and parameters offloaded to the host, "auto" values filled in by the HF Trainer
+DS_ZERO3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                          "offload_param": {"device": "cpu", "pin_memory": True},
+                                          "overlap_comm": True, "contiguous_gradients": True,
+                                          "stage3_gather_16bit_weights_on_model_save": True},
+                    "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto",
+                    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                    "gradient_clipping": "auto"}
+
+
+def llama_7b(work: Path | None = None, shards: int = 1) -> Any:
+    """Llama 2 7B built on the meta device (no memory) in bf16; `shards` > 1 keeps one rank's share of its
+    parameters for the lower bound of a job sharded over that many GPUs (FSDP, ZeRO-3)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_7B, dtype="bfloat16"), dtype=torch.bfloat16)
+    if shards > 1:
+        return ShardOf(model, shards)
+    return model
+
+
+class ShardOf:
+    """One rank's share of a model's state when it is sharded evenly over `shards` GPUs (model_state_bytes reads
+    its parameters and buffers)."""
+
+    def __init__(self, model: Any, shards: int) -> None:
+        import torch
+
+        total = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
+        dtype = next(model.parameters()).dtype
+        self.share = torch.empty(total // shards, dtype=dtype, device="meta")
+
+    def parameters(self) -> list[Any]:
+        return [self.share]
+
+    def buffers(self) -> list[Any]:
+        return []
+
+
+def sparse_safetensors(model: Any, folder: Path) -> None:
+    """`model` saved as Hugging Face saves it (config.json, model.safetensors) without writing its weights: the
+    safetensors header names every tensor and the data part is a hole of the right size (a sparse file), which is
+    all a trace that loads weights fake reads."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it (AutoModel reads it)
+    model.config.save_pretrained(folder)
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in model.state_dict().items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data part starts 8-byte aligned, as safetensors writes it
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + offset)
+
+
 def trl_model(work: Path, head: str = "causal") -> Any:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
@@ -218,6 +310,14 @@ def trl_args(script: str, data: str) -> tuple[str, ...]:
     return (script, "--model_name_or_path", "{work}/model", "--dataset_name", "{work}/" + data,
             "--output_dir", "{out}", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--max_length", "64")
+
+
+def llama_7b_args(script: str) -> tuple[str, ...]:
+    """`trl_args` for the local Llama 2 7B checkpoint in bf16 with activation checkpointing, as 7B recipes run."""
+    args = list(trl_args(script, "sft"))
+    args[args.index("{work}/model")] = "{work}/llama-7b"
+    args[args.index("--per_device_train_batch_size") + 1] = "1"
+    return (*args, "--bf16", "true", "--gradient_checkpointing", "true")
 
 
 def litgpt_model(work: Path) -> Any:
@@ -557,20 +657,30 @@ def torchtitan_args(gpus: int, *options: str) -> tuple[str, ...]:
             "--dump_folder", "{out}", "--training.seq_len", "256", *options)
 
 
-def fixtures_mace(work: Path) -> None:
-    """An extended-XYZ training set as MACE reads one: jittered copper supercells labelled by ASE's EMT calculator,
-    under MACE's recommended keys (REF_energy, REF_forces, so ASE's own calculator fields never shadow them)."""
-    import ase.io
+def copper_cells(count: int, seed: int) -> list[Any]:
+    """`count` copper supercells (2x2x2 cubic, 32 atoms) with jittered positions, each with ASE's EMT calculator
+    attached to label it."""
     import numpy as np
     from ase.build import bulk
     from ase.calculators.emt import EMT
 
-    rng = np.random.default_rng(0)
-    frames = []
-    for _ in range(24):
+    rng = np.random.default_rng(seed)
+    cells = []
+    for _ in range(count):
         atoms = bulk("Cu", cubic=True) * (2, 2, 2)
         atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
         atoms.calc = EMT()
+        cells.append(atoms)
+    return cells
+
+
+def fixtures_mace(work: Path) -> None:
+    """An extended-XYZ training set as MACE reads one: jittered copper supercells labelled by ASE's EMT calculator,
+    under MACE's recommended keys (REF_energy, REF_forces, so ASE's own calculator fields never shadow them)."""
+    import ase.io
+
+    frames = []
+    for atoms in copper_cells(24, 0):
         atoms.info["REF_energy"] = atoms.get_potential_energy()
         atoms.arrays["REF_forces"] = atoms.get_forces()
         atoms.calc = None
@@ -644,6 +754,301 @@ def nnunet_model(deep_supervision: bool) -> Callable[[Path], Any]:
     return build
 
 
+# --- the second wave (issue 31 item 6): one venv per package, fixtures as small as each program's input allows ---
+
+
+def gluonts_folder(work: Path) -> None:
+    """SageMaker's /opt/ml layout that `python -m gluonts.shell train` reads (--data-path): hyperparameters.json
+    (values as SageMaker passes them, strings) and a `train` channel of hourly series in GluonTS' JSON lines."""
+    rng = random.Random(9)
+    base = work / "ml"
+    (base / "input" / "config").mkdir(parents=True, exist_ok=True)
+    (base / "model").mkdir(parents=True, exist_ok=True)
+    (base / "output").mkdir(parents=True, exist_ok=True)
+    hyper = {"freq": "H", "prediction_length": 24, "context_length": 48, "batch_size": 16,
+             "num_batches_per_epoch": 4, "trainer_kwargs": {"max_epochs": 1}, "patch_len": 8}
+    (base / "input" / "config" / "hyperparameters.json").write_text(
+        json.dumps({k: json.dumps(v) if not isinstance(v, str) else v for k, v in hyper.items()}))
+    write_jsonl(base / "input" / "data" / "train" / "series.json", [
+        {"start": "2024-01-01 00:00:00", "target": [rng.gauss(10, 3) for _ in range(400)]} for _ in range(8)])
+
+
+def gluonts_args(estimator: str) -> tuple[str, ...]:
+    return ("python", "-m", "gluonts.shell", "train", "--data-path", "{work}/ml", "--forecaster", estimator)
+
+
+LUDWIG_CONFIGS = {
+    "text": {"input_features": [{"name": "text", "type": "text", "encoder": {"type": "parallel_cnn"}},
+                                {"name": "x", "type": "number"}],
+             "output_features": [{"name": "label", "type": "category"}]},
+    "transformer": {"input_features": [{"name": "text", "type": "text",
+                                        "encoder": {"type": "transformer", "num_layers": 2, "hidden_size": 128}}],
+                    "output_features": [{"name": "label", "type": "category"}, {"name": "y", "type": "number"}]},
+    "image": {"input_features": [{"name": "image", "type": "image", "encoder": {"type": "stacked_cnn"},
+                                  "preprocessing": {"height": 64, "width": 64}}],
+              "output_features": [{"name": "label", "type": "category"}]}}
+
+
+def fixtures_ludwig(work: Path) -> None:
+    """A CSV of made-up sentences, a number, generated pictures and two targets; one config per model (YAML is
+    JSON), one epoch on whatever GPU there is."""
+    rng = random.Random(10)
+    rows = ["text,x,image,label,y"]
+    for i, t in enumerate(words(96, 11)):
+        picture(work / "img" / f"{i}.png", rng)
+        rows.append(f"\"{t}\",{rng.random():.3f},{work}/img/{i}.png,{('a', 'b', 'c')[i % 3]},{rng.random():.3f}")
+    (work / "data.csv").write_text("\n".join(rows) + "\n")
+    for name, config in LUDWIG_CONFIGS.items():
+        (work / f"{name}.yaml").write_text(json.dumps({**config, "trainer": {"epochs": 1, "batch_size": 16}}))
+
+
+def ludwig_args(config: str) -> tuple[str, ...]:
+    return ("ludwig", "train", "--config", "{work}/" + config + ".yaml", "--dataset", "{work}/data.csv",
+            "--output_directory", "{out}", "--skip_save_processed_input", "--skip_save_model")
+
+
+def fixtures_axolotl(work: Path) -> None:
+    """trl's small Qwen2 model and text, and axolotl configs (YAML is JSON) for a LoRA and a full fine-tune."""
+    fixtures_trl(work)
+    base = {"base_model": str(work / "model"), "datasets": [{"path": str(work / "sft" / "train.jsonl"),
+                                                           "ds_type": "json", "type": "completion"}],
+            "dataset_prepared_path": str(work / "prepared"), "val_set_size": 0, "sequence_len": 64,
+            "micro_batch_size": 2, "gradient_accumulation_steps": 1, "num_epochs": 1, "max_steps": 3,
+            "optimizer": "adamw_torch", "learning_rate": 0.0001, "output_dir": "./outputs", "bf16": True,
+            "logging_steps": 1, "save_strategy": "no"}
+    (work / "full.yml").write_text(json.dumps(base))
+    (work / "lora.yml").write_text(json.dumps({**base, "adapter": "lora", "lora_r": 8, "lora_alpha": 16,
+                                               "lora_dropout": 0.0, "lora_target_linear": True}))
+
+
+# MONAI bundle configs (the bundle's train.json, the program's input): synthetic volumes made by MONAI itself
+MONAI_COMMON = {
+    "imports": ["$import torch", "$import numpy as np", "$import monai"],
+    "device": "$torch.device('cuda:0')",
+    "optimizer": {"_target_": "torch.optim.Adam", "params": "$@network.parameters()", "lr": 0.0001},
+    "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 2, "shuffle": True,
+                   "num_workers": 0},
+    "run": ["$@trainer.run()"]}
+MONAI_VOLUMES = ("$[dict(zip(['image', 'label'], monai.data.synthetic.create_test_image_3d(64, 64, 64, "
+                 "num_seg_classes=1, channel_dim=0, random_state=np.random.RandomState(i)))) for i in range(8)]")
+MONAI_SEGMENTATION = {
+    "network": "$@network_def.to(@device)",
+    "loss": {"_target_": "DiceCELoss", "to_onehot_y": True, "softmax": True},
+    "dataset": {"_target_": "Dataset", "data": MONAI_VOLUMES,
+                "transform": {"_target_": "EnsureTyped", "keys": ["image", "label"]}},
+    "trainer": {"_target_": "SupervisedTrainer", "max_epochs": 1, "device": "@device",
+                "train_data_loader": "@dataloader", "network": "@network", "optimizer": "@optimizer",
+                "loss_function": "@loss", "amp": True}}
+MONAI_BUNDLES = {
+    "unet3d": {**MONAI_SEGMENTATION, "network_def": {
+        "_target_": "UNet", "spatial_dims": 3, "in_channels": 1, "out_channels": 2, "channels": [16, 32, 64, 128],
+        "strides": [2, 2, 2], "num_res_units": 2}},
+    "swinunetr": {**MONAI_SEGMENTATION, "network_def": {
+        "_target_": "SwinUNETR", "in_channels": 1, "out_channels": 2, "feature_size": 24,
+        "use_checkpoint": True}},
+    # a 2D latent-free DDPM: MONAI's diffusion UNet trained to predict the noise its DDPM scheduler adds
+    "ddpm": {
+        "network_def": {"_target_": "DiffusionModelUNet", "spatial_dims": 2, "in_channels": 1, "out_channels": 1,
+                        "channels": [32, 64, 64], "attention_levels": [False, False, True], "num_res_blocks": 1,
+                        "num_head_channels": 32},
+        "network": "$@network_def.to(@device)",
+        "scheduler": {"_target_": "DDPMScheduler", "num_train_timesteps": 1000},
+        "dataset": {"_target_": "Dataset", "data": (
+            "$[{'image': monai.data.synthetic.create_test_image_2d(64, 64, channel_dim=0, "
+            "random_state=np.random.RandomState(i))[0]} for i in range(16)]"),
+                    "transform": {"_target_": "EnsureTyped", "keys": ["image"]}},
+        "inferer": {"_target_": "DiffusionInferer", "scheduler": "@scheduler"},
+        "trainer": {"_target_": "SupervisedTrainer", "max_epochs": 1, "device": "@device",
+                    "train_data_loader": "@dataloader", "network": "@network", "optimizer": "@optimizer",
+                    "loss_function": "$torch.nn.MSELoss()", "inferer": "@inferer",
+                    "prepare_batch": "$monai.engines.DiffusionPrepareBatch(num_train_timesteps=1000)"}}}
+
+
+def fixtures_monai(work: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    for name, bundle in MONAI_BUNDLES.items():
+        (work / f"{name}.json").write_text(json.dumps({**MONAI_COMMON, **bundle}, indent=1))
+
+
+def monai_model(name: str) -> Callable[[Path], Any]:
+    def build(work: Path) -> Any:
+        from monai.bundle import ConfigParser
+
+        parser = ConfigParser({**MONAI_COMMON, **MONAI_BUNDLES[name]})
+        return parser.get_parsed_content("network_def")
+    return build
+
+
+def fixtures_schnetpack(work: Path) -> None:
+    """An ASE database as schnetpack's AtomsDataModule reads one: jittered copper cells labelled by ASE's EMT
+    calculator (energy, forces), made with schnetpack's own writer."""
+    import numpy as np
+    from schnetpack.data import ASEAtomsData
+
+    atoms_list, properties = [], []
+    for atoms in copper_cells(24, 1):
+        properties.append({"energy": np.array([atoms.get_potential_energy()]), "forces": atoms.get_forces()})
+        atoms.calc = None
+        atoms_list.append(atoms)
+    work.mkdir(parents=True, exist_ok=True)
+    db = ASEAtomsData.create(str(work / "cu.db"), distance_unit="Ang",
+                             property_unit_dict={"energy": "eV", "forces": "eV/Ang"})
+    db.add_systems(properties, atoms_list)
+
+
+def spktrain_args(*overrides: str) -> tuple[str, ...]:
+    """`spktrain` with schnetpack's MD17 experiment (energy and forces) pointed at a custom database, as its docs
+    have users train on their own data."""
+    return ("spktrain", "experiment=md17", "data=custom", "data.datapath={work}/cu.db", "run.experiment=cu",
+            "data.num_train=16", "data.num_val=4", "data.batch_size=4", "data.num_workers=0",
+            "data.property_units.energy=eV", "data.property_units.forces=eV/Ang", "trainer.max_epochs=1",
+            "trainer.accelerator=gpu", "logger=csv", *overrides)
+
+
+def spoken_tones(work: Path) -> None:
+    """An LJSpeech-layout data set (metadata.csv: id|text|normalised text, wavs/ at 22.05 kHz): one-second tones
+    standing for the recordings of made-up sentences."""
+    import wave
+
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    (work / "wavs").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, text in enumerate(words(24, 12)):
+        tone = np.sin(np.arange(22050) * rng.uniform(200, 600) * 2 * np.pi / 22050) * 0.3
+        with wave.open(str(work / "wavs" / f"s{i}.wav"), "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(22050)
+            w.writeframes((tone * 32767).astype("<i2").tobytes())
+        lines.append(f"s{i}|{text}|{text}")
+    (work / "metadata.csv").write_text("\n".join(lines) + "\n")
+
+
+def fixtures_coqui(work: Path) -> None:
+    """`spoken_tones`, and a Glow-TTS and a VITS config on characters (no phonemizer), saved by TTS's own config
+    classes."""
+    from TTS.config.shared_configs import BaseDatasetConfig
+    from TTS.tts.configs.glow_tts_config import GlowTTSConfig
+    from TTS.tts.configs.vits_config import VitsConfig
+
+    spoken_tones(work)
+    dataset = BaseDatasetConfig(formatter="ljspeech", meta_file_train="metadata.csv", path=str(work))
+    common = {"batch_size": 4, "eval_batch_size": 4, "num_loader_workers": 0, "num_eval_loader_workers": 0,
+              "run_eval": False, "test_delay_epochs": -1, "epochs": 1, "text_cleaner": "basic_cleaners",
+              "use_phonemes": False, "print_step": 1, "mixed_precision": False, "output_path": str(work / "runs"),
+              "datasets": [dataset], "eval_split_size": 2, "test_sentences": []}
+    GlowTTSConfig(**common).save_json(str(work / "glow_tts.json"))
+    VitsConfig(**common).save_json(str(work / "vits.json"))
+
+
+def piper_args(*options: str) -> tuple[str, ...]:
+    """piper's trainer (a LightningCLI: `python -m piper.train fit`) on `spoken_tones`, espeak-ng's phonemes."""
+    return ("python", "-m", "piper.train", "fit", "--data.voice_name", "toy", "--data.csv_path", "{work}/metadata.csv",
+            "--data.audio_dir", "{work}/wavs", "--model.sample_rate", "22050", "--data.espeak_voice", "en-us",
+            "--data.cache_dir", "{out}/cache", "--data.config_path", "{out}/config.json", "--data.batch_size", "4",
+            "--data.num_workers", "0", "--trainer.max_epochs", "1", "--trainer.accelerator", "gpu",
+            "--trainer.devices", "1", "--trainer.default_root_dir", "{out}", *options)
+
+
+def fixtures_lerobot(work: Path) -> None:
+    """A LeRobot data set made by LeRobot's own writer (LeRobotDataset.create, add_frame, save_episode) in a local
+    folder: 4 episodes of 32 frames, a camera picture (PNG frames, no video), a 2-D state and action."""
+    import numpy as np
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    rng = np.random.default_rng(4)
+    features = {"observation.image": {"dtype": "image", "shape": (96, 96, 3),
+                                      "names": ["height", "width", "channels"]},
+                "observation.state": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]},
+                "action": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]}}
+    dataset = LeRobotDataset.create("local/toy", fps=10, features=features, root=work / "toy", use_videos=False)
+    for _ in range(4):
+        for _ in range(32):
+            dataset.add_frame({"observation.image": rng.integers(0, 255, (96, 96, 3), dtype=np.uint8),
+                               "observation.state": rng.normal(size=2).astype(np.float32),
+                               "action": rng.normal(size=2).astype(np.float32)}, task="push the block")
+        dataset.save_episode()
+
+
+def lerobot_args(policy: str, *options: str) -> tuple[str, ...]:
+    return ("lerobot-train", "--dataset.repo_id=local/toy", "--dataset.root={work}/toy", f"--policy.type={policy}",
+            "--policy.device=cuda", "--policy.push_to_hub=false", "--steps=3", "--batch_size=4", "--num_workers=0",
+            "--output_dir={out}/run", "--wandb.enable=false", "--save_checkpoint=false", *options)
+
+
+def fixtures_cellpose(work: Path) -> None:
+    """A folder of grey pictures with bright round cells and their label masks (NAME_masks.png), the training
+    layout cellpose's CLI reads."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    yy, xx = np.mgrid[:128, :128]
+    for split, count in (("train", 8), ("test", 2)):
+        (work / split).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            image = rng.normal(20, 5, (128, 128))
+            mask = np.zeros((128, 128), np.uint16)
+            for label in range(1, 9):
+                cy, cx, r = rng.integers(15, 113), rng.integers(15, 113), rng.integers(6, 12)
+                inside = (yy - cy) ** 2 + (xx - cx) ** 2 < r * r
+                image[inside] += 150
+                mask[inside] = label
+            Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(work / split / f"c{i}.png")
+            Image.fromarray(mask).save(work / split / f"c{i}_masks.png")
+
+
+def cellpose_args(*options: str) -> tuple[str, ...]:
+    return ("python", "-m", "cellpose", "--train", "--dir", "{work}/train", "--test_dir", "{work}/test",
+            "--pretrained_model", "None", "--chan", "0", "--chan2", "0", "--n_epochs", "1", "--batch_size", "4",
+            "--use_gpu", "--verbose", *options)
+
+
+def fixtures_sevenn(work: Path) -> None:
+    """SevenNet's `base` preset (its `sevenn_preset` prints it) set to one epoch on an extended-XYZ file of
+    jittered copper cells labelled by ASE's EMT calculator (energy, forces, stress), as `sevenn` reads one."""
+    import ase.io
+    import yaml
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = []
+    for atoms in copper_cells(16, 5):
+        labels = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+        atoms.calc = SinglePointCalculator(atoms, **labels)
+        frames.append(atoms)
+    work.mkdir(parents=True, exist_ok=True)
+    ase.io.write(work / "train.extxyz", frames[:12], format="extxyz")
+    ase.io.write(work / "valid.extxyz", frames[12:], format="extxyz")
+    preset = subprocess.run([str(Path(sys.executable).parent / "sevenn_preset"), "base"], capture_output=True,
+                            text=True, check=True).stdout
+    config = yaml.safe_load(preset)
+    config["train"]["epoch"] = 1
+    config["data"]["load_trainset_path"] = [str(work / "train.extxyz")]
+    config["data"]["load_validset_path"] = [str(work / "valid.extxyz")]
+    config["data"].pop("load_testset_path", None)
+    (work / "input.yaml").write_text(yaml.safe_dump(config))
+
+
+def fixtures_allegro(work: Path) -> None:
+    """nequip's EMT copper config with Allegro's model in place of NequIP's (Allegro's docs train it with
+    nequip-train)."""
+    fixtures_nequip(work)
+    config = json.loads((work / "train.yaml").read_text())
+    model = config["training_module"]["model"]
+    config["training_module"]["model"] = {
+        "_target_": "allegro.model.AllegroModel", "seed": 0, "model_dtype": "float32", "type_names": ["Cu"],
+        "r_max": 4.0, "l_max": 1, "parity": True, "num_layers": 2, "num_scalar_features": 32,
+        "num_tensor_features": 8, "radial_chemical_embed": {"_target_": "allegro.nn.TwoBodyBesselScalarEmbed",
+                                                            "num_bessels": 8},
+        "radial_chemical_embed_dim": 32, "scalar_embed_mlp_hidden_layers_depth": 1,
+        "scalar_embed_mlp_hidden_layers_width": 32, "allegro_mlp_hidden_layers_depth": 1,
+        "allegro_mlp_hidden_layers_width": 32, "readout_mlp_hidden_layers_depth": 1,
+        "readout_mlp_hidden_layers_width": 16, "avg_num_neighbors": model["avg_num_neighbors"],
+        "per_type_energy_shifts": model["per_type_energy_shifts"],
+        "per_type_energy_scales": model["per_type_energy_scales"]}
+    (work / "train.yaml").write_text(json.dumps(config, indent=1))
+
+
 PROGRAMS: list[Program] = [
     # accelerate: the scripts its `accelerate test` and its own test suite launch
     Program("accelerate-test-sync", "accelerate", ("python", "-m", "accelerate.test_utils.scripts.test_sync"),
@@ -662,6 +1067,31 @@ PROGRAMS: list[Program] = [
     *(Program(f"trl-sft-{config}", "trl", ("trl",) + trl_args("sft", "sft") + (
         "--accelerate_config", config, "--num_processes", "2"), lambda w: trl_model(w))
       for config in ("zero1", "zero2", "zero3", "fsdp1", "fsdp2")),
+    # GRPO (reinforcement learning from a reward function trl ships) and a torch.compile'd SFT
+    Program("trl-grpo", "trl", ("python", "-m") + trl_args("trl.scripts.grpo", "prompts")[:-2] + (
+        "--reward_funcs", "think_format_reward", "--num_generations", "2", "--max_completion_length", "16"),
+        lambda w: trl_model(w)),
+    Program("trl-sft-compile", "trl", ("trl",) + trl_args("sft", "sft") + ("--torch_compile", "true"),
+            lambda w: trl_model(w)),
+    # a user's shell wrapper starting trl's CLI, and torchrun under `env`, as batch scripts write them
+    Program("trl-sft-bash", "trl", ("bash", "{work}/sft.sh", "{out}") + trl_args("sft", "sft")[1:],
+            lambda w: trl_model(w)),
+    Program("trl-sft-env-torchrun", "trl", ("env", "OMP_NUM_THREADS=1", "torchrun", "--nproc_per_node", "2", "-m")
+            + trl_args("trl.scripts.sft", "sft"), lambda w: trl_model(w)),
+    # Llama 2 7B fine-tuned from a local Hugging Face checkpoint over 2 GPUs, the ways people shard it: trl's FSDP2
+    # config, the Trainer's own --fsdp under torchrun (Alpaca style), ZeRO-3 with host offload by the deepspeed
+    # launcher and by `accelerate launch`'s flags
+    Program("trl-sft-7b-fsdp2", "trl", ("trl",) + llama_7b_args("sft") + ("--accelerate_config", "fsdp2", "--num_processes", "2"),
+            lambda w: llama_7b(w, 2)),
+    Program("trl-sft-7b-torchrun-fsdp", "trl", ("torchrun", "--nproc_per_node", "2", "-m") + llama_7b_args(
+        "trl.scripts.sft") + ("--fsdp", "full_shard auto_wrap", "--fsdp_config", "{work}/fsdp.json"),
+            lambda w: llama_7b(w, 2)),
+    Program("trl-sft-7b-deepspeed-zero3-offload", "trl", ("deepspeed", "--num_gpus", "2", "--module") + llama_7b_args(
+        "trl.scripts.sft") + ("--deepspeed", "{work}/ds_zero3_offload.json")),
+    Program("trl-sft-7b-accelerate-zero3-offload", "trl", (
+        "accelerate", "launch", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3",
+        "--offload_optimizer_device", "cpu", "--offload_param_device", "cpu", "--zero3_init_flag", "true",
+        "--mixed_precision", "bf16", "-m") + llama_7b_args("trl.scripts.sft")),
     # LLaMA-Factory: its CLI's `train` verb, LoRA / full / freeze tuning and DPO, flags as its docs give them
     Program("llamafactory-sft-lora", "llamafactory", llamafactory_args("sft", "lora"), lambda w: trl_model(w)),
     Program("llamafactory-sft-full", "llamafactory", llamafactory_args("sft", "full"), lambda w: trl_model(w)),
@@ -735,6 +1165,77 @@ PROGRAMS: list[Program] = [
     Program("nnunet-2d", "nnunetv2", ("nnUNetv2_train", "1", "2d", "0"), nnunet_model(True), NNUNET_ENV),
     Program("nnunet-2d-nodeepsup", "nnunetv2", ("nnUNetv2_train", "1", "2d", "0", "-tr",
                                                 "nnUNetTrainerNoDeepSupervision"), nnunet_model(False), NNUNET_ENV),
+    # --- the second wave (issue 31 item 6) ---
+    # torchtune: a torch.compile'd LoRA, QLoRA (torchao's NF4 base), and its distributed recipes over 2 GPUs
+    Program("tune-lora-compile", "torchtune", tune_args("lora_finetune_single_device", "llama2/7B_lora_single_device",
+                                                         True, "dataset.data_files={work}/data.json", "compile=True"),
+            tune_model),
+    Program("tune-qlora", "torchtune", tune_args("lora_finetune_single_device", "llama2/7B_qlora_single_device", True,
+                                                  "dataset.data_files={work}/data.json",
+                                                  "model._component_=torchtune.models.llama2.qlora_llama2")),
+    Program("tune-lora-distributed", "torchtune", ("tune", "run", "--nproc_per_node", "2") + tune_args(
+        "lora_finetune_distributed", "llama2/7B_lora", True, "dataset.data_files={work}/data.json")[2:], tune_model),
+    Program("tune-full-distributed", "torchtune", ("tune", "run", "--nproc_per_node", "2") + tune_args(
+        "full_finetune_distributed", "llama2/7B_full", False, "dataset.data_files={work}/data.json")[2:]),
+    # ultralytics: RT-DETR and YOLOv8 from their shipped YAMLs, and a torch.compile'd YOLO11
+    Program("yolo-rtdetr", "ultralytics", tuple(a.replace("yolo11n.yaml", "rtdetr-l.yaml") for a in yolo_args("detect"))),
+    Program("yolo-v8n", "ultralytics", tuple(a.replace("yolo11n.yaml", "yolov8n.yaml") for a in yolo_args("detect"))),
+    Program("yolo-detect-compile", "ultralytics", yolo_args("detect") + ("compile=True",), yolo_model("detect")),
+    # open_clip_torch with its --torchcompile
+    Program("open-clip-rn50-compile", "open_clip_torch", open_clip_args("RN50") + ("--torchcompile",),
+            open_clip_model("RN50")),
+    # rl_zoo3: off-policy continuous control (TD3, DDPG) and sb3-contrib's TQC and QR-DQN from the zoo's settings
+    Program("zoo-td3", "rl_zoo3", zoo_args("td3", "Pendulum-v1", 3000), sb3_model("td3", "Pendulum-v1")),
+    Program("zoo-ddpg", "rl_zoo3", zoo_args("ddpg", "Pendulum-v1", 3000), sb3_model("ddpg", "Pendulum-v1")),
+    Program("zoo-tqc", "rl_zoo3", zoo_args("tqc", "Pendulum-v1", 3000)),
+    Program("zoo-qrdqn", "rl_zoo3", zoo_args("qrdqn", "CartPole-v1", 3000)),
+    # gluonts: its SageMaker shell's train command (`python -m gluonts.shell train`), torch estimators
+    *(Program(f"gluonts-{name}", "gluonts", gluonts_args(estimator)) for name, estimator in (
+        ("deepar", "gluonts.torch.model.deepar.DeepAREstimator"),
+        ("tft", "gluonts.torch.model.tft.TemporalFusionTransformerEstimator"),
+        ("patchtst", "gluonts.torch.model.patch_tst.PatchTSTEstimator"),
+        ("feedforward", "gluonts.torch.model.simple_feedforward.SimpleFeedForwardEstimator"))),
+    # ludwig: its CLI's train verb on a CSV: a text CNN with a number, a transformer encoder, an image CNN
+    *(Program(f"ludwig-{name}", "ludwig", ludwig_args(name)) for name in LUDWIG_CONFIGS),
+    # axolotl: its CLI's train verb on a YAML config (LoRA and full fine-tune of a local model)
+    Program("axolotl-lora", "axolotl", ("axolotl", "train", "{work}/lora.yml"), lambda w: trl_model(w)),
+    Program("axolotl-full", "axolotl", ("axolotl", "train", "{work}/full.yml"), lambda w: trl_model(w)),
+    # MONAI: `python -m monai.bundle run` on bundle configs: 3D UNet and SwinUNETR segmentation, a 2D DDPM
+    *(Program(f"monai-{name}", "monai", ("python", "-m", "monai.bundle", "run", "--config_file",
+                                         "{work}/" + name + ".json"), monai_model(name)) for name in MONAI_BUNDLES),
+    # schnetpack: `spktrain` (hydra) on an ASE database of its own format, SchNet and PaiNN
+    Program("spktrain-schnet", "schnetpack", spktrain_args()),
+    Program("spktrain-painn", "schnetpack", spktrain_args("model/representation=painn")),
+    # coqui-tts: its trainer script on an LJSpeech-layout folder, Glow-TTS and VITS
+    *(Program(f"coqui-{name}", "coqui-tts", ("python", "-m", "TTS.bin.train_tts", "--config_path",
+                                             "{work}/" + name + ".json")) for name in ("glow_tts", "vits")),
+    # piper-tts: its VITS trainer, a LightningCLI program, on espeak-ng's phonemes of the sentences
+    Program("piper-vits", "piper-tts", piper_args()),
+    # LeRobot: its trainer on a local data set, a diffusion policy and ACT (no pretrained backbone: no hub)
+    Program("lerobot-diffusion", "lerobot", lerobot_args("diffusion")),
+    Program("lerobot-act", "lerobot", lerobot_args("act", "--policy.pretrained_backbone_weights=null")),
+    # cellpose: its CLI's training of a network from scratch on pictures with masks
+    Program("cellpose-train", "cellpose", cellpose_args()),
+    # SevenNet: its CLI (`sevenn input.yaml`) on its base preset
+    Program("sevenn-base", "sevenn", ("sevenn", "{work}/input.yaml")),
+    # Allegro: nequip-train with Allegro's model, as Allegro's docs run it
+    Program("allegro", "nequip-allegro", nequip_args()),
+    # CleanRL: its single-file agents as `python -m cleanrl.NAME` (tyro flags; CUDA by default)
+    *(Program(f"cleanrl-{name}", "cleanrl", ("python", "-m", f"cleanrl.{name}", *flags)) for name, flags in (
+        ("ppo", ("--total-timesteps", "2048")),
+        ("dqn", ("--total-timesteps", "12000", "--learning-starts", "10000")),
+        ("c51", ("--total-timesteps", "12000", "--learning-starts", "10000")),
+        ("sac_continuous_action", ("--env-id", "Pendulum-v1", "--total-timesteps", "5100", "--learning-starts",
+                                   "5000")),
+        ("td3_continuous_action", ("--env-id", "Pendulum-v1", "--total-timesteps", "25100")))),
+    # Sample Factory: its gym example's trainer (asynchronous PPO), as its docs start it
+    Program("sample-factory-cartpole", "sample-factory", (
+        "python", "-m", "sf_examples.train_gym_env", "--env=CartPole-v1", "--experiment=cartpole",
+        "--train_dir={out}", "--device=gpu", "--train_for_env_steps=20000")),
+    # imitation: its sacred scripts' RL trainer with the named configs it ships
+    *(Program(f"imitation-rl-{name}", "imitation", ("imitation-train-rl", "with", name,
+                                                     "total_timesteps=4096", "logging.log_root={out}"))
+      for name in ("cartpole", "pendulum")),
 ]
 FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactory": fixtures_llamafactory,
                                                "mace": fixtures_mace, "torchtitan": fixtures_torchtitan,
@@ -743,7 +1244,13 @@ FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactor
                                                "litgpt": fixtures_litgpt,
                                                "ultralytics": fixtures_ultralytics, "torchtune": fixtures_torchtune,
                                                "chemprop": fixtures_chemprop, "lightly": fixtures_lightly,
-                                               "nequip": fixtures_nequip, "nnunetv2": fixtures_nnunet}
+                                               "nequip": fixtures_nequip, "nnunetv2": fixtures_nnunet,
+                                               "gluonts": gluonts_folder, "ludwig": fixtures_ludwig,
+                                               "axolotl": fixtures_axolotl, "monai": fixtures_monai,
+                                               "schnetpack": fixtures_schnetpack, "coqui-tts": fixtures_coqui,
+                                               "cellpose": fixtures_cellpose, "nequip-allegro": fixtures_allegro,
+                                               "piper-tts": spoken_tones, "lerobot": fixtures_lerobot,
+                                               "sevenn": fixtures_sevenn}
 
 
 # --- running ----------------------------------------------------------------------------------------------------
@@ -770,11 +1277,21 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_program(program: Program, venv: Path, work: Path, iterations: int, timeout: float) -> Record:
+def xmem_slurm(product: Path | None) -> list[str]:
+    """The product's command: this checkout's, or the xmem package of `product` (a snapshot of one commit, so that
+    a run's figures belong to that commit while the checkout changes) on this checkout's interpreter."""
+    if product is None:
+        return [str(ROOT / ".venv" / "bin" / "xmem-slurm")]
+    return [str(ROOT / ".venv" / "bin" / "python"), "-c", f"import sys; sys.path.insert(0, {str(product)!r}); "
+            "from xmem.cli import main; sys.argv[0] = 'xmem-slurm'; sys.exit(main())"]
+
+
+def run_program(program: Program, venv: Path, work: Path, iterations: int, timeout: float,
+                product: Path | None = None) -> Record:
     out = Path(tempfile.mkdtemp(prefix=program.name + "-", dir=work))
     argv = [a.format(work=work / program.package, out=out) for a in program.argv]
     env = tuple((k, v.format(work=work / program.package, out=out)) for k, v in program.env)  # same placeholders
-    command = [str(ROOT / ".venv" / "bin" / "xmem-slurm"), "estimate", "--json", "--gpu", GPU,
+    command = [*xmem_slurm(product), "estimate", "--json", "--gpu", GPU,
                "--iterations", str(iterations), "--timeout", str(timeout), "--python", str(venv / "bin" / "python"),
                "--", *argv]
     started = time.monotonic()
@@ -844,20 +1361,48 @@ def venv_of(package: str, base: Path) -> Path:
     return Path(f"{base}-{package}") if package and package in PACKAGE_PINS else base
 
 
-def setup(base: Path) -> None:
-    """Make the programs' venvs from this interpreter's base Python, each with the product's torch and its pinned
-    packages in one resolution (so no package can replace that torch)."""
+def setup(base: Path, packages: list[str] | None = None) -> None:
+    """Make the programs' venvs (all, or those of `packages`) from this interpreter's base Python, each with the
+    product's torch and its pinned packages in one resolution (so no package can replace that torch). uv, where
+    the product's venv has it, links its cached wheels instead of copying (a venv in seconds, little disk)."""
     python = getattr(sys, "_base_executable", sys.executable)
+    uv = ROOT / ".venv" / "bin" / "uv"
     for package, pins in PACKAGE_PINS.items():
+        if packages and (package or "") not in packages:
+            continue
         venv = venv_of(package, base)
-        subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *TORCH_PINS, *pins], check=True)
+        target = str(venv / "bin" / "python")
+        if uv.exists():
+            subprocess.run([str(uv), "venv", "-q", "--clear", "-p", PACKAGE_PYTHON.get(package, python), str(venv)],
+                           check=True)
+            install = [str(uv), "pip", "install", "-q", "-p", target]
+        else:
+            subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
+            install = [target, "-m", "pip", "install", "-q"]
+        subprocess.run([*install, *TORCH_PINS, *pins, "pip"], check=True)
+        if package in NO_DEPS:
+            subprocess.run([*install, "--no-deps", *NO_DEPS[package]], check=True)
 
 
 def write_records(path: Path, records: list[Record], iterations: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": GPU, "iterations": iterations, "answered": sum(r.answered for r in records),
                                 "programs": len(records), "records": [asdict(r) for r in records]}, indent=1) + "\n")
+
+
+def merge_records(out: Path, new_files: list[Path], label: str) -> None:
+    """Merge the records of `new_files` into `out`, stamping each unstamped new record with `label`: a program run
+    again replaces its old record, the others keep theirs, in the order of PROGRAMS."""
+    old = json.loads(out.read_text()) if out.exists() else {"gpu": GPU, "iterations": 2, "records": []}
+    by_name = {r["name"]: r for r in old["records"]}
+    for path in new_files:
+        for record in json.loads(path.read_text())["records"]:
+            by_name[record["name"]] = {**record, "run": record.get("run") or label}
+    order = {p.name: i for i, p in enumerate(PROGRAMS)}
+    records = sorted(by_name.values(), key=lambda r: order.get(r["name"], len(order)))
+    out.write_text(json.dumps({**old, "answered": sum(r["answered"] for r in records), "programs": len(records),
+                               "packages": len({r["package"] for r in records}), "records": records},
+                              indent=1) + "\n")
 
 
 def select(only: list[str] | None, packages: list[str] | None) -> list[Program]:
@@ -880,6 +1425,12 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=2, help="optimizer steps each estimate traces")
     parser.add_argument("--timeout", type=float, default=300, help="seconds each estimate may trace")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="merge these runs' records into --out (kept: the programs not run again) and stop")
+    parser.add_argument("--label", default="", help="(--merge) the run's date and product commit, stamped on its "
+                        "records")
+    parser.add_argument("--product", type=Path, help="estimate with the xmem package of this folder (e.g. `git "
+                        "archive HEAD` unpacked) instead of this checkout's")
     parser.add_argument("--work", type=Path, help="(helper verbs) the fixtures' folder")
     parser.add_argument("--fixtures", metavar="PKG", help="(helper, programs' venv) make PKG's fixtures in --work")
     parser.add_argument("--model-state", metavar="NAME", help="(helper, programs' venv) print NAME's model state")
@@ -893,8 +1444,11 @@ def main() -> int:
         program = next(p for p in PROGRAMS if p.name == args.model_state)
         print(model_state_bytes(program.model(args.work)))
         return 0
+    if args.merge:
+        merge_records(args.out, args.merge, args.label)
+        return 0
     if args.setup:
-        setup(args.venv)
+        setup(args.venv, args.package)
         return 0
     programs = select(args.only, args.package)
     if args.list:
@@ -915,7 +1469,7 @@ def main() -> int:
                 record = Record(program.name, program.package, " ".join(program.argv), -1, 0.0,
                                 reason=unmade[program.package])
             else:
-                record = run_program(program, venv, work, args.iterations, args.timeout)
+                record = run_program(program, venv, work, args.iterations, args.timeout, args.product)
             print(f"{record.name}: exit {record.exit}, {record.seconds} s {record.reason}", file=sys.stderr,
                   flush=True)
             records.append(record)
