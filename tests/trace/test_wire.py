@@ -1,4 +1,4 @@
-"""`xmem.trace.wire`: the notes the traced program's side sends back are typed records (a kind with its words for
+"""`xmem.trace.wire`: the request the estimator hands the traced side reads back as it was made; the notes the traced program's side sends back are typed records (a kind with its words for
 people, the maker's own words, the values that fill them), carried through the result JSON, so the estimator shows
 them by kind and never parses their words."""
 
@@ -8,8 +8,10 @@ import pickle
 import sys
 import textwrap
 
+import pytest
+
 from xmem.trace import run_trace
-from xmem.trace.wire import Note, NoteKind, as_note, notes_from_json, notes_json
+from xmem.trace.wire import Note, NoteKind, TraceRequest, as_note, notes_from_json, notes_json
 
 LOOP = Note(NoteKind.LOOP_ENDED, "a condition on tensor data was answered True 100 times at one place; answered "
                                  "False from then on, to end the loop", 100)
@@ -78,3 +80,18 @@ def test_the_childs_notes_reach_the_estimator_typed(tmp_path):
     assert kinds[NoteKind.MEMORY_SIZE_READ].args == ("80.0 GiB",)  # the pretended H100's, shown to the program
     assert kinds[NoteKind.VALUES_READ_AS_ONES].args == ("tolist",)
     assert kinds[NoteKind.SCALAR_STAND_IN].quiet
+
+
+def test_a_request_reads_back_as_it_was_made():
+    full = TraceRequest(("-m", "pkg.train", "--lr", "0.1", "--out", "theirs"), "/scratch/trace.json", iterations=2,
+                        capability=(8, 6), device_count=4, deadline=1234.5, progress_fd=-1)
+    assert TraceRequest.from_argv(full.argv()) == full
+    bare = TraceRequest(("train.py",), "/scratch/trace.json")
+    assert TraceRequest.from_argv(bare.argv()) == bare
+    assert bare.argv() == ["--out", "/scratch/trace.json", "--iterations", "3", "--capability", "9.0",
+                           "--device-count", "1", "--", "train.py"]
+
+
+def test_a_request_without_a_program_is_refused():
+    with pytest.raises(SystemExit):
+        TraceRequest.from_argv(["--out", "/scratch/trace.json", "--"])

@@ -36,7 +36,7 @@ from xmem.trace.command import console_script_interpreter, is_binary, job_interp
     starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
-from xmem.trace.wire import Note, NoteKind, notes_from_json
+from xmem.trace.wire import Note, NoteKind, TraceRequest, notes_from_json
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB, gib_words
@@ -107,11 +107,11 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
                                         _cpu_seconds(timeout), _shim_dirs(),
                                         interpreter_binaries([interpreter, shim_python or ""], job_env))
-        child = [*helper, interpreter, "-m", module, "--out", str(out), "--iterations", str(iterations),
-                 "--capability", f"{capability[0]}.{capability[1]}", "--device-count", str(gpus),
-                 "--deadline", f"{time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS):.3f}"]
+        request = TraceRequest(tuple(program), str(out), iterations, capability, gpus,
+                               time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS),
+                               progress_fd=-1)  # the descriptor: set when started
         child_env = _with_srun_shim(_child_env(env, target, gpus), Path(scratch))
-        argv = [*child, "--progress-fd", "-1", "--", *program]  # the descriptor: set when started
+        argv = [*helper, interpreter, "-m", module, *request.argv()]
         warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
             if warm.enabled(warm_tracer) else None
         run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress, cancel)

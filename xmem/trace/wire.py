@@ -1,19 +1,81 @@
-"""What crosses the tracer's process boundary, typed: the notes the traced program's side sends back with its
-trace (what the fake GPU assumed or left out, each a `NoteKind` with its words for people).
+"""What crosses the tracer's process boundary, typed: the request the estimator hands the traced program's side
+(`TraceRequest`: the program, the iterations, the pretended GPUs, the deadline, where to write; its command line
+made and read here only), and the notes that side sends back with its trace (what the fake GPU assumed or left
+out, each a `NoteKind` with its words for people).
 
-Both sides import this module and nothing of the other's: the child (`xmem.trace.child`) makes notes and writes
-them into its result JSON (`notes_json`); the estimator reads them back (`notes_from_json`) and the command line
-shows them by their kind, never by parsing their words. Nothing beyond the standard library; runs on Python 3.10
-too (the child runs on the job's interpreter).
+Both sides import this module and nothing of the other's: the runner makes a request's argv, the child
+(`xmem.trace.child.main`, and `follow` for the processes the program starts) reads it back; the child makes notes
+and writes them into its result JSON (`notes_json`); the estimator reads them back (`notes_from_json`) and the
+command line shows them by their kind, never by parsing their words. Nothing beyond the standard library; runs on
+Python 3.10 too (the child runs on the job's interpreter).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 UPPER_BOUND = "the figures are an upper bound there: nothing to do"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One trace, as the estimator asks it of the traced side (`python -m xmem.trace [options] -- COMMAND`)."""
+
+    command: tuple[str, ...]  # the program: script.py ARGS, -m module ARGS (or -c CODE, in a process it started)
+    out: str  # where the result JSON (the Trace, or the error) is written
+    iterations: int = 3  # optimizer steps to trace
+    capability: tuple[int, int] = (9, 0)  # the compute capability the fake GPUs have
+    device_count: int = 1  # the GPUs of the job's node (torch.cuda.device_count())
+    deadline: float | None = None  # time.monotonic() by which a program short of its first step is decided on
+    progress_fd: int | None = None  # where progress lines go (-1: set by whoever starts the process)
+
+    def argv(self) -> list[str]:
+        """The child's command line: options, then `--` and the program."""
+        argv = ["--out", self.out, "--iterations", str(self.iterations), "--capability", capability_text(
+            self.capability), "--device-count", str(self.device_count)]
+        if self.deadline is not None:
+            argv += ["--deadline", f"{self.deadline:.3f}"]
+        if self.progress_fd is not None:
+            argv += ["--progress-fd", str(self.progress_fd)]
+        return [*argv, "--", *self.command]
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> TraceRequest:
+        """The request back from `argv()` (the child's side; exits with a usage line on a malformed one)."""
+        args = _parser().parse_args(list(argv))
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            _parser().error("give the program after --")
+        return cls(tuple(command), args.out, args.iterations, parse_capability(args.capability), args.device_count,
+                   args.deadline, args.progress_fd)
+
+
+def capability_text(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m xmem.trace",
+                                     description="The tracing child process: trace a program under fake CUDA.")
+    parser.add_argument("--out", required=True, help="where to write the Trace JSON (or error JSON)")
+    parser.add_argument("--iterations", type=int, default=3, help="optimizer steps (iterations) to trace")
+    parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
+    parser.add_argument("--device-count", type=int, default=1)
+    parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="time.monotonic() at which a program still short of its first step is decided on "
+                             "what it ran (the clock is the machine's: the caller sets it from its own timeout)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program: script.py ARGS or -m mod ARGS")
+    return parser
 
 
 class NoteKind(Enum):

@@ -23,25 +23,27 @@ from pathlib import Path
 
 import xmem.trace.child.guard as guard
 from xmem.launchers import python_program
+from xmem.trace.wire import TraceRequest, capability_text, parse_capability
 
 ENV = "XMEM_TRACE_FOLLOW"  # the root's settings, as JSON, in every process of the job
 BOOT_DIR = str(Path(__file__).resolve().parent / "boot")  # first on the job's PYTHONPATH
 RANKS = ("RANK", "LOCAL_RANK")  # as torchrun, accelerate and deepspeed number the processes they start
 
 
-def hand_down(out: Path, iterations: int, capability: str, device_count: int, progress_fd: int | None,
-              deadline: float | None) -> None:
+def hand_down(request: TraceRequest) -> None:
     """In the root: the settings every process the program starts is traced with (kept as they are in those)."""
     if ENV in os.environ and json.loads(os.environ[ENV])["root"] != os.getpid():
         return
-    progress = f"/proc/{os.getpid()}/fd/{progress_fd}" if progress_fd is not None else None
-    os.environ[ENV] = json.dumps({"out": str(out), "iterations": iterations, "capability": capability,
-                                  "device_count": device_count, "root": os.getpid(), "progress": progress,
-                                  "deadline": deadline})  # time.monotonic(): the machine's clock, in every process
+    fd = request.progress_fd
+    progress = f"/proc/{os.getpid()}/fd/{fd}" if fd is not None else None
+    os.environ[ENV] = json.dumps({"out": request.out, "iterations": request.iterations,
+                                  "capability": capability_text(request.capability),
+                                  "device_count": request.device_count, "root": os.getpid(), "progress": progress,
+                                  "deadline": request.deadline})  # time.monotonic(): the machine's clock, everywhere
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if BOOT_DIR not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *filter(None, paths)])
-    _leave_for_guard(out.parent)
+    _leave_for_guard(Path(request.out).parent)
 
 
 def _leave_for_guard(scratch: Path) -> None:
@@ -67,14 +69,9 @@ def child_argv() -> list[str] | None:
         os._exit(0)  # a rank the fake process group stands in for: it spends no CPU
     given = json.loads(settings)
     devices = max(given["device_count"], _int(os.environ.get("LOCAL_WORLD_SIZE")))
-    argv = ["--out", given["out"], "--iterations", str(given["iterations"]), "--capability", given["capability"],
-            "--device-count", str(devices)]
-    progress = _root_progress(given["progress"])
-    if progress is not None:
-        argv += ["--progress-fd", str(progress)]
-    if given["deadline"]:  # the trace's own time limit, the same in every process
-        argv += ["--deadline", str(given["deadline"])]
-    return [*argv, "--", *command]
+    return TraceRequest(tuple(command), given["out"], given["iterations"], parse_capability(given["capability"]),
+                        devices, given["deadline"] or None,  # the trace's own time limit, the same in every process
+                        _root_progress(given["progress"])).argv()
 
 
 def finish(out: Path, own: dict) -> None:

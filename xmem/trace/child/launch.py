@@ -13,25 +13,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import xmem.trace.child.follow as follow
-from xmem.trace.child.main import parse_args
+from xmem.trace.wire import TraceRequest
 
 ENDED_MESSAGE = ("{command} ended with status {status} before any Python process it started trained on the GPU; "
                  "its last output lines say why")
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    follow.hand_down(args.out, args.iterations, args.capability, args.device_count, args.progress_fd,
-                     args.deadline)
+    request = TraceRequest.from_argv(sys.argv[1:] if argv is None else argv)
+    follow.hand_down(request)
+    command, out = list(request.command), Path(request.out)
     try:
-        status = subprocess.run(args.command, stdin=subprocess.DEVNULL).returncode
-        follow.finish(args.out, _own_result(args.command, status))
+        status = subprocess.run(command, stdin=subprocess.DEVNULL).returncode
+        follow.finish(out, _own_result(command, status))
     except OSError as error:  # the command could not start: as its shell would say
-        follow.finish(args.out, {"error": "not_found", "message": f"{args.command[0]}: {error.strerror}",
-                                 "traceback": ""})
+        follow.finish(out, {"error": "not_found", "message": f"{command[0]}: {error.strerror}", "traceback": ""})
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

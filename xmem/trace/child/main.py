@@ -10,7 +10,6 @@ life (`xmem.trace.child.follow`), and what it made may be the job's result. The 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import faulthandler
 import gc
@@ -26,7 +25,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any, Callable, Collection, Iterator, Mapping, NoReturn
 
-from xmem.trace.wire import Note, NoteKind, notes_json
+from xmem.trace.wire import Note, NoteKind, TraceRequest, notes_json
 
 XMEM_DIR = str(Path(__file__).resolve().parents[2])  # the xmem package directory
 
@@ -39,25 +38,6 @@ class ChildFailure(Exception):
         self.kind, self.message, self.user_traceback = kind, message, user_traceback
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m xmem.trace", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="where to write the Trace JSON (or error JSON)")
-    parser.add_argument("--iterations", type=int, default=3, help="optimizer steps (iterations) to trace")
-    parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
-    parser.add_argument("--device-count", type=int, default=1)
-    parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="time.monotonic() at which a program still short of its first step is decided on "
-                             "what it ran (the clock is the machine's: the caller sets it from its own timeout)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program: script.py ARGS or -m mod ARGS")
-    args = parser.parse_args(argv)
-    if args.command[:1] == ["--"]:
-        args.command = args.command[1:]
-    if not args.command:
-        parser.error("give the program after --")
-    return args
-
-
 def _pipeline_note():
     """The pipeline schedule the program ran, where it ran one (xmem.trace.child.pipelining)."""
     if "xmem.trace.child.pipelining" not in sys.modules:
@@ -65,27 +45,21 @@ def _pipeline_note():
     return sys.modules["xmem.trace.child.pipelining"].note()
 
 
-def parse_capability(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def main(argv: list[str] | None = None) -> NoReturn:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    request = TraceRequest.from_argv(sys.argv[1:] if argv is None else argv)
     import xmem.trace.child.follow as follow  # the processes the program starts are traced too
-    follow.hand_down(args.out, args.iterations, args.capability, args.device_count, args.progress_fd,
-                     args.deadline)
-    progress = _progress_writer(args.progress_fd)
+    follow.hand_down(request)
+    progress = _progress_writer(request.progress_fd)
     try:
-        result = trace_program(args.command, args.iterations, parse_capability(args.capability),
-                               args.device_count, progress, args.deadline)
+        result = trace_program(list(request.command), request.iterations, request.capability,
+                               request.device_count, progress, request.deadline)
         payload = {**result.to_json(), "notes": notes_json(result.warnings)}
     except ChildFailure as failure:
         payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
     except BaseException as error:  # our own bug: say so, with our traceback
         payload = {"error": "internal", "message": f"{type(error).__name__}: {_first_line(error)}",
                    "traceback": traceback.format_exc()}
-    follow.finish(args.out, payload)  # or what a process the program started made
+    follow.finish(Path(request.out), payload)  # or what a process the program started made
     sys.stdout.flush()
     sys.stderr.flush()
     # The program may have left non-daemon threads or atexit work behind; the trace is written, so leave now.
