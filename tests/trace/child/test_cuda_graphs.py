@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests.torch_builds import PYTHONS
 from tests.trace.child.test_scripts import allocs, sizes, trace
 from xmem.simulate import ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, RELEASE_POOL, simulate
 from xmem.simulate.allocator_settings import MiB
@@ -39,9 +40,9 @@ def index_of(result, action, nth=0):
     return [i for i, e in enumerate(result.events) if e.action == action][nth]
 
 
-@pytest.fixture(scope="module")
-def whole_step():
-    return trace(sys.executable, "cuda_graph_step.py", "--replays", "7", iterations=10)
+@pytest.fixture(scope="module", params=PYTHONS)
+def whole_step(request):
+    return trace(request.param, "cuda_graph_step.py", "--replays", "7", iterations=10)
 
 
 def test_the_capture_runs_the_step_once_into_the_graphs_pool(whole_step):
