@@ -72,7 +72,7 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     traces = trace_rank({})
     if keep_traces is not None:
         keep_traces.update(traces)
-    ranks = rank_traces.trace_stages(traces, trace_rank)  # -- issue 34: every pipeline stage's rank
+    ranks = rank_traces.trace_stages(traces, trace_rank, on_progress)  # -- issue 34: every pipeline stage's rank
     estimates = {rank: estimate_traces(command, traced, targets, env=env, on_progress=on_progress, started=started)
                  for rank, traced in ranks.items()}
     answer = rank_traces.fullest(estimates, rank_traces.stages_by_rank(ranks))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from xmem.estimate_record import Estimate, GpuEstimate, shown_gpu
 from xmem.launchers import TRACED_RANK_ENV
@@ -33,19 +33,29 @@ def pipeline_of(traces: Traces) -> PipelineRun | None:
     return next(iter(traces.values())).pipeline
 
 
-def trace_stages(first: Traces, trace_rank: TraceRank) -> dict[int, Traces]:
+def trace_stages(first: Traces, trace_rank: TraceRank,
+                 on_progress: Callable[[str], None] | None = None) -> dict[int, Traces]:
     """Every rank that holds a stage of rank 0's pipeline, traced (rank 0's are `first`), by global rank; `first`
-    alone where no pipeline ran."""
+    alone where no pipeline ran. `on_progress` hears which rank is traced next."""
     pipeline = pipeline_of(first)
     traced: dict[int, Traces] = {0: first}
     if pipeline is None:
         return traced
+    say = on_progress or (lambda line: None)
     for rank in _ranks_in_stage_order(pipeline):
         if rank not in traced:
+            held = [stage for stage, holder in enumerate(pipeline.stage_ranks) if holder == rank]
+            say(f"tracing rank {rank} (pipeline {_stages_text(held)} of {len(pipeline.stage_ranks)})")
             traced[rank] = trace_rank(_rank_env(rank, traced))
     for rank in _assumed_wrongly(traced):
+        say(f"tracing rank {rank} again, with the shapes its input stages sent")
         traced[rank] = trace_rank(_rank_env(rank, traced))
     return traced
+
+
+def _stages_text(held: Sequence[int]) -> str:
+    """'stage 1', 'stages 0, 2'."""
+    return f"stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
 
 
 def _ranks_in_stage_order(pipeline: PipelineRun) -> list[int]:
@@ -90,8 +100,7 @@ def fullest(estimates: Mapping[int, Estimate], stages: Mapping[int, tuple[int, .
     rank = by_gpu[shown]
     chosen = estimates[rank]
     line = (f"pipeline parallel: one rank traced per stage ({_ranks_words(stages)}); the figures are rank {rank}'s "
-            f"(stage{'s' if len(stages[rank]) > 1 else ''} {', '.join(map(str, stages[rank]))}), the fullest on "
-            f"{shown}")
+            f"({_stages_text(stages[rank])}), the fullest on {shown}")
     warnings = dict.fromkeys(w for estimate in estimates.values() for w in estimate.warnings)
     return dataclasses.replace(
         chosen, gpus=gpus, breakdown_gpu=shown, breakdown=estimates[rank].breakdowns.get(shown, chosen.breakdown),
@@ -113,5 +122,4 @@ def _need(gpu: GpuEstimate) -> tuple[bool, int]:
 
 
 def _ranks_words(stages: Mapping[int, tuple[int, ...]]) -> str:
-    return ", ".join(f"rank {rank}: stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
-                     for rank, held in sorted(stages.items()))
+    return ", ".join(f"rank {rank}: {_stages_text(held)}" for rank, held in sorted(stages.items()))

@@ -120,7 +120,9 @@ def test_under_1f1b_the_first_stage_holds_more_microbatches_than_the_last(one_f_
 
 def test_the_estimate_is_the_fullest_stage_and_names_its_rank():
     """2 stages of pp_stages.py's defaults: the last holds the head (2048 x 128) and its logits, the fullest."""
-    answer = estimate(command(2, "1f1b"), gpus=["H100"], iterations=2, python=sys.executable)
+    said: list[str] = []
+    answer = estimate(command(2, "1f1b"), gpus=["H100"], iterations=2, python=sys.executable, on_progress=said.append)
+    assert "tracing rank 1 (pipeline stage 1 of 2)" in said
     peaks = answer.rank_peaks
     assert sorted(peaks) == [0, 1]
     assert answer.fullest_rank == max(peaks, key=peaks.get) == 1
