@@ -10,6 +10,9 @@ Best fit by hand: the forward and the first five backward blocks fill the first 
 262144 freed by relu takes the 65536, the 4s and the 1024; relu's input grad, W2's grad and threshold_backward fill
 the rest); freeing relu's input grad and relu's output leaves 524288 and 194560 free, so W1's 1 MiB grad takes a
 second segment: the pool holds 2 x 2 MiB for the graph's life.
+
+The trace's iterations (xmem.trace.child.recorder.SIDE_STREAM_GRACE): a replay of a captured step is an iteration,
+and iterations that reach the target on a side stream (a graph's warm-up) do not end the trace, for a bounded number.
 """
 
 import sys
@@ -18,6 +21,9 @@ import pytest
 
 from tests.torch_builds import PYTHONS
 from tests.trace.child.test_scripts import allocs, sizes, trace
+from xmem.trace import run_trace
+from xmem.trace.child.recorder import SIDE_STREAM_GRACE
+from xmem.trace.events import POOL_ACTIONS
 from xmem.simulate import ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, RELEASE_POOL, simulate
 from xmem.simulate.allocator_settings import MiB
 
@@ -42,7 +48,7 @@ def index_of(result, action, nth=0):
 
 @pytest.fixture(scope="module", params=PYTHONS)
 def whole_step(request):
-    return trace(request.param, "cuda_graph_step.py", "--replays", "7", iterations=10)
+    return trace(request.param, "cuda_graph_step.py", "--replays", "7", iterations=20)
 
 
 def test_the_capture_runs_the_step_once_into_the_graphs_pool(whole_step):
@@ -53,7 +59,7 @@ def test_the_capture_runs_the_step_once_into_the_graphs_pool(whole_step):
     assert capture_stream != 0 and {e.stream for e in captured} == {capture_stream}
     # torch.cuda.graph empties the cache before it captures
     assert whole_step.events[begin - 1].action == "empty_cache"
-    assert whole_step.iterations == 4  # three warm-up steps and the captured one; replays step nothing
+    assert whole_step.iterations == 3 + 1 + 7  # warm-up steps, the captured one, and each replay of it
 
 
 def test_replays_allocate_nothing_but_the_fresh_inputs(whole_step):
@@ -72,6 +78,32 @@ def test_the_graphs_pool_holds_two_small_segments_for_the_graphs_life(whole_step
     # the replays' inputs reuse one cached block of the device's own pool: nothing grows after the first
     first_input = [i for i, op in enumerate(ops) if i > end and op[0] == ALLOC][0]
     assert reserved[first_input:] == [reserved[first_input]] * (len(ops) - first_input)
+
+
+def test_a_warm_up_on_a_side_stream_as_long_as_the_trace_goes_on_to_the_capture_and_its_first_replay():
+    # three warm-up steps on a side stream, as many as the iterations asked: the trace does not end there
+    result = trace(sys.executable, "cuda_graph_step.py", iterations=3)
+    assert [e.action for e in result.events if e.action in POOL_ACTIONS] == ["begin_pool", "end_pool"]
+    assert result.iterations == 5  # the captured step (4) on its capture stream, then the first replay on the default
+
+
+SIDE_STREAM_TRAINING = """import torch
+model = torch.nn.Linear(64, 64).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    while True:  # only the tracer's stop ends this loop
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+def test_training_wholly_on_a_side_stream_ends_a_bounded_number_of_iterations_past_the_target(tmp_path):
+    script = tmp_path / "side_stream.py"
+    script.write_text(SIDE_STREAM_TRAINING)
+    result = run_trace([sys.executable, str(script)], iterations=2)
+    assert result.iterations == 2 + SIDE_STREAM_GRACE
 
 
 def test_a_graph_never_replayed_still_captures_into_its_pool():

@@ -1,5 +1,6 @@
 """CUDA graphs under fake CUDA: a capture runs its ops once, and what they allocate is kept in the graph's private
-memory pool, as PyTorch's caching allocator keeps it; a replay runs nothing and allocates nothing.
+memory pool, as PyTorch's caching allocator keeps it; a replay runs nothing and allocates nothing. The replay of a
+captured training step (an optimizer step in the capture) counts as the iterations its capture completed.
 
 Owns the fake `torch.cuda.CUDAGraph` (`FakeCUDAGraph`), the `torch.cuda.graph` context (`graph`), the pool handles
 (`graph_pool_handle`, `CUDAGraph.pool()`) and which streams are capturing. Upstream's `make_graphed_callables` runs
@@ -84,6 +85,7 @@ class _Capture:
         self.handle: tuple[int, int] | None = None
         self.number = 0
         self.begun = self.ended = False
+        self.iterations = 0  # training iterations the capture completed (an optimizer step captured), counted back
 
     def release(self) -> None:
         """CUDAGraph::reset's pool part: only a capture that ended holds its pool."""
@@ -121,6 +123,7 @@ def graph_class(pools: GraphPools) -> type:
             capture.handle = _pool_handle(pool) or pools.new_handle(user_created=False)
             capture.number = pools.begin(capture.handle, pools.fake.current_stream.stream_id)
             capture.begun = True
+            capture.iterations = -pools.fake.iterations_done()
 
         def capture_end(self) -> None:
             capture = self._capture
@@ -128,6 +131,7 @@ def graph_class(pools: GraphPools) -> type:
                 raise RuntimeError("CUDAGraph::capture_end: no capture underway on this graph")
             pools.end(capture.number)
             capture.ended = True
+            capture.iterations += pools.fake.iterations_done()
 
         def capture_end_pre(self) -> None:
             self.capture_end()
@@ -138,6 +142,8 @@ def graph_class(pools: GraphPools) -> type:
         def replay(self) -> None:
             if not self._capture.ended:
                 raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+            if self._capture.iterations:  # a captured training step: each replay is an iteration of the trace
+                pools.fake.on_replayed_iterations(self._capture.iterations)
 
         def reset(self) -> None:
             self._capture.release()

@@ -199,6 +199,8 @@ class FakeCuda:
         self.on_library: Callable[[str], None] = lambda name: None
         self.on_graph_pool: Callable[[str, int, int], None] = lambda action, pool, stream: None  # cuda_graphs
         self.on_managed: Callable[[torch.Tensor], None] = lambda tensor: None  # managed_memory
+        self.iterations_done: Callable[[], int] = lambda: 0  # training iterations completed (cuda_graphs' replays)
+        self.on_replayed_iterations: Callable[[int], None] = lambda iterations: None
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer the program created
         self.live_bytes: Callable[[], int] = lambda: 0
         self.peak_bytes: Callable[[], int] = lambda: 0

@@ -76,6 +76,11 @@ class NoStepInTime(BaseException):
 # its peak held through the last half of its passes.
 FORWARD_ONLY_PASSES = 1000
 FORWARD_ONLY_SECONDS = 20.0
+# A program whose iterations reach the target on a side stream (`with torch.cuda.stream(s)`) is warming up for a CUDA
+# graph capture, as torch's CUDA graphs notes ask (warm-up on a side stream, then capture on one): its trace goes on
+# until an iteration completes on the default stream (a replay of a captured step is one), for at most this many
+# more iterations, so that the capture and its pool are in it.
+SIDE_STREAM_GRACE = 10
 
 
 class TrainingState:
@@ -128,6 +133,7 @@ class TrainingState:
         self.on_step_end: Callable[[torch.optim.Optimizer], None] = lambda opt: None
         self.on_module_forward: Callable[[torch.nn.Module], None] = lambda module: None
         self.on_backward_end: Callable[[], None] = lambda: None  # a backward pass that is the iteration (no optimizer)
+        self.on_side_stream: Callable[[], bool] = lambda: False  # whether a side stream is current (SIDE_STREAM_GRACE)
 
     @property
     def iteration(self) -> int:
@@ -231,9 +237,17 @@ class TrainingState:
         self._stepped = set()
         self.completed += 1
         self.on_progress(f"iteration {self.completed}/{self.target}")
-        if self.completed >= self.target:
+        if self.completed >= self.target and not self._warming_up_for_a_graph():
             self.stopped = True
             raise StopTracing
+
+    def _warming_up_for_a_graph(self) -> bool:
+        return self.on_side_stream() and self.completed < self.target + SIDE_STREAM_GRACE
+
+    def replayed(self, iterations: int) -> None:
+        """A CUDA graph whose capture completed `iterations` was replayed: so many training iterations ran again."""
+        for _ in range(iterations):
+            self._complete_iteration()
 
 
 class AllocationRecorder(TorchDispatchMode):
@@ -296,6 +310,9 @@ class AllocationRecorder(TorchDispatchMode):
         state.on_backward_end = self._label_module_gradients
         state.gpu_events = lambda: len(self.rows)  # a top-level forward that adds none ran on the host
         state.gpu_peak = lambda: self.peak_bytes
+        state.on_side_stream = lambda: fake.current_stream.stream_id != fake.default_stream.stream_id
+        fake.iterations_done = lambda: state.completed
+        fake.on_replayed_iterations = state.replayed
 
     # ---- the dispatch hook -------------------------------------------------------------------------------------
     records_allocations = True  # how distributed.py tells this mode from others on the stack
