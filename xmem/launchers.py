@@ -31,6 +31,9 @@ _RANK_ZERO = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0
 # The rank to trace, where the estimate traces another than rank 0 (one per pipeline stage: xmem.rank_traces); the
 # launcher's variables are then that rank's, and so is the rank torch.multiprocessing.spawn runs.
 TRACED_RANK_ENV = "XMEM_TRACE_RANK"
+# What that rank's pipeline stages receive from the stages before them, as the ranks traced before it recorded
+# sending it (JSON: {stage index: [events.ActivationMeta.to_json(), ...]}; xmem.trace.child.pipelining reads it)
+PIPELINE_INPUTS_ENV = "XMEM_PIPELINE_INPUTS"
 _RENDEZVOUS = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # the job's own, where it sets them
 _ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mixed-precision":
                         "ACCELERATE_MIXED_PRECISION"}  # what `accelerate launch` hands the script's Accelerator

@@ -5,9 +5,9 @@ alike and are traced once. Pipeline stages do not: the first holds the embedding
 microbatches in flight; the last the head and the loss. Where rank 0's trace reports that a pipeline schedule ran
 (`Trace.pipeline`, `xmem.trace.child.pipelining`), the rank holding each other stage of its pipeline group is traced
 too (other pipeline groups are data-parallel replicas of this one), in stage order, each handed the activation
-shapes its input stages' ranks sent (`XMEM_PIPELINE_INPUTS`). A rank whose stage's input shapes were not known yet
-when it ran (an interleaved schedule's rank 0 holds stage P, fed by the last rank) assumed them; where the producing
-rank then sent others, that rank is traced again with the real ones.
+shapes its input stages' ranks sent (`launchers.PIPELINE_INPUTS_ENV`). A rank whose stage's input shapes were not
+known yet when it ran (an interleaved schedule's rank 0 holds stage P, fed by the last rank) assumed them; where the
+producing rank then sent others, that rank is traced again with the real ones.
 
 The answer, per GPU type, is the estimate of the rank that needs the most there (`fullest`), and it names that rank.
 """
@@ -19,10 +19,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 from xmem.estimate_record import Estimate, GpuEstimate, shown_gpu
-from xmem.launchers import TRACED_RANK_ENV
+from xmem.launchers import PIPELINE_INPUTS_ENV, TRACED_RANK_ENV
 from xmem.trace.events import ActivationMeta, PipelineRun, Trace
-
-INPUTS_ENV = "XMEM_PIPELINE_INPUTS"  # as xmem.trace.child.pipelining reads it
 
 Traces = dict[str, Trace]  # by capability class, as xmem.estimate traces a rank
 TraceRank = Callable[[Mapping[str, str]], Traces]  # the job's traces with these variables added to its environment
@@ -73,7 +71,7 @@ def _sent(traced: Mapping[int, Traces]) -> dict[int, tuple[ActivationMeta, ...]]
 
 def _rank_env(rank: int, traced: Mapping[int, Traces]) -> dict[str, str]:
     inputs = {str(stage): [meta.to_json() for meta in metas] for stage, metas in _sent(traced).items()}
-    return {TRACED_RANK_ENV: str(rank), INPUTS_ENV: json.dumps(inputs)}
+    return {TRACED_RANK_ENV: str(rank), PIPELINE_INPUTS_ENV: json.dumps(inputs)}
 
 
 def _assumed_wrongly(traced: Mapping[int, Traces]) -> list[int]:

@@ -6,8 +6,9 @@ interleaved (ScheduleInterleaved1F1B over `--stages-per-rank` stages a rank, ran
 or zbv (ScheduleZBVZeroBubble: two stages a rank in a V, rank r holding stages r and 2P - 1 - r);
 `--microbatches` per step; `--grow N` widens the activation by N after each stage (a projection ends each stage
 but the last); `--dp N`: a (pp, dp) device mesh as torchtitan lays it out, each stage fully_shard'ed over its
-"dp" dimension (the world is stages x N; a rank's stage is its "pp" coordinate); `--static 1` gives the stage its input and output shapes (PipelineStage's
-`input_args`/`output_args`) instead of leaving them to shape inference. AdamW over the stage's parameters.
+"dp" dimension (the world is stages x N; a rank's stage is its "pp" coordinate); `--static 1` gives the stage
+its input and output shapes (PipelineStage's `input_args`/`output_args`) instead of leaving them to shape
+inference. AdamW over the stage's parameters.
 `--print-stage-bytes 1` prints each stage's parameter bytes as built on the host, one 'stage S BYTES' line each,
 without tracing anything (what the tests compare the trace with)."""
 import argparse

@@ -14,9 +14,10 @@ dynamic mode over a fake group. Here:
 - the vote is decided locally: static where every stage of this rank has complete shapes, else dynamic (the
   program's ranks run the same code, so they decide alike);
 - a stage's input shapes come from what the estimate hands down (the previous stage's outputs, as its rank's trace
-  recorded them sending: XMEM_PIPELINE_INPUTS), else the program's own `input_args`, else the shapes this rank's
-  previous stage sent on (a pipeline's stages pass one activation of one shape; the note says it was assumed, so that
-  the estimate checks it against what the producing rank sends);
+  recorded them sending: launchers.PIPELINE_INPUTS_ENV), else the program's own `input_args`, else the shapes this
+  rank's previous stage sent on (a pipeline's stages pass one activation of one shape; the note says it was assumed,
+  so that the estimate checks it against what the producing rank sends; where the stage's first forward fails on
+  them, the trace ends in exit 11 naming the stage);
 - the gradients' shapes sent back to a stage are its outputs' (upstream `_derive_grad_metas`: a gradient of a plain
   tensor has its shape, stride and dtype; what the next stage computes for an input that requires grad).
 Everything else (the dynamic mode's forward and backward, the receive buffers, the microbatches in flight) is
@@ -31,10 +32,10 @@ import json
 import os
 from typing import Any
 
+from xmem.launchers import PIPELINE_INPUTS_ENV
 from xmem.trace.child.on_import import patch_on_import
 from xmem.trace.events import ActivationMeta, PipelineRun
 
-INPUTS_ENV = "XMEM_PIPELINE_INPUTS"  # JSON: {stage index: [ActivationMeta as a list, ...]}, set by the estimate
 DTENSOR_ACTIVATIONS_GAP = "DTensor activations passed between pipeline stages (their gradients' placements)"
 
 _schedule = ""  # the schedule class that ran the warm-up
@@ -150,7 +151,7 @@ def _inputs_of(stage: Any) -> tuple[ActivationMeta, ...]:
 
 
 def _handed_inputs() -> dict[int, tuple[ActivationMeta, ...]]:
-    text = os.environ.get(INPUTS_ENV, "")
+    text = os.environ.get(PIPELINE_INPUTS_ENV, "")
     if not text:
         return {}
     return {int(stage): tuple(ActivationMeta.from_json(meta) for meta in metas)
