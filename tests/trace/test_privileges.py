@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,10 @@ def test_a_root_owned_file_in_a_sticky_directory_is_roots_alone(tmp_path):
     loose.mkdir()
     loose.chmod(0o777)  # anyone may replace what is in it
     assert privileges.writer_besides_root(str(loose / "mod.py")) == "other users"
+
+
+def test_a_root_owned_link_is_roots_alone_whatever_its_mode(tmp_path):
+    """A link's mode is always 777 and means nothing: only its folder decides who can change it (a venv reached
+    through a link root made, as .venv -> /opt/envs/x, is root's)."""
+    (tmp_path / "env").symlink_to(Path(sys.executable).parent)
+    assert privileges.writer_besides_root(str(tmp_path / "env" / Path(sys.executable).name)) is None

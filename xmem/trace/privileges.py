@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Callable
@@ -177,7 +178,8 @@ def _writer_of(path: str, is_leaf: bool) -> str | None:
         except KeyError:
             return f"uid {info.st_uid}"
     sticky = info.st_mode & 0o1000 and os.path.isdir(path)
-    return "other users" if info.st_mode & OTHERS_WRITE and not sticky else None
+    link = stat.S_ISLNK(info.st_mode)  # a link's mode means nothing (always 777): only its folder can change it
+    return "other users" if info.st_mode & OTHERS_WRITE and not (sticky or link) else None
 
 
 def refuse_foreign_code(interpreter: str, env: Mapping[str, str]) -> None:
