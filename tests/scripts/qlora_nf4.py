@@ -1,6 +1,10 @@
 """QLoRA as torchtune builds it: frozen NF4 base weights (torchao's to_nf4, as torchtune's FrozenNF4Linear swaps them
 in), bf16 LoRA adapters beside them, a bf16 checkpoint loaded from the host into the NF4 weights, AdamW on the
 adapters only (a valid GPU script)."""
+import argparse
+import os
+import tempfile
+
 import torch
 import torch.nn as nn
 
@@ -10,6 +14,9 @@ except ImportError:  # torchao 0.1x moved it
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
 
 DIM, RANK = 1024, 8
+parser = argparse.ArgumentParser()
+parser.add_argument("--checkpoint-file", action="store_true", help="save the checkpoint, load it onto the GPU")
+args = parser.parse_args()
 
 
 class FrozenNF4Linear(nn.Linear):
@@ -38,6 +45,10 @@ class LoRALinear(nn.Module):
 
 model = nn.Sequential(LoRALinear(DIM, RANK), LoRALinear(DIM, RANK))
 checkpoint = {f"{i}.base.weight": torch.randn(DIM, DIM, dtype=torch.bfloat16) for i in range(2)}
+if args.checkpoint_file:
+    path = os.path.join(tempfile.mkdtemp(), "base.pt")
+    torch.save(checkpoint, path)
+    checkpoint = torch.load(path, map_location="cuda")
 missing, unexpected = model.load_state_dict(checkpoint, strict=False)
 assert not unexpected, unexpected
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

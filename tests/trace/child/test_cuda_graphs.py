@@ -21,7 +21,8 @@ import pytest
 
 from tests.torch_builds import PYTHONS
 from tests.trace.child.test_scripts import allocs, sizes, trace
-from xmem.trace import run_trace
+from xmem.trace import TraceError, run_trace
+from xmem.trace.child.cuda_graphs import USER_POOL_GAP
 from xmem.trace.child.recorder import SIDE_STREAM_GRACE
 from xmem.trace.events import POOL_ACTIONS
 from xmem.simulate import ALLOC, BEGIN_POOL, EMPTY_CACHE, END_POOL, FREE, RELEASE_POOL, simulate
@@ -128,3 +129,12 @@ def test_graphed_callables_capture_forward_and_backward_into_one_shared_pool():
     # the trained steps run only the relu between the graphs, besides their fresh inputs
     trained = [e for e in allocs(result) if e.iteration >= 1]
     assert {e.op for e in trained} <= {"randn", "relu", "sum", "ones_like", "threshold_backward"}
+
+
+def test_a_user_memory_pool_is_not_modelled_and_named(tmp_path):
+    script = tmp_path / "mem_pool.py"
+    script.write_text("import torch\npool = torch.cuda.MemPool()\nwith torch.cuda.use_mem_pool(pool):\n"
+                      "    x = torch.randn(1024, device='cuda')\n")
+    with pytest.raises(TraceError) as failure:
+        run_trace([sys.executable, str(script)], iterations=1)
+    assert failure.value.kind == "not_modelled" and USER_POOL_GAP in failure.value.message

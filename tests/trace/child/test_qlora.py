@@ -61,3 +61,11 @@ def test_only_the_adapters_get_gradients_and_optimizer_state(qlora):
     assert sizes([e for e in first if e.category == "optimizer_state"]) == [ADAPTER] * 8
     held = by_category(live_before(qlora, lambda e: e.iteration == 1 and e.phase == "forward"))
     assert held["optimizer_state"] == [ADAPTER] * 8
+
+
+def test_a_checkpoint_loaded_onto_the_gpu_loads_into_the_nf4_weights_as_well():
+    result = trace(sys.executable, "qlora_nf4.py", "--checkpoint-file", iterations=3)
+    assert result.iterations == 3
+    # torch.load(map_location="cuda") made the two dense tensors on the GPU, which the script keeps alive
+    live = live_before(result, first_forward)
+    assert sizes(live.values()) == sorted(NF4_WEIGHT * 2 + [ADAPTER] * 4 + [BATCH] + [DENSE] * 2)
