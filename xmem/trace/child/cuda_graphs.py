@@ -22,7 +22,6 @@ checkpoints of Inductor's CUDA graph trees; a pool shared again after every grap
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import weakref
