@@ -170,3 +170,19 @@ def test_host_memory_reserved_but_never_touched_is_not_held(tmp_path):
                       "    layer(torch.randn(2, 8, device='cuda')).sum().backward(); optimizer.step()\n")
     trace = run_trace(["python", str(script)], iterations=2, memory_limit_bytes=int(1.5 * (1 << 30)))
     assert trace.iterations == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a trace root starts")
+def test_roots_trace_leaves_nothing_of_its_identity_behind():
+    """Issue 35: root's trace writes as the trace identity in a scratch that stays root's (sticky, its contents the
+    identity's); when the estimate ends, nothing the identity owns is left in the temporary folder."""
+    identity = sandbox.trace_identity()
+    folder = Path(tempfile.gettempdir())
+
+    def identitys() -> set[str]:
+        return {entry.name for entry in folder.iterdir() if entry.lstat().st_uid == identity.uid}
+
+    before = identitys()
+    trace = run_trace(["python", str(SCRIPTS / "mlp_adam.py")], iterations=1)
+    assert "root's trace runs as" in trace.sandbox
+    assert identitys() - before == set()

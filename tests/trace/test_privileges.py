@@ -173,3 +173,37 @@ def test_a_root_owned_link_is_roots_alone_whatever_its_mode(tmp_path):
     through a link root made, as .venv -> /opt/envs/x, is root's)."""
     (tmp_path / "env").symlink_to(Path(sys.executable).parent)
     assert privileges.writer_besides_root(str(tmp_path / "env" / Path(sys.executable).name)) is None
+
+
+# --- issue 35 (R1): root's traces run as an unprivileged identity -----------------------------------------------------
+
+def test_the_trace_identity_is_the_sites_choice_and_never_root(monkeypatch):
+    from xmem.trace import sandbox
+    assert sandbox.trace_identity({}).name == "nobody" and sandbox.trace_identity({}).uid != 0
+    assert sandbox.trace_identity({sandbox.TRACE_USER_ENV: "daemon"}).name == "daemon"
+    assert sandbox.trace_identity({sandbox.TRACE_USER_ENV: "1"}).name == "daemon"  # by uid too
+    for wrong, said in (("root", "never run as uid or gid 0"), ("0", "never run as uid or gid 0"),
+                        ("xmem-no-such-user", "no such user")):
+        with pytest.raises(sandbox.SandboxError, match=said):
+            sandbox.trace_identity({sandbox.TRACE_USER_ENV: wrong})
+    monkeypatch.setenv(sandbox.TRACE_USER_ENV, "daemon")  # root's own environment names it for the helper
+    command = sandbox.helper_command(sys.executable, Path("/tmp"), 0, 0, [])
+    assert command[command.index("--run-as") + 1] == "1:1:daemon"
+
+
+def test_what_the_identity_can_read_is_asked_of_the_kernel_as_it():
+    """`first_unreadable` takes the identity's ids in a child and asks: root's 600 file is named, a 644 file is
+    not; nothing changes for root itself."""
+    from tests.throwaway_users import visible_dir
+    from xmem.trace import sandbox
+    identity = sandbox.trace_identity({})
+    with visible_dir() as folder:
+        shared = folder / "shared.py"
+        shared.write_text("")
+        shared.chmod(0o644)
+        private = folder / "private.py"
+        private.write_text("")
+        private.chmod(0o600)
+        assert sandbox.first_unreadable([(str(shared), os.R_OK)], identity) is None
+        assert sandbox.first_unreadable([(str(shared), os.R_OK), (str(private), os.R_OK)], identity) == str(private)
+        assert os.geteuid() == 0 and os.access(private, os.R_OK)

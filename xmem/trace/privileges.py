@@ -12,6 +12,10 @@ program is checked. The tracer decides nothing of Slurm's: it never imports the 
 `xmem-slurm check` and `estimate` run by root on another user's script or program (issue 21) are run again as that
 user (`rerun_as`: their groups, uid and a clean environment set before exec, as login does), so the program runs
 as its owner; where that cannot be done (no such user, xmem's interpreter not reachable by them) they refuse.
+
+Root's own traces never run as uid 0 either (issue 35): the sandbox runs them as the site's trace identity
+(`xmem.trace.sandbox.trace_identity`, $XMEM_TRACE_USER or `nobody`); a file it cannot read ends the trace before
+the program starts (the runner raises RootTraceRefused, naming the file), never run as root instead.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ whenever it does not run it to its end. Does not import torch.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
@@ -116,7 +115,9 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
             if warm.enabled(warm_tracer) else None
         run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress, cancel)
         ended = sandbox.read_result(Path(scratch))
-        payload = json.loads(out.read_text()) if out.exists() else None
+        payload = sandbox.read_json_file(out)  # -- issue 35: root's tracer may add links or FIFOs to its scratch
+    if payload is None and "refused" in ended:  # -- issue 35: root's trace identity cannot read a file it needs
+        raise privileges.RootTraceRefused(ended["refused"])
     if payload is None and "status" not in ended:  # the sandbox itself failed, or was killed
         reason = ended.get("failed") or f"the sandbox ended (status {run.returncode}): {_last_line(run.output)}"
         raise TraceError("internal", reason, output=run.output[-OUTPUT_TAIL:])

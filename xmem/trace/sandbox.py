@@ -18,8 +18,15 @@ user namespaces; works here as root and as an ordinary user):
   databases, the session bus; sockets elsewhere sit behind an overlay, through which a connect is refused);
 - a network namespace with loopback only (up: a fake process group's 127.0.0.1 store), no route anywhere else; an
   IPC namespace and a private /dev/shm (the user's running jobs' shared memory is out of reach);
-- the tracer holds no capability and has no_new_privs (`drop_privileges`), also when it is not exec'ed (warm) or
-  runs as root; the helper runs in a clean environment, the program's is applied to the tracer only;
+- the tracer holds no capability and has no_new_privs (`drop_privileges`), also when it is not exec'ed (warm); the
+  helper runs in a clean environment, the program's is applied to the tracer only;
+- no trace runs as uid 0 (issue 35): where root started the helper, root makes the namespaces itself (no user
+  namespace), each overlay's lower layer is an idmapped read-only view in which root's files show the trace
+  identity as owner (`RootViews`: root's job still reads its script, venv and home; the kernel's checks of
+  /proc/sys, /sys, signals see an unprivileged uid), and the tracer drops to that identity (`become_identity`:
+  $XMEM_TRACE_USER, `nobody` by default; a site sets a dedicated user). A file the identity cannot read ends the
+  trace before the program starts, naming it (`refuse_if_unreadable`); the scratch stays root's, sticky, its
+  contents the identity's (`share_scratch`);
 - a pid namespace whose init (this file) runs the tracer as pid 2 and reaps orphans; when the init ends, the kernel
   kills every process the program started (Popen children, setsid double forks, forks of the tracer).
 - where overlayfs is refused in a user namespace (Linux before 5.11, or the directory has mounts below it, which a
@@ -37,7 +44,8 @@ starts redirects its writes the same way (the boot hook calls `install_in_child(
 extension or a program other than Python writing with its own open() gets EACCES under Landlock and, without Landlock, writes for real;
 fd-relative calls (`dir_fd=`, `shutil.rmtree` of an existing directory) are not redirected; a removal is seen by
 the process that made it only; and when the caller and helper are SIGKILLed, a daemon the program made survives (no pid
-namespace to end it).
+namespace to end it). Root's fallback runs as the trace identity too, in a mount namespace of its own where every
+writable filesystem is root's idmapped read-only view (`_root_views`).
 
 Both modes: every process of the chain dies with its parent (PR_SET_PDEATHSIG), so a caller killed with SIGKILL
 takes the trace with it; the tracer has a hard CPU-time limit (RLIMIT_CPU) and a host-memory limit (RLIMIT_DATA:
@@ -56,6 +64,7 @@ import ctypes
 import errno
 import json
 import os
+import pwd
 import resource
 import shutil
 import signal
@@ -63,6 +72,7 @@ import stat as stat_module
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = \
@@ -119,11 +129,234 @@ def _prctl(option: int, value: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl {option}")
 
 
+# ---- root's trace runs as an unprivileged identity (issue 35, R1) ---------------------------------------------
+
+# Who root's trace runs as: a user name or uid, read from root's own environment by the estimator (never from a
+# user's: the helper starts clean). A site sets a dedicated user no other process runs as; `nobody` by default.
+TRACE_USER_ENV = "XMEM_TRACE_USER"
+DEFAULT_TRACE_USER = "nobody"
+NOBODY = 65534  # the kernel's overflow uid and gid: nobody/nogroup where the user database has no `nobody`
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # one number on every architecture since 5.1
+OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, AT_EMPTY_PATH, AT_FDCWD = 1, 0o2000000, 0x1000, -100
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_IDMAP, MOVE_MOUNT_F_EMPTY_PATH = 0x1, 0x100000, 0x4
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The unprivileged host uid and gid root's trace runs as (never 0), and its name for messages."""
+
+    uid: int
+    gid: int
+    name: str
+
+    def option(self) -> str:
+        return f"{self.uid}:{self.gid}:{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Identity":
+        uid, gid, name = text.split(":", 2)
+        return cls(int(uid), int(gid), name)
+
+
+def trace_identity(env: Mapping[str, str] = os.environ) -> Identity:
+    """Who a trace started by root runs as: $XMEM_TRACE_USER (a name or uid of the user database), else `nobody`.
+    Raises SandboxError for a setting that names no user, or root's uid or group."""
+    wanted = env.get(TRACE_USER_ENV, "").strip() or DEFAULT_TRACE_USER
+    try:
+        entry = pwd.getpwuid(int(wanted)) if wanted.isascii() and wanted.isdigit() else pwd.getpwnam(wanted)
+    except (KeyError, ValueError):
+        if wanted != DEFAULT_TRACE_USER:
+            raise SandboxError(errno.EINVAL, f"{TRACE_USER_ENV}={wanted}: no such user to run root's traces as")
+        return Identity(NOBODY, NOBODY, "nobody")
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        raise SandboxError(errno.EINVAL, f"{TRACE_USER_ENV}={wanted}: root's traces never run as uid or gid 0")
+    return Identity(entry.pw_uid, entry.pw_gid, entry.pw_name)
+
+
+_identity: Identity | None = None  # the helper's --run-as: set when root started it
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+class RootViews:
+    """Root's files as the trace identity's own, read-only: idmapped clones of a directory (Linux 5.12+, on
+    filesystems that allow it) through which an inode root owns shows the identity as its owner (group 0: the
+    identity's group), and every other owner stays a stranger. Root's trace keeps the access to root's files it had
+    as uid 0 (the job's script, its venv, root's home), read-only below the overlay that takes its writes, and the
+    kernel sees an unprivileged uid everywhere else (/proc/sys, /sys, signals). Made by root, before the drop."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self.namespace = _idmap_namespace(identity)  # -1: idmapping is not possible here
+
+    def tree(self, path: str) -> int | None:
+        """A detached, read-only, idmapped clone of the mount at `path` (its own filesystem only, no mounts below
+        it); None where the kernel or the filesystem refuses."""
+        if self.namespace < 0:
+            return None
+        fd = _libc.syscall(SYS_OPEN_TREE, ctypes.c_int(AT_FDCWD), path.encode(),
+                           ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC))
+        if fd < 0:
+            return None
+        attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY, 0, 0, self.namespace)
+        if _libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr),
+                         ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+            os.close(fd)
+            return None
+        return fd
+
+    def owner_of(self, path: str) -> tuple[int, int]:
+        """The owner the trace sees for `path` (an overlay's upper takes it): the identity where root owns it."""
+        info = os.stat(path)
+        mapped = (lambda real, ours: ours if real == 0 else real)
+        return mapped(info.st_uid, self.identity.uid), mapped(info.st_gid, self.identity.gid)
+
+
+def _idmap_namespace(identity: Identity) -> int:
+    """A user namespace whose uid and gid 0 are the identity's (the idmap of `RootViews`), held by an fd; -1 where
+    one cannot be made. Its maps are written by root from outside, as only a process privileged over the parent
+    namespace may map other ids than its own."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        return -1
+    ready_read, ready_write = os.pipe()
+    done_read, done_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # lives only until its namespace is held
+        os.close(ready_read)
+        os.close(done_write)
+        os.write(ready_write, b"1" if _libc.unshare(CLONE_NEWUSER) == 0 else b"0")
+        os.read(done_read, 1)
+        os._exit(0)
+    os.close(ready_write)
+    os.close(done_read)
+    try:
+        if os.read(ready_read, 1) != b"1":
+            return -1
+        Path(f"/proc/{pid}/uid_map").write_text(f"0 {identity.uid} 1")
+        Path(f"/proc/{pid}/setgroups").write_text("deny")
+        Path(f"/proc/{pid}/gid_map").write_text(f"0 {identity.gid} 1")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    finally:
+        os.close(ready_read)
+        os.close(done_write)
+        os.waitpid(pid, 0)
+
+
+def _attach(tree: int, path: str) -> None:
+    """Put a detached mount (`RootViews.tree`) at `path`."""
+    _check(_libc.syscall(SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(AT_FDCWD), path.encode(),
+                         ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {path}")
+
+
+def become_identity(identity: Identity, parent: int) -> None:
+    """Root's tracer becomes the unprivileged identity for good: the capability bounding set emptied while it still
+    may, no supplementary groups, then gid and uid (real, effective and saved: none can be regained); every
+    capability goes with uid 0. The kernel clears the parent-death signal on a change of credentials: set again,
+    and a parent that died meanwhile ends us. Checked: a process left with any id 0 does not go on."""
+    for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+        _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0)
+    _take_ids(identity)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+    if 0 in (*os.getresuid(), *os.getresgid(), *os.getgroups()):
+        raise SandboxError(errno.EPERM, "root's ids were not all dropped")
+
+
+def _take_ids(identity: Identity) -> None:
+    """No supplementary group, then the identity's gid and uid, real, effective and saved (in that order: without
+    uid 0 no gid could be set)."""
+    os.setgroups([])
+    os.setresgid(identity.gid, identity.gid, identity.gid)
+    os.setresuid(identity.uid, identity.uid, identity.uid)
+
+
+def give_to_tracer(path: Path) -> None:
+    """What the tracer writes in (what is made in the scratch for it) belongs to root's trace identity; an
+    ordinary user's stays theirs. Links are not followed."""
+    if _identity is None:
+        return
+    for folder, dirs, files in os.walk(path):
+        for name in [folder, *(os.path.join(folder, entry) for entry in [*dirs, *files])]:
+            os.lchown(name, _identity.uid, _identity.gid)
+
+
+def share_scratch(scratch: Path) -> None:
+    """Root's scratch: what is in it becomes the trace identity's, and the identity's group may add to it (the
+    tracer writes its result there). The folder stays root's and sticky, so that the helper's own record (written
+    before) cannot be replaced by a link the program makes; the helper and the runner open what is there without
+    following links."""
+    if _identity is None:
+        return
+    for entry in scratch.iterdir():
+        if entry.name != RESULT_FILE:
+            give_to_tracer(entry)
+    os.chown(scratch, 0, _identity.gid)
+    os.chmod(scratch, 0o1770)
+
+
+def first_unreadable(paths: list[tuple[str, int]], identity: Identity) -> str | None:
+    """The first of `paths` (each with the os.access mode it needs) that `identity` cannot use, as it sees them
+    from here (a child takes its ids and asks the kernel); None when it can use all."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            _take_ids(identity)
+            found = next((path for path, mode in paths if not os.access(path, mode)), "")
+            os.write(write, found.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        found = answer.read().decode()
+    os.waitpid(pid, 0)
+    return found or None
+
+
+def needed_by_tracer(argv: list[str], env: Mapping[str, str]) -> list[tuple[str, int]]:
+    """What the tracer cannot start without, with the access it needs: its interpreter, the working directory,
+    the folders on its PYTHONPATH (xmem's, the start-up hook's, the job's), and the files the program's command
+    names (those that exist)."""
+    program = argv[argv.index("--") + 1:] if "--" in argv else []
+    needed = [(argv[0], os.X_OK), (os.getcwd(), os.X_OK)]
+    needed += [(entry, os.R_OK | os.X_OK) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    needed += [(os.path.abspath(arg), os.R_OK) for arg in program if os.path.isfile(arg)]
+    return [(path, mode) for path, mode in needed if os.path.exists(path)]
+
+
+def refuse_if_unreadable(argv: list[str], env: Mapping[str, str], scratch: Path) -> None:
+    """Root's trace ends here, naming the file, when its identity cannot use what the tracer needs (the runner
+    raises privileges.RootTraceRefused with the words): never run as root instead."""
+    if _identity is None:
+        return
+    path = first_unreadable([*needed_by_tracer(argv, env), (str(scratch), os.W_OK | os.X_OK)], _identity)
+    if path:
+        _write_result(scratch, {"refused": unreadable_notice(_identity, path)})
+        os._exit(1)
+
+
+def unreadable_notice(identity: Identity, path: str) -> str:
+    return (f"root's trace runs as {identity.name} (uid {identity.uid}), never as root, and {identity.name} cannot "
+            f"read {path}: make it readable by {identity.name}, set {TRACE_USER_ENV} to a user who can read it, "
+            "or estimate the job as an ordinary user")
+
+
 # ---- namespaces -------------------------------------------------------------------------------------------------
 
-def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tuple[str, list[str]]:
+def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int,
+                     identity: Identity | None = None) -> tuple[str, list[str]]:
     """Move this process into new user, mount, pid and network namespaces and cover the filesystems with overlays;
     `protected` (the shim cache: what runs outside the sandbox later) is bound back read-only, the scratch writable.
+    With `identity` (root started the helper), no user namespace: root makes the mounts itself, every overlay's
+    lower layer is `RootViews`' idmapped view (root's files show the identity as owner), and the tracer will run as
+    the identity (`become_identity`).
 
     Returns a description of what now protects the user's files, and the directories made read-only instead of
     overlaid (all of them where overlayfs is not allowed in a user namespace, before Linux 5.11: Python's writes
@@ -131,14 +364,18 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tup
     the namespaces (nothing has changed then), SandboxError if a later step fails (no fallback is possible then).
     """
     uid, gid = os.getuid(), os.getgid()
+    user = CLONE_NEWUSER if identity is None else 0  # root holds every capability already
+    # made first: it forks, and the first child after the unshare would be the new pid namespace's init
+    views = RootViews(identity) if identity is not None else None
     # A network namespace of its own: loopback only (what a fake process group's TCPStore needs), no route out.
     # An IPC namespace too: the user's other processes' SysV shared memory and queues are out of reach.
-    network = _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET) == 0
-    if not network and _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
+    network = _libc.unshare(user | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET) == 0
+    if not network and _libc.unshare(user | CLONE_NEWNS | CLONE_NEWPID) != 0:
         raise NamespacesRefused(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
-    Path("/proc/self/setgroups").write_text("deny")  # needed before an unprivileged gid_map
-    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    if user:
+        Path("/proc/self/setgroups").write_text("deny")  # needed before an unprivileged gid_map
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
     if network:
         _loopback_up()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the host
@@ -147,30 +384,54 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int) -> tup
     # the host's namespace cannot be the source of one in ours).
     # A mount point may be a file (a container's /etc/hosts): overlayfs refuses it, so it is made read-only.
     real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *protected]}
+    trees = {path: views.tree(path) for path in [*targets, *protected]} if views else {}
+    owners = {path: views.owner_of(path) for path in targets} if views else {}
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
-    _mount("xmem-cow", str(cow), "tmpfs", MS_NOSUID | MS_NODEV, f"size={cow_bytes},mode=700")
+    owned = f",uid={identity.uid},gid={identity.gid}" if identity else ""
+    _mount("xmem-cow", str(cow), "tmpfs", MS_NOSUID | MS_NODEV, f"size={cow_bytes},mode=700{owned}")
     real["cow"] = os.open(cow, os.O_PATH | os.O_DIRECTORY)  # the path may soon lead into an overlay
     covered, read_only = [], []
     for number, path in enumerate(targets):
-        if _overlay(path, real[path], Path(f"/proc/self/fd/{real['cow']}/{number}")):
+        lower = trees.get(path) or real[path]
+        if _overlay(path, lower, Path(f"/proc/self/fd/{real['cow']}/{number}"), owners.get(path)):
             covered.append(path)
         else:  # e.g. it has mounts below it, which a user namespace may not hide: its own writes fail instead
-            _bind(real[path], path, read_only=True)
+            _bind_view(path, real[path], trees.get(path))
             read_only.append(path)
-    services = _hide_services(uid, cow_bytes)
+    services = _hide_services(uid, cow_bytes, identity)
     for path in [str(scratch), *protected]:
         if _under(path, (SERVICES_DIR,)):  # a TMPDIR under /run/user: its mount point, in the new tmpfs
             os.makedirs(path, exist_ok=True)
-        _bind(real[path], path, read_only=path != str(scratch))
-    for fd in real.values():
+        if path == str(scratch):
+            _bind(real[path], path, read_only=False)
+        else:
+            _bind_view(path, real[path], trees.get(path))
+    for fd in [*real.values(), *(tree for tree in trees.values() if tree is not None)]:
         os.close(fd)
+    if views and views.namespace >= 0:
+        os.close(views.namespace)
     os.chdir(os.getcwd())  # the working directory still points into the real tree: enter its overlay
     text = f"namespaces: writes go to a private copy-on-write overlay of {', '.join(covered) or 'nothing'}"
     if read_only:
         text += f"; read-only, Python's writes there redirected: {', '.join(read_only)}"
     text += "; network: loopback only" if network else "; network NOT isolated (the kernel refused a namespace)"
+    if identity is not None:
+        text += f"; {_identity_words(identity, [path for path in targets if trees.get(path) is None])}"
     return text + f"; {services}", read_only
+
+
+def _identity_words(identity: Identity, unmapped: list[str]) -> str:
+    said = f"root's trace runs as {identity.name} (uid {identity.uid}), root's files shown as its own, read-only"
+    return said + (f" (not under {', '.join(unmapped)}: its filesystem cannot be idmapped)" if unmapped else "")
+
+
+def _bind_view(path: str, real_fd: int, tree: int | None) -> None:
+    """`path` read-only: root's idmapped view of it where there is one, else the directory itself."""
+    if tree is not None:
+        _attach(tree, path)
+    else:
+        _bind(real_fd, path, read_only=True)
 
 
 def _loopback_up() -> None:
@@ -184,7 +445,7 @@ def _loopback_up() -> None:
         fcntl.ioctl(handle, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
 
 
-def _hide_services(uid: int, shm_bytes: int) -> str:
+def _hide_services(uid: int, shm_bytes: int, identity: Identity | None = None) -> str:
     """An empty tmpfs over /run: the unix sockets of the host's services (munge, and so Slurm; databases; the
     user's session bus, which could start processes outside) are not reachable by path. (Sockets in the other
     directories are behind their overlay, through which a connect is refused; abstract ones are per network
@@ -195,7 +456,10 @@ def _hide_services(uid: int, shm_bytes: int) -> str:
             _mount("xmem-private", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size},mode={mode}")
         except SandboxError as error:
             return f"{path} NOT made private ({error.strerror})"
-    (Path(SERVICES_DIR) / "user" / str(uid)).mkdir(parents=True, mode=0o700)
+    runtime = Path(SERVICES_DIR) / "user" / str(uid)
+    runtime.mkdir(parents=True, mode=0o700)
+    if identity is not None:  # root's $XDG_RUNTIME_DIR, as root's files, is the trace identity's
+        os.chown(runtime, identity.uid, identity.gid)
     return f"{SERVICES_DIR} replaced by an empty tmpfs (no service's socket), /dev/shm private"
 
 
@@ -236,13 +500,15 @@ def _under(path: str, parents: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
 
 
-def _overlay(path: str, lower_fd: int, layer: Path) -> bool:
+def _overlay(path: str, lower_fd: int, layer: Path, owner: tuple[int, int] | None = None) -> bool:
     if _mode == "read-only":
         return False
     upper, work = layer / "upper", layer / "work"
     upper.mkdir(parents=True)
     work.mkdir()
     upper.chmod(os.stat(lower_fd).st_mode & 0o7777)  # the merged directory shows the upper's mode
+    if owner is not None:  # and its owner: root's trace sees root's directories as its own
+        os.chown(upper, *owner)
     base = f"lowerdir=/proc/self/fd/{lower_fd},upperdir={upper},workdir={work}"
     for options in (base + ",userxattr", base):  # userxattr: what an unprivileged overlay needs on older kernels
         try:
@@ -344,6 +610,7 @@ def guard_interpreters(binaries: list[str], scratch: Path) -> list[str]:
         return []
     folder = scratch / COW_DIR / "interpreters"
     folder.mkdir(mode=0o700)
+    give_to_tracer(folder)
     guarded = []
     for number, binary in enumerate(binaries):
         real, wrapper = folder / f"python-{number}", folder / f"python-{number}.sh"
@@ -369,9 +636,10 @@ def _quoted(path: Path | str) -> str:
 
 def _runs(binary: str) -> bool:
     import subprocess
-    try:
+    ids = {"user": _identity.uid, "group": _identity.gid, "extra_groups": []} if _identity else {}
+    try:  # as the tracer would start it: root's check runs as the trace identity
         return subprocess.run([binary, "-S", "-c", ""], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30, **ids).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -391,6 +659,7 @@ def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict, guard: l
         _write_result(scratch, {"failed": f"root's trace is not run: the sandbox could not hide the host's state "
                                           f"({hidden}); run it as an ordinary user"})
         os._exit(1)
+    refuse_if_unreadable(argv, env, scratch)
     if guard:
         guarded = guard_interpreters(guard, scratch)
         said = f"every start of {', '.join(guarded)} traced, whatever its options and environment" if guarded else \
@@ -409,9 +678,12 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, protected: list
     """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant.
     `protected` (the shim cache) is passed through unredirected, so that Landlock refuses a write there."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    views = _root_views(scratch, protected, _identity) if _identity is not None else ""
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
+    give_to_tracer(cow)
     env = _redirecting_env(program_env, cow, scratch, protected, only_under=None)
+    refuse_if_unreadable(argv, env, scratch)
     landlock = landlock_abi()
     tracer = _start_tracer(_redirected(argv), limits, env, writable=[str(scratch)] if landlock else None)
     _stop_descendants_on_signal()
@@ -421,7 +693,32 @@ def run_fallback(argv: list[str], limits: Limits, scratch: Path, protected: list
         "no Landlock: C-level writes land, the shim cache is not protected"
     return {"status": status, "protection": f"fallback ({refused}): Python's file APIs redirected to a copy-on-write "
                                             f"directory; {backstop}; the program's processes killed at the end "
-                                            "(subreaper); network NOT isolated"}
+                                            f"(subreaper); network NOT isolated{views}"}
+
+
+def _root_views(scratch: Path, protected: list[str], identity: Identity) -> str:
+    """Root's fallback, where no pid or user namespace is to be had: root may still make a mount namespace, in
+    which each writable filesystem is replaced by `RootViews`' read-only view (root's files shown as the trace
+    identity's own, so that root's job still reads them; writes there fail rather than land), the scratch bound
+    back writable and `protected` read-only. Returns the words for the sandbox line."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return f"; root's trace runs as {identity.name} (uid {identity.uid}); root's own files stay unreadable to it"
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    views = RootViews(identity)
+    targets = [path for path, writable in overlay_targets(scratch).items() if writable]
+    real = {path: os.open(path, os.O_PATH) for path in [str(scratch), *protected]}
+    trees = {path: views.tree(path) for path in [*targets, *protected]}
+    for path in targets:
+        if trees[path] is not None:
+            _attach(trees[path], path)
+    for path in protected:
+        _bind_view(path, real[path], trees[path])
+    _bind(real[str(scratch)], str(scratch), read_only=False)
+    for fd in [*real.values(), *(tree for tree in trees.values() if tree is not None)]:
+        os.close(fd)
+    os.chdir(os.getcwd())
+    unmapped = [path for path in targets if trees[path] is None]
+    return "; " + _identity_words(identity, unmapped)
 
 
 # Runs `python -m MODULE ARGS` with Python's file APIs redirected first (before the module imports anything).
@@ -437,6 +734,7 @@ def _redirecting_env(program_env: dict, cow: Path, scratch: Path, passthrough: l
     spec = {"cow": str(cow), "passthrough": [str(scratch), *passthrough], "only_under": only_under}
     temporary = scratch / "tmp"
     temporary.mkdir(mode=0o700)
+    give_to_tracer(temporary)
     return dict(program_env, **{COW_ENV: json.dumps(spec), "TMPDIR": str(temporary)})
 
 
@@ -581,10 +879,13 @@ def _start_tracer(argv: list[str], limits: Limits, env: dict, writable: list[str
     if pid:
         return pid
     try:
+        parent = os.getppid()
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         limits.apply()
         if writable is not None:
             restrict_writes(writable, landlock_abi())
+        if _identity is not None:
+            become_identity(_identity, parent)
         drop_privileges()
         become_tracer(argv, env)
     except BaseException as error:  # noqa: BLE001 - the fork must never return into the helper's code
@@ -615,6 +916,8 @@ def drop_privileges() -> None:
     if held["NoNewPrivs"] != 1 or any(held[name] for name in ("CapInh", "CapPrm", "CapEff", "CapAmb")) or \
             (os.geteuid() == 0 and held["CapBnd"]):
         raise SandboxError(errno.EPERM, f"the tracer would keep privileges: {held}")
+    if 0 in os.getresuid():  # -- issue 35: no trace runs as uid 0, in a namespace or not
+        raise SandboxError(errno.EPERM, "the tracer would run as uid 0")
 
 
 def capabilities() -> dict[str, int]:
@@ -685,16 +988,34 @@ def _kill_quietly(pid: int) -> None:
 
 def _write_result(scratch: Path, fields: dict) -> None:
     path = scratch / RESULT_FILE
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**previous, **fields}))
+    previous = read_result(scratch)
+    # never through a link: in root's scratch the program may add entries (share_scratch)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w") as out:
+        out.write(json.dumps({**previous, **fields}))
 
 
 def read_result(scratch: Path) -> dict:
     """What the helper wrote: {"protection": str, "status": {"exit": N} | {"signal": N}}; {} if it wrote nothing."""
+    return read_json_file(Path(scratch) / RESULT_FILE) or {}
+
+
+MAX_RESULT_BYTES = 1 << 30
+
+
+def read_json_file(path: Path) -> object | None:
+    """The JSON of a regular file in the scratch, None when there is none (or it is not one: a link, a FIFO, a
+    device the program put there), never blocking."""
     try:
-        return json.loads((Path(scratch) / RESULT_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with open(fd, "rb") as handle:
+        if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            return json.loads(handle.read(MAX_RESULT_BYTES))
+        except ValueError:
+            return None
 
 
 # ---- the helper -------------------------------------------------------------------------------------------------
@@ -712,6 +1033,8 @@ def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: i
     command = [python, "-I", str(Path(__file__).resolve()), "--scratch", str(scratch), "--parent", str(os.getpid()),
                "--memory-bytes", str(memory_bytes), "--cpu-seconds", str(cpu_seconds),
                "--mode", os.environ.get(MODE_ENV, ""), "--program-env", str(scratch / PROGRAM_ENV_FILE)]
+    if os.geteuid() == 0:  # -- issue 35: root's own setting, from root's environment
+        command += ["--run-as", trace_identity().option()]
     for path in protected:
         command += ["--protect", path]
     for binary in guarded:
@@ -748,29 +1071,29 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
     parser.add_argument("--guard", action="append", default=[], help="an interpreter binary to guard")
     parser.add_argument("--mode", default="", help=f"as ${MODE_ENV}")
     parser.add_argument("--program-env", type=Path, help="JSON file of the program's environment (then removed)")
+    parser.add_argument("--run-as", type=Identity.parse, help="UID:GID:NAME root's trace runs as (trace_identity)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent:  # the caller died before the line above took effect
         os._exit(1)
-    global _mode
+    global _mode, _identity
     _mode = args.mode
     if program_env is None:
         program_env = _read_program_env(args.program_env)
     limits = Limits(args.memory_bytes, args.cpu_seconds)
     keep = [path for path in args.protect if os.path.isdir(path)]
     try:
+        # -- issue 35: no trace runs as uid 0; root's runs as the identity, which owns what the tracer writes
+        _identity = (args.run_as or trace_identity({})) if os.geteuid() == 0 else None
+        _write_result(args.scratch, {})
+        share_scratch(args.scratch)
         if _mode == "fallback":
             raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
-        protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30))
+        protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30),
+                                                 identity=_identity)
     except NamespacesRefused as refused:
-        # -- issue 35: the fallback cannot keep root's uid from the host's state; only root's own explicit choice
-        # (XMEM_SANDBOX=fallback, which the filter never takes from a user) runs it there
-        if os.geteuid() == 0 and _mode != "fallback":
-            _write_result(args.scratch, {"failed": f"root's trace is not run: it needs the namespace sandbox, which "
-                                                   f"the kernel refused ({refused}); run it as an ordinary user"})
-            os._exit(1)
         _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}",
                                                  program_env))
         os._exit(0)
@@ -782,6 +1105,7 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
     if read_only:
         cow = args.scratch / COW_DIR / "python"
         cow.mkdir()
+        give_to_tracer(cow)
         env = _redirecting_env(program_env, cow, args.scratch, keep, only_under=read_only)
         command = _redirected(command)
     init = os.fork()

@@ -104,6 +104,9 @@ def _prepare_dynamo() -> None:
     # the DDP stand-in (xmem.trace.child.distributed) has no active-module registry for DDPOptimizer, whose bucket-
     # wise graph splitting is then not modelled: one graph per frame, as without DDP
     torch._dynamo.config.optimize_ddp = False
+    # the tracer's SDPA (xmem.trace.child.attention: the kernel the GPU would pick) is one call of the graph, as
+    # torch's is: dynamo would break the graph at its reads of the backend switches; AOTAutograd traces into it
+    torch._dynamo.allow_in_graph(torch.nn.functional.scaled_dot_product_attention)
     logging.getLogger("torch._dynamo.convert_frame").addHandler(_DynamoFailures())
     torch._dynamo.config.suppress_errors = True  # a frame dynamo fails on runs eagerly: said by _DynamoFailures
 
@@ -232,7 +235,7 @@ def traced_backend(graph: fx.GraphModule, example_inputs: list, *, partitioner: 
         backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler,
                                partition_fn=partition, decompositions=decompositions,
                                keep_inference_input_mutations=True)
-        with _no_real_constants():
+        with _no_real_constants(), _inductor_fake_mode(example_inputs):
             return backend(graph, example_inputs)
     except Exception as error:  # noqa: BLE001 - any failure of ours: the region is traced eagerly, and said so
         _warn(FALLBACK_WARNING.format(region=_region_name(graph), why=_first_line(error)))
@@ -250,6 +253,15 @@ def _no_real_constants() -> Iterator[None]:
         yield
     finally:
         proxy_tensor.CONSTANT_NUMEL_LIMIT = limit
+
+
+def _inductor_fake_mode(example_inputs: list) -> Any:
+    """Inductor's virtualized fake mode (V.fake_mode), which its joint-graph passes use (the random ops' seeds), set
+    to dynamo's as compile_fx sets it."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+    fake_mode = detect_fake_mode(example_inputs)
+    return V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()
 
 
 def _region_name(graph: fx.GraphModule) -> str:
