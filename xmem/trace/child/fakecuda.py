@@ -546,8 +546,9 @@ def _fake_tensors_are_not_a_graph(import_utils: Any) -> None:
     # value checks a GPU run makes: find_packed_sequence_indices keeps a packed-sequence mask and
     # _ignore_causal_mask_sdpa never drops the causal mask, so every decoder's SDPA call got a materialised mask (no
     # GQA in the kernel but repeat_kv copies of k/v, no flash, a converted bias) where the GPU runs is_causal. In a
-    # trace every FakeTensor stands for GPU data (torch.compile runs eagerly): its checks get stand-in values like
-    # any other. Found by the model-zoo oracle (scripts/zoo_check.py, hf:llama).
+    # trace every FakeTensor of the program stands for GPU data: its checks get stand-in values like any other. A
+    # region dynamo compiles is still told apart as on a GPU (is_tracing also asks is_torchdynamo_compiling).
+    # Found by the model-zoo oracle (scripts/zoo_check.py, hf:llama).
     import_utils.is_fake_tensor = lambda tensor: False
 
 
