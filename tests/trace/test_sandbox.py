@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.torch_builds import SCRIPTS
-from xmem.trace import TraceError, privileges, run_trace, sandbox
+from xmem.trace import TraceError, privileges, run_trace, sandbox, warm
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -241,6 +241,7 @@ def test_roots_trace_runs_as_the_trace_identity_to_the_host(tmp_path, monkeypatc
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
+            shutil.rmtree(os.environ[warm.DIR_ENV], ignore_errors=True)
     assert len(found) == 1, f"the program was not seen running: {raised.value.message}"
     [(uids, gids, chain)] = found.values()
     assert uids == [str(identity.uid)] * 4 and gids == [str(identity.gid)] * 4
@@ -253,7 +254,7 @@ def test_roots_trace_runs_as_the_trace_identity_to_the_host(tmp_path, monkeypatc
 def start_warm_server(command: list[str], folder: Path, monkeypatch) -> subprocess.Popen:
     """A warm tracer for `command`'s jobs, answering (as root: the server is root's, its jobs' tracers are not)."""
     from tests.waiting import wait_for
-    from xmem.trace import runner, warm
+    from xmem.trace import runner
     from xmem.trace.command import parse_command
     sockets = Path(tempfile.mkdtemp(prefix="xw-"))
     for name, value in {warm.ENABLE_ENV: "1", warm.DIR_ENV: str(sockets), warm.IDLE_ENV: "600"}.items():
