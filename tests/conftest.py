@@ -36,7 +36,7 @@ def _as_if_activated() -> None:
 _as_if_activated()
 # The product's default is the warm tracer (`[estimate] warm_tracer = true`); the suite's estimates run cold unless a
 # module takes the `warm_tracer` fixture below (or a test sets it), so that a test's answer never depends on which
-# server an earlier test left running. The filter ignores this (the site's setting alone): `stop_new_warm_servers`.
+# server an earlier test left running. The filter ignores this (the site's setting alone): `pytest_sessionfinish`.
 os.environ.setdefault("XMEM_WARM_TRACER", "0")
 
 
@@ -77,17 +77,29 @@ def put_group_in_id(item: pytest.Item, group: str) -> None:
         item._nodeid = f"{item.nodeid}@{group}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def stop_new_warm_servers():
-    """At the end, stop the warm servers the run started wherever it started them (the filter under test starts
-    them as the submitting users, in their own directories): a server would otherwise idle 15 minutes."""
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's own process (xdist's controller, or the only one)
+        from xmem.trace import warm
+
+        config.stash[_SERVERS_BEFORE] = {server.pid for server in warm.servers()}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """At the very end of the run (in its own process, after every xdist worker), stop the warm servers started
+    meanwhile wherever they were started (the filter under test starts them as the submitting users, in their own
+    directories): each would otherwise idle 15 minutes. Not in a worker: one that ends first would stop the servers
+    another worker still uses."""
+    before = session.config.stash.get(_SERVERS_BEFORE, None)
+    if before is None:
+        return
     from xmem.trace import warm
 
-    before = {server.pid for server in warm.servers()}
-    yield
     for server in warm.servers():
         if server.pid not in before:
             warm.stop(server)
+
+
+_SERVERS_BEFORE = pytest.StashKey[set]()
 
 
 @pytest.fixture(scope="session")
