@@ -2,9 +2,10 @@
 """A standing corpus of real programs (issue 20): public training programs that PyPI packages ship in their wheels
 (CLIs and recipes), run unmodified under `xmem-slurm estimate`, each answer checked against a plausible range.
 
-    .venv/bin/python scripts/bench_programs.py --setup        # make .venv-programs with the pinned packages
+    .venv/bin/python scripts/bench_programs.py --setup [--package PKG...]  # the programs' venvs, pinned
     .venv/bin/python scripts/bench_programs.py [--only NAME...] [--package PKG...] [--list] [--out FILE]
-                                               [--iterations N] [--timeout S] [--python PY]
+                                               [--iterations N] [--timeout S] [--product DIR]
+    .venv/bin/python scripts/bench_programs.py --merge RUN.json... --out programs.json --label "DATE COMMIT"
 
 Nothing here is written by the project: each program is what its package installs (`tune run`, `trl sft`,
 `litgpt finetune_lora`, `yolo train`, `python -m open_clip_train.main`, ...), started as a user of an activated venv
@@ -61,13 +62,13 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 # the second wave (issue 31 item 6): one venv each, as each package's users have it
                 "gluonts": ("gluonts[torch,shell]==0.17.0",), "ludwig": ("ludwig==0.11.0",), "axolotl": ("axolotl==0.17.0",),
                 "monai": ("monai[nibabel,fire,ignite,einops]==1.6.1",), "schnetpack": ("schnetpack==2.2.0",),
-                "coqui-tts": ("coqui-tts[codec]==0.28.0", "torchaudio==2.11.1"), "cellpose": ("cellpose==3.1.1.3",),
+                "coqui-tts": ("coqui-tts[codec]==0.28.0", "torchaudio==2.11.1", "six"), "cellpose": ("cellpose==3.1.1.3",),
                 "nequip-allegro": ("nequip-allegro==0.8.3",),
                 "imitation": ("imitation==1.0.1", "setuptools<81"),  # it imports pkg_resources
                 "sample-factory": ("sample-factory==2.1.1",),
                 # cleanrl 1.2.0 requires pygame 2.1.0, which has no wheel for Python 3.11 (only its renderer
                 # uses it): its own package without dependencies, then what its agents import
-                "cleanrl": ("gym==0.23.1", "gymnasium==1.2.0", "tyro", "tensorboard", "stable-baselines3"),
+                "cleanrl": ("gym==0.23.1", "pygame==2.6.1", "gymnasium==1.2.0", "tyro", "tensorboard", "stable-baselines3"),
                 "lerobot": ("lerobot==0.3.2",), "piper-tts": ("piper-tts[train]==1.8.0",),
                 "sevenn": ("sevenn==0.13.0",)}
 PACKAGE_PYTHON = {"schnetpack": "3.12"}  # schnetpack's current release requires Python 3.12 (uv finds it by version)
