@@ -1173,7 +1173,7 @@ PROGRAMS: list[Program] = [
             tune_model),
     Program("tune-qlora", "torchtune", tune_args("lora_finetune_single_device", "llama2/7B_qlora_single_device", True,
                                                   "dataset.data_files={work}/data.json",
-                                                  "model._component_=torchtune.models.llama2.qlora_llama2")),
+                                                  "model.quantize_base=True")),
     Program("tune-lora-distributed", "torchtune", ("tune", "run", "--nproc_per_node", "2") + tune_args(
         "lora_finetune_distributed", "llama2/7B_lora", True, "dataset.data_files={work}/data.json")[2:], tune_model),
     Program("tune-full-distributed", "torchtune", ("tune", "run", "--nproc_per_node", "2") + tune_args(
