@@ -216,7 +216,11 @@ def install(fake: Any) -> GraphPools:
         module.make_graphed_callables = graphs.make_graphed_callables  # upstream's, over the names above
     type(fake.current_stream).is_capturing = lambda stream: pools.stream_is_capturing(stream.stream_id)
     torch.cuda.MemPool = torch.cuda.memory.MemPool = UserMemPool  # type: ignore[misc]
-    torch.cuda.use_mem_pool = torch.cuda.memory.use_mem_pool = _not_modelled(USER_POOL_GAP)
+    refuse_pool = _not_modelled(USER_POOL_GAP)
+    # torch._dynamo's skip list names the context manager's function when dynamo is first imported (a program that
+    # imports it after start: variables/torch.py reads use_mem_pool.__wrapped__)
+    refuse_pool.__wrapped__ = getattr(torch.cuda.use_mem_pool, "__wrapped__", torch.cuda.use_mem_pool)  # type: ignore
+    torch.cuda.use_mem_pool = torch.cuda.memory.use_mem_pool = refuse_pool
     for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateCurrentStreamToPool",
                  "_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool",
                  "_cuda_setCheckpointPoolState", "_cuda_getCheckpointState", "_cuda_checkPoolLiveAllocations"):
