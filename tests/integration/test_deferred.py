@@ -375,15 +375,20 @@ def test_an_estimation_job_leaves_no_warm_tracer_behind(deferred_cluster, submit
     0.7 GiB of the CPU node for its idle time."""
     import subprocess
 
+    def xmem_processes() -> set[str]:  # a server the user's own earlier sbatch started (inline) is not this job's
+        listed = subprocess.run(["ps", "-ww", "-u", submitter.name, "-o", "pid=,args="], capture_output=True,
+                                text=True).stdout
+        return {line for line in listed.splitlines() if "xmem" in line}
+
     cluster = deferred_cluster
+    before = xmem_processes()
     sub = cluster.sbatch(users_script(submitter, mine, "warm.sh", "# warm\npython train.py\n"), "--begin=now+3600",
                          env={"XMEM_WARM_TRACER": "1"}, user=submitter)
     assert sub.returncode == 0, sub.stderr
     info = wait_settled(cluster, sub.job_id)
     assert xmem_state(info) == "done", info["Comment"]
     time.sleep(2)  # the estimation job's own end
-    left = subprocess.run(["ps", "-u", submitter.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
-    assert "xmem" not in left, left
+    assert not xmem_processes() - before, xmem_processes() - before
     cluster.run("scancel", sub.job_id)
 
 
