@@ -1,7 +1,7 @@
 """The dev cluster (scripts/slurm-dev-cluster.sh) for the integration tests: up once per session, down at the end.
 
-Each runs on its own LAB directory and ports (6837/6838 inline, 6877/6878 deferred), so a developer's cluster on
-the default ones is left alone. The cluster runs a site install (scripts/install.sh --prefix, sharing this venv's
+Each runs on its own LAB directory and ports (by default 6837/6838 inline, 6877/6878 deferred; the first free
+such pairs from there, so that two test runs on one machine, or a developer's cluster, are left alone). The cluster runs a site install (scripts/install.sh --prefix, sharing this venv's
 packages), so that `submitter`, a throw-away ordinary user, can submit as well as root.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,27 @@ from tests.throwaway_users import User, throwaway_users
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm-dev-cluster.sh"
-PORT = 6837
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _first_free_ports(start: int = 6837) -> int:
+    """The first base port from `start` (in steps of 100) whose four ports (controller and node, of the inline
+    and the deferred cluster) are free."""
+    for base in range(start, start + 3000, 100):
+        if all(_free(base + offset) for offset in (0, 1, 40, 41)):
+            return base
+    raise RuntimeError(f"no free ports for a dev cluster from {start}")
+
+
+PORT = _first_free_ports()
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 

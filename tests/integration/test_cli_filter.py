@@ -141,14 +141,18 @@ def test_the_users_line_is_short_and_only_for_a_job_slurm_took(cluster, sbatch, 
 
 def users_processes(user) -> str:
     """The user's processes but their warm tracer servers: the filter starts one (the site's default), which lives on
-    by design after the submission, bounded and listed by `xmem-slurm warm`."""
+    by design after the submission, bounded and listed by `xmem-slurm warm`. A job a server forked (a warm trace, the
+    user's program running in it) is listed: it has the server's command line and a server for its parent."""
     import subprocess
 
     from xmem.trace.warm import SERVER_MAIN
 
     # -ww: whole command lines (ps cuts them at 80 columns into a pipe, where "slow.py" never showed)
-    listed = subprocess.run(["ps", "-ww", "-u", user.name, "-o", "pid=,args="], capture_output=True, text=True).stdout
-    return "\n".join(line for line in listed.splitlines() if SERVER_MAIN not in line)
+    listed = subprocess.run(["ps", "-ww", "-u", user.name, "-o", "pid=,ppid=,args="], capture_output=True,
+                            text=True).stdout
+    rows = [line.split(None, 2) for line in listed.splitlines() if len(line.split(None, 2)) == 3]
+    servers = {pid for pid, _, args in rows if SERVER_MAIN in args}
+    return "\n".join(f"{pid} {args}" for pid, parent, args in rows if pid not in servers or parent in servers)
 
 
 def test_sbatch_killed_mid_estimate_leaves_no_process_and_no_file(cluster, submitter, work):
@@ -166,8 +170,13 @@ def test_sbatch_killed_mid_estimate_leaves_no_process_and_no_file(cluster, submi
     sbatch = subprocess.Popen(submitter.argv("sbatch", "--begin=now+3600", str(path)), cwd=work,
                               env=submitter.env(mine), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while "slow.py" not in users_processes(submitter) and time.monotonic() < deadline:
-        time.sleep(0.2)  # until the traced program runs
+    def tracing() -> bool:  # the program runs: started cold (its own command line) or in a warm server's fork
+        running = users_processes(submitter)
+        return "slow.py" in running or "warm_server" in running
+
+    while not tracing() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tracing(), "the filter never started tracing slow.py"
     requests = [p for p in Path("/tmp").glob("lua_*") if p.stat().st_uid == submitter.uid]
     os.kill(sbatch.pid, signal.SIGKILL)
     sbatch.wait()
