@@ -9,9 +9,13 @@ plus one (or `minlength`), and `unique` finds at most one value per integer of t
 those sizes follow it instead of the input's length.
 
 The rules: a range is kept per tensor (by identity, while it lives) for the ops in RULES, computed from the ranges
-of their arguments (a Python number is its own range; a boolean or 8/16-bit tensor has its dtype's); an op that
+of their arguments (a Python number is its own range; a boolean tensor has its dtype's); an op that
 writes a tensor in place forgets the ranges of every tensor on that storage, then keeps the op's own where it has a
-rule (`x += 1`). Floating-point results are never followed. Import only in the tracing child.
+rule (`x += 1`). Floating-point results are never followed. An 8- or 16-bit integer tensor has no range from its
+dtype: such tensors are most often labels or pixels stored small, far inside the dtype's range (ludwig's int8 class
+targets), and a range as wide as the dtype, carried through `target * C + preds`, made bincount's stand-in count
+3 * 127 + 3 bins where the program asked for C * C and reshapes them so; without a range bincount takes the
+program's `minlength`, and unique its upper bound of one value per element. Import only in the tracing child.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 Range = tuple[int, int]  # (lowest, highest), both included
 
-_DTYPE_RANGES: dict[torch.dtype, Range] = {
-    torch.bool: (0, 1), torch.uint8: (0, 255), torch.int8: (-128, 127), torch.int16: (-32768, 32767)}
+_DTYPE_RANGES: dict[torch.dtype, Range] = {torch.bool: (0, 1)}  # (why not 8/16-bit integers: the docstring)
 # ops whose values are some of their first argument's (copies, views, selections, reorderings)
 _KEEP = frozenset({"_to_copy", "clone", "view", "reshape", "_unsafe_view", "expand", "squeeze", "unsqueeze",
                    "select", "slice", "t", "transpose", "permute", "contiguous", "detach", "alias", "flatten",

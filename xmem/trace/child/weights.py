@@ -321,7 +321,7 @@ def _make_save(original: Callable) -> Callable:
         args = args[:2] + (True,) + args[3:] if len(args) > 2 else args
         kwargs.pop("_use_new_zipfile_serialization", None)
         if not isinstance(f, (str, os.PathLike)):
-            return original(obj, f, *args, **kwargs)
+            return original(obj, f if _seekable(f) else _ForwardOnly(f), *args, **kwargs)
         if _file_identity(f) in _mapped_files:
             return _save_beside(original, obj, f, args, kwargs)
         with open(f, "wb") as file:  # torch's writer would open a path from C++, past the fallback sandbox
@@ -338,6 +338,33 @@ def _save_beside(original: Callable, obj: Any, f: Any, args: tuple, kwargs: dict
     with open(beside, "wb") as file:
         original(obj, file, *args, **kwargs)
     os.replace(beside, f)
+
+
+def _seekable(f: Any) -> bool:
+    seekable = getattr(f, "seekable", None)
+    return callable(seekable) and bool(seekable())
+
+
+class _ForwardOnly:
+    """A stream that cannot seek (a zip member opened for writing: stable-baselines3 saves its policy so), as torch's
+    writer sees it. A fake tensor's storage record is written as metadata only: torch's writer steps over its bytes
+    with `seek(size, SEEK_CUR)`, leaving a hole that reads as zeros. A stream that cannot seek gets the zeros
+    written instead, the bytes the hole stands for, as torch.save writes every record of such a stream in order."""
+
+    ZEROS = bytes(1 << 20)
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_CUR or offset < 0:
+            return self._stream.seek(offset, whence)  # the stream's own error: only a step forward is written
+        for start in range(0, offset, len(self.ZEROS)):
+            self._stream.write(self.ZEROS[:min(len(self.ZEROS), offset - start)])
+        return offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _file_identity(path: Any) -> tuple[int, int] | None:

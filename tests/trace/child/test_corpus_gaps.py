@@ -1,0 +1,61 @@
+"""Gaps the real-program corpus met (issue 31, item 6), each as a small program of the libraries' own patterns,
+traced through the real tracer: the program checks what a GPU run would give it."""
+
+import pytest
+
+from tests.trace.child.test_host import trace_source
+
+pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
+
+TRAIN = """
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    optimizer.zero_grad()
+    model(torch.randn(4, 16, device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+# stable-baselines3's save_to_zip_file: torch.save of the policy into a member of the zip archive, a stream that
+# cannot seek; its load reads the member into a BytesIO and torch.loads it to the policy's device
+ZIP_MEMBER = """import io, zipfile
+import torch
+model = torch.nn.Linear(16, 16).cuda()
+with zipfile.ZipFile("policy.zip", "w") as archive:
+    with archive.open("policy.pth", mode="w", force_zip64=True) as member:
+        assert not member.seekable()
+        torch.save({"model": model.state_dict(), "host": torch.arange(8.0)}, member)
+with zipfile.ZipFile("policy.zip") as archive:
+    saved = archive.read("policy.pth")
+on_gpu = torch.load(io.BytesIO(saved), map_location="cuda")
+assert on_gpu["model"]["weight"].shape == (16, 16) and on_gpu["model"]["weight"].device.type == "cuda"
+on_host = torch.load(io.BytesIO(saved), map_location="cpu")
+assert float(on_host["host"].sum()) == 28.0  # host data round-trips
+assert float(on_host["model"]["weight"].abs().sum()) == 0.0  # the GPU's bytes, never known, are the hole's zeros
+""" + TRAIN
+
+
+def test_torch_save_into_a_stream_that_cannot_seek(tmp_path):
+    """A fake tensor's record is metadata only: torch's writer steps over its bytes with a seek, which a zip member
+    refuses (exit 11 before); such a stream gets the zeros the hole stands for, as torch.save writes it in order."""
+    trace = trace_source(tmp_path, "zip_member.py", ZIP_MEMBER)
+    assert trace.iterations == 2
+
+
+# ludwig's category metrics: the targets are stored as int8 on the host, the predictions are argmax indices on the
+# GPU, and torchmetrics' multiclass stat scores bin `target * C + preds` with minlength C * C and reshape to C x C
+INT8_TARGETS = """import torch, torchmetrics
+model = torch.nn.Linear(16, 3).cuda()
+metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3).cuda()
+labels = torch.randint(0, 3, (64,), dtype=torch.int8)
+for _ in range(2):
+    metric.update(model(torch.randn(64, 16, device="cuda")).argmax(-1), labels.cuda().type(torch.long))
+""" + TRAIN
+
+
+def test_a_confusion_matrix_of_small_integer_targets_keeps_its_shape(tmp_path):
+    """An int8 tensor's dtype range (to 127) carried through `target * 3 + preds` made bincount count 384 bins,
+    which torchmetrics reshapes to 3 x 3 (exit 11 before); the program's minlength gives the 9 bins it asked."""
+    pytest.importorskip("torchmetrics")
+    trace = trace_source(tmp_path, "int8_targets.py", INT8_TARGETS)
+    assert trace.iterations == 2
+    assert "bincount() took its minlength bins, as if every value were below it (no real data)" in trace.warnings
