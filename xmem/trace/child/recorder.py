@@ -28,6 +28,7 @@ from xmem.trace.events import (ARCH_SENSITIVE_PROGRESS, CUBLAS_OPS, MANAGED_OP, 
                                Phase, Trace)
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.fft as fft
+import xmem.trace.child.float8 as float8
 import xmem.trace.child.nf4 as nf4
 import xmem.trace.child.shortcuts as shortcuts
 from xmem.trace.child.attribution import DECLINED_BY_FAKE_MODE
@@ -330,8 +331,8 @@ class AllocationRecorder(TorchDispatchMode):
             device = shortcuts.device_of(func, args)
             if device is not shortcuts.NOT_TAKEN:
                 return device
-        if distributed.dispatches_itself(types) or nf4.dispatches_itself(types):
-            return NotImplemented  # DTensor and NF4 dispatch first; their inner ops come back here (see the modules)
+        if distributed.dispatches_itself(types) or nf4.dispatches_itself(types) or float8.dispatches_itself(types):
+            return NotImplemented  # DTensor, NF4, float8 dispatch first; their inner ops come back here (the modules)
         if _runs_on_host(args, kwargs):
             # Only what the GPU would hold is fake: host work runs for real, with real values, below the fake mode.
             with unset_fake_temporarily():
@@ -359,6 +360,7 @@ class AllocationRecorder(TorchDispatchMode):
             self._note_unseen_inputs(args, name)
             if name == "convolution" and args[0].dtype == torch.bfloat16:
                 self._arch_question()  # cuDNN takes bf16 convolutions from sm80 only (slow path before)
+            float8.refuse_where_the_gpu_cannot(name, self.fake)  # float8 matmuls: sm89 and above
         plan = None if self.state.stopped else self.known.plan(func, args, kwargs)
         try:
             out = shortcuts.foreach(func, name, args, kwargs) if self._shortcuts else shortcuts.NOT_TAKEN
