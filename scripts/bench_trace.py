@@ -63,8 +63,9 @@ def phases(name: str, iterations: int) -> dict:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     from xmem.trace.child.main import trace_program
+    from xmem.trace.runner import fake_gpu
     marks: list[tuple[str, float, float]] = []
-    trace = trace_program(list(WORKLOADS[name]), iterations, (9, 0), 1,
+    trace = trace_program(list(WORKLOADS[name]), iterations, fake_gpu(), 1,
                           lambda message: marks.append((message, time.monotonic(), time.process_time())))
     marks.append(("end", time.monotonic(), time.process_time()))
     names = ["start-up" if message == "loading fake CUDA" else message for message, _, _ in marks]

@@ -47,9 +47,9 @@ def traced(monkeypatch):
         trace = training_trace()
         by_capability: dict = {}
 
-    def fake_run_trace(command, *, capability=(9, 0), **kwargs):
-        calls.append((list(command), tuple(capability), kwargs))
-        return Fake.by_capability.get(tuple(capability), Fake.trace)
+    def fake_run_trace(command, *, gpu, **kwargs):
+        calls.append((list(command), tuple(gpu.capability), {**kwargs, "gpu": gpu}))
+        return Fake.by_capability.get(tuple(gpu.capability), Fake.trace)
 
     monkeypatch.setattr(estimate_module, "run_trace", fake_run_trace)
     Fake.calls = calls
@@ -175,15 +175,15 @@ def test_other_classes_are_traced_beside_the_first_once_it_reports_an_architectu
     progress lines name its class."""
     second_started, messages = threading.Event(), []
 
-    def run_trace(command, *, capability, on_progress, cancel=None, **kwargs):
-        if capability == (9, 0):
+    def run_trace(command, *, gpu, on_progress, cancel=None, **kwargs):
+        if gpu.capability == (9, 0):
             on_progress("iteration 1/3")
             on_progress(ARCH_SENSITIVE_PROGRESS)
             assert second_started.wait(30), "the other class's trace did not start beside this one"
         else:
             second_started.set()
             on_progress("iteration 1/3")
-        return training_trace(capability=tuple(capability), arch_sensitive=True)
+        return training_trace(capability=tuple(gpu.capability), arch_sensitive=True)
 
     monkeypatch.setattr(estimate_module, "run_trace", run_trace)
     result = estimate(["python", "train.py"], gpus=["h100", "t4"], on_progress=messages.append)
@@ -200,8 +200,8 @@ def test_no_other_trace_runs_when_the_first_reports_no_architecture_choice(trace
 def test_a_failing_first_trace_cancels_the_one_beside_it(monkeypatch):
     cancels = []
 
-    def run_trace(command, *, capability, on_progress, cancel=None, **kwargs):
-        if capability == (9, 0):
+    def run_trace(command, *, gpu, on_progress, cancel=None, **kwargs):
+        if gpu.capability == (9, 0):
             on_progress(ARCH_SENSITIVE_PROGRESS)
             raise TraceError("user_error", "ValueError: bad batch")
         cancels.append(cancel)
@@ -226,8 +226,7 @@ def test_tracer_gets_the_job_settings(traced):
     assert command == ["python", "train.py", "--lr", "1"] and capability == (7, 5)
     assert kwargs["iterations"] == 2 and kwargs["env"]["A"] == "1" and kwargs["cwd"] == "/tmp"
     # the program sees the GPU type estimated, not a typical one of its capability
-    assert kwargs["env"]["XMEM_FAKE_TOTAL_MEMORY"] == str(find_gpu("t4", load_catalog()).total_bytes)
-    assert "T4" in kwargs["env"]["XMEM_FAKE_GPU_NAME"]
+    assert kwargs["gpu"] == find_gpu("t4", load_catalog())
     assert kwargs["timeout"] == 30 and kwargs["python"] == "/usr/bin/python3"
 
 

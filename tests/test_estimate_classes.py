@@ -1,12 +1,11 @@
 """Capability classes traced side by side (xmem.estimate.trace_per_capability_class): an architecture-sensitive
 program's traces for two classes, the second started beside the first, are the traces each class gets alone."""
 
-import os
 import sys
 from pathlib import Path
 
 from tests.trace.child.test_shortcuts import canonical
-from xmem.estimate import device_name, estimate
+from xmem.estimate import estimate
 from xmem.gpus import load_catalog
 from xmem.trace import run_trace
 
@@ -20,8 +19,7 @@ def test_classes_traced_side_by_side_equal_their_own_traces():
     catalog = load_catalog()
     for cls, name in [("sm80+", "H100-SXM5-80GB"), ("pre-sm80", "T4")]:
         gpu = catalog[name]
-        env = {**os.environ, "XMEM_FAKE_GPU_NAME": device_name(gpu), "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
-        alone = run_trace([sys.executable, str(SCRIPT)], capability=gpu.capability, env=env)
+        alone = run_trace([sys.executable, str(SCRIPT)], gpu=gpu)
         assert kept[cls].capability == alone.capability == tuple(gpu.capability)
         assert canonical(kept[cls].events) == canonical(alone.events), cls
         assert kept[cls].op_counts == alone.op_counts, cls

@@ -169,9 +169,7 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
     order = sorted(representative, key=lambda cls: representative[cls].capability, reverse=True)
 
     def trace(gpu: GpuType, progress: Callable[[str], None] | None, cancel: threading.Event | None = None) -> Trace:
-        shown = {**(os.environ if env is None else env), "XMEM_FAKE_GPU_NAME": device_name(gpu),
-                 "XMEM_FAKE_TOTAL_MEMORY": str(gpu.total_bytes)}
-        return run_trace(list(command), iterations=iterations, capability=gpu.capability, env=shown, cwd=cwd,
+        return run_trace(list(command), iterations=iterations, gpu=gpu, env=env, cwd=cwd,
                          timeout=timeout, python=python, on_progress=progress, device_count=gpus_per_node,
                          memory_limit_bytes=memory_limit_bytes, warm_tracer=warm_tracer, cancel=cancel)
 
@@ -192,11 +190,6 @@ def trace_per_capability_class(command: Sequence[str], targets: Sequence[GpuType
         return {order[0]: first, **others.results()}
     others.cancel()
     return {cls: first for cls in order}
-
-
-def device_name(gpu: GpuType) -> str:
-    """The name CUDA gives the device (torch.cuda.get_device_name): the catalog's with the vendor's prefix."""
-    return gpu.name if gpu.name.startswith(("NVIDIA", "Tesla")) else f"NVIDIA {gpu.name}"
 
 
 @dataclass

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from xmem.estimate import device_name, estimate
+from xmem.estimate import estimate
 from xmem.gpus import find_gpu, load_catalog
 from xmem.jobscript import parse_jobscript, slurm_runtime_env
 from xmem.trace import TraceError, run_trace
@@ -130,7 +130,7 @@ def test_estimate_shows_the_program_the_gpus_per_node_and_the_gpu_type(tmp_path)
         import torch
         assert torch.cuda.device_count() == torch.accelerator.device_count() == 4, torch.cuda.device_count()
         props = torch.cuda.get_device_properties(0)
-        assert props.total_memory == {a100.total_bytes} and torch.cuda.get_device_name() == {device_name(a100)!r}
+        assert props.total_memory == {a100.total_bytes} and torch.cuda.get_device_name() == {a100.device_name!r}
         model = torch.nn.Linear(64, 64).cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):

@@ -1,4 +1,5 @@
-"""`xmem.trace.wire`: the request the estimator hands the traced side reads back as it was made; the notes the traced program's side sends back are typed records (a kind with its words for
+"""`xmem.trace.wire`: the request the estimator hands the traced side reads back as it was made, and the GPU it
+carries is all the program is shown, as the catalog has it; the notes the traced program's side sends back are typed records (a kind with its words for
 people, the maker's own words, the values that fill them), carried through the result JSON, so the estimator shows
 them by kind and never parses their words."""
 
@@ -10,8 +11,12 @@ import textwrap
 
 import pytest
 
+from xmem.gpus import load_catalog
 from xmem.trace import run_trace
-from xmem.trace.wire import Note, NoteKind, TraceRequest, as_note, notes_from_json, notes_json
+from xmem.trace.runner import DEFAULT_GPU, fake_gpu
+from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, as_note, notes_from_json, notes_json
+
+CATALOG = load_catalog(calibration_path=None)
 
 LOOP = Note(NoteKind.LOOP_ENDED, "a condition on tensor data was answered True 100 times at one place; answered "
                                  "False from then on, to end the loop", 100)
@@ -77,19 +82,59 @@ def test_the_childs_notes_reach_the_estimator_typed(tmp_path):
     trace = run_trace([sys.executable, str(tmp_path / "train.py")], iterations=2, cwd=str(tmp_path))
     kinds = {note.kind: note for note in map(as_note, trace.warnings)}
     assert {NoteKind.MEMORY_SIZE_READ, NoteKind.SCALAR_STAND_IN, NoteKind.VALUES_READ_AS_ONES} <= set(kinds)
-    assert kinds[NoteKind.MEMORY_SIZE_READ].args == ("80.0 GiB",)  # the pretended H100's, shown to the program
+    shown = f"{CATALOG[DEFAULT_GPU].total_bytes / 2**30:.1f} GiB"
+    assert kinds[NoteKind.MEMORY_SIZE_READ].args == (shown,)  # the pretended H100's, shown to the program
     assert kinds[NoteKind.VALUES_READ_AS_ONES].args == ("tolist",)
     assert kinds[NoteKind.SCALAR_STAND_IN].quiet
 
 
+A10 = FakeGpu("NVIDIA A10", 24 << 30, (8, 6), 72, 6 << 20, 1536, 101376, 65536)
+
+
 def test_a_request_reads_back_as_it_was_made():
-    full = TraceRequest(("-m", "pkg.train", "--lr", "0.1", "--out", "theirs"), "/scratch/trace.json", iterations=2,
-                        capability=(8, 6), device_count=4, deadline=1234.5, progress_fd=-1)
+    full = TraceRequest(("-m", "pkg.train", "--lr", "0.1", "--out", "theirs"), "/scratch/trace.json", A10,
+                        iterations=2, device_count=4, deadline=1234.5, progress_fd=-1)
     assert TraceRequest.from_argv(full.argv()) == full
-    bare = TraceRequest(("train.py",), "/scratch/trace.json")
+    bare = TraceRequest(("train.py",), "/scratch/trace.json", A10)
     assert TraceRequest.from_argv(bare.argv()) == bare
-    assert bare.argv() == ["--out", "/scratch/trace.json", "--iterations", "3", "--capability", "9.0",
-                           "--device-count", "1", "--", "train.py"]
+    gpu = ('{"name":"NVIDIA A10","total_bytes":25769803776,"capability":[8,6],"multi_processor_count":72,'
+           '"l2_cache_bytes":6291456,"max_threads_per_multi_processor":1536,"shared_memory_per_block_optin":101376,'
+           '"registers_per_block":65536,"warp_size":32}')
+    assert bare.argv() == ["--out", "/scratch/trace.json", "--iterations", "3", "--gpu", gpu, "--device-count", "1",
+                           "--", "train.py"]
+
+
+def test_the_fake_gpu_is_the_catalog_type_whole():
+    for gpu in CATALOG.values():
+        shown = fake_gpu(gpu)
+        assert (shown.name, shown.total_bytes, shown.capability) == (gpu.device_name, gpu.total_bytes, gpu.capability)
+        assert shown.multi_processor_count > 0 and shown.l2_cache_bytes > 0 and shown.shared_memory_per_block_optin
+    assert fake_gpu(CATALOG["RTX-3060-12GB"]).multi_processor_count == 28  # its own, not its capability's typical
+    assert fake_gpu() == fake_gpu(CATALOG[DEFAULT_GPU])
+
+
+SHOWN = """
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    shown = (torch.cuda.get_device_name(), props.total_memory, (props.major, props.minor), props.multi_processor_count,
+             props.L2_cache_size, props.max_threads_per_multi_processor, props.warp_size,
+             torch.cuda.get_device_capability())
+    assert shown == {expected!r}, shown
+    model = torch.nn.Linear(8, 8).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+        optimizer.step()
+"""
+
+
+def test_the_program_is_shown_every_fact_of_the_gpu_the_request_carries(tmp_path):
+    """Asked in the traced program itself: a fact it is shown otherwise fails the trace (the program's assert)."""
+    t4 = CATALOG["T4"]
+    expected = (t4.device_name, t4.total_bytes, (7, 5), 40, 4 << 20, 1024, 32, (7, 5))
+    (tmp_path / "train.py").write_text(textwrap.dedent(SHOWN).format(expected=expected))
+    trace = run_trace([sys.executable, str(tmp_path / "train.py")], iterations=2, cwd=str(tmp_path), gpu=t4)
+    assert trace.iterations == 2 and trace.capability == (7, 5)
 
 
 def test_a_request_without_a_program_is_refused():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xmem.units import GIB
+from xmem.units import GIB, MIB
 
 CATALOG_PATH = Path(__file__).with_name("catalog.toml")
 CALIBRATION_PATH = Path(__file__).with_name("calibration.toml")  # the project's, measured on its GPUs
@@ -34,6 +34,7 @@ CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
 # default here (24 MiB less per workspace if the newer rule holds).
 CUBLAS_LARGE_WORKSPACE_BYTES = 32 * 1024 * 1024
 CUBLAS_LARGE_WORKSPACE_MAJORS = frozenset({9})
+REGISTERS_PER_BLOCK = 65_536  # 32-bit registers a block may use: every capability from 5.0 on
 
 
 class UnknownGpuError(ValueError):
@@ -59,11 +60,16 @@ class MigProfile:
 
 @dataclass(frozen=True, slots=True)
 class GpuType:
-    """One GPU type of the cluster: memory as the driver reports it, architecture, MIG profiles, overheads."""
+    """One GPU type of the cluster: memory as the driver reports it, architecture, MIG profiles, overheads, and the
+    device facts a traced program is shown (`catalog.toml`'s `sms`, `l2_cache_mib` and [capabilities])."""
 
     name: str
     total_bytes: int
     capability: tuple[int, int]
+    multi_processor_count: int
+    l2_cache_bytes: int
+    max_threads_per_multi_processor: int
+    shared_memory_per_block_optin: int
     aliases: tuple[str, ...] = ()
     mig_profiles: tuple[MigProfile, ...] = ()
     context_bytes: int = 0
@@ -73,6 +79,15 @@ class GpuType:
     @property
     def libraries(self) -> dict[str, int]:
         return dict(self.library_bytes)
+
+    @property
+    def registers_per_block(self) -> int:
+        return REGISTERS_PER_BLOCK
+
+    @property
+    def device_name(self) -> str:
+        """The name CUDA gives the device (torch.cuda.get_device_name): the catalog's with the vendor's prefix."""
+        return self.name if self.name.startswith(("NVIDIA", "Tesla")) else f"NVIDIA {self.name}"
 
 
 def normalize_name(name: str) -> str:
@@ -133,7 +148,8 @@ def catalog_from_tables(base: Mapping[str, Any], calibration: Mapping[str, Any],
         entry["aliases"] = [*entry.get("aliases", ()), *site_aliases]
     overhead = _merge_overhead(dict(base.get("overhead", {})), calibration.get("overhead", {}), gpus, "calibration")
     overhead = _merge_overhead(overhead, overrides.get("overhead", {}), gpus, "site override [overhead]")
-    catalog = {name: _build_gpu(name, fields, overhead) for name, fields in gpus.items()}
+    capabilities = base.get("capabilities", {})
+    catalog = {name: _build_gpu(name, fields, overhead, capabilities) for name, fields in gpus.items()}
     _check_aliases_unique(catalog)
     return catalog
 
@@ -232,7 +248,8 @@ def _merge_overhead(overhead: dict[str, Any], update: Mapping[str, Any], gpus: M
     return merged
 
 
-def _build_gpu(name: str, fields: Mapping[str, Any], overhead: Mapping[str, Mapping[str, Any]]) -> GpuType:
+def _build_gpu(name: str, fields: Mapping[str, Any], overhead: Mapping[str, Mapping[str, Any]],
+               capabilities: Mapping[str, Mapping[str, int]]) -> GpuType:
     if "total_bytes" not in fields or "capability" not in fields:
         raise CatalogError(f"GPU type {name!r} needs total_bytes and capability")
     total, capability = fields["total_bytes"], tuple(fields["capability"])
@@ -242,16 +259,30 @@ def _build_gpu(name: str, fields: Mapping[str, Any], overhead: Mapping[str, Mapp
         raise CatalogError(f"GPU type {name!r}: capability must be [major, minor], got {fields['capability']!r}")
     default, own = overhead.get("default", {}), overhead.get(name, {})
     libraries = {**default.get("library_bytes", {}), **own.get("library_bytes", {})}
+    shared = _capability_facts(capability, capabilities)
     return GpuType(
         name=name,
         total_bytes=total,
         capability=(capability[0], capability[1]),
+        multi_processor_count=int(fields.get("sms", shared["typical_sms"])),
+        l2_cache_bytes=int(fields.get("l2_cache_mib", shared["typical_l2_mib"])) * MIB,
+        max_threads_per_multi_processor=int(shared["max_threads_per_multi_processor"]),
+        shared_memory_per_block_optin=int(shared["shared_memory_per_block_optin"]),
         aliases=tuple(fields.get("aliases", ())),
         mig_profiles=tuple(MigProfile(p.lower(), round(gib * GIB)) for p, gib in fields.get("mig", {}).items()),
         context_bytes=int(own.get("context_bytes", default.get("context_bytes", 0))),
         library_bytes=tuple(sorted((lib, int(n)) for lib, n in libraries.items())),
         overhead_provenance=str(own.get("provenance", default.get("provenance", ""))),
     )
+
+
+def _capability_facts(capability: tuple[int, ...], capabilities: Mapping[str, Mapping[str, int]]
+                      ) -> Mapping[str, int]:
+    """The [capabilities] table of `capability`, else of the nearest capability below it (the lowest listed for one
+    below them all): a type of a capability the catalog does not list still shows its program a whole device."""
+    known = sorted((tuple(int(part) for part in key.split(".")), key) for key in capabilities)
+    below = [key for number, key in known if number <= tuple(capability)]
+    return capabilities[below[-1] if below else known[0][1]]
 
 
 def _check_aliases_unique(catalog: Mapping[str, GpuType]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from xmem.gpus import GpuType, find_gpu, load_catalog
 from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter, srun_shim
 import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
@@ -35,7 +36,7 @@ from xmem.trace.command import console_script_interpreter, is_binary, job_interp
     starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
-from xmem.trace.wire import Note, NoteKind, TraceRequest, notes_from_json
+from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, notes_from_json
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB, gib_words
@@ -65,9 +66,10 @@ STOP_GRACE_S = 5  # seconds the sandbox gets to end its processes before its gro
 # memory_limit_gib, xmem.config) is the same figure, stated there since config and trace import nothing of each
 # other; tests/test_architecture.py holds the two equal.
 DEFAULT_MEMORY_LIMIT_BYTES = 8 * GIB
+DEFAULT_GPU = "H100-SXM5-80GB"  # the fake GPU of a trace whose caller names none
 
 
-def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int, int] = (9, 0),
+def run_trace(command: list[str], *, iterations: int = 3, gpu: GpuType | None = None,
               device_count: int | None = None, env: Mapping[str, str] | None = None, cwd: str | None = None,
               timeout: float | None = None, python: str | None = None,
               on_progress: Callable[[str], None] | None = None,
@@ -76,10 +78,10 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
     """Run `command` (as the user would type it) under fake CUDA for `iterations` optimizer steps.
 
     Returns the Trace; a program that ends without using CUDA raises TraceError no_cuda (with its output).
-    `device_count`: the GPUs of the job's node (default: `command.gpus_per_node`). Raises TraceError (one of
-    errors.KINDS). `env` (the program's environment; default: this one) may set
-    XMEM_FAKE_GPU_NAME and XMEM_FAKE_TOTAL_MEMORY (bytes) so that torch.cuda.get_device_properties names the exact
-    GPU instead of a typical one of `capability`. The program runs in `xmem.trace.sandbox`: its writes never reach
+    `gpu`: the catalog's type each of the node's fake GPUs is (its name, memory, capability, SMs, ...: `fake_gpu`;
+    default DEFAULT_GPU); `device_count`: the GPUs of the job's node (default: `command.gpus_per_node`). Raises
+    TraceError (one of errors.KINDS). `env`: the program's environment (default: this one). The program runs in
+    `xmem.trace.sandbox`: its writes never reach
     the user's files, nothing it starts outlives it, and the tracer may hold at most `memory_limit_bytes` of host
     memory (0: no limit). The program runs on `python`, else on the interpreter the command names by its path
     (`launchers.named_interpreter`) or its console script's shebang names, else on the one the job's own PATH gives
@@ -106,7 +108,7 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
                                         _cpu_seconds(timeout), _shim_dirs(),
                                         interpreter_binaries([interpreter, shim_python or ""], job_env))
-        request = TraceRequest(tuple(program), str(out), iterations, capability, gpus,
+        request = TraceRequest(tuple(program), str(out), fake_gpu(gpu), iterations, gpus,
                                time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS),
                                progress_fd=-1)  # the descriptor: set when started
         child_env = _with_srun_shim(_child_env(env, target, gpus), Path(scratch))
@@ -137,6 +139,17 @@ def run_trace(command: list[str], *, iterations: int = 3, capability: tuple[int,
         trace.warnings.append(Note(NoteKind.FILES_PROTECTED,
                                    f"the program's files were protected by the {trace.sandbox}"))
     return trace
+
+
+def fake_gpu(gpu: GpuType | None = None) -> FakeGpu:
+    """What the traced program is shown of `gpu` (default: the shipped catalog's DEFAULT_GPU), as the request
+    carries it."""
+    gpu = gpu or find_gpu(DEFAULT_GPU, load_catalog(calibration_path=None))
+    return FakeGpu(name=gpu.device_name, total_bytes=gpu.total_bytes, capability=gpu.capability,
+                   multi_processor_count=gpu.multi_processor_count, l2_cache_bytes=gpu.l2_cache_bytes,
+                   max_threads_per_multi_processor=gpu.max_threads_per_multi_processor,
+                   shared_memory_per_block_optin=gpu.shared_memory_per_block_optin,
+                   registers_per_block=gpu.registers_per_block)
 
 
 def _job_python(command: list[str], target: Target, python: str | None, env: Mapping[str, str],

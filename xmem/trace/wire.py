@@ -1,7 +1,8 @@
 """What crosses the tracer's process boundary, typed: the request the estimator hands the traced program's side
-(`TraceRequest`: the program, the iterations, the pretended GPUs, the deadline, where to write; its command line
-made and read here only), and the notes that side sends back with its trace (what the fake GPU assumed or left
-out, each a `NoteKind` with its words for people).
+(`TraceRequest`: the program, the iterations, the pretended GPU (`FakeGpu`: every fact the fake device reports,
+taken from the catalog, `xmem.gpus`), the deadline, where to write; its command line made and read here only), and
+the notes that side sends back with its trace (what the fake GPU assumed or left out, each a `NoteKind` with its
+words for people).
 
 Both sides import this module and nothing of the other's: the runner makes a request's argv, the child
 (`xmem.trace.child.main`, and `follow` for the processes the program starts) reads it back; the child makes notes
@@ -13,12 +14,36 @@ Python 3.10 too (the child runs on the job's interpreter).
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
 UPPER_BOUND = "the figures are an upper bound there: nothing to do"
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    """The GPU the traced program is shown: every fact the fake device reports (torch.cuda's device properties, NVML,
+    Triton's driver), made from one catalog type by the estimator's side and read as it is by the child."""
+
+    name: str  # torch.cuda.get_device_name and NVML's name
+    total_bytes: int  # total_memory, mem_get_info's total, NVML's memory.total
+    capability: tuple[int, int]
+    multi_processor_count: int
+    l2_cache_bytes: int
+    max_threads_per_multi_processor: int
+    shared_memory_per_block_optin: int  # what a kernel may ask for (Triton's max_shared_mem)
+    registers_per_block: int
+    warp_size: int = 32
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FakeGpu:
+        return cls(**{**data, "capability": tuple(data["capability"])})
 
 
 @dataclass(frozen=True)
@@ -27,16 +52,16 @@ class TraceRequest:
 
     command: tuple[str, ...]  # the program: script.py ARGS, -m module ARGS (or -c CODE, in a process it started)
     out: str  # where the result JSON (the Trace, or the error) is written
+    gpu: FakeGpu  # what each of the node's fake GPUs is
     iterations: int = 3  # optimizer steps to trace
-    capability: tuple[int, int] = (9, 0)  # the compute capability the fake GPUs have
     device_count: int = 1  # the GPUs of the job's node (torch.cuda.device_count())
     deadline: float | None = None  # time.monotonic() by which a program short of its first step is decided on
     progress_fd: int | None = None  # where progress lines go (-1: set by whoever starts the process)
 
     def argv(self) -> list[str]:
         """The child's command line: options, then `--` and the program."""
-        argv = ["--out", self.out, "--iterations", str(self.iterations), "--capability", capability_text(
-            self.capability), "--device-count", str(self.device_count)]
+        argv = ["--out", self.out, "--iterations", str(self.iterations), "--gpu", gpu_text(self.gpu),
+                "--device-count", str(self.device_count)]
         if self.deadline is not None:
             argv += ["--deadline", f"{self.deadline:.3f}"]
         if self.progress_fd is not None:
@@ -50,17 +75,17 @@ class TraceRequest:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:
             _parser().error("give the program after --")
-        return cls(tuple(command), args.out, args.iterations, parse_capability(args.capability), args.device_count,
-                   args.deadline, args.progress_fd)
+        return cls(tuple(command), args.out, parse_gpu(args.gpu), args.iterations, args.device_count, args.deadline,
+                   args.progress_fd)
 
 
-def capability_text(capability: tuple[int, int]) -> str:
-    return f"{capability[0]}.{capability[1]}"
+def gpu_text(gpu: FakeGpu) -> str:
+    """The GPU as one word of a command line or one value of the environment."""
+    return json.dumps(gpu.to_json(), separators=(",", ":"))
 
 
-def parse_capability(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
+def parse_gpu(text: str) -> FakeGpu:
+    return FakeGpu.from_json(json.loads(text))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="The tracing child process: trace a program under fake CUDA.")
     parser.add_argument("--out", required=True, help="where to write the Trace JSON (or error JSON)")
     parser.add_argument("--iterations", type=int, default=3, help="optimizer steps (iterations) to trace")
-    parser.add_argument("--capability", default="9.0", help="compute capability to pretend, e.g. 8.0")
+    parser.add_argument("--gpu", required=True, help="the pretended GPU's facts, as JSON (FakeGpu)")
     parser.add_argument("--device-count", type=int, default=1)
     parser.add_argument("--progress-fd", type=int, default=None, help="file descriptor for progress lines")
     parser.add_argument("--deadline", type=float, default=None,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.torch_builds import PYTHONS, SCRIPTS
+from xmem.gpus import load_catalog
 from xmem.trace import run_trace
 from xmem.trace.child.attention import (CUDNN, EFFICIENT, FLASH, MATH, Call, Mask, Runtime, choose_attention_backend,
                                   minimum_gemm_alignment, select_backend)
@@ -263,7 +264,8 @@ def test_unrestricted_gqa_call_on_hopper_takes_cudnn_and_is_arch_sensitive():
 def trace_llama_gqa(python, capability):
     job = SCRIPTS.parent.parent / "benchmarks" / "jobs" / "llama_gqa.py"
     command = ["python", str(job), "--layers", "2", "--batch-size", "1", "--seq", "256", "--steps", "2"]
-    return run_trace(command, python=python, iterations=1, capability=capability)
+    gpu = next(gpu for gpu in load_catalog(calibration_path=None).values() if gpu.capability == capability)
+    return run_trace(command, python=python, iterations=1, gpu=gpu)
 
 
 @pytest.mark.parametrize("python", PYTHONS)

@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 
 from tests.torch_builds import PYTHONS, SCRIPTS
+from xmem.gpus import load_catalog
 from xmem.trace import run_trace
 from xmem.trace.child.fakecuda import memory_size_warning
+from xmem.trace.runner import DEFAULT_GPU
+
+GPUS = load_catalog(calibration_path=None)
+A100, H100, V100 = GPUS["A100-SXM4-80GB"], GPUS["H100-SXM5-80GB"], GPUS["V100-32GB"]
 
 # About twenty traces of small scripts: through the warm tracer (tests/conftest.py), which skips torch's import in each
 pytestmark = pytest.mark.usefixtures("warm_tracer")
@@ -143,28 +148,28 @@ def attention_ops(result):
 
 @pytest.mark.parametrize("python", PYTHONS)
 def test_sdpa_fp16_on_ampere_uses_flash(python):
-    result = trace(python, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(8, 0))
+    result = trace(python, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, gpu=A100)
     assert attention_ops(result) == {"_scaled_dot_product_flash_attention": 2,
                                      "_scaled_dot_product_flash_attention_backward": 2}
     assert result.arch_sensitive  # a V100 (efficient) or an H100 (cuDNN attention first) would choose differently
 
 
 def test_sdpa_fp32_uses_memory_efficient_everywhere(python=sys.executable):  # this build only: keeps the suite short
-    result = trace(python, "transformer_sdpa.py", iterations=1, capability=(9, 0))
+    result = trace(python, "transformer_sdpa.py", iterations=1, gpu=H100)
     assert attention_ops(result) == {"_scaled_dot_product_efficient_attention": 2,
                                      "_scaled_dot_product_efficient_attention_backward": 2}
     assert not result.arch_sensitive
 
 
 def test_sdpa_fp16_on_volta_uses_memory_efficient():
-    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, capability=(7, 0))
+    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "fp16", iterations=1, gpu=V100)
     assert attention_ops(result) == {"_scaled_dot_product_efficient_attention": 2,
                                      "_scaled_dot_product_efficient_attention_backward": 2}
     assert result.arch_sensitive
 
 
 def test_sdpa_bf16_on_volta_falls_back_to_math():
-    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "bf16", iterations=1, capability=(7, 0))
+    result = trace(sys.executable, "transformer_sdpa.py", "--dtype", "bf16", iterations=1, gpu=V100)
     assert attention_ops(result) == {}
     assert result.op_counts["bmm"] >= 4 and result.op_counts["_safe_softmax"] == 2
 
@@ -218,18 +223,18 @@ def test_cuda_api_script_runs_with_stand_ins(python):
         "nonzero()/boolean-mask selections assumed every element selected (no real data under fake CUDA)",
         "tensor.item()/float()/bool() returned a stand-in value (no real data under fake CUDA)",
         "tensor.tolist() returned ones (no real data under fake CUDA)",  # scores.tolist()
-        memory_size_warning(80 << 30)])  # it sized its batch by props.total_memory
+        memory_size_warning(GPUS[DEFAULT_GPU].total_bytes)])  # it sized its batch by props.total_memory
     # scores[scores > 0] with every element assumed selected: 128 fp32 values
     assert 128 * 4 in [e.nbytes for e in allocs(result) if e.op == "index"]
     # an H100 (80 GB) by default: the script picks a batch of 8 (8 x 32 fp32 inputs)
     assert 8 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]
 
 
-def test_device_properties_can_name_the_exact_gpu():
-    result = trace(sys.executable, "cuda_api.py", iterations=1, env={**os.environ,
-                   "XMEM_FAKE_GPU_NAME": "NVIDIA H200", "XMEM_FAKE_TOTAL_MEMORY": str(141 * 2**30)})
+def test_device_properties_are_the_catalog_types():
+    h200 = GPUS["H200-141GB"]
+    result = trace(sys.executable, "cuda_api.py", iterations=1, gpu=h200)
     assert 16 * 32 * 4 in [e.nbytes for e in allocs(result, "input")]  # batch 16 on a 141 GB GPU
-    assert memory_size_warning(141 << 30) in result.warnings
+    assert memory_size_warning(h200.total_bytes) in result.warnings
 
 
 def test_reading_free_memory_is_said_once_with_the_size_traced(tmp_path):
@@ -248,9 +253,9 @@ def test_reading_free_memory_is_said_once_with_the_size_traced(tmp_path):
         "    cache = torch.empty(int(free * 0.01), dtype=torch.uint8, device='cuda')\n"
         "    model(torch.randn(8, 64, device='cuda')).sum().backward()\n"
         "    optimizer.step()\n")
-    env = {**os.environ, "XMEM_FAKE_TOTAL_MEMORY": str(40 << 30)}
-    result = run_trace(["python", str(script)], python=sys.executable, iterations=2, env=env)
-    assert result.warnings.count(memory_size_warning(40 << 30)) == 1
+    a100 = GPUS["A100-SXM4-40GB"]
+    result = run_trace(["python", str(script)], python=sys.executable, iterations=2, gpu=a100)
+    assert result.warnings.count(memory_size_warning(a100.total_bytes)) == 1
     plain = tmp_path / "names_only.py"
     plain.write_text(
         "import torch\n"

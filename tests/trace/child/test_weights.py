@@ -29,7 +29,8 @@ SETUP = """
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from xmem.bench.page_cache import cached_bytes, evict
     from xmem.trace.child import fakecuda, weights
-    fakecuda.install(fakecuda.FakeCuda((9, 0), 1))
+    from xmem.trace.runner import fake_gpu
+    fakecuda.install(fakecuda.FakeCuda(fake_gpu(), 1))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     weights.install(lambda: mode)
     CASES = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import os
 import struct
 import sys
 import weakref
@@ -36,19 +35,8 @@ import xmem.trace.child.meta_kernels as meta_kernels
 import xmem.trace.child.triton_launch as triton_launch
 from xmem.trace.errors import as_on_a_gpu
 from xmem.trace.events import Category
-from xmem.trace.wire import Note, NoteKind
+from xmem.trace.wire import FakeGpu, Note, NoteKind
 from xmem.trace.child.on_import import patch_on_import
-
-# What `get_device_properties` answers per capability: a typical GPU of that generation (name, memory, SMs).
-GPU_BY_CAPABILITY: dict[tuple[int, int], tuple[str, int, int]] = {
-    (7, 0): ("Tesla V100-SXM2-32GB", 32 << 30, 80),
-    (7, 5): ("Tesla T4", 15 << 30, 40),
-    (8, 0): ("NVIDIA A100-SXM4-80GB", 80 << 30, 108),
-    (8, 6): ("NVIDIA A10", 22 << 30, 72),
-    (8, 9): ("NVIDIA L40S", 44 << 30, 142),
-    (9, 0): ("NVIDIA H100 80GB HBM3", 80 << 30, 132),
-}
-
 
 @dataclass(frozen=True)
 class FakeDeviceProperties:
@@ -59,11 +47,11 @@ class FakeDeviceProperties:
     major: int
     minor: int
     multi_processor_count: int
+    L2_cache_size: int
+    max_threads_per_multi_processor: int
+    warp_size: int
     is_integrated: bool = False
     is_multi_gpu_board: bool = False
-    L2_cache_size: int = 50 << 20
-    max_threads_per_multi_processor: int = 2048
-    warp_size: int = 32
     gcnArchName: str = ""
     on_memory_read: Callable[[int], None] = field(default=lambda nbytes: None, repr=False, compare=False)
 
@@ -186,8 +174,9 @@ class FakeCuda:
     and a MIG slice or an MPS share shows another one than the traced GPU.
     """
 
-    def __init__(self, capability: tuple[int, int] = (9, 0), device_count: int = 1) -> None:
-        self.capability = capability
+    def __init__(self, gpu: FakeGpu, device_count: int = 1) -> None:
+        self.gpu = gpu  # every fact it reports, as the request carried them (the catalog's type)
+        self.capability = gpu.capability
         self.device_count = device_count
         self.current_device = 0
         self.default_stream = FakeStream(stream_id=0)
@@ -209,13 +198,11 @@ class FakeCuda:
 
     @property
     def properties(self) -> FakeDeviceProperties:
-        """A typical GPU of the capability; $XMEM_FAKE_GPU_NAME / $XMEM_FAKE_TOTAL_MEMORY (bytes) name the exact one
-        (scripts that size their batch from total_memory then see the target GPU)."""
-        name, memory, sms = GPU_BY_CAPABILITY.get(self.capability, ("NVIDIA GPU", 80 << 30, 100))
-        name = os.environ.get("XMEM_FAKE_GPU_NAME", name)
-        memory = int(os.environ.get("XMEM_FAKE_TOTAL_MEMORY", memory))
-        return FakeDeviceProperties(name, memory, self.capability[0], self.capability[1], sms,
-                                    on_memory_read=self._memory_size_read)
+        """The requested GPU's (scripts that size their batch from total_memory see the target GPU)."""
+        gpu = self.gpu
+        return FakeDeviceProperties(gpu.name, gpu.total_bytes, gpu.capability[0], gpu.capability[1],
+                                    gpu.multi_processor_count, gpu.l2_cache_bytes, gpu.max_threads_per_multi_processor,
+                                    gpu.warp_size, on_memory_read=self._memory_size_read)
 
     def ask_total_memory(self) -> int:
         """The device's memory size, as `total_memory`, `mem_get_info` and NVML give it to the program."""

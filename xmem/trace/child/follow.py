@@ -23,7 +23,7 @@ from pathlib import Path
 
 import xmem.trace.child.guard as guard
 from xmem.launchers import python_program
-from xmem.trace.wire import TraceRequest, capability_text, parse_capability
+from xmem.trace.wire import FakeGpu, TraceRequest
 
 ENV = "XMEM_TRACE_FOLLOW"  # the root's settings, as JSON, in every process of the job
 BOOT_DIR = str(Path(__file__).resolve().parent / "boot")  # first on the job's PYTHONPATH
@@ -37,7 +37,7 @@ def hand_down(request: TraceRequest) -> None:
     fd = request.progress_fd
     progress = f"/proc/{os.getpid()}/fd/{fd}" if fd is not None else None
     os.environ[ENV] = json.dumps({"out": request.out, "iterations": request.iterations,
-                                  "capability": capability_text(request.capability),
+                                  "gpu": request.gpu.to_json(),
                                   "device_count": request.device_count, "root": os.getpid(), "progress": progress,
                                   "deadline": request.deadline})  # time.monotonic(): the machine's clock, everywhere
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -69,8 +69,8 @@ def child_argv() -> list[str] | None:
         os._exit(0)  # a rank the fake process group stands in for: it spends no CPU
     given = json.loads(settings)
     devices = max(given["device_count"], _int(os.environ.get("LOCAL_WORLD_SIZE")))
-    return TraceRequest(tuple(command), given["out"], given["iterations"], parse_capability(given["capability"]),
-                        devices, given["deadline"] or None,  # the trace's own time limit, the same in every process
+    return TraceRequest(tuple(command), given["out"], FakeGpu.from_json(given["gpu"]), given["iterations"], devices,
+                        given["deadline"] or None,  # the trace's own time limit, the same in every process
                         _root_progress(given["progress"])).argv()
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any, Callable, Collection, Iterator, Mapping, NoReturn
 
-from xmem.trace.wire import Note, NoteKind, TraceRequest, notes_json
+from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, notes_json
 
 XMEM_DIR = str(Path(__file__).resolve().parents[2])  # the xmem package directory
 
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     follow.hand_down(request)
     progress = _progress_writer(request.progress_fd)
     try:
-        result = trace_program(list(request.command), request.iterations, request.capability,
-                               request.device_count, progress, request.deadline)
+        result = trace_program(list(request.command), request.iterations, request.gpu, request.device_count,
+                               progress, request.deadline)
         payload = {**result.to_json(), "notes": notes_json(result.warnings)}
     except ChildFailure as failure:
         payload = {"error": failure.kind, "message": failure.message, "traceback": failure.user_traceback}
@@ -66,12 +66,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     os._exit(0)
 
 
-def trace_program(command: list[str], iterations: int, capability: tuple[int, int], device_count: int,
+def trace_program(command: list[str], iterations: int, gpu: FakeGpu, device_count: int,
                   progress: Callable[[str], None], deadline: float | None = None):
-    """Run the program under fake CUDA and return its Trace; raise ChildFailure for the error contract.
-    `deadline` (time.monotonic()): the trace's own time limit for a program short of its first step."""
+    """Run the program under fake CUDA, on `device_count` of `gpu`, and return its Trace; raise ChildFailure for the
+    error contract. `deadline` (time.monotonic()): the trace's own time limit for a program short of its first step."""
     _dump_stack_on_faults()
-    os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"
+    capability = gpu.capability
+    os.environ["XMEM_FAKE_SM"] = f"{capability[0]}{capability[1]}"  # the native shim's, in this process only
     os.environ["XMEM_FAKE_DEVICE_COUNT"] = str(device_count)
     progress("loading fake CUDA")
     preload()
@@ -80,7 +81,7 @@ def trace_program(command: list[str], iterations: int, capability: tuple[int, in
     import xmem.trace.child.shortcuts as shortcuts
     from xmem.trace.child.recorder import AllocationRecorder, NoStepInTime, StopTracing, TrainingState
 
-    fake = fakecuda.FakeCuda(capability, device_count)
+    fake = fakecuda.FakeCuda(gpu, device_count)
     fakecuda.install(fake)
     from xmem.trace.child.facts import FactCollector
     state = TrainingState(iterations, progress, fake.optimizers, deadline)

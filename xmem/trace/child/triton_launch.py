@@ -27,9 +27,6 @@ from xmem.trace.errors import NotModelled, as_on_a_gpu
 # The most shared memory a block may opt in to (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), per
 # compute capability, from the CUDA programming guide's table of technical specifications: kernels size their tiles
 # by it (nothing the allocator sees).
-SHARED_MEMORY_OPTIN = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
-                       (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
-REGISTERS_PER_BLOCK = 65536  # every capability from 5.0 on
 
 
 def install(fake: Any) -> None:
@@ -77,12 +74,12 @@ class FakeDriverUtils:
         self.fake = fake
 
     def get_device_properties(self, device: int = 0) -> dict[str, int]:
-        # The keys and meanings of triton's nvidia driver.c getDeviceProperties; the clocks and bus width are a
-        # typical GPU's (they only feed performance models).
-        return {"max_shared_mem": SHARED_MEMORY_OPTIN.get(self.fake.capability, 101376),
-                "max_num_regs": REGISTERS_PER_BLOCK,
-                "multiprocessor_count": self.fake.properties.multi_processor_count,
-                "warpSize": 32, "sm_clock_rate": 1755000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+        # The keys and meanings of triton's nvidia driver.c getDeviceProperties, from the requested GPU; the clocks
+        # and bus width are a typical GPU's (they only feed performance models).
+        gpu = self.fake.gpu
+        return {"max_shared_mem": gpu.shared_memory_per_block_optin, "max_num_regs": gpu.registers_per_block,
+                "multiprocessor_count": gpu.multi_processor_count, "warpSize": gpu.warp_size,
+                "sm_clock_rate": 1755000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
 
     def get_device_capability(self, device: int = 0) -> tuple[int, int]:
         return self.fake.capability
