@@ -19,6 +19,8 @@ from xmem.cli.common import fail_on_error
 from xmem.cli.exit_codes import EXIT_CODES, KIND_EXIT_CODES, code_of, markdown_table
 from xmem.trace import TraceError
 from xmem.trace.errors import KINDS
+from xmem.trace.runner import fake_gpu
+from xmem.trace.wire import TraceRequest
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +122,8 @@ def test_a_job_interpreter_without_torch_is_the_jobs_error_not_ours(tmp_path):
         pytest.skip("every interpreter here has torch")
     (tmp_path / "prog.py").write_text("import torch\n")
     out = tmp_path / "out.json"
-    run = subprocess.run([bare, "-m", "xmem.trace", "--out", str(out), "--", "prog.py"], cwd=tmp_path,
+    request = TraceRequest(("prog.py",), str(out), fake_gpu())
+    run = subprocess.run([bare, "-m", "xmem.trace", *request.argv()], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
     error = json.loads(out.read_text())

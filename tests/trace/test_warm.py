@@ -9,7 +9,6 @@ torch (seconds), a warm one is no child of ours.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import resource
 import shutil
@@ -26,6 +25,7 @@ import pytest
 
 from xmem.trace import TraceError, run_trace, runner, sandbox, warm
 from xmem.trace.command import parse_command
+from xmem.trace.wire import FRAME_HEADER, WarmRequest
 
 from tests.throwaway_users import users_fixture
 from tests.waiting import wait_for
@@ -213,7 +213,7 @@ def test_a_server_that_loaded_a_library_choosing_its_code_by_cuda_runs_no_job(tm
     # it in (transformers.trainer -> peft -> bitsandbytes, before it left the preload) would trace every job on it
     from xmem.trace.child import warm_server
 
-    request = {"env": {"HOME": str(tmp_path)}, "cwd": str(tmp_path), "limits": {}}
+    request = WarmRequest((), {"HOME": str(tmp_path)}, str(tmp_path), 0o022, {})
     clean = warm_server.Loaded(origins={}, signature=[], base_path=[], library_bytes=0)
     assert warm_server._declined(request, clean) == ""
     tainted = warm_server.Loaded(origins={"bitsandbytes": "/x/bitsandbytes/__init__.py"}, signature=[], base_path=[],
@@ -310,12 +310,12 @@ def test_a_warm_job_that_goes_on_after_its_server_gave_out_leaves_the_cold_run_a
     wrote: list[Path] = []
 
     def late_job() -> None:
-        _, fds, _, _ = socket.recv_fds(server_end, warm.HEADER.size, 2)
-        request = json.loads(server_end.recv(1 << 20))
+        _, fds, _, _ = socket.recv_fds(server_end, FRAME_HEADER.size, 2)
+        request = WarmRequest.decode(server_end.recv(1 << 20))
         server_end.close()
         for fd in fds:
             os.close(fd)
-        helper = request["argv"]
+        helper = request.argv
         scratch = Path(helper[helper.index("--scratch") + 1])
         time.sleep(0.2)
         try:

@@ -14,7 +14,8 @@ import pytest
 from xmem.gpus import load_catalog
 from xmem.trace import run_trace
 from xmem.trace.runner import DEFAULT_GPU, fake_gpu
-from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, as_note, notes_from_json, notes_json
+from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, WarmReply, WarmRequest, as_note, notes_from_json, \
+    notes_json, with_option
 
 CATALOG = load_catalog(calibration_path=None)
 
@@ -140,3 +141,18 @@ def test_the_program_is_shown_every_fact_of_the_gpu_the_request_carries(tmp_path
 def test_a_request_without_a_program_is_refused():
     with pytest.raises(SystemExit):
         TraceRequest.from_argv(["--out", "/scratch/trace.json", "--"])
+
+
+def test_a_warm_request_and_the_servers_replies_read_back_as_they_were_made():
+    request = WarmRequest(("python", "-I", "sandbox.py", "--progress-fd", "-1", "--"), {"HOME": "/home/u"}, "/work",
+                          0o027, {"RLIMIT_NOFILE": (1024, 4096)})
+    assert WarmRequest.decode(request.encode()) == request
+    for reply in (WarmReply(started=41), WarmReply(declined="a user site-packages exists"), WarmReply(status=-9)):
+        line = reply.line()
+        assert line.endswith(b"\n") and line.count(b"\n") == 1 and WarmReply.from_line(line) == reply
+    assert WarmReply(status=0).line() == b'{"status": 0}\n'  # exactly one field on the line
+
+
+def test_an_option_of_the_request_is_replaced_before_the_programs_own():
+    argv = ["--progress-fd", "-1", "--", "train.py", "--progress-fd", "7"]
+    assert with_option(argv, "--progress-fd", "5") == ["--progress-fd", "5", "--", "train.py", "--progress-fd", "7"]

@@ -36,7 +36,7 @@ from xmem.trace.command import console_script_interpreter, is_binary, job_interp
     starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
-from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, notes_from_json
+from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, alive, notes_from_json, with_option
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB, gib_words
@@ -215,7 +215,7 @@ def remove_stale_scratch(min_age_s: float = 60.0) -> None:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or now - info.st_mtime < min_age_s:
             continue
-        if not warm.alive(owner):
+        if not alive(owner):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -273,7 +273,7 @@ Start = Callable[[Any, int], "Started | None"]
 
 def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
     def start(log: Any, progress_fd: int) -> subprocess.Popen:
-        command = warm.with_option(argv, "--progress-fd", str(progress_fd))
+        command = with_option(argv, "--progress-fd", str(progress_fd))
         # -- issue 21: the helper starts clean; the program's environment is applied inside, to the tracer
         sandbox.write_program_env(Path(argv[argv.index("--scratch") + 1]), env)
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

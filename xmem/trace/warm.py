@@ -8,8 +8,8 @@ interpreter and import environment: `socket_path`; a socket or directory someone
 `xmem.userfiles`; a server whose uid is not ours is not spoken to, SO_PEERCRED), starting one in the background
 (`start_server`: the first estimate that finds none, which itself runs cold), and the request one estimate sends
 (`job_request`: the cold command line, the program's environment, cwd, umask and resource limits; `WarmJob`: sent
-with its output and progress descriptors, then waited on or stopped) with the wire format both ends read (`HEADER`,
-`peer_ids`, `with_option`). A job the server declines runs cold. On unless the site's `warm_tracer` is false (or
+with its output and progress descriptors, then waited on or stopped). The frames both ends read are
+`xmem.trace.wire`'s (`WarmRequest`, `WarmReply`). A job the server declines runs cold. On unless the site's `warm_tracer` is false (or
 XMEM_WARM_TRACER=0). Also what bounds and reports the servers' memory: at most MAX_SERVERS_PER_USER per user (the
 least recently used one stops for a new one), `servers` lists the running ones with what each holds.
 Imports only the standard library and xmem modules that do not import torch.
@@ -24,26 +24,24 @@ import resource
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP, STOP_GRACE_S, WarmReply, \
+    WarmRequest, peer_ids
 from xmem.userfiles import private_dir
 
 ENABLE_ENV = "XMEM_WARM_TRACER"  # "1": estimates go through the warm tracer
 DIR_ENV = "XMEM_WARM_DIR"  # where the sockets live (default: a 0700 directory of the user's in the temporary one)
 IDLE_ENV = "XMEM_WARM_IDLE_S"
-DEFAULT_IDLE_S = 900.0
 # A user has one server per interpreter and import environment; most have one or two (single-process jobs, and jobs a
 # launcher starts as several processes a node). The bound keeps a user of many environments at about 1.3 GiB of
 # servers' own memory (0.65 GiB each) on a shared login node.
 MAX_SERVERS_PER_USER = 2
 CONNECT_TIMEOUT_S = 2.0  # a server that does not answer this fast is treated as absent
-STOP_GRACE_S = 5  # as the runner gives the cold helper
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
 # Environment that shapes what importing the preloaded modules does (an interpreter's start-up settings, the dynamic
 # loader, torch's and the libraries' import-time configuration): one server per distinct set. PYTHONPATH is not
@@ -73,7 +71,6 @@ LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_STA
           "RLIMIT_FSIZE", "RLIMIT_MEMLOCK")
 # The server's command (not `-m`: runpy would run the module a second time beside the package's import of it).
 SERVER_MAIN = "import sys; from xmem.trace.child.warm_server import main; main(sys.argv[1:])"
-HEADER = struct.Struct("!Q")  # the request's length, sent with its descriptors
 
 
 def enabled(site_default: bool = False) -> bool:
@@ -269,19 +266,12 @@ def connect(path: Path) -> socket.socket | None:
     return connection
 
 
-def peer_ids(connection: socket.socket) -> tuple[int, int]:
-    """(uid, gid) of the process at the other end, as the kernel says."""
-    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, gid = struct.unpack("3i", creds)
-    return uid, gid
-
-
-def job_request(argv: list[str], env: dict[str, str], cwd: str | None) -> dict[str, Any]:
+def job_request(argv: list[str], env: dict[str, str], cwd: str | None) -> WarmRequest:
     """What the cold child would inherit from this process, beside its command line and environment."""
     umask = os.umask(0o022)
     os.umask(umask)
-    return {"argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()), "umask": umask,
-            "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
+    return WarmRequest(tuple(argv), dict(env), os.path.abspath(cwd or os.getcwd()), umask,
+                       {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS})
 
 
 class WarmJob:
@@ -292,17 +282,17 @@ class WarmJob:
         self.pending = b""
 
     @classmethod
-    def submit(cls, connection: socket.socket, request: dict[str, Any], fds: list[int]) -> "WarmJob | None":
+    def submit(cls, connection: socket.socket, request: WarmRequest, fds: list[int]) -> "WarmJob | None":
         """Send the request with the program's output and progress descriptors; None unless the server started it."""
-        body = json.dumps(request).encode()
+        body = request.encode()
         job = cls(connection)
         try:
-            socket.send_fds(connection, [HEADER.pack(len(body))], fds)
+            socket.send_fds(connection, [FRAME_HEADER.pack(len(body))], fds)
             connection.sendall(body)
-            started = job._reply(CONNECT_TIMEOUT_S * 5)
-        except (OSError, ValueError):  # no answer, or not one of ours: go cold
+            started = job._reply(REQUEST_TIMEOUT_S)
+        except (OSError, ValueError, TypeError):  # no answer, or not one of ours: go cold
             started = None
-        if not started or "started" not in started:
+        if started is None or started.started is None:
             connection.close()
             return None
         return job
@@ -312,21 +302,21 @@ class WarmJob:
             reply = self._reply(timeout)
         except socket.timeout:
             raise subprocess.TimeoutExpired("warm tracer", timeout or 0) from None
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             reply = None
         self.connection.close()
-        return reply.get("status") if reply else None
+        return reply.status if reply else None
 
     def stop(self) -> None:
         """Ask the server to end the job (as the cold helper is sent SIGTERM), and wait until it has."""
         try:
-            self.connection.sendall(b"stop\n")
+            self.connection.sendall(STOP)
             self._reply(STOP_GRACE_S + 5)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             pass  # the server is gone, and with it the job (it dies with its parent)
         self.connection.close()
 
-    def _reply(self, timeout: float | None) -> dict | None:
+    def _reply(self, timeout: float | None) -> WarmReply | None:
         """The server's next line, None at the end of the connection."""
         self.connection.settimeout(timeout)
         while b"\n" not in self.pending:
@@ -335,25 +325,4 @@ class WarmJob:
                 return None
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)
-
-
-# ---- asked by the server too ----------------------------------------------------------------------------------------
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (the server waits on its caller by it; the runner's stale-scratch rule asks it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def with_option(argv: list[str], name: str, value: str) -> list[str]:
-    """`argv` with the value of option `name` replaced: options come before the program's arguments, so the first
-    `name` is ours."""
-    changed = list(argv)
-    changed[changed.index(name) + 1] = value
-    return changed
+        return WarmReply.from_line(line)

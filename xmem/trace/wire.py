@@ -2,7 +2,8 @@
 (`TraceRequest`: the program, the iterations, the pretended GPU (`FakeGpu`: every fact the fake device reports,
 taken from the catalog, `xmem.gpus`), the deadline, where to write; its command line made and read here only), and
 the notes that side sends back with its trace (what the fake GPU assumed or left out, each a `NoteKind` with its
-words for people).
+words for people), and the warm tracer's socket frames (`WarmRequest`, `WarmReply`: what its client,
+`xmem.trace.warm`, and its server, `xmem.trace.child.warm_server`, say to each other).
 
 Both sides import this module and nothing of the other's: the runner makes a request's argv, the child
 (`xmem.trace.child.main`, and `follow` for the processes the program starts) reads it back; the child makes notes
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -218,3 +222,77 @@ def notes_from_json(payload: dict[str, Any], warnings: Sequence[str]) -> list[st
     saved before notes were typed) the plain `warnings`."""
     notes = payload.get("notes")
     return list(warnings) if notes is None else [Note.from_json(note) for note in notes]
+
+
+# ---- the warm tracer's socket ------------------------------------------------------------------------------------
+# One connection is one job. The client sends FRAME_HEADER (the request's length) with two descriptors (the program's
+# output, the progress pipe), then the WarmRequest's JSON. The server answers JSON lines (WarmReply): `declined`
+# (the job runs cold), or `started`, then `status` when the job has ended. The client's one message after its
+# request is STOP: end the job, as the cold helper is sent SIGTERM, which the server does within STOP_GRACE_S.
+FRAME_HEADER = struct.Struct("!Q")
+STOP = b"stop\n"
+REQUEST_TIMEOUT_S = 10.0  # for the request to arrive whole and be answered `started` or `declined`
+STOP_GRACE_S = 5  # as the runner gives the cold helper
+DEFAULT_IDLE_S = 900.0  # a server with no request for this long ends (its `--idle`)
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """What the cold helper would be started with, sent to the server that forks it instead."""
+
+    argv: tuple[str, ...]  # the cold command line: [python, -I, sandbox.py, OPTIONS..., --, TRACER...]
+    env: dict[str, str]  # the program's environment, applied inside its sandbox
+    cwd: str
+    umask: int
+    limits: dict[str, tuple[int, int]]  # resource limits by RLIMIT_ name: (soft, hard)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> WarmRequest:
+        data = json.loads(body)
+        return cls(tuple(data["argv"]), data["env"], data["cwd"], data["umask"],
+                   {name: (soft, hard) for name, (soft, hard) in data["limits"].items()})
+
+
+@dataclass(frozen=True)
+class WarmReply:
+    """One line of the server's: exactly one of the fields is set."""
+
+    started: int | None = None  # the job's pid
+    declined: str | None = None  # why the server cannot run it exactly as the cold child would
+    status: int | None = None  # the job's end, as Popen.returncode gives it
+
+    def line(self) -> bytes:
+        return json.dumps({name: value for name, value in asdict(self).items() if value is not None}).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> WarmReply:
+        return cls(**json.loads(line))
+
+
+def peer_ids(connection: socket.socket) -> tuple[int, int]:
+    """(uid, gid) of the process at the other end, as the kernel says: both ends speak only to their own user."""
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, gid = struct.unpack("3i", creds)
+    return uid, gid
+
+
+def with_option(argv: Sequence[str], name: str, value: str) -> list[str]:
+    """`argv` with the value of option `name` replaced: options come before the program's arguments, so the first
+    `name` is ours (the runner and the server set the descriptors and limits of a request's command line so)."""
+    changed = list(argv)
+    changed[changed.index(name) + 1] = value
+    return changed
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (the server's `--caller`, the runner's owner of a scratch directory)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

@@ -4,9 +4,10 @@ its libraries), after the native shim is loaded and before the user's code, and 
 Nothing here runs in the estimator. The estimator's side of the boundary is the parent package: `xmem.trace.runner`
 starts this side through `xmem.trace.sandbox` (or the warm server, `warm_server` here, which the client
 `xmem.trace.warm` starts), and this side takes from it only `events` (the Trace record it writes back), `errors`,
+`wire` (what crosses the boundary: the request with the fake GPU, the notes, the warm tracer's socket frames),
 `shim.load_shim` (the native part the runner built) and `sandbox.install_in_child` (the fallback sandbox's
-redirected writes, in every process the program starts); `warm_server` also the client's wire format
-(`xmem.trace.warm`) and `sandbox.main`, which each warm job runs in-process.
+redirected writes, in every process the program starts); `warm_server` also `sandbox.main`, which each warm job
+runs in-process.
 
 `main` (the child's life: `python -m xmem.trace`), `fakecuda` (every patch of torch that makes a GPU appear),
 `recorder` (routing, allocations, training phases), `standins` (values Python takes out of a GPU tensor), `attention`

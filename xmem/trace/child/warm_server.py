@@ -1,6 +1,7 @@
 """The warm tracer's server: what runs in the job's interpreter with the native shim, torch, torch._dynamo, the
 tracer's own modules and the common training libraries loaded (`preload`), and forks one tracing job per request.
-Its client, where servers live and the wire format, is `xmem.trace.warm` (it runs in the estimator).
+Its client, where servers live, is `xmem.trace.warm` (it runs in the estimator); the frames both read are
+`xmem.trace.wire`'s.
 
 Owns the server's life (`serve`: one per socket, under a lock; it loads only once the cold estimate that started it
 is done; ended after an idle time, as soon as its code or torch changed on disk (`code_signature`) or its socket was
@@ -17,7 +18,6 @@ import argparse
 import fcntl
 import importlib
 import importlib.machinery
-import json
 import os
 import resource
 import select
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import xmem.trace.sandbox as sandbox
-from xmem.trace.warm import CONNECT_TIMEOUT_S, DEFAULT_IDLE_S, HEADER, STOP_GRACE_S, alive, peer_ids, with_option
+from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP_GRACE_S, WarmReply, WarmRequest, \
+    alive, peer_ids, with_option
 
 SERVER_NICE = 10  # the server's imports must not slow the cold estimate that started it
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
@@ -226,7 +227,7 @@ def _handle(connection: socket.socket, loaded: Loaded) -> None:
         request, fds = _receive(connection)
         reason = _declined(request, loaded)
         if reason:
-            _send(connection, {"declined": reason})
+            _send(connection, WarmReply(declined=reason))
             os._exit(0)
         pid = os.fork()
         if pid == 0:
@@ -234,19 +235,19 @@ def _handle(connection: socket.socket, loaded: Loaded) -> None:
             _become_job(request, fds, loaded)
         for fd in fds:
             os.close(fd)
-        _send(connection, {"started": pid})
-        _send(connection, {"status": _watch(connection, pid)})
+        _send(connection, WarmReply(started=pid))
+        _send(connection, WarmReply(status=_watch(connection, pid)))
     except BaseException:  # noqa: BLE001 - the client falls back to a cold start
         pass
     os._exit(0)
 
 
-def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    connection.settimeout(CONNECT_TIMEOUT_S * 5)
-    header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 2)
-    if len(header) != HEADER.size or len(fds) != 2:
+def _receive(connection: socket.socket) -> tuple[WarmRequest, list[int]]:
+    connection.settimeout(REQUEST_TIMEOUT_S)
+    header, fds, _, _ = socket.recv_fds(connection, FRAME_HEADER.size, 2)
+    if len(header) != FRAME_HEADER.size or len(fds) != 2:
         raise OSError("a malformed request")
-    (length,) = HEADER.unpack(header)
+    (length,) = FRAME_HEADER.unpack(header)
     body = b""
     while len(body) < length:
         chunk = connection.recv(length - len(body))
@@ -254,10 +255,10 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
             raise OSError("the request was cut short")
         body += chunk
     connection.settimeout(None)
-    return json.loads(body), fds
+    return WarmRequest.decode(body), fds
 
 
-def _declined(request: dict[str, Any], loaded: Loaded) -> str:
+def _declined(request: WarmRequest, loaded: Loaded) -> str:
     """Why this job cannot be run here exactly as the cold child would run it; "" when it can."""
     if file_stamps([name for name, _, _ in loaded.signature]) != loaded.signature:
         os.kill(os.getppid(), signal.SIGTERM)  # stale: the next estimate starts a fresh server
@@ -265,10 +266,10 @@ def _declined(request: dict[str, Any], loaded: Loaded) -> str:
     loaded_early = [name for name in CHOOSE_BY_CUDA_AT_IMPORT if name in loaded.origins]
     if loaded_early:
         return f"{loaded_early[0]} was imported before the job's fake GPU (it picks its native library by CUDA then)"
-    env, cwd = request["env"], request["cwd"]
+    env, cwd = request.env, request.cwd
     if _user_site(env) and os.path.isdir(_user_site(env)):
         return "a user site-packages exists (the warm tracer imports from the installation's alone)"
-    for name, value in request["limits"].items():
+    for name, value in request.limits.items():
         _, hard = resource.getrlimit(getattr(resource, name))
         if hard != resource.RLIM_INFINITY and (value[1] == resource.RLIM_INFINITY or value[1] > hard):
             return f"the estimate's {name} is above the warm tracer's"
@@ -317,14 +318,14 @@ def _watch(connection: socket.socket, pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _send(connection: socket.socket, message: dict) -> None:
+def _send(connection: socket.socket, reply: WarmReply) -> None:
     try:
-        connection.sendall(json.dumps(message).encode() + b"\n")
+        connection.sendall(reply.line())
     except OSError:
         pass
 
 
-def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None:
+def _become_job(request: WarmRequest, fds: list[int], loaded: Loaded) -> None:
     """Take the cold helper's process state (session, descriptors, cwd, umask, limits, environment, signals, path),
     then run the sandbox in this process. Never returns."""
     try:
@@ -336,10 +337,10 @@ def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None
         os.dup2(log, 2)
         os.close(devnull)
         os.close(log)
-        os.umask(request["umask"])
-        for name, value in request["limits"].items():
-            resource.setrlimit(getattr(resource, name), tuple(value))
-        env, cwd = request["env"], request["cwd"]
+        os.umask(request.umask)
+        for name, value in request.limits.items():
+            resource.setrlimit(getattr(resource, name), value)
+        env, cwd = request.env, request.cwd
         os.chdir(cwd)  # the environment stays the server's clean one: the job's is applied inside the sandbox
         for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(number, signal.SIG_DFL)
@@ -348,8 +349,7 @@ def _become_job(request: dict[str, Any], fds: list[int], loaded: Loaded) -> None
         sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=bool(env.get("PYTHONUNBUFFERED")))
-        argv = request["argv"]
-        helper = argv[3:]  # [python, -I, sandbox.py, OPTIONS..., --, TRACER...]
+        helper = list(request.argv[3:])  # [python, -I, sandbox.py, OPTIONS..., --, TRACER...]
         helper = with_option(with_option(helper, "--parent", str(os.getppid())), "--progress-fd", str(progress))
         helper = _memory_for_libraries(helper, loaded.library_bytes)
         sandbox.become_tracer = _trace_in_process
