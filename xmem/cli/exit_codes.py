@@ -35,8 +35,9 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     _row(EXIT_OK, "the answer was given"),
     _row(EXIT_INTERNAL, "internal error: xmem-slurm's own bug (please report it, with the command)"),
     _row(EXIT_USAGE, "bad option or argument: an unknown GPU type (or, for status, job), an unwritable "
-                     "--plot/--snapshot path, --plot without matplotlib (told before the trace), root tracing "
-                     "another user's program"),
+                     "--plot/--snapshot path, --plot without matplotlib (told before the trace); as root, another "
+                     "user's program that cannot be run again as its owner, or a file the trace identity cannot "
+                     "read (named)"),
     _row(3, "the command (or its script or module) was not found"),
     _row(4, "not a Python program"),
     _row(5, "the user's code raised what a GPU would raise too (its own traceback is shown), or the job's "
