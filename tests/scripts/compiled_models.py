@@ -5,6 +5,7 @@
   4 heads, sequence 512, batch 8 (fp32).
 --compile: none | module (torch.compile(model)) | method (model.compile()) | function (a compiled train step's
   forward and loss) | backend (torch.compile(model, backend=<a function of the program's>)).
+--mode: torch.compile's mode for --compile module (reduce-overhead: CUDA graph trees).
 --graph-break: the block's forward breaks the graph between attention and MLP (torch._dynamo.graph_break()).
 """
 
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", choices=("swish", "block"), default="swish")
 parser.add_argument("--compile", choices=("none", "module", "method", "function", "backend"), default="none")
 parser.add_argument("--graph-break", action="store_true")
+parser.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: Inductor's CUDA graph trees)")
 parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 
@@ -77,7 +79,7 @@ model = (Swish() if args.model == "swish" else Block()).cuda()
 run = model
 loss_fn = loss_of
 if args.compile == "module":
-    run = torch.compile(model)
+    run = torch.compile(model, mode=args.mode)
 elif args.compile == "method":
     model.compile()
 elif args.compile == "function":

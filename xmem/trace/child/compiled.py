@@ -18,7 +18,9 @@ program's fake tensors, each value dropped after its last use, as Inductor's gen
 
 Not modelled (said where it matters): Inductor's own post-grad passes and pattern rewrites, the op-count limits of
 its inlining, its in-kernel buffer removal and buffer reuse (the caching allocator's reuse stands for it), layout
-padding; CUDA graphs (mode="reduce-overhead"): their private pool; user backends other than Inductor/aot_eager/eager.
+padding; user backends other than Inductor/aot_eager/eager. CUDA graphs (mode="reduce-overhead", "max-autotune",
+the triton.cudagraphs option): Inductor's CUDA graph trees, their one private pool per device, warm-up and recording
+(xmem.trace.child.cudagraph_trees).
 A region that our backend cannot follow runs eagerly with a warning that names it (`FALLBACK_WARNING`).
 """
 
@@ -33,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+
+from xmem.trace.child import cudagraph_trees
 
 # said once per region our backend could not compile: the region ran op by op as in eager mode
 FALLBACK_WARNING = "torch.compile: a compiled region ({region}) was traced eagerly ({why}): compiled code often needs less"
@@ -82,9 +86,13 @@ def _warn(message: str) -> None:
 
 
 def _backend_for(backend: Any, mode: str | None, options: dict | None) -> Any:
-    """The backend that stands for the program's: Inductor's (and aot_eager's) AOTAutograd partition, run node by node;
-    dynamo's eager backend as it is; any other, eager with a warning."""
-    if mode in ("reduce-overhead", "max-autotune") or (options or {}).get("triton.cudagraphs"):
+    """The backend that stands for the program's: Inductor's (and aot_eager's) AOTAutograd partition, run node by node,
+    under Inductor's CUDA graph trees where its mode or options turn them on; dynamo's eager backend as it is; any
+    other, eager with a warning."""
+    cudagraphs = _cudagraphs_on(mode, options)
+    if backend == "inductor" and cudagraphs:
+        return functools.partial(traced_backend, cudagraphs=True)
+    if cudagraphs:
         _warn(CUDAGRAPH_WARNING.format(mode=mode or "triton.cudagraphs"))
     if backend in ("inductor", "aot_eager_decomp_partition"):
         return traced_backend
@@ -93,6 +101,13 @@ def _backend_for(backend: Any, mode: str | None, options: dict | None) -> Any:
     if backend != "eager":
         _warn(BACKEND_WARNING.format(backend=getattr(backend, "__name__", backend)))
     return "eager"
+
+
+def _cudagraphs_on(mode: str | None, options: dict | None) -> bool:
+    """Inductor's CUDA graphs: its option, else its mode's (torch._inductor.list_mode_options), else its config's."""
+    from torch._inductor import config, list_mode_options
+    chosen = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    return bool(chosen.get("triton.cudagraphs", config.triton.cudagraphs))
 
 
 # ---- dynamo under the fake GPU ---------------------------------------------------------------------------------------
@@ -223,16 +238,21 @@ def _global_hooks_aside() -> Iterator[None]:
 # ---- the backend -----------------------------------------------------------------------------------------------------
 
 def traced_backend(graph: fx.GraphModule, example_inputs: list, *, partitioner: str = "inductor",
-                   decompose: bool = True) -> Callable:
-    """Dynamo's backend: AOTAutograd as Inductor sets it up, each graph run by a GraphRunner. A failure here is ours:
-    the region runs eagerly (dynamo's graph as captured) and a warning names it."""
+                   decompose: bool = True, cudagraphs: bool = False) -> Callable:
+    """Dynamo's backend: AOTAutograd as Inductor sets it up, each graph run by a GraphRunner (under Inductor's CUDA
+    graph trees with `cudagraphs`: xmem.trace.child.cudagraph_trees). A failure here is ours: the region runs eagerly
+    (dynamo's graph as captured) and a warning names it."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition
     try:
         decompositions = _inductor_decompositions() if decompose else {}
         partition = _inductor_partition if partitioner == "inductor" else default_partition
         compiler = functools.partial(_runner_for, fusion=decompose)
-        backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler,
+        if cudagraphs:
+            forward, backward = cudagraph_trees.forward_compiler(compiler), cudagraph_trees.backward_compiler(compiler)
+        else:
+            forward = backward = compiler
+        backend = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
                                partition_fn=partition, decompositions=decompositions,
                                keep_inference_input_mutations=True)
         with _no_real_constants(), _inductor_fake_mode(example_inputs):

@@ -16,6 +16,9 @@ The rules, restated from upstream (aten/src/ATen/cuda/CUDAGraph.cpp, torch/cuda/
   graph uses it any more and the cache is emptied.
 - torch.cuda.graph empties the cache before it captures, on a side stream of its own unless given one.
 
+Inductor's CUDA graph trees allocate into their pool outside a capture too (warm-up runs, the recording's input
+copies: torch._C's beginAllocateCurrentThreadToPool / endAllocateToPool / releasePool), said as the same pool events.
+
 Not modelled, named (exit 11): user memory pools (`torch.cuda.MemPool`, `use_mem_pool`) and the allocator-state
 checkpoints of Inductor's CUDA graph trees; a pool shared again after every graph that used it was released.
 """
@@ -53,14 +56,20 @@ class GraphPools:
         """A fresh MempoolId: (uid, 0) for a user's handle, (0, uuid) for a graph's own pool."""
         return (next(self._user_ids), 0) if user_created else (0, next(self._graph_ids))
 
-    def begin(self, handle: tuple[int, int], stream: int) -> int:
+    def begin(self, handle: tuple[int, int], stream: int, capture: bool = True) -> int:
+        """Allocations on `stream` go to the pool of `handle` from now on; `capture`: a graph capture underway (else
+        only the allocations, as upstream's beginAllocateCurrentThreadToPool, which Inductor's CUDA graph trees use)."""
         number = self._numbers.setdefault(handle, len(self._numbers) + 1)
         if self._uses.get(number) == 0:
             raise NotModelled(DEAD_POOL_GAP)
         self._uses[number] = self._uses.get(number, 0) + 1
-        self.capturing[stream] = number
+        if capture:
+            self.capturing[stream] = number
         self.fake.on_graph_pool("begin_pool", number, stream)
         return number
+
+    def number_of(self, handle: tuple[int, int]) -> int:
+        return self._numbers[handle]
 
     def end(self, number: int) -> None:
         for stream, capturing in list(self.capturing.items()):
@@ -100,6 +109,13 @@ def _pool_handle(pool: Any) -> tuple[int, int] | None:
     if isinstance(pool, tuple) and len(pool) == 2:
         return (int(pool[0]), int(pool[1]))
     raise NotModelled(USER_POOL_GAP)
+
+
+def _given_pool(pool: Any) -> tuple[int, int]:
+    handle = _pool_handle(pool)
+    if handle is None:  # upstream's callers always name one
+        raise NotModelled(POOL_STATE_GAP)
+    return handle
 
 
 def graph_class(pools: GraphPools) -> type:
@@ -221,12 +237,32 @@ def install(fake: Any) -> GraphPools:
     # imports it after start: variables/torch.py reads use_mem_pool.__wrapped__)
     refuse_pool.__wrapped__ = getattr(torch.cuda.use_mem_pool, "__wrapped__", torch.cuda.use_mem_pool)  # type: ignore
     torch.cuda.use_mem_pool = torch.cuda.memory.use_mem_pool = refuse_pool
-    for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateCurrentStreamToPool",
-                 "_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool",
-                 "_cuda_setCheckpointPoolState", "_cuda_getCheckpointState", "_cuda_checkPoolLiveAllocations"):
+    for name in ("_cuda_beginAllocateCurrentStreamToPool", "_cuda_beginAllocateToPool", "_cuda_setCheckpointPoolState",
+                 "_cuda_getCheckpointState", "_cuda_checkPoolLiveAllocations"):
         if hasattr(torch._C, name):
             setattr(torch._C, name, _not_modelled(POOL_STATE_GAP))
+    _install_thread_pool_allocation(pools)
     return pools
+
+
+def _install_thread_pool_allocation(pools: GraphPools) -> None:
+    """torch._C's allocate-to-pool calls of Inductor's CUDA graph trees (cudagraph_trees._use_cuda_memory_pool_manager:
+    begin on the current thread, end, release). Upstream routes the thread's allocations, on any stream, to the pool;
+    here those of the current stream, which that manager has just made its own side stream."""
+    fake = pools.fake
+
+    def begin_allocate_current_thread_to_pool(device: int, pool: Any) -> None:
+        pools.begin(_given_pool(pool), fake.current_stream.stream_id, capture=False)
+
+    def end_allocate_to_pool(device: int, pool: Any) -> None:
+        pools.end(pools.number_of(_given_pool(pool)))
+
+    def release_pool(device: int, pool: Any) -> None:
+        pools.release(pools.number_of(_given_pool(pool)))
+
+    torch._C._cuda_beginAllocateCurrentThreadToPool = begin_allocate_current_thread_to_pool
+    torch._C._cuda_endAllocateToPool = end_allocate_to_pool
+    torch._C._cuda_releasePool = release_pool
 
 
 __all__ = ["DEAD_POOL_GAP", "POOL_STATE_GAP", "USER_POOL_GAP", "GraphPools", "UserMemPool", "graph_class",
