@@ -59,3 +59,21 @@ def test_a_confusion_matrix_of_small_integer_targets_keeps_its_shape(tmp_path):
     trace = trace_source(tmp_path, "int8_targets.py", INT8_TARGETS)
     assert trace.iterations == 2
     assert "bincount() took its minlength bins, as if every value were below it (no real data)" in trace.warnings
+
+
+# ludwig's trainer logs each device's memory counters every step, by upstream's key names
+MEMORY_STATS = """import torch
+model = torch.nn.Linear(16, 16).cuda()
+""" + TRAIN + """
+stats = torch.cuda.memory_stats(torch.device("cuda:0"))
+for kind in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+    assert stats[f"{kind}.all.allocated"] - stats[f"{kind}.all.freed"] == stats[f"{kind}.all.current"]
+    assert stats[f"{kind}.all.peak"] >= stats[f"{kind}.all.current"] > 0
+"""
+
+
+def test_memory_stats_has_upstreams_cumulative_counters(tmp_path):
+    """torch.cuda.memory_stats() lacked allocated_bytes.all.allocated and .freed: ludwig's KeyError was blamed on
+    the program (exit 5)."""
+    trace = trace_source(tmp_path, "memory_stats.py", MEMORY_STATS, iterations=3)
+    assert trace.iterations == 2

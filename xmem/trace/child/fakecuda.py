@@ -375,8 +375,13 @@ def _memory_answers(fake: FakeCuda) -> dict[str, Any]:
         fake.on_empty_cache()
 
     def memory_stats(device: Any = None) -> dict[str, int]:
-        return {"allocated_bytes.all.current": fake.live_bytes(), "allocated_bytes.all.peak": fake.peak_bytes(),
-                "reserved_bytes.all.current": fake.live_bytes(), "reserved_bytes.all.peak": fake.peak_bytes()}
+        # upstream's byte counters of every kind, each with current, peak, allocated and freed (ludwig's trainer logs
+        # allocated_bytes.all.allocated and .freed); the cumulative ones are not recorded: the least they can be,
+        # the peak allocated and what was freed of it, so that allocated - freed == current as upstream keeps
+        current, peak = fake.live_bytes(), fake.peak_bytes()
+        counters = {"current": current, "peak": peak, "allocated": peak, "freed": peak - current}
+        return {f"{kind}.all.{counter}": value for kind in ("allocated_bytes", "reserved_bytes", "active_bytes",
+                                                           "requested_bytes") for counter, value in counters.items()}
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         total = fake.ask_total_memory()
