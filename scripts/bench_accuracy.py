@@ -43,7 +43,7 @@ from pathlib import Path
 
 from xmem.bench.records import BadRecord, Reference, Unreproducible, job_command, job_env, load_references
 from xmem.bench.report import BenchResult, print_table, summary, write_picture
-from xmem.config import ConfigError, load_site_config
+from xmem.config import ConfigError, EstimateSettings, load_site_config
 from xmem.gpus import find_gpu, load_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def estimate_record(ref: Reference, python: str, iterations: int, timeout: float
     try:  # the catalog load is part of an estimate, as in `xmem-slurm estimate`, and may fail like it
         catalog = load_catalog({"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}})
         result = estimate(command, gpus=[ref.gpu_name], iterations=iterations, env=env, cwd=str(ROOT),
-                          timeout=timeout, catalog=catalog)
+                          timeout=timeout, settings=EstimateSettings(catalog))
     except Exception as e:  # noqa: BLE001 - a failed estimate is a benchmark result, not a crash
         return BenchResult(ref.path, seconds=time.perf_counter() - started,
                            error=f"estimate failed: {type(e).__name__}: {last_line(str(e))}",

@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from xmem.bench.records import Reference, Unreproducible, job_command, job_env, load_references
+from xmem.config import EstimateSettings
 from xmem.gpus import load_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def estimate_one(ref: Reference, mode: str, command: list[str], iterations: int,
     try:
         catalog = load_catalog({"gpus": {ref.gpu_name: {"total_bytes": ref.capacity_bytes}}})
         result = estimate(command, gpus=[ref.gpu_name], iterations=iterations, env={**os.environ, **job_env(ref)},
-                          cwd=str(ROOT), timeout=timeout, catalog=catalog)
+                          cwd=str(ROOT), timeout=timeout, settings=EstimateSettings(catalog))
     except Exception as error:  # noqa: BLE001 - a failed estimate is a row of the table, not a crash
         return {**line, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}",
                 "seconds": round(time.perf_counter() - started, 1)}

@@ -55,8 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     site, vary = load_site_config(args.config), parse_vary(args.vary)
-    settings = {"iterations": args.iterations, "memory_limit_bytes": site.estimate.memory_limit_bytes,
-                "warm_tracer": site.estimate.warm_tracer}
+    settings = {"iterations": args.iterations}
     result, options = search(command, vary, site, [args.gpu], settings)
     if args.no_brute:
         print(json.dumps({"command": command, "gpu": args.gpu, "fit": result.to_json()}))
@@ -68,7 +67,8 @@ def main() -> None:
         if args.brute and option.name not in args.brute:
             continue
         low, high, used, seconds = brute_force(command, vary, site, option, gpu_name,
-                                               {**settings, "catalog": catalog}, args.width, cache)
+                                               {**settings, "settings": site.estimate_settings(catalog)}, args.width,
+                                               cache)
         brute[option.name] = {"fits": low if low >= vary.low else None, "does_not_fit": high,
                               "estimates": used, "seconds": round(seconds, 1)}
     print(json.dumps({"command": command, "gpu": args.gpu, "fit": result.to_json(), "brute_force": brute,

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import xmem.estimate as estimate_module
+from xmem.config import EstimateSettings
 from xmem.estimate import BadJobSettingError, Estimate, capability_class, estimate
 from xmem.gpus import UnknownGpuError, find_gpu, load_catalog, overhead_bytes
 from xmem.trace import TraceCancelled, TraceError
@@ -97,7 +98,7 @@ def test_breakdown_at_the_peak_adds_up_to_the_peak(traced):
 def test_too_small_gpu_reports_the_oom(traced):
     overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}},
                  "overhead": {"Tiny": {"context_bytes": 0, "library_bytes": {"cublas": 0}}}}
-    result = estimate(["python", "train.py"], gpus=["tiny"], catalog_overrides=overrides)
+    result = estimate(["python", "train.py"], gpus=["tiny"], settings=EstimateSettings(load_catalog(overrides)))
     tiny = result.gpus["Tiny"]
     assert not tiny.fits
     assert tiny.oom is not None
@@ -115,7 +116,7 @@ def test_breakdown_on_a_type_it_does_not_fit_is_what_the_job_needs(traced):
     overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}},
                  "overhead": {"Tiny": {"context_bytes": 0, "library_bytes": {"cublas": 0}}}}
     for shared in ([], ["a100"]):  # alone, and sharing its replay with a type it fits
-        result = estimate(["python", "train.py"], gpus=["tiny", *shared], catalog_overrides=overrides)
+        result = estimate(["python", "train.py"], gpus=["tiny", *shared], settings=EstimateSettings(load_catalog(overrides)))
         tiny, parts = result.gpus["Tiny"], result.breakdowns["Tiny"]
         assert not tiny.fits
         assert sum(parts.values()) == tiny.unlimited_peak_bytes > tiny.total_bytes
@@ -136,7 +137,7 @@ def test_json_has_the_documented_keys_and_round_trips(traced):
 
 def test_json_round_trip_gives_the_same_record(traced):
     overrides = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}}}
-    result = estimate(["python", "train.py"], gpus=["a100", "tiny"], catalog_overrides=overrides)
+    result = estimate(["python", "train.py"], gpus=["a100", "tiny"], settings=EstimateSettings(load_catalog(overrides)))
     assert result.gpus["Tiny"].oom is not None
     again = Estimate.from_json(json.loads(json.dumps(result.to_json())))
     assert again.to_json() == result.to_json()
@@ -266,7 +267,7 @@ def test_memory_fraction_is_a_fraction_of_the_total_not_of_what_is_left(traced):
 
     def half_gpu(fraction):
         env = {"PYTORCH_CUDA_ALLOC_CONF": f"per_process_memory_fraction:{fraction}"}
-        return estimate(["python", "t.py"], gpus=["half"], env=env, catalog_overrides=overrides).gpus["Half"]
+        return estimate(["python", "t.py"], gpus=["half"], env=env, settings=EstimateSettings(load_catalog(overrides))).gpus["Half"]
 
     assert half_gpu(0.45).fits and half_gpu(0.45).peak_reserved_bytes == 300 * MIB
     assert half_gpu(0.25).oom is not None
@@ -295,7 +296,7 @@ def test_shared_replays_give_what_one_replay_per_gpu_type_gives(traced, alloc_co
                           [("Tiny", 150 * MIB), ("Fits", 400 * MIB)]},
                  "overhead": {name: {"context_bytes": 0, "library_bytes": {"cublas": 0}} for name in ("Tiny", "Fits")}}
     env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
-    result = estimate(["python", "train.py"], env=env, catalog_overrides=overrides)
+    result = estimate(["python", "train.py"], env=env, settings=EstimateSettings(load_catalog(overrides)))
     catalog = load_catalog(overrides)
     config = estimate_module.AllocatorConfig.parse(alloc_conf)
     alone = {name: estimate_module.estimate_gpu(traced.trace, gpu, config, env)[0] for name, gpu in catalog.items()}

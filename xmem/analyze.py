@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from xmem.config import SiteConfig
+from xmem.config import EstimateSettings, SiteConfig
 from xmem.jobscript import JobScript, TrainCommand, job_array_tasks, parse_jobscript, slurm_runtime_env
 from xmem.policy import (Decision, decide, eligible_types, estimate_types, gpus_per_node, job_offers, job_partitions,
                          job_peak, screen)
@@ -207,11 +207,9 @@ class _BatchHintJob:
         settings = {"iterations": config.estimate.iterations, "timeout": budget,
                     "env": {**self.env, **slurm_runtime_env(self.directives, self.submit_cwd,
                                                             first.array_task), **command.env},
-                    "cwd": command.cwd or self.submit_cwd, "python": command.python or config.estimate.python,
-                    "memory_limit_bytes": config.estimate.memory_limit_bytes,
-                    "warm_tracer": config.estimate.warm_tracer}
+                    "cwd": command.cwd or self.submit_cwd, "python": command.python or config.estimate.python}
         hint = largest_batch(command.argv, scope.targets, config, settings, see_more, budget_s=budget,
-                             estimator=self.estimator)
+                             estimator=self.estimator, settings=scope.settings)
         return decision if hint is None else replace(decision, reason=f"{decision.reason}; {hint.text()}")
 
 
@@ -248,6 +246,11 @@ class _Scope:
     targets: tuple[str, ...]
     catalog: Mapping[str, GpuType]
     notes: tuple[str, ...] = ()
+
+    @property
+    def settings(self) -> EstimateSettings:
+        """What every estimate of the job takes from the site (its catalog as read once for the job)."""
+        return self.config.estimate_settings(self.catalog)
 
 
 def _gpu_scope(job: JobScript, config: SiteConfig, gpus: Sequence[str] | None,
@@ -338,9 +341,7 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
         result = estimator(list(command.argv), gpus=list(scope.targets), iterations=config.estimate.iterations,
                            env={**env, **command.env}, cwd=command.cwd or submit_cwd, timeout=remaining,
                            python=command.python or config.estimate.python,
-                           catalog=scope.catalog, on_progress=on_progress,
-                           memory_limit_bytes=config.estimate.memory_limit_bytes,
-                           warm_tracer=config.estimate.warm_tracer)
+                           settings=scope.settings, on_progress=on_progress)
     except Exception as e:  # the estimator's own errors carry a kind; anything else is reported as internal
         kind = getattr(e, "kind", None) or ("unknown_gpu" if type(e).__name__ == "UnknownGpuError" else "internal")
         message = getattr(e, "message", None) or str(e) or type(e).__name__

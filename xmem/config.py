@@ -111,6 +111,18 @@ class EstimateConfig:
 
 
 @dataclass(frozen=True)
+class EstimateSettings:
+    """What a site decides for every estimate it makes, handed to `xmem.estimate.estimate(settings=...)` as one
+    object: made once from the site config (`SiteConfig.estimate_settings`), or the defaults of a caller with no site
+    (the shipped catalog, the default host-memory limit, no warm tracer). What differs per job (the command, its
+    iterations, time left and interpreter, which the analysis resolves against [estimate]) is estimate()'s own."""
+
+    catalog: Mapping[str, GpuType] | None = None  # the GPU catalog with the site's [catalog]; None: the shipped one
+    memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES  # host memory one trace may use ([estimate] memory_limit_gib)
+    warm_tracer: bool = False  # [estimate] warm_tracer (xmem.trace.warm.enabled; $XMEM_WARM_TRACER wins)
+
+
+@dataclass(frozen=True)
 class DeferredConfig:
     """Where estimates that are not cached run: in the submission (inline) or in a job on `cpu_partition`
     (partition; xmem.slurm.deferred)."""
@@ -154,6 +166,11 @@ class SiteConfig:
         from xmem.gpus import load_catalog  # imported here: torch-free, but not needed to read a config
 
         return load_catalog(self.catalog_overrides or None)
+
+    def estimate_settings(self, catalog: Mapping[str, GpuType] | None = None) -> EstimateSettings:
+        """The settings every estimate for this site takes (`catalog`: `catalog()` when the caller read it already)."""
+        return EstimateSettings(self.catalog() if catalog is None else catalog, self.estimate.memory_limit_bytes,
+                                self.estimate.warm_tracer)
 
     def with_partitions(self, gpu_types: Mapping[str, tuple[str, ...]]) -> SiteConfig:
         """A copy that also knows `gpu_types` (e.g. read from the cluster) for partitions the file leaves out."""

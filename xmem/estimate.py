@@ -16,11 +16,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from xmem.audit import audit
 import xmem.rank_traces as rank_traces
-from xmem.config import DEFAULT_TRACE_MEMORY_BYTES
+from xmem.config import DEFAULT_TRACE_MEMORY_BYTES, EstimateSettings
 from xmem.estimate_record import ALLOCATOR_SLACK, OVERHEAD, Estimate, GpuEstimate, shown_gpu
 from xmem.gpus import GpuType, cublas_workspace_bytes, find_gpu, load_catalog, overhead_bytes
 from xmem.orchestrate import GpuOps, orchestrate, trace_devices
@@ -43,31 +42,29 @@ class BadJobSettingError(ValueError):
 def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iterations: int = 3,
              env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
              timeout: float | None = None, python: str | None = None,
-             catalog_overrides: Mapping[str, Any] | None = None,
-             on_progress: Callable[[str], None] | None = None,
-             catalog: Mapping[str, GpuType] | None = None, gpus_per_node: int | None = None,
-             memory_limit_bytes: int = DEFAULT_TRACE_MEMORY_BYTES, warm_tracer: bool = False,
+             settings: EstimateSettings = EstimateSettings(),
+             on_progress: Callable[[str], None] | None = None, gpus_per_node: int | None = None,
              keep_traces: dict[str, Trace] | None = None, cancel: threading.Event | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
-    `catalog`: the GPU catalog when the caller has it loaded already (else `catalog_overrides` are applied to a
-    fresh load). `gpus_per_node`: the GPUs the job's node shows the program (default: as `run_trace` finds them).
-    `memory_limit_bytes`: the host memory one trace may use (the site's `estimate.memory_limit_gib`);
-    `warm_tracer`: the site's `estimate.warm_tracer` (`xmem.trace.warm.enabled`).
+    `settings`: the site's (its catalog, the host memory one trace may use, the warm tracer), made once from its
+    config (`SiteConfig.estimate_settings`); the defaults are a caller's with no site. `gpus_per_node`: the GPUs the
+    job's node shows the program (default: as `run_trace` finds them).
     `keep_traces`, if given, receives the traces by capability class (for pictures of the run: `xmem.pictures`).
     `cancel`, set from another thread, stops the trace (the tracer's TraceCancelled): its answer is not wanted.
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
     """
     started = time.perf_counter()
-    catalog = catalog if catalog is not None else load_catalog(catalog_overrides)
+    catalog = settings.catalog if settings.catalog is not None else load_catalog()
     targets = resolve_gpus(gpus, catalog)
     def trace_rank(more_env: Mapping[str, str]) -> dict[str, Trace]:
         return trace_per_capability_class(command, targets, iterations=iterations,
                                           env={**(os.environ if env is None else env), **more_env}, cwd=cwd,
                                           timeout=timeout, python=python, on_progress=on_progress,
-                                          gpus_per_node=gpus_per_node, memory_limit_bytes=memory_limit_bytes,
-                                          warm_tracer=warm_tracer, cancel=cancel)
+                                          gpus_per_node=gpus_per_node,
+                                          memory_limit_bytes=settings.memory_limit_bytes,
+                                          warm_tracer=settings.warm_tracer, cancel=cancel)
 
     traces = trace_rank({})
     if keep_traces is not None:

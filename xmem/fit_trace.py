@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xmem.config import SiteConfig
+from xmem.config import EstimateSettings, SiteConfig
 from xmem.estimate import allocator_config, busiest_replay, capability_class  # the job's replay, as estimated
 from xmem.fit import Point, Tracer, Vary, command_at, find_limits, phase_peaks
 from xmem.gpus import GpuType, find_gpu
@@ -35,23 +35,26 @@ HINT_BUDGET_S = 90.0
 Estimator = Callable[..., Any]  # xmem.estimate.estimate's signature
 
 
-def point_tracer(command: Sequence[str], vary: Vary, names: Mapping[str, str], catalog: Mapping[str, GpuType],
-                 settings: Mapping[str, Any], estimator: Estimator | None = None,
+def point_tracer(command: Sequence[str], vary: Vary, names: Mapping[str, str], settings: EstimateSettings,
+                 job: Mapping[str, Any], estimator: Estimator | None = None,
                  progress: Callable[[int], Callable[[str], None] | None] | None = None) -> Tracer:
     """The job estimated at one value of `vary`'s knob on the GPU types `names` (catalog name -> the name the
-    user knows), as a `Point`. `settings`: what the estimator takes besides the command, GPUs, catalog and
-    progress; `progress(value)` gives the estimate's progress callback for that value."""
+    user knows), as a `Point`. `settings`: the site's (its catalog read); `job`: what the estimator takes besides
+    the command, GPUs, settings and progress (iterations, env, cwd, ...); `progress(value)` gives the estimate's
+    progress callback for that value."""
     if estimator is None:
         from xmem.estimate import estimate as estimator
+    catalog = settings.catalog
+    assert catalog is not None, "the site's catalog is read once, by the caller"
 
     def trace(value: int) -> Point:
         traces: dict[str, Trace] = {}
-        result = estimator(command_at(command, vary, value), gpus=list(names), catalog=catalog, keep_traces=traces,
-                           on_progress=progress(value) if progress else None, **settings)
+        result = estimator(command_at(command, vary, value), gpus=list(names), settings=settings, keep_traces=traces,
+                           on_progress=progress(value) if progress else None, **job)
         if not result.used_cuda:
             return Point.from_estimate(value, result, names, {}, 0)
         largest = max((catalog[name] for name in result.gpus), key=lambda g: g.total_bytes)  # as fit always read
-        phases, reserved = unlimited_phases(traces, largest, settings.get("env"))
+        phases, reserved = unlimited_phases(traces, largest, job.get("env"))
         return Point.from_estimate(value, result, names, phases, reserved)
     return trace
 
@@ -117,19 +120,21 @@ class _OutOfTime(Exception):
     """The hint's time budget is spent: the search stops with what it has."""
 
 
-def largest_batch(command: Sequence[str], gpu_types: Sequence[str], site: SiteConfig, settings: Mapping[str, Any],
-                  see_more: str, *, budget_s: float = HINT_BUDGET_S,
-                  estimator: Estimator | None = None) -> BatchHint | None:
+def largest_batch(command: Sequence[str], gpu_types: Sequence[str], site: SiteConfig, job: Mapping[str, Any],
+                  see_more: str, *, budget_s: float = HINT_BUDGET_S, estimator: Estimator | None = None,
+                  settings: EstimateSettings | None = None) -> BatchHint | None:
     """For a job that fits none of `gpu_types`: the largest batch size below the command's that fits the largest of
     them (the site margin applied, as `fit` applies it), in at most `budget_s` of traces; None when the command has
-    no batch option or the search failed (the hint must never cost the answer it is added to)."""
+    no batch option or the search failed (the hint must never cost the answer it is added to). `job`: as
+    `point_tracer`'s; `settings`: the site's when the caller made them (default: made from `site`)."""
     knob = batch_knob(command)
     if knob is None:
         return None
     name, given = knob
     if given == 1:  # the estimate itself was at 1
         return BatchHint(name, given, None, True, see_more)
-    catalog = site.catalog()
+    settings = settings if settings is not None and settings.catalog is not None else site.estimate_settings()
+    catalog = settings.catalog
     names = {find_gpu(t, catalog).name: t for t in gpu_types}
     largest = max((o for t in gpu_types for o in fixed_options(site, t, catalog) if o.name == "whole"),
                   key=lambda o: o.usable_bytes, default=None)
@@ -142,8 +147,8 @@ def largest_batch(command: Sequence[str], gpu_types: Sequence[str], site: SiteCo
         remaining = deadline - time.monotonic()
         if remaining <= 1:
             raise _OutOfTime
-        timeout = min(remaining, settings.get("timeout") or remaining)
-        trace = point_tracer(command, Vary(name, 1, given - 1), names, catalog, {**settings, "timeout": timeout},
+        timeout = min(remaining, job.get("timeout") or remaining)
+        trace = point_tracer(command, Vary(name, 1, given - 1), names, settings, {**job, "timeout": timeout},
                              estimator)
         point = trace(value)
         if site.margin.needed(point.peaks.get(largest.gpu_type, 1 << 62)) <= largest.usable_bytes:

@@ -70,9 +70,8 @@ def estimate_command(
     privileges.rerun_cli_as_owner(command, lambda why: fail(as_json, EXIT_USAGE, "not_as_root", why))
     try:
         site = load_site_config(config)
-        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python,
-                        catalog_overrides=site.catalog_overrides or None, gpus_per_node=gpus_per_node,
-                        memory_limit_bytes=site.estimate.memory_limit_bytes, warm_tracer=site.estimate.warm_tracer)
+        settings = dict(gpus=gpu, iterations=iterations, timeout=timeout, python=python, gpus_per_node=gpus_per_node,
+                        settings=site.estimate_settings())
         traces = _prepare_pictures(plot, snapshot, plot_gpu, gpu, site, settings)
         # stdout carries only our answer; what the traced program prints goes to stderr.
         with stdout_to_stderr() as out:
@@ -133,12 +132,12 @@ def _no_fit_hint(err: Console, command: list[str], result: Estimate, site: SiteC
     if knob is None:
         return None
     see_more = fit_command_text(command, knob[0], knob[1], types)
-    kept = {k: v for k, v in settings.items() if k not in ("gpus", "catalog_overrides", "keep_traces")}
+    kept = {k: v for k, v in settings.items() if k not in ("gpus", "settings", "keep_traces")}
     with stdout_to_stderr():  # what the traced program prints is not the answer
         if as_json or not err.is_terminal:
-            return largest_batch(command, types, site, kept, see_more)
+            return largest_batch(command, types, site, kept, see_more, settings=settings["settings"])
         with err.status(f"the job fits nowhere: looking for the largest --{knob[0]} that fits"):
-            return largest_batch(command, types, site, kept, see_more)
+            return largest_batch(command, types, site, kept, see_more, settings=settings["settings"])
 
 
 def _shown(result: Estimate, options: OptionTable | None, site: SiteConfig) -> str:

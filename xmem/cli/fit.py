@@ -56,9 +56,8 @@ def fit_command(
     verb = "fit"
     try:
         site = load_site_config(config)
-        settings = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python,
-                    "memory_limit_bytes": site.estimate.memory_limit_bytes, "warm_tracer": site.estimate.warm_tracer}
-        run_fit(command, parse_vary(vary), site, gpu, settings, as_json, step=step)
+        job = {"iterations": iterations or site.estimate.iterations, "timeout": timeout, "python": python}
+        run_fit(command, parse_vary(vary), site, gpu, job, as_json, step=step)
     except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
@@ -66,12 +65,12 @@ def fit_command(
 
 
 def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
-            settings: Mapping[str, Any], as_json: bool, site_types: Sequence[str] = (),
+            job: Mapping[str, Any], as_json: bool, site_types: Sequence[str] = (),
             step: int | None = None) -> None:
-    """Search, then print the answer (`settings`: what `xmem.estimate.estimate` takes besides the command, GPUs
-    and catalog). `site_types`: the types to search when `gpus` names none (default: every type of the site)."""
+    """Search, then print the answer (`job`: what `xmem.estimate.estimate` takes besides the command, GPUs and the
+    site's settings). `site_types`: the types to search when `gpus` names none (default: every type of the site)."""
     with stdout_to_stderr() as out:
-        result, options = search(command, vary, site, gpus, settings, site_types, progress=not as_json, step=step)
+        result, options = search(command, vary, site, gpus, job, site_types, progress=not as_json, step=step)
     if as_json:
         margin = {"relative": site.margin.relative, "absolute_bytes": site.margin.absolute_bytes}
         out.write(json.dumps({**result.to_json(), "margin": margin}) + "\n")
@@ -81,7 +80,7 @@ def run_fit(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence
 
 
 def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[str] | None,
-           settings: Mapping[str, Any], site_types: Sequence[str] = (),
+           job: Mapping[str, Any], site_types: Sequence[str] = (),
            progress: bool = False, step: int | None = None) -> tuple[FitResult, list[FixedOption]]:
     """The limits and the offers searched (see `run_fit`), an estimate at each value `xmem.fit` asks for."""
     command_at(command, vary, vary.low)  # nowhere to put the value: say so before any trace
@@ -93,7 +92,8 @@ def search(command: Sequence[str], vary: Vary, site: SiteConfig, gpus: Sequence[
 
     traced: list[int] = []
     updates: dict[int, Callable[[str], None] | None] = {}
-    tracer = point_tracer(command, vary, names, catalog, settings, run_estimate, progress=updates.get)
+    tracer = point_tracer(command, vary, names, site.estimate_settings(catalog), job, run_estimate,
+                          progress=updates.get)
 
     def trace(value: int) -> Point:
         traced.append(value)
@@ -188,12 +188,11 @@ def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | N
              "; ".join(str(p) for p in job.problems) or "no training command found", verb=verb)
     command = job.commands[0]
     env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
-    settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
-                "python": command.python or site.estimate.python or None, "env": env,
-                "cwd": command.cwd or os.getcwd(), "memory_limit_bytes": site.estimate.memory_limit_bytes,
-                "warm_tracer": site.estimate.warm_tracer}
+    job_settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
+                    "python": command.python or site.estimate.python or None, "env": env,
+                    "cwd": command.cwd or os.getcwd()}
     try:
-        run_fit(command.argv, vary, site, gpus, settings, as_json,
+        run_fit(command.argv, vary, site, gpus, job_settings, as_json,
                 site_types=estimate_types(site, job_partitions(job.directives, site)), step=step)
     except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)

@@ -78,8 +78,9 @@ class KeepingEstimator:
         traces: dict = {}
         result = estimate(command, **settings, keep_traces=traces)
         env = settings.get("env")
+        site = settings.get("settings")
         self.runs.append(KeptRun(command, result, traces, dict(os.environ if env is None else env),
-                                 settings.get("catalog")))
+                                 site.catalog if site is not None else None))
         return result
 
 
