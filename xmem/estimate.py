@@ -69,10 +69,10 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     traces = trace_rank({})
     if keep_traces is not None:
         keep_traces.update(traces)
-    ranks = rank_traces.trace_stages(traces, trace_rank, on_progress)  # -- issue 34: every pipeline stage's rank
+    ranks = rank_traces.trace_differing(traces, trace_rank, on_progress)  # -- issue 34: every rank that can differ
     estimates = {rank: estimate_traces(command, traced, targets, env=env, on_progress=on_progress, started=started)
                  for rank, traced in ranks.items()}
-    answer = rank_traces.fullest(estimates, rank_traces.stages_by_rank(ranks))
+    answer = rank_traces.fullest(estimates, ranks)
     if keep_traces is not None and answer.fullest_rank is not None:  # the pictures show the rank the figures are
         keep_traces.update(ranks[answer.fullest_rank])
     return answer

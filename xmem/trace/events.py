@@ -214,6 +214,10 @@ class Trace:
     # innermost frame outside torch, xmem and the standard library (xmem.trace.child.recorder.UserSites)
     sites: list[tuple[str, int, str]] = field(default_factory=list)
     pipeline: PipelineRun | None = None  # a pipeline schedule ran (torch.distributed.pipelining): its stages
+    # the job's world size as the traced rank saw it, and where the program's own files tested the rank they read
+    # ("file:line", xmem.trace.child.rank_reads): there its ranks can run differently (xmem.rank_traces)
+    world_size: int = 1
+    rank_tests: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -51,6 +51,8 @@ def install(fake: Any) -> None:
     _patch_fsdp1_optim_state_dict()
     import xmem.trace.child.pipelining as pipelining
     pipelining.install()
+    import xmem.trace.child.rank_reads as rank_reads
+    rank_reads.install()
     import torch.nn.parallel.distributed
     rebind_loaded(torch.nn.parallel.distributed.DistributedDataParallel, DistributedDataParallel)
 
@@ -68,6 +70,8 @@ def _patch_init_process_group(fake: Any, dist: Any) -> None:
         rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
         extra = {"timeout": timeout} if timeout is not None else {}
         original_init(backend="fake", store=FakeStore(), world_size=world_size, rank=rank, **extra, **kwargs)
+        import xmem.trace.child.rank_reads as rank_reads
+        rank_reads.on_world_size(world_size)
 
     dist.init_process_group = init_fake_process_group
 

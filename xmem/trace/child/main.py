@@ -45,6 +45,14 @@ def _pipeline_note():
     return sys.modules["xmem.trace.child.pipelining"].note()
 
 
+def _rank_note() -> tuple[int, list[str]]:
+    """The world size and where the program tested its rank (xmem.trace.child.rank_reads), where it ran distributed."""
+    if "xmem.trace.child.rank_reads" not in sys.modules:
+        return 1, []
+    rank_reads = sys.modules["xmem.trace.child.rank_reads"]
+    return rank_reads.world_size(), rank_reads.tested_at()
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     request = TraceRequest.from_argv(sys.argv[1:] if argv is None else argv)
     import xmem.trace.child.follow as follow  # the processes the program starts are traced too
@@ -120,6 +128,7 @@ def trace_program(command: list[str], iterations: int, gpu: FakeGpu, device_coun
     trace = recorder.to_trace(capability, seconds)
     trace.facts = facts.result()
     trace.pipeline = _pipeline_note()
+    trace.world_size, trace.rank_tests = _rank_note()
     trace.quick_key_misses = shortcuts.quick_key_misses(fake_mode)
     if trace.used_cuda and trace.iterations == 0:
         _without_training(trace, state, len(fake.optimizers))

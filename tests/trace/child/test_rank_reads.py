@@ -1,0 +1,94 @@
+"""Ranks that can run differently (issue 34 item 4), from tests/scripts/rank_tests.py under torchrun (4 ranks): a
+program that tests its rank has its last rank traced besides rank 0, and the answer is the fuller, named; one that
+reads its rank and never tests it is traced once. The per-rank difference is derived by hand: a buffer one rank
+alone keeps for the whole run, of 32 or 64 MiB (a multiple of 2 MiB over 10 MiB: its own segment, exactly its
+size, which no other block can share while it lives), so the fuller rank's peak is the other's plus that buffer."""
+
+import pickle
+import sys
+
+import pytest
+
+from tests.torch_builds import SCRIPTS
+from xmem.estimate import estimate
+from xmem.trace import run_trace
+from xmem.trace.child import rank_reads
+from xmem.trace.child.rank_reads import RankNumber
+
+pytestmark = pytest.mark.usefixtures("warm_tracer")
+
+SCRIPT = str(SCRIPTS / "rank_tests.py")
+MIB = 2**20
+
+
+def command(mode: str) -> list[str]:
+    return ["torchrun", "--nproc_per_node=4", SCRIPT, "--mode", mode]
+
+
+def line_of(text: str) -> int:
+    """The script's line that holds `text`."""
+    with open(SCRIPT) as script:
+        return next(number for number, line in enumerate(script, 1) if text in line)
+
+
+def test_a_rank_only_picked_a_device_and_dealt_batches_with_costs_one_trace():
+    """The rank goes to torch.cuda.set_device and DistributedSampler, whose own tests of it (its range check) are
+    torch's, not the program's."""
+    trace = run_trace(command("device-only"), iterations=2, python=sys.executable)
+    assert (trace.world_size, trace.rank_tests) == (4, [])
+    said: list[str] = []
+    answer = estimate(command("device-only"), gpus=["H100"], iterations=2, python=sys.executable,
+                      on_progress=said.append)
+    assert answer.fullest_rank is None and answer.rank_peaks == {}
+    assert not any(line.startswith("tracing rank") for line in said)
+
+
+def test_the_last_rank_keeping_a_remainder_is_traced_and_is_the_answer():
+    """`if rank == world - 1:` on torch.distributed.get_rank(): rank 3 holds 32 MiB more than rank 0."""
+    said: list[str] = []
+    answer = estimate(command("last-extra"), gpus=["H100"], iterations=2, python=sys.executable,
+                      on_progress=said.append)
+    tested = f"rank_tests.py:{line_of('if rank == world - 1:')}"
+    assert f"tracing rank 3 too: the program tests its rank ({tested})" in said
+    assert sorted(answer.rank_peaks) == [0, 3]
+    assert answer.rank_peaks[3] - answer.rank_peaks[0] == 32 * MIB
+    assert answer.fullest_rank == 3 and answer.gpus["H100-SXM5-80GB"].peak_bytes == answer.rank_peaks[3]
+    assert answer.warnings[0] == (f"ranks can differ: the program tests its rank ({tested}); ranks 0, 3 of 4 "
+                                  "traced; the figures are rank 3's, the fullest on H100-SXM5-80GB")
+
+
+def test_rank_zero_only_work_on_the_rank_read_from_the_environment_makes_rank_zero_the_answer():
+    """`rank = int(os.environ["RANK"])`, then an EMA copy of the 4096 x 4096 fp32 weights (64 MiB) on rank 0 alone,
+    the others at a barrier: the reading file's tests of `rank` are found in its source (both of them: by name)."""
+    trace = run_trace(command("rank0-ema"), iterations=2, python=sys.executable)
+    assert [test.rsplit(":", 1)[1] for test in trace.rank_tests] == [
+        str(line_of("if rank == world - 1:")), str(line_of("if rank == 0 else []"))]
+    answer = estimate(command("rank0-ema"), gpus=["H100"], iterations=2, python=sys.executable)
+    assert answer.rank_peaks[0] - answer.rank_peaks[3] == 64 * MIB
+    assert answer.fullest_rank == 0
+
+
+def test_a_rank_number_notes_the_programs_tests_and_stays_a_plain_int_elsewhere():
+    """This file is the program here (not torch's, not xmem's): its comparisons and truth tests are noted, also
+    of numbers computed from the rank; pickling gives a plain int."""
+    rank = RankNumber(3)
+    assert (rank * 2) % 4 == 2 and type(rank * 2) is RankNumber
+    here = f"{__file__}:{sys._getframe().f_lineno - 1}"
+    assert here in rank_reads.tested_at()
+    assert type(pickle.loads(pickle.dumps(rank))) is int and hash(rank) == hash(3)
+    assert f"{rank}" == "3" and list(range(5))[rank] == 3
+
+
+def test_a_read_rank_counts_as_tested_only_where_its_name_is_tested(tmp_path):
+    program = tmp_path / "train.py"
+    program.write_text("import os\n"
+                       "local_rank = int(os.environ['LOCAL_RANK'])\n"
+                       "self_rank = int(os.environ['RANK'])\n"
+                       "args.rank = int(os.environ['RANK'])\n"
+                       "if not args.rank:\n"
+                       "    pass\n"
+                       "torch.cuda.set_device(local_rank)\n"
+                       "x = 1 if self.training else 2\n")
+    assert rank_reads._tests_of_names_read_at(str(program), 2) == []
+    assert rank_reads._tests_of_names_read_at(str(program), 3) == []
+    assert rank_reads._tests_of_names_read_at(str(program), 4) == [5]
