@@ -12,6 +12,7 @@ Python program. Pure: reads no file (callers hand it a file's first line).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ TRACED_RANK_ENV = "XMEM_TRACE_RANK"
 # What that rank's pipeline stages receive from the stages before them, as the ranks traced before it recorded
 # sending it (JSON: {stage index: [events.ActivationMeta.to_json(), ...]}; xmem.trace.child.pipelining reads it)
 PIPELINE_INPUTS_ENV = "XMEM_PIPELINE_INPUTS"
+# The options `accelerate launch` was given (JSON list), from which the traced rank's environment is made by the
+# job's accelerate itself (xmem.trace.child.accelerate_launch): its flags and its config file are too many to read here
+ACCELERATE_LAUNCH_ENV = "XMEM_ACCELERATE_LAUNCH"
 _RENDEZVOUS = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # the job's own, where it sets them
 _ACCELERATE_SETTINGS = {"--mixed_precision": "ACCELERATE_MIXED_PRECISION", "--mixed-precision":
                         "ACCELERATE_MIXED_PRECISION"}  # what `accelerate launch` hands the script's Accelerator
@@ -323,9 +327,18 @@ def _scanned(args: list[str], launcher: str, processes: int | None) -> Target:
         if name in _ACCELERATE_SETTINGS:
             settings[_ACCELERATE_SETTINGS[name]] = value
         per_node = max(1, processes // nodes) if total and processes else processes
-        launched = dict(launcher=launcher, nproc_per_node=per_node, nnodes=nodes, settings=tuple(settings.items()))
+        launched = dict(launcher=launcher, nproc_per_node=per_node, nnodes=nodes)
         if arg in ("-m", "--module") and i + 1 < len(args):
-            return Target(None, args[i + 1], tuple(args[i + 2:]), **launched)
+            return Target(None, args[i + 1], tuple(args[i + 2:]), settings=_settings(launcher, settings, args[:i]),
+                          **launched)
         if arg.endswith(".py") and not arg.startswith("-"):
-            return Target(arg, None, tuple(args[i + 1:]), **launched)
+            return Target(arg, None, tuple(args[i + 1:]), settings=_settings(launcher, settings, args[:i]), **launched)
     raise LaunchError("not_found", "no training script (.py) found in the launcher's arguments")
+
+
+def _settings(launcher: str, read: dict[str, str], options: list[str]) -> tuple[tuple[str, str], ...]:
+    """The variables read from the launcher's flags, and for `accelerate launch` its options as given, from which
+    the traced process's environment is made as accelerate makes it (ACCELERATE_LAUNCH_ENV)."""
+    if launcher != "accelerate":
+        return tuple(read.items())
+    return (*read.items(), (ACCELERATE_LAUNCH_ENV, json.dumps(options)))

@@ -1,12 +1,13 @@
 """Reading the user's command: which script or module runs, with which arguments, and what is refused."""
 
+import json
 import os
 import stat
 import sys
 
 import pytest
 
-from xmem.launchers import Target, named_interpreter
+from xmem.launchers import ACCELERATE_LAUNCH_ENV, Target, named_interpreter
 from xmem.trace.command import job_interpreter, parse_command
 from xmem.trace.errors import TraceError
 
@@ -98,8 +99,10 @@ def test_torchrun_world_size_is_processes_per_node_times_nodes(train, tmp_path):
 def test_accelerate_and_deepspeed_launchers(train, tmp_path):
     command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", "--mixed_precision", "bf16",
                "train.py", "--lr", "1"]
+    options = json.dumps(command[2:7])  # the launcher's own, from which the traced process's variables are made
     assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--lr", "1"), "accelerate", 4,
-                                                               settings=(("ACCELERATE_MIXED_PRECISION", "bf16"),))
+                                                               settings=(("ACCELERATE_MIXED_PRECISION", "bf16"),
+                                                                         (ACCELERATE_LAUNCH_ENV, options)))
     command = ["deepspeed", "--num_gpus=2", "train.py", "--deepspeed_config", "ds.json"]
     assert parse_command(command, cwd=str(tmp_path)) == Target(str(train), None, ("--deepspeed_config", "ds.json"),
                                                                "deepspeed", 2)

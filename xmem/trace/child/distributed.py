@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+import xmem.trace.child.accelerate_launch as accelerate_launch
 from xmem.trace.events import Category
 from xmem.trace.child.on_import import patch_on_import, rebind_loaded
 
@@ -33,6 +34,7 @@ _fake_cuda: Any = None  # the FakeCuda of this process, set by install()
 def install(fake: Any) -> None:
     global _fake_cuda
     _fake_cuda = fake
+    accelerate_launch.apply_launcher_environment()  # before the program reads it: `accelerate launch`'s variables
     import torch.distributed as dist
     if not dist.is_available():
         return
