@@ -5,7 +5,7 @@ measured; the real estimator runs end to end in tests/cli/test_check.py."""
 from pathlib import Path
 
 from tests.estimates import estimate_of_peaks
-from xmem.analyze import analyze_job, combined_peaks
+from xmem.analyze import AnalysisError, analyze_job, combined_peaks, first_command
 from xmem.config import config_from_dict
 from xmem.slurm.cluster import query_cluster
 from xmem.trace import TraceError
@@ -100,6 +100,27 @@ def test_peaks_are_the_max_over_commands_and_mig_slices_take_the_parents(tmp_pat
     assert kw["cwd"] == "/work"
     assert kw["env"]["A"] == "1" and kw["env"]["SLURM_GPUS_ON_NODE"] == "1"
     assert kw["iterations"] == 3 and kw["timeout"] <= SITE.estimate.timeout_s
+
+
+def test_the_first_command_is_read_as_the_analysis_estimates_it(tmp_path):
+    """What `check JOB.sh --vary` searches: the command, GPU types and keywords analyze_job gives its estimator."""
+    estimator = FakeEstimator({"prep.py": {"A100-SXM4-40GB": GIB, "H100-SXM5-80GB": GIB}})
+    path = job(tmp_path, "#SBATCH --gres=gpu:1\ncd /work\nexport A=1\npython prep.py $1\npython train.py\n")
+    env = {"PATH": "/usr/bin", "HOME": "/home/u", "USER": "u"}
+    first = first_command(path, script_args=["--x"], config=SITE, env=env, submit_cwd=str(tmp_path))
+    analyze(path, estimator, script_args=["--x"], env=env, submit_cwd=str(tmp_path))
+    command, kw = estimator.calls[0]
+    assert list(first.command.argv) == command == ["python", "prep.py", "--x"]
+    assert list(first.targets) == kw["gpus"] == ["a100", "h100"]
+    assert first.job == {name: kw[name] for name in ("iterations", "env", "cwd", "python")}
+    assert first.job["env"]["SLURM_GPUS_ON_NODE"] == "1" and first.job["cwd"] == "/work"
+
+
+def test_a_script_with_no_first_command_says_why(tmp_path):
+    unreadable = first_command(tmp_path / "missing.sh", config=SITE)
+    assert isinstance(unreadable, AnalysisError) and unreadable.kind == "bad_input"
+    nothing = first_command(job(tmp_path, "#SBATCH --gres=gpu:1\necho hello\n"), config=SITE)
+    assert isinstance(nothing, AnalysisError) and nothing.kind == "not_understood"
 
 
 def test_the_gpu_catalog_is_read_once_per_analysis(tmp_path, monkeypatch):

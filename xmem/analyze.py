@@ -124,13 +124,11 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
     `deadline` (time.monotonic()) bounds the estimates; default: the site's estimate timeout from now."""
     env = dict(os.environ if env is None else env)
     path = os.path.abspath(script_path)
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as e:
-        return JobAnalysis(None, errors=(AnalysisError("bad_input", f"cannot read {path}: {e.strerror}"),))
     submit_cwd = submit_cwd or os.getcwd()  # where sbatch (and the filter it runs) is: the job's default dir
-    job = parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
-                          cli_options=cli_options, env=env, run_unnamed=True)
+    read = _read_job(path, script_args, cli_options, env, submit_cwd)
+    if isinstance(read, AnalysisError):
+        return JobAnalysis(None, errors=(read,))
+    text, job = read
     user = user or env.get("USER")
 
     early = screen(job.directives, config, user=user)  # no GPU wanted, or excluded: no estimate needed
@@ -177,6 +175,56 @@ def analyze_job(script_path: str | os.PathLike, *, script_args: Sequence[str] = 
                        notes=notes, options=options)
 
 
+def _read_job(path: str, script_args: Sequence[str], cli_options: Mapping[str, str | None] | None,
+              env: Mapping[str, str], submit_cwd: str) -> tuple[str, JobScript] | AnalysisError:
+    """The batch script's text and what it asks and runs, as submitted (`sbatch [cli_options] path script_args`)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        return AnalysisError("bad_input", f"cannot read {path}: {e.strerror}")
+    return text, parse_jobscript(text, path=path, script_args=list(script_args), submit_cwd=submit_cwd,
+                                 cli_options=cli_options, env=env, run_unnamed=True)
+
+
+def command_settings(command: TrainCommand, config: SiteConfig, job_env: Mapping[str, str],
+                     submit_cwd: str) -> dict[str, Any]:
+    """What `estimate()` is given for one training command of a job besides its GPU types, time left and the site's
+    settings: the iterations, the command's environment (the job's, `job_env`, with the command's own), its
+    directory and its interpreter."""
+    return {"iterations": config.estimate.iterations, "env": {**job_env, **command.env},
+            "cwd": command.cwd or submit_cwd, "python": command.python or config.estimate.python}
+
+
+@dataclass(frozen=True)
+class FirstCommand:
+    """A batch script's first training command as the analysis estimates it (`check JOB.sh --vary` searches it)."""
+
+    command: TrainCommand
+    targets: tuple[str, ...]  # the GPU types the analysis estimates the job for (none: its partitions name none)
+    job: dict[str, Any]  # `command_settings`
+
+
+def first_command(script_path: str | os.PathLike, *, script_args: Sequence[str] = (),
+                  cli_options: Mapping[str, str | None] | None = None, config: SiteConfig,
+                  env: Mapping[str, str] | None = None, gpus: Sequence[str] | None = None,
+                  submit_cwd: str | None = None) -> FirstCommand | AnalysisError:
+    """The job's first training command, the GPU types and the settings `analyze_job` would estimate it with (the
+    script read, the partitions scoped, the SLURM_* variables of its step), or why there is none (bad_input,
+    not_understood)."""
+    env = dict(os.environ if env is None else env)
+    path = os.path.abspath(script_path)
+    submit_cwd = submit_cwd or os.getcwd()
+    read = _read_job(path, script_args, cli_options, env, submit_cwd)
+    if isinstance(read, AnalysisError):
+        return read
+    _, job = read
+    if not job.commands:
+        return AnalysisError("not_understood", "; ".join(str(p) for p in job.problems) or "no training command found")
+    scope = _gpu_scope(job, config, gpus, lambda: None)
+    job_env = {**env, **slurm_runtime_env(job.directives, submit_cwd, job.array_task)}
+    return FirstCommand(job.commands[0], scope.targets, command_settings(job.commands[0], config, job_env, submit_cwd))
+
+
 @dataclass(frozen=True)
 class _BatchHintJob:
     """What the hint of a job that fits no offer needs of the analysis: the script as submitted, its environment and
@@ -204,10 +252,8 @@ class _BatchHintJob:
         config, command = scope.config, first.command
         see_more = f"xmem-slurm check --vary {name}=1..{given} {shlex.quote(self.path)}" + (
             f" -- {shlex.join(self.script_args)}" if self.script_args else "")
-        settings = {"iterations": config.estimate.iterations, "timeout": budget,
-                    "env": {**self.env, **slurm_runtime_env(self.directives, self.submit_cwd,
-                                                            first.array_task), **command.env},
-                    "cwd": command.cwd or self.submit_cwd, "python": command.python or config.estimate.python}
+        job_env = {**self.env, **slurm_runtime_env(self.directives, self.submit_cwd, first.array_task)}
+        settings = {**command_settings(command, config, job_env, self.submit_cwd), "timeout": budget}
         hint = largest_batch(command.argv, scope.targets, config, settings, see_more, budget_s=budget,
                              estimator=self.estimator, settings=scope.settings)
         return decision if hint is None else replace(decision, reason=f"{decision.reason}; {hint.text()}")
@@ -338,10 +384,8 @@ def _estimate_command(command: TrainCommand, scope: _Scope, env: Mapping[str, st
             "timeout", f"the estimate time limit ({config.estimate.timeout_s:g} s) was spent before line "
                        f"{command.line_no}", line_no=command.line_no))
     try:
-        result = estimator(list(command.argv), gpus=list(scope.targets), iterations=config.estimate.iterations,
-                           env={**env, **command.env}, cwd=command.cwd or submit_cwd, timeout=remaining,
-                           python=command.python or config.estimate.python,
-                           settings=scope.settings, on_progress=on_progress)
+        result = estimator(list(command.argv), gpus=list(scope.targets), timeout=remaining, settings=scope.settings,
+                           on_progress=on_progress, **command_settings(command, config, env, submit_cwd))
     except Exception as e:  # the estimator's own errors carry a kind; anything else is reported as internal
         kind = getattr(e, "kind", None) or ("unknown_gpu" if type(e).__name__ == "UnknownGpuError" else "internal")
         message = getattr(e, "message", None) or str(e) or type(e).__name__

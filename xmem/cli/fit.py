@@ -9,7 +9,6 @@ Exit codes as `xmem-slurm estimate` (2 for a bad --vary or a command with nowher
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -169,31 +168,23 @@ def growth_text(result: FitResult) -> str:
 
 def fit_job(script: str, args: Sequence[str], cli_options: Mapping[str, str] | None, site: SiteConfig,
             gpus: Sequence[str] | None, vary_text: str, as_json: bool, step: int | None = None) -> None:
-    """`check JOB.sh --vary ...`: the search on the script's (first) training command, in its environment and
-    directory, over the GPU types of its partitions."""
-    from xmem.jobscript import parse_jobscript, slurm_runtime_env
-    from xmem.policy import job_partitions
+    """`check JOB.sh --vary ...`: the search on the script's (first) training command as the analysis of `check`
+    estimates it (`xmem.analyze.first_command`: its environment, directory and interpreter, the GPU types of its
+    partitions)."""
+    from xmem.analyze import AnalysisError, first_command
 
     verb = "check"
     try:
         vary = parse_vary(vary_text)
-        with open(script, errors="replace") as f:
-            text = f.read()
-    except (FitError, OSError) as e:
+    except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_input", str(e), verb=verb)
-    job = parse_jobscript(text, path=os.path.abspath(script), script_args=list(args), submit_cwd=os.getcwd(),
-                          cli_options=cli_options, env=dict(os.environ))
-    if not job.commands:
-        fail(as_json, EXIT_NOT_UNDERSTOOD, "not_understood",
-             "; ".join(str(p) for p in job.problems) or "no training command found", verb=verb)
-    command = job.commands[0]
-    env = {**os.environ, **slurm_runtime_env(job.directives, os.getcwd()), **command.env}
-    job_settings = {"iterations": site.estimate.iterations, "timeout": site.estimate.timeout_s,
-                    "python": command.python or site.estimate.python or None, "env": env,
-                    "cwd": command.cwd or os.getcwd()}
+    first = first_command(script, script_args=list(args), cli_options=cli_options, config=site)
+    if isinstance(first, AnalysisError):
+        code = EXIT_NOT_UNDERSTOOD if first.kind == "not_understood" else EXIT_USAGE
+        fail(as_json, code, first.kind, first.message, verb=verb)
     try:
-        run_fit(command.argv, vary, site, gpus, job_settings, as_json,
-                site_types=estimate_types(site, job_partitions(job.directives, site)), step=step)
+        run_fit(first.command.argv, vary, site, gpus, {**first.job, "timeout": site.estimate.timeout_s}, as_json,
+                site_types=first.targets, step=step)
     except FitError as e:
         fail(as_json, EXIT_USAGE, "bad_option", str(e), verb=verb)
     except Exception as e:  # noqa: BLE001 - each kind of error has its exit code
