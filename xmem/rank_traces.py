@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from xmem.estimate_record import Estimate, GpuEstimate, shown_gpu
 from xmem.launchers import PIPELINE_INPUTS_ENV, TRACED_RANK_ENV
 from xmem.trace.events import ActivationMeta, PipelineRun, Trace
+from xmem.trace.wire import Note, NoteKind
 
 Traces = dict[str, Trace]  # by capability class, as xmem.estimate traces a rank
 TraceRank = Callable[[Mapping[str, str]], Traces]  # the job's traces with these variables added to its environment
@@ -132,8 +133,8 @@ def fullest(estimates: Mapping[int, Estimate], traced: Mapping[int, Traces]) -> 
     shown = shown_gpu(list(gpus.values()))
     rank = by_gpu[shown]
     chosen = estimates[rank]
-    line = (f"{_why_ranks(traced, stages)}; the figures are rank {rank}'s{_held_text(stages[rank])}, the fullest "
-            f"on {shown}")
+    line = Note(NoteKind.RANKS_TRACED, f"{_why_ranks(traced, stages)}; the figures are rank {rank}'s"
+                                       f"{_held_text(stages[rank])}, the fullest on {shown}", rank, shown)
     warnings = dict.fromkeys(w for estimate in estimates.values() for w in estimate.warnings)
     return dataclasses.replace(
         chosen, gpus=gpus, breakdown_gpu=shown, breakdown=estimates[rank].breakdowns.get(shown, chosen.breakdown),

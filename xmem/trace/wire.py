@@ -166,6 +166,8 @@ class NoteKind(Enum):
         "evaluation or inference; a training job that steps later than that needs a longer trace (--timeout)")
     GPUS_USED = "gpus_used", (  # args: how many
         "the program used {} GPUs: the figures are per GPU, for the one that holds the most")
+    # made by the estimator, from several traces
+    RANKS_TRACED = "ranks_traced"  # args: the rank whose figures are shown, the GPU type it is the fullest on
 
 
 class Note(str):
