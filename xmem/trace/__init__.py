@@ -17,7 +17,8 @@ tensor get stand-ins (`standins.py`), each kind warned once.
 Two sides, two folders. This package is the estimator's side: `runner` (the child process, its sandbox and
 limits), `sandbox`, `warm` (the client of the pre-loaded tracer, whose server is `child.warm_server`), `shim`
 (building the native part), `command` (the command's program, read by `xmem.launchers`), `privileges`; `events`
-(the Trace record) and `errors` are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
+(the Trace record), `errors` and `wire` (everything else that crosses: the request with its fake GPU, the notes,
+the warm tracer's frames) are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
 """
 
 from xmem.trace.errors import TraceError
