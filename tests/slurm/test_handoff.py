@@ -18,6 +18,14 @@ from xmem.slurm.stamp import comment_fields
 WAIT_S = 1.0
 
 
+@pytest.fixture(autouse=True)
+def own_slots(tmp_path, monkeypatch):
+    """The host's estimate slots in a folder of this test's: root's real ones are shared with whatever else runs
+    as root here, and a submission finding them all taken is handed off at once."""
+    monkeypatch.setattr("xmem.slurm.inline.SHARED_SLOTS_DIR", str(tmp_path / "slots"))
+    return tmp_path / "slots"
+
+
 def site(tmp_path, cpu_partition="cpu", wait_s=WAIT_S, mode="inline"):
     return config_from_dict({"partitions": {"default": "debug", "from_cluster": False,
                                             "gpu_types": {"debug": ["a100"]}},
@@ -112,6 +120,58 @@ def _read_line_end(terminal: int, within_s: float = 5.0) -> str:
     return shown
 
 
+def test_with_the_users_estimates_all_running_a_submission_is_handed_off_without_waiting(tmp_path, own_slots):
+    """Admission: the user's `[estimate] max_concurrent` slots are all held (a burst's first estimates), so this
+    estimate could not even start within the wait: the job goes to the CPU partition at once, the line says why."""
+    from xmem.cache import estimate_slot
+
+    called = []
+    slow = lambda *a, **kw: called.append(a) or time.sleep(30)  # noqa: E731
+    config = site(tmp_path, wait_s=10.0)
+    with estimate_slot(own_slots, 2, wait_s=1), estimate_slot(own_slots, 2, wait_s=1):
+        reply, seconds = timed(submission(tmp_path), config, slow)
+    assert seconds < 1.0 and called == []
+    assert reply.set["hold"] == "set" and reply.defer and [s.name for s in spools(tmp_path)] == [reply.defer]
+    assert reply.message.startswith("GPU memory estimate not started (2 of your estimates already running on this "
+                                    "host), queued on partition cpu: the job is held")
+
+
+def test_a_free_slot_is_taken_and_the_estimate_answers_inline(tmp_path, own_slots):
+    from xmem.cache import estimate_slot
+
+    quick = lambda path, req, config, **_: policy(path, req, config)  # noqa: E731
+    with estimate_slot(own_slots, 2, wait_s=1):  # one of the two taken
+        reply, _ = timed(submission(tmp_path), site(tmp_path), quick)
+    assert reply.set["gres"].startswith("mps:a100:") and "hold" not in reply.set
+
+
+def test_the_wait_counts_from_sbatchs_start_not_the_filters(tmp_path):
+    """A filter that started late (a burst's imports on busy CPUs) waits only what is left of the wait."""
+    def slow(path, req, config, *, deadline, cancel):
+        cancel.wait(30)
+        return Verdict(decision=None, errors=("TraceCancelled",))
+
+    sbatch_started = time.monotonic() - 0.7  # sbatch began 0.7 s before this filter
+    started = time.monotonic()
+    reply = run_filter(submission(tmp_path), site(tmp_path), analyzer=slow, started=sbatch_started)
+    assert reply.set["hold"] == "set" and time.monotonic() - started < WAIT_S - 0.2
+
+
+def test_a_process_age_is_read_from_its_start_time():
+    import subprocess
+
+    from xmem.slurm.filter import age_s
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.5)
+        assert 0.4 <= age_s(child.pid) <= 3.0
+    finally:
+        child.kill()
+        child.wait()
+    assert age_s(child.pid) is None
+
+
 def test_an_estimate_done_after_the_handoff_never_answers_inline_and_is_cached(tmp_path):
     """It ignored its cancel and finished during the handoff: the job is held all the same (the estimation job
     finds the answer in the cache), and a later identical submission is answered from the cache at once."""
@@ -139,11 +199,11 @@ def test_an_estimate_that_wins_while_the_snapshot_is_made_answers_and_the_snapsh
         done.set()
         return Verdict(decision(), PEAKS)
 
-    def hand_off():
+    def hand_off(why):
         done.wait(5)  # the snapshot takes longer than the rest of the estimate
         return FilterReply(set={"hold": "set"}), lambda: undone.append(True)
 
-    verdict = inline_or_handed_off(analyze, time.monotonic() + 0.1, hand_off)
+    verdict = inline_or_handed_off(analyze, time.monotonic() + 0.1, hand_off, waited_s=0.1)
     assert isinstance(verdict, Verdict) and verdict.decision == decision() and undone == [True]
 
 
@@ -152,10 +212,10 @@ def test_a_snapshot_that_cannot_be_made_keeps_the_submission_inline():
         time.sleep(0.5)
         return Verdict(decision(), PEAKS)
 
-    def hand_off():
+    def hand_off(why):
         raise PermissionError(13, "Permission denied", "/home/ann/.cache/xmem-slurm/spool")
 
-    verdict = inline_or_handed_off(analyze, time.monotonic() + 0.1, hand_off)
+    verdict = inline_or_handed_off(analyze, time.monotonic() + 0.1, hand_off, waited_s=0.1)
     assert isinstance(verdict, Verdict) and verdict.decision == decision()
 
 

@@ -40,8 +40,6 @@ from xmem.cache import user_cache_dir
 from xmem.config import SiteConfig
 from xmem.slurm.contract import (MESSAGE_MAX_CHARS, FilterReply, FilterRequest, drop_user_settings, failure_reply,
                                  reply_for, user_request)
-from xmem.slurm.cache_check import still_offered
-from xmem.slurm.inline import analysis_cache, cached_analysis, command_files, config_digest, estimate_slots, parse_job
 from xmem.slurm.scontrol import SlurmUnreachable, scontrol_show_job
 from xmem.slurm.stamp import JobStamp, add_to_comment, comment_fields
 from xmem.text import comment_text, comment_value, one_line
@@ -89,11 +87,11 @@ def defer_reply(script: str, request: FilterRequest, config: SiteConfig) -> Filt
 
 
 def handoff_reply(script: str, request: FilterRequest, config: SiteConfig,
-                  waited_s: float) -> tuple[FilterReply, Callable[[], None]]:
-    """The reply for a submission whose inline estimate was not ready within `waited_s` (xmem.slurm.handoff):
-    deferred as in partition mode, the line saying why; and the function that removes its snapshot again, should
-    the estimate answer inline after all."""
-    reply, token = defer(script, request, config, waited_s=waited_s)
+                  why: str) -> tuple[FilterReply, Callable[[], None]]:
+    """The reply for a submission whose inline estimate was not ready in time (xmem.slurm.handoff; `why`: "not ready
+    within 4 s", ...): deferred as in partition mode, the line saying why; and the function that removes its snapshot
+    again, should the estimate answer inline after all."""
+    reply, token = defer(script, request, config, why=why)
     return dataclasses.replace(reply, defer=token), lambda: remove_spool(spool_root(config) / token)
 
 
@@ -107,10 +105,9 @@ def cannot_defer(request: FilterRequest) -> str | None:
 
 
 def defer(script: str, request: FilterRequest, config: SiteConfig,
-          waited_s: float | None = None) -> tuple[FilterReply, str]:
+          why: str | None = None) -> tuple[FilterReply, str]:
     """Snapshot the submission and answer sbatch: hold the job, mark it pending. Returns the reply and the token
-    the Lua side hands to post-submit (`submit`). `waited_s`: how long the inline estimate was waited for (its
-    line says so)."""
+    the Lua side hands to post-submit (`submit`). `why`: why the inline estimate was not used (its line says so)."""
     token = uuid.uuid4().hex
     _sweep_unqueued(spool_root(config))
     spool = spool_root(config) / token
@@ -121,8 +118,8 @@ def defer(script: str, request: FilterRequest, config: SiteConfig,
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
     was = user_request(request.options) or "none"
-    waited = f" not ready within {waited_s:g} s," if waited_s is not None else ""
-    message = (f"GPU memory estimate{waited} queued on partition {config.deferred.cpu_partition}: the job is held "
+    not_used = f" {why}," if why else ""
+    message = (f"GPU memory estimate{not_used} queued on partition {config.deferred.cpu_partition}: the job is held "
                f"until it is done (xmem-slurm status JOBID)")
     comment = _with_state(request.options.get("comment"), state_pairs("pending", was, why=message))
     return FilterReply(set={"hold": "set", "comment": comment}, message=message), token
@@ -209,6 +206,11 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
     warm tracer started here would outlive the job on the estimation node (0.7 GiB for its idle time), and no
     later estimate of this user is sure to land on the same node to use it (the user's own XMEM_WARM_TRACER is gone:
     `main` dropped the user's settings, so the site's, made cold here, decide)."""
+    # Here, not at the top: post-submit's `submit` runs in sbatch's time, and a burst's 30 of them share the CPUs
+    from xmem.slurm.cache_check import still_offered
+    from xmem.slurm.inline import (analysis_cache, cached_analysis, command_files, config_digest, estimate_slots,
+                                   parse_job)
+
     cold = dataclasses.replace(config, estimate=dataclasses.replace(config.estimate, warm_tracer=False))
     request, original = load_request(spool)
     job = parse_job(request.script, request)

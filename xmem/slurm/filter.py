@@ -57,10 +57,12 @@ def wrapped_script(request: FilterRequest) -> Iterator[str | None]:
 
 
 def run_filter(request: FilterRequest, config: SiteConfig, *,
-               analyzer: Callable[..., Verdict] = analyze_submission) -> FilterReply:
+               analyzer: Callable[..., Verdict] = analyze_submission, started: float | None = None) -> FilterReply:
     """One submission, start to reply. The site `config`'s estimate timeout bounds the
-    wait for an estimate slot and the estimate together. `analyzer`: `inline.analyze_submission`'s signature."""
-    started = time.monotonic()
+    wait for an estimate slot and the estimate together, and `[filter] wait_s` the wait before a handoff, both
+    counted from `started` (time.monotonic(): when sbatch started; default now). `analyzer`:
+    `inline.analyze_submission`'s signature."""
+    started = time.monotonic() if started is None else started
     deadline = started + config.estimate.timeout_s
 
     def timed_analyzer(script: str, req: FilterRequest, site: Any, **cancel: Any) -> Verdict:
@@ -96,18 +98,20 @@ def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config:
     usable = lambda verdict: still_offered(verdict, job, config, request.user)  # noqa: E731
     missed = lambda: cache_hit(cache, key, usable) is None  # noqa: E731
 
-    def analysis(cancel: threading.Event | None = None) -> Verdict:
+    def analysis(cancel: threading.Event | None = None, slot_wait_s: float | None = None) -> Verdict:
         cancels = {"cancel": cancel} if cancel is not None else {}  # the test's analyzers need not take one
         return cached_analysis(script, request, config, cache=cache, config_digest=digest, files=files,
                                analyzer=lambda *a: analyzer(*a, **cancels), key=key, usable=usable,
-                               slots=lambda: estimate_slots(config, cancel),
+                               slots=lambda: estimate_slots(config, cancel, slot_wait_s),
                                progress_limit_s=config.filter.wait_s if cancel else None)
 
     if deferred.deferring(config) and missed():
         return deferred.defer_reply(script, request, config)
     if handoff_at is not None and hands_off(config, request) and missed():
-        verdict = inline_or_handed_off(analysis, handoff_at, lambda: deferred.handoff_reply(
-            script, request, config, config.filter.wait_s))
+        # No waiting for a slot: with the user's estimates all running, the host is busy and the job goes at once
+        verdict = inline_or_handed_off(lambda cancel: analysis(cancel, slot_wait_s=0.0), handoff_at,
+                                       lambda why: deferred.handoff_reply(script, request, config, why),
+                                       waited_s=config.filter.wait_s)
         if isinstance(verdict, FilterReply):  # not ready in time: held, estimated on the CPU partition
             return verdict
     else:
@@ -141,11 +145,12 @@ def refused_rewrite(reply: FilterReply, job: Any, request: FilterRequest) -> Fil
 # --- entry point ------------------------------------------------------------------------------------------------
 
 def filter_main(*, config_path: str | None = None, failure_mode: bool = False, stdin: IO[str] = sys.stdin,
-                stdout: IO[str] = sys.stdout) -> int:
+                stdout: IO[str] = sys.stdout, started: float | None = None) -> int:
     """The whole `xmem-slurm filter` command: read the request, write the reply. Also reachable as
     `python -m xmem.slurm.filter`, which cli_filter.lua uses because it skips loading the other commands
     (a cached resubmission then costs a third of the CPU time). The config is the site's: `config_path` (what the
-    admin wrote into cli_filter.lua), else /etc/xmem/xmem.toml; never the submitting user's $XMEM_CONFIG."""
+    admin wrote into cli_filter.lua), else /etc/xmem/xmem.toml; never the submitting user's $XMEM_CONFIG.
+    `started`: when sbatch started (run_filter's)."""
     from xmem.config import load_site_config
 
     try:
@@ -165,7 +170,7 @@ def filter_main(*, config_path: str | None = None, failure_mode: bool = False, s
         log_fault(f"bad filter input: {e}", site.filter.log)
         return _emit(stdout, FilterReply(fault=f"bad filter input: {e}"))
     try:
-        reply = run_filter(request, site)
+        reply = run_filter(request, site, started=started)
     except Exception as e:  # a bug of ours must not look like the user's fault, nor stop the submission
         log_fault(f"internal error: {type(e).__name__}: {e} ({_where(e)}), script {request.script}", site.filter.log)
         reply = failure_reply(f"internal error: {type(e).__name__}: {e}", request, site.failure)
@@ -219,6 +224,16 @@ def watch_caller(pid: int, *, interval_s: float = 0.25, grace_s: float = 3.0) ->
     return thread
 
 
+def age_s(pid: int) -> float | None:
+    """Seconds since process `pid` started, by its start time in /proc against the boot clock the kernel counts it
+    on; None when it is gone. Under a burst the filter itself may start seconds after sbatch: the user waits from
+    sbatch's start."""
+    ticks = _start_time(pid)
+    if ticks is None or not ticks.isdigit():
+        return None
+    return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK"))
+
+
 def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat (after the parenthesised name, which may hold spaces); None when gone."""
     try:
@@ -239,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sbatch-pid", type=int, help="end when this process (the waiting sbatch) is gone")
     args = parser.parse_args(argv)
     drop_user_settings(os.environ)  # the site's config alone decides (cli_filter.lua runs us in the user's env)
+    started = None
     if args.sbatch_pid:
         watch_caller(args.sbatch_pid)
+        started = time.monotonic() - (age_s(args.sbatch_pid) or 0.0)  # the wait counts from sbatch's start
     stdin = take_request(args.request) if args.request else sys.stdin
-    return filter_main(config_path=args.config, failure_mode=args.failure_mode, stdin=stdin)
+    return filter_main(config_path=args.config, failure_mode=args.failure_mode, stdin=stdin, started=started)
 
 
 if __name__ == "__main__":

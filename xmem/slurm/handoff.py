@@ -9,9 +9,22 @@ never used inline (when it succeeded it is in the cache all the same: the estima
 submission find it there); the estimate is cancelled (its trace stopped, its wait for a slot ended) and sbatch goes
 on. An estimate that won the race while the snapshot was made is used, and the snapshot removed.
 
+Under a burst (measured with scripts/bench_filter.py --burst 30 --mode handoff, 2 users): every process of a
+submission waits for the CPUs, and the wait is counted from sbatch's own start (the filter's caller passes it), not
+from the filter's, which may start seconds later. An estimate that would first have to wait for one of the user's
+`[estimate] max_concurrent` slots is not waited for at all: the job is handed off at once, its line says why
+(admission: a slot's estimate takes seconds, and more estimates started would slow every submission's own start).
+
 Where the site names no CPU partition (`hands_off` is false) there is nowhere to hand a job to that Slurm watches
-over (a job held for an estimate running on the login node alone would stay held if that process died): the
-filter waits for the estimate as before, at most `[estimate] timeout_s`, and the failure mode applies as before.
+over, and the filter waits for the estimate as before, at most `[estimate] timeout_s`, the failure mode applying as
+before: so "sbatch returns within the wait, always" holds only where a CPU partition is configured. Considered for
+the rest: (1) the job held while the estimate goes on on the login node, detached: a login-node process that dies
+(the OOM killer, a reboot, the user's session limits) would leave the job held for good, with nothing Slurm runs to
+release it; rejected. (2) the job's start put off instead of held (`begin=now+[estimate] timeout_s`, brought back
+to now with the rewritten request once the detached estimate is done): Slurm itself then starts a job nothing came
+back for, unchanged, so it is fail-open by construction; but a fail-closed site's job would run unestimated, it
+must keep the user's own `--begin`, and the detached estimate needs its own cancel (scancel) and progress report.
+Not built: (2) is the way for fail-open sites without a CPU partition.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from xmem.cache import NoSlotFree
 from xmem.config import SiteConfig
 from xmem.slurm.contract import FilterReply, FilterRequest, Verdict
 from xmem.slurm.inline import sigterm_exits
@@ -80,11 +94,16 @@ class InlineEstimate:
         finally:
             restore()
 
+    @property
+    def no_slot(self) -> NoSlotFree | None:
+        """The estimate's NoSlotFree, when it ended so: it never started (the user's slots are all taken)."""
+        return self._outcome if isinstance(self._outcome, NoSlotFree) else None
+
     def claim_handoff(self) -> bool:
         """Hand the job off, unless the estimate was done first: True when handed off (and the estimate is being
-        cancelled), False when its answer is to be used after all (`result`)."""
+        cancelled), False when its answer is to be used after all (`result`). One that found no slot is no answer."""
         with self._lock:
-            if self._done.is_set():
+            if self._done.is_set() and self.no_slot is None:
                 return False
             self._handed_off = True
         self.stop()
@@ -107,15 +126,19 @@ def _step(until: float | None) -> float:
 
 
 def inline_or_handed_off(analyze: Callable[[threading.Event], Verdict], until: float,
-                         hand_off: Callable[[], tuple[FilterReply, Callable[[], None]]]) -> Verdict | FilterReply:
-    """The inline estimate's Verdict when it is ready by `until`; else the reply of `hand_off()`, which makes the
-    deferral's snapshot and returns the reply with a function that removes the snapshot again. A snapshot that
-    cannot be made (an OSError: the spool cannot be written) leaves the submission inline, waiting as before."""
+                         hand_off: Callable[[str], tuple[FilterReply, Callable[[], None]]], *,
+                         waited_s: float) -> Verdict | FilterReply:
+    """The inline estimate's Verdict when it is ready by `until`; else the reply of `hand_off(why)`, which makes the
+    deferral's snapshot and returns the reply with a function that removes the snapshot again. `analyze` raises
+    NoSlotFree when the user's estimate slots are all taken: the job is handed off at once (why: the slots), with no
+    wait. A snapshot that cannot be made (an OSError: the spool cannot be written) leaves the submission inline,
+    waiting as before. `waited_s`: the wait `until` stands for, as the user's line says it."""
     estimate = InlineEstimate(analyze).start()
-    if estimate.wait(until):
+    if estimate.wait(until) and estimate.no_slot is None:
         return estimate.result()
+    why = f"not started ({estimate.no_slot})" if estimate.no_slot else f"not ready within {waited_s:g} s"
     try:
-        reply, undo = hand_off()
+        reply, undo = hand_off(why)
     except OSError:
         estimate.wait(None)
         return estimate.result()

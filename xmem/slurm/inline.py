@@ -129,10 +129,12 @@ def config_digest(config: SiteConfig) -> str:
     return file_digest(config.source) if config.source else ""
 
 
-def estimate_slots(config: SiteConfig, cancel: threading.Event | None = None) -> contextlib.AbstractContextManager:
-    """One of the host's estimate slots, waiting at most the site's estimate timeout, or until `cancel` is set."""
-    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent, wait_s=config.estimate.timeout_s,
-                         cancel=cancel)
+def estimate_slots(config: SiteConfig, cancel: threading.Event | None = None,
+                   wait_s: float | None = None) -> contextlib.AbstractContextManager:
+    """One of the host's estimate slots, waiting at most `wait_s` (default: the site's estimate timeout), or until
+    `cancel` is set; NoSlotFree when none is had by then."""
+    return estimate_slot(SHARED_SLOTS_DIR, config.estimate.max_concurrent,
+                         wait_s=config.estimate.timeout_s if wait_s is None else wait_s, cancel=cancel)
 
 
 def cached_analysis(script: str, request: FilterRequest, config: SiteConfig, *, cache: AnalysisCache,
