@@ -4,13 +4,16 @@ reads its rank and never tests it is traced once. The per-rank difference is der
 alone keeps for the whole run, of 32 or 64 MiB (a multiple of 2 MiB over 10 MiB: its own segment, exactly its
 size, which no other block can share while it lives), so the fuller rank's peak is the other's plus that buffer."""
 
+import os
 import pickle
 import sys
 
 import pytest
 
 from tests.torch_builds import SCRIPTS
+from tests.trace.child.live_storages import by_category, walk
 from xmem.estimate import estimate
+from xmem.launchers import TRACED_RANK_ENV
 from xmem.trace import run_trace
 from xmem.trace.child import rank_reads
 from xmem.trace.child.rank_reads import RankNumber
@@ -66,6 +69,30 @@ def test_rank_zero_only_work_on_the_rank_read_from_the_environment_makes_rank_ze
     answer = estimate(command("rank0-ema"), gpus=["H100"], iterations=2, python=sys.executable)
     assert answer.rank_peaks[0] - answer.rank_peaks[3] == 64 * MIB
     assert answer.fullest_rank == 0
+
+
+def held_at_end(trace) -> dict[str, list[int]]:
+    live: dict = {}
+    for _, live in walk(trace):
+        pass
+    return by_category(live)
+
+
+def test_uneven_fsdp2_shards_leave_rank_zero_the_fullest_so_it_is_traced_alone():
+    """fully_shard over Linear(512, 1021) on 4 ranks: torch.chunk gives ranks 0-2 256 rows and rank 3 253. Upstream
+    pads each rank's sharded parameter (and its reduce-scattered gradient) to the full chunk, so those are alike:
+    256 x 512 x 4 B of weight, 256 x 4 B of bias. AdamW's two states follow the unpadded local shard: rank 0 holds
+    2 x (256 x 513) x 4 B, rank 3 2 x (253 x 513) x 4 B, 12312 B less. Rank 0 is the fullest; no second trace."""
+    script = ["torchrun", "--nproc_per_node=4", str(SCRIPTS / "uneven_shards.py")]
+    first = run_trace(script, iterations=2, python=sys.executable)
+    last = run_trace(script, iterations=2, python=sys.executable, env={**os.environ, TRACED_RANK_ENV: "3"})
+    assert (first.world_size, first.rank_tests) == (4, [])
+    held = {0: held_at_end(first), 3: held_at_end(last)}
+    for rank in (0, 3):
+        assert held[rank]["parameter"] == [256 * 4, 256 * 512 * 4]
+        assert sum(held[rank]["gradient"]) == 256 * 513 * 4
+    assert held[0]["optimizer_state"] == sorted([256 * 4, 256 * 512 * 4] * 2)
+    assert held[3]["optimizer_state"] == sorted([253 * 4, 253 * 512 * 4] * 2)
 
 
 def test_a_rank_number_notes_the_programs_tests_and_stays_a_plain_int_elsewhere():
