@@ -1,6 +1,7 @@
 """Float8 training (torchao's convert_to_float8_training) traced on fake CUDA (tests/scripts/float8_linear.py,
 xmem.trace.child.float8): each operand cast to float8 by the program's own ops, the float8 matmul's layout copies and
-scales from torchao's handler (float8_ops.preprocess_addmm, addmm_float8_unwrapped), refused below sm89 as upstream.
+scales from torchao's handler (float8_ops.preprocess_addmm, addmm_float8_unwrapped), refused below sm89 as upstream;
+and torchao's MXFP8 training (--recipe mxfp8), on Blackwell only, as torchao allows it.
 
 The program: Linear(256, 1024) -> ReLU -> Linear(1024, 256), bias-free, bf16, 512 tokens, AdamW. By hand from
 torchao's Float8Linear (matmul_with_hp_or_float8_args) and its casts (tensor_to_scale, hp_tensor_and_scale_to_float8):
@@ -21,7 +22,7 @@ import sys
 import pytest
 
 from tests.trace.child.live_storages import by_category, live_before, peak_live_bytes
-from tests.trace.child.test_scripts import allocs, trace
+from tests.trace.child.test_scripts import GPUS, allocs, trace
 from xmem.trace import TraceError
 from xmem.trace.child.float8 import SCALED_MM_REFUSAL
 
@@ -131,7 +132,32 @@ def test_compiled_float8_saves_the_first_matmuls_output_and_the_inputs_float8_co
     assert peak_live_bytes(result) < 11010072
 
 
+def mx_matmul(rows: int, inner: int, columns: int, out_bytes: int) -> list[tuple[str, int]]:
+    """torchao's MXFP8 matmul (mx_mm's forward) by hand: each operand cast along the contracted dimension by its Triton
+    op (float8 bits, one float8_e8m0 scale a block of 32), each scale swizzled by to_blocked (its two reshapes of
+    permuted views copy it; no padding at these sizes), then `_scaled_mm`."""
+    input_scale, weight_scale = rows * inner // 32, columns * inner // 32
+    return [("triton_to_mxfp8_dim0", rows * inner), ("triton_to_mxfp8_dim0", input_scale),
+            ("triton_to_mxfp8_dim0", columns * inner), ("triton_to_mxfp8_dim0", weight_scale),
+            ("clone", input_scale), ("clone", input_scale), ("clone", weight_scale), ("clone", weight_scale),
+            ("_scaled_mm", out_bytes)]
+
+
+def test_mxfp8_training_casts_each_operand_to_blocks_of_32_on_blackwell():
+    result = trace(sys.executable, "float8_linear.py", "--recipe", "mxfp8", iterations=2, gpu=GPUS["B200"])
+    forward = [e for e in allocs(result, phase="forward") if e.iteration == 1 and e.module]
+    assert ops(forward) == (mx_matmul(TOKENS, DIM, HIDDEN, HIDDEN_ACTIVATION) + [("relu", HIDDEN_ACTIVATION)]
+                            + mx_matmul(TOKENS, HIDDEN, DIM, BATCH))
+
+
+def test_mxfp8_training_below_blackwell_ends_in_torchaos_own_refusal():
+    # torchao makes its MX casts available from sm100 only (checked at import): below, its stand-in raises
+    with pytest.raises(TraceError) as refused:
+        trace(sys.executable, "float8_linear.py", "--recipe", "mxfp8", iterations=2, gpu=GPUS["H100-SXM5-80GB"])
+    assert refused.value.kind == "user_error" and "needs triton" in str(refused.value)
+
+
 def test_float8_matmul_is_refused_below_sm89_in_upstreams_words():
     with pytest.raises(TraceError) as refused:
-        trace(sys.executable, "float8_linear.py", iterations=2, capability=(8, 0))
+        trace(sys.executable, "float8_linear.py", iterations=2, gpu=GPUS["A100-SXM4-80GB"])
     assert refused.value.kind == "user_error" and SCALED_MM_REFUSAL in str(refused.value)

@@ -7,9 +7,9 @@ from torch/_inductor/cudagraph_trees.py (CUDAGraphTreeManager, CUDAWarmupNode, C
 loop takes, over the fake CUDA graphs and pool events of xmem.trace.child.cuda_graphs:
 
 - one tree per device (upstream's per thread, in a thread-local state that autograd's device threads inherit: the
-  backward graphs share the forward's tree), with a side stream of its own and one private memory pool (graph_pool_handle),
-  kept alive by an empty capture made with the tree (the manager's __init__); every graph of the tree allocates from
-  that pool, so that what one graph freed, the next graph of the step can take;
+  backward graphs share the forward's tree), with a side stream of its own and one private memory pool
+  (graph_pool_handle), kept alive by an empty capture made with the tree (the manager's __init__); every graph of the
+  tree allocates from that pool, so that what one graph freed, the next graph of the step can take;
 - a graph's first call (its step's warm-up, CUDAWarmupNode.run) runs it with its allocations in the pool
   (_use_cuda_memory_pool_manager: upstream's own, run here): its outputs live in the pool;
 - its second call records it (CUDAGraphNode): the inputs that are not static are first copied into new tensors in

@@ -1,4 +1,4 @@
-"""torchao's float8 training tensors under fake CUDA.
+"""torchao's float8 and MX training under fake CUDA.
 
 Owns which ops the recorder leaves to those tensors' own `__torch_dispatch__` (`dispatches_itself`). torchao's
 float8 training (`convert_to_float8_training`: Float8Linear) casts each matmul operand in the program's own ops
@@ -12,12 +12,16 @@ was recorded; left to the handler first (as DTensor's and NF4's ops are), its in
 by one and are recorded as the GPU allocates them. Under torch.compile, AOTAutograd takes the subclass apart and the
 compiled graph holds the casts and `_scaled_mm` itself (xmem.trace.child.compiled).
 
-Not followed yet: torchao's MX training (torchao.prototype.moe_training's MXFP8 tensors) and FSDP2's float8
-all-gather weight (`WeightWithDynamicFloat8CastTensor`): their ops are taken by the recorder as any other.
+torchao's MX training (torchao.prototype.moe_training: MXFP8TrainingOpConfig, its weights wrapped so that F.linear
+runs its mx_mm) casts each operand by torchao's custom ops (their fake kernels run here) into an `MXTensor`, whose mm
+handler (mx_tensor._addmm_mx_dispatch) swizzles both scales (`to_blocked`: copies) and calls `_scaled_mm`: the
+same rule lets it dispatch first. Not followed yet: FSDP2's float8 all-gather weight
+(`WeightWithDynamicFloat8CastTensor`), taken by the recorder as any other tensor.
 
 Whether the GPU can run the float8 matmul is said as upstream's CUDA kernel says it (`refuse_where_the_gpu_cannot`:
 aten's `_scaled_mm_out_cuda` checks the device's compute capability, which its meta kernel, run here, does not);
-torchao's and the training libraries' own checks (`is_sm_at_least_89`) read the fake GPU's capability themselves.
+torchao's and the training libraries' own checks read the fake GPU's capability themselves (MX training's kernels
+need sm100: below, torchao's casts raise its own "needs triton").
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ SCALED_MM_OPS = frozenset({"_scaled_mm"})
 # (module, class) of each torchao tensor whose handler is run first: its module must be imported for it to be in use
 _CLASSES = (
     ("torchao.float8.float8_training_tensor", "Float8TrainingTensor"),
+    ("torchao.prototype.mx_formats.mx_tensor", "MXTensor"),
 )
 
 
 def dispatches_itself(types: Any) -> bool:
-    """Whether an op on tensors of `types` (its __torch_dispatch__ argument) is a torchao float8 tensor's to dispatch
-    first."""
+    """Whether an op on tensors of `types` (its __torch_dispatch__ argument) is a torchao float8 or MX tensor's to
+    dispatch first."""
     classes = _classes_in_use()
     return bool(classes) and any(issubclass(kind, classes) for kind in types)
 
