@@ -57,6 +57,19 @@ def traced(monkeypatch):
     return Fake
 
 
+def test_the_replay_fit_reads_is_the_estimates_with_no_memory_limit(traced):
+    """`keep_needed` (what xmem.fit's search reads): on a type the job fits, the estimate's own replay; on one it
+    does not fit, what it would need there."""
+    tiny = {"gpus": {"Tiny": {"total_bytes": 200 * MIB, "capability": [8, 0]}}}
+    needed = {"A100-SXM4-40GB": None, "Tiny": None}
+    result = estimate(["python", "train.py"], gpus=["a100", "tiny"], keep_needed=needed,
+                      settings=EstimateSettings(load_catalog(tiny)))
+    ops, sim = needed["A100-SXM4-40GB"]
+    assert sim.oom is None and sim.peak_reserved == result.gpus["A100-SXM4-40GB"].peak_reserved_bytes == 260 * MIB
+    assert ops.ops and ops.labels
+    assert not result.gpus["Tiny"].fits and needed["Tiny"][1].peak_reserved == 260 * MIB
+
+
 def test_peak_on_a100_is_reserved_plus_context_and_cublas(traced):
     result = estimate(["python", "train.py"], gpus=["a100"])
     a100 = result.gpus["A100-SXM4-40GB"]

@@ -44,13 +44,16 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
              timeout: float | None = None, python: str | None = None,
              settings: EstimateSettings = EstimateSettings(),
              on_progress: Callable[[str], None] | None = None, gpus_per_node: int | None = None,
-             keep_traces: dict[str, Trace] | None = None, cancel: threading.Event | None = None) -> Estimate:
+             keep_traces: dict[str, Trace] | None = None, keep_needed: dict[str, NeededReplay | None] | None = None,
+             cancel: threading.Event | None = None) -> Estimate:
     """Trace `command` under fake CUDA and predict its peak GPU memory on each of `gpus` (None: every type).
 
     `settings`: the site's (its catalog, the host memory one trace may use, the warm tracer), made once from its
     config (`SiteConfig.estimate_settings`); the defaults are a caller's with no site. `gpus_per_node`: the GPUs the
     job's node shows the program (default: as `run_trace` finds them).
     `keep_traces`, if given, receives the traces by capability class (for pictures of the run: `xmem.pictures`).
+    `keep_needed`, if given with catalog names of `gpus` as its keys, receives for each the replay that says what the
+    job needs there (`needed_replay`: `xmem.fit`'s search reads each phase's tensors from it).
     `cancel`, set from another thread, stops the trace (the tracer's TraceCancelled): its answer is not wanted.
     Raises `UnknownGpuError` before tracing for an unknown GPU name, and the tracer's `TraceError` as
     it comes.
@@ -73,9 +76,30 @@ def estimate(command: Sequence[str], gpus: Sequence[str] | None = None, iteratio
     estimates = {rank: estimate_traces(command, traced, targets, env=env, on_progress=on_progress, started=started)
                  for rank, traced in ranks.items()}
     answer = rank_traces.fullest(estimates, ranks)
-    if keep_traces is not None and answer.fullest_rank is not None:  # the pictures show the rank the figures are
-        keep_traces.update(ranks[answer.fullest_rank])
+    shown = {**traces, **(ranks[answer.fullest_rank] if answer.fullest_rank is not None else {})}
+    if keep_traces is not None:  # the pictures show the rank the figures are
+        keep_traces.update(shown)
+    if keep_needed and answer.used_cuda:
+        keep_needed.update({name: needed_replay(shown, catalog[name], env) for name in keep_needed})
     return answer
+
+
+NeededReplay = tuple[GpuOps, SimResult]  # a job's ops on one GPU type and their replay with no memory limit
+
+
+def needed_replay(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None) -> NeededReplay:
+    """On `gpu`, the job's replay with no memory limit, on the busiest of its trace's devices: what the job needs
+    there, whether it fits or not."""
+    trace = traces[capability_class(gpu.capability)]
+    job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
+    config = allocator_config(trace, job_env)
+
+    def replay(device: int) -> NeededReplay:
+        ops = orchestrate(trace, gpu, job_env, device=device)
+        return ops, simulate(ops.ops, config)
+
+    ops, sim, _device = busiest_replay(trace, replay)
+    return ops, sim
 
 
 def estimate_traces(command: Sequence[str], traces: Mapping[str, Trace], targets: Sequence[GpuType], *,

@@ -8,7 +8,6 @@ bounded time (`largest_batch`, `BatchHint`).
 
 from __future__ import annotations
 
-import os
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,13 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from xmem.config import EstimateSettings, SiteConfig
-from xmem.estimate import allocator_config, busiest_replay, capability_class  # the job's replay, as estimated
 from xmem.fit import Point, Tracer, Vary, command_at, find_limits, phase_peaks
-from xmem.gpus import GpuType, find_gpu
-from xmem.orchestrate import GpuOps, orchestrate
+from xmem.gpus import find_gpu
 from xmem.policy.options import fixed_options
-from xmem.simulate import SimResult, simulate
-from xmem.trace.events import Trace
 
 # How training programs name their batch size on the command line (argparse, HF TrainingArguments, Lightning CLI,
 # Megatron): the knob a job that fits nowhere is told to turn. First found wins.
@@ -46,34 +41,17 @@ def point_tracer(command: Sequence[str], vary: Vary, names: Mapping[str, str], s
         from xmem.estimate import estimate as estimator
     catalog = settings.catalog
     assert catalog is not None, "the site's catalog is read once, by the caller"
+    largest = max((catalog[name] for name in names), key=lambda g: g.total_bytes).name  # the phases are read there
 
     def trace(value: int) -> Point:
-        traces: dict[str, Trace] = {}
-        result = estimator(command_at(command, vary, value), gpus=list(names), settings=settings, keep_traces=traces,
+        needed: dict[str, Any] = {largest: None}  # the estimate's replay with no memory limit there
+        result = estimator(command_at(command, vary, value), gpus=list(names), settings=settings, keep_needed=needed,
                            on_progress=progress(value) if progress else None, **job)
         if not result.used_cuda:
             return Point.from_estimate(value, result, names, {}, 0)
-        largest = max((catalog[name] for name in result.gpus), key=lambda g: g.total_bytes)  # as fit always read
-        phases, reserved = unlimited_phases(traces, largest, job.get("env"))
-        return Point.from_estimate(value, result, names, phases, reserved)
+        ops, sim = needed[largest]
+        return Point.from_estimate(value, result, names, phase_peaks(ops.ops, ops.labels), sim.peak_reserved)
     return trace
-
-
-def unlimited_phases(traces: Mapping[str, Trace], gpu: GpuType, env: Mapping[str, str] | None
-                     ) -> tuple[dict[str, dict[str, int]], int]:
-    """On `gpu`, the tensors at each phase's peak and the peak reserved of a replay with no memory limit (what the
-    job needs where the estimate's replay ran out of memory), on the busiest of its trace's devices (as in the
-    estimate)."""
-    trace = traces[capability_class(gpu.capability)]
-    job_env = dict(env) if env is not None else dict(os.environ)  # as the estimate reads the allocator settings
-    config = allocator_config(trace, job_env)
-
-    def replay(device: int) -> tuple[GpuOps, SimResult]:
-        ops = orchestrate(trace, gpu, job_env, device=device)
-        return ops, simulate(ops.ops, config)
-
-    ops, sim, _device = busiest_replay(trace, replay)
-    return phase_peaks(ops.ops, ops.labels), sim.peak_reserved
 
 
 def batch_knob(command: Sequence[str]) -> tuple[str, int] | None:
