@@ -192,6 +192,10 @@ def test_burst_of_submissions_each_get_their_request_none_left_held(deferred_clu
 
 WAIT_S = 3
 MARGIN_S = 6  # the filter's start, the snapshot and post-submit's two sbatch calls, on a loaded 2-core machine
+# Why the estimate was not used: not ready within the wait, or (root's estimate slots are the host's, shared with
+# whatever else runs as root here) not started, the slots all taken (xmem.slurm.handoff's admission)
+HANDED_OFF = re.compile(rf"GPU memory estimate (not ready within {WAIT_S} s|not started \(2 of your estimates "
+                        r"already running on this host\)), queued on partition cpu")
 SLOW = "import time\ntime.sleep(15)  # a slow start: data loading, say\n"
 
 
@@ -208,7 +212,7 @@ def test_a_slow_estimate_is_handed_off_and_the_job_released_with_its_estimate(de
         assert sub.returncode == 0, sub.stderr
         print(f"\nfigure: sbatch of a slow estimate returned in {sub.seconds:.2f} s (wait {WAIT_S} s)")
         assert sub.seconds < WAIT_S + MARGIN_S
-        assert f"GPU memory estimate not ready within {WAIT_S} s, queued on partition cpu" in sub.stderr
+        assert HANDED_OFF.search(sub.stderr), sub.stderr
         assert sum(line.startswith("xmem-slurm:") for line in sub.stderr.splitlines()) == 1, sub.stderr
         held = cluster.job(sub.job_id)
         assert (held["Reason"], xmem_state(held)) == ("JobHeldUser", "pending")
@@ -418,7 +422,7 @@ def test_a_program_that_never_ends_holds_neither_sbatch_nor_its_job(deferred_clu
     with cluster.site_config_text(handoff_config(cluster, failure=failure)):
         sub = cluster.sbatch(path, "--begin=now+3600", user=user)
         assert sub.returncode == 0, sub.stderr
-        assert sub.seconds < WAIT_S + MARGIN_S and f"not ready within {WAIT_S} s" in sub.stderr
+        assert sub.seconds < WAIT_S + MARGIN_S and HANDED_OFF.search(sub.stderr), sub.stderr
         assert xmem_state(cluster.job(sub.job_id)) == "pending"
         estimate = cluster.run("squeue", "-h", "-n", f"xmem-estimate-{sub.job_id}", "-o", "%i").stdout.split()
         assert len(estimate) == 1
