@@ -120,7 +120,7 @@ def test_rowwise_scales_are_one_per_row_of_the_operand():
                                  ("_scaled_mm", HIDDEN_ACTIVATION)]
 
 
-def test_compiled_float8_saves_the_first_matmuls_output_and_the_inputs_float8_copy():
+def test_compiled_float8_saves_the_first_matmuls_output_and_the_inputs_float8_copy_and_peaks_lower():
     # Inductor's partition (min-cut) keeps the first matmul's output (ReLU and the second layer's input cast are
     # recomputed from it in backward), the batch's float8 copy and its scale; the casts' float32 temporaries live
     # inside fused kernels and are never allocated
@@ -129,7 +129,10 @@ def test_compiled_float8_saves_the_first_matmuls_output_and_the_inputs_float8_co
     saved = sorted(e.nbytes for e in live.values() if e.module == "OptimizedModule")
     assert saved == [4, TOKENS * DIM, HIDDEN_ACTIVATION]
     assert not any("torch.compile" in warning for warning in result.warnings)  # no region fell back to eager
-    assert peak_live_bytes(result) < 11010072
+    # the peak is in the loss's eager backward: weights, AdamW's moments and the batch, those three saved tensors,
+    # the float32 output (saved by pow), the loss and its seed, and pow/mean's four float32 temporaries
+    assert peak_live_bytes(result) == (2 * WEIGHT + 4 * WEIGHT + BATCH + 4 + TOKENS * DIM + HIDDEN_ACTIVATION
+                                       + LOSS_INPUT + 4 + 4 + 4 * LOSS_INPUT) == 7208972
 
 
 def mx_matmul(rows: int, inner: int, columns: int, out_bytes: int) -> list[tuple[str, int]]:
