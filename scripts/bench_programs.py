@@ -70,7 +70,12 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 # uses it): its own package without dependencies, then what its agents import
                 "cleanrl": ("gym==0.23.1", "pygame==2.6.1", "gymnasium==1.2.0", "tyro", "tensorboard", "stable-baselines3"),
                 "lerobot": ("lerobot==0.3.2",), "piper-tts": ("piper-tts[train]==1.8.0",),
-                "sevenn": ("sevenn==0.13.0",)}
+                "sevenn": ("sevenn==0.13.0",),
+                # the third wave (kinds the corpus covered least: Lightning-CLI programs, medical imaging). f5-tts
+                # (audio) is not run: its data set reads audio through torchaudio 2.11, which needs torchcodec and
+                # FFmpeg's libraries, absent from this machine
+                "torchgeo": ("torchgeo==0.8.1", "requests"),  # its OpenStreetMap data set imports requests undeclared
+                "kaiko-eva": ("kaiko-eva[vision]==0.4.5",)}
 PACKAGE_PYTHON = {"schnetpack": "3.12"}  # schnetpack's current release requires Python 3.12 (uv finds it by version)
 # installed after PACKAGE_PINS, without their dependencies. ludwig pins bitsandbytes<0.41, whose libraries stop at
 # CUDA 12.2: on the product's torch (CUDA 13) it fails on a real GPU node as well, so its users take a newer one
@@ -428,6 +433,123 @@ def anomalib_args(model: str, *options: str) -> tuple[str, ...]:
             "--data.train_batch_size", "8", "--data.eval_batch_size", "8", "--data.num_workers", "0",
             "--trainer.max_epochs", "1", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
             "--default_root_dir", "{out}", *options)
+
+
+TORCHGEO_CLASSES = 21  # UC Merced's land-use classes
+
+
+def fixtures_torchgeo(work: Path) -> None:
+    """UC Merced's layout (UCMerced_LandUse/Images/<class>/<name>.tif, one split file per split naming its
+    pictures), generated 256 x 256 RGB pictures, two per class in each split; a LightningCLI config of a
+    classification task (a timm ResNet-18 from random weights: no hub) on torchgeo's UC Merced data module."""
+    from PIL import Image
+
+    rng = random.Random(11)
+    root = work / "ucmerced"
+    for split in ("train", "val", "test"):
+        names = []
+        for label in range(TORCHGEO_CLASSES):
+            for i in range(2):
+                name = f"class{label:02d}{split}{i}.tif"
+                path = root / "UCMerced_LandUse" / "Images" / f"class{label:02d}" / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.frombytes("RGB", (256, 256), rng.randbytes(256 * 256 * 3)).save(path)
+                names.append(name)
+        (root / f"uc_merced-{split}.txt").write_text("\n".join(names) + "\n")
+    (work / "classification.yaml").write_text(f"""model:
+  class_path: torchgeo.trainers.ClassificationTask
+  init_args:
+    model: resnet18
+    weights: null
+    in_channels: 3
+    num_classes: {TORCHGEO_CLASSES}
+data:
+  class_path: torchgeo.datamodules.UCMercedDataModule
+  init_args:
+    batch_size: 16
+    num_workers: 0
+  dict_kwargs:
+    root: {root}
+trainer:
+  accelerator: gpu
+  devices: 1
+  max_epochs: 1
+  logger: false
+""")
+
+
+# MHIST's split sizes and labels, which eva's MHIST data set checks before it trains
+MHIST_SPLITS = {"train": 2175, "test": 977}
+
+
+def fixtures_eva(work: Path) -> None:
+    """MHIST's layout (images/, annotations.csv: image name, majority label SSA or HP, partition), generated 64 x 64
+    pictures in the split sizes eva checks; an eva config (its `eva fit` CLI, jsonargparse) of a head trained on a
+    frozen timm ResNet-18 from random weights (no hub), as eva's online classification runs it."""
+    from PIL import Image
+
+    rng = random.Random(13)
+    root = work / "mhist"
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = ["Image Name,Majority Vote Label,Number of Annotators who Selected SSA (Out of 7),Partition"]
+    for split, count in MHIST_SPLITS.items():
+        for i in range(count):
+            name = f"{split}{i:04d}.png"
+            Image.frombytes("RGB", (64, 64), rng.randbytes(64 * 64 * 3)).save(root / "images" / name)
+            label = "SSA" if i < count // 2 else "HP"  # eva checks the first and last labels: SSA, then HP
+            rows.append(f"{name},{label},{7 if label == 'SSA' else 0},{split}")
+    (root / "annotations.csv").write_text("\n".join(rows) + "\n")
+    dataset = """
+        class_path: eva.vision.datasets.MHIST
+        init_args:
+          root: {root}
+          split: {split}
+          transforms:
+            class_path: eva.vision.data.transforms.ResizeAndCrop
+            init_args:
+              size: 64"""
+    (work / "mhist.yaml").write_text(f"""trainer:
+  class_path: eva.Trainer
+  init_args:
+    n_runs: 1
+    default_root_dir: {work / "logs"}
+    max_steps: 50
+    accelerator: gpu
+    devices: 1
+    logger: false
+model:
+  class_path: eva.HeadModule
+  init_args:
+    backbone:
+      class_path: eva.vision.models.wrappers.TimmModel
+      init_args:
+        model_name: resnet18
+        pretrained: false
+        model_kwargs:
+          num_classes: 0
+    head:
+      class_path: torch.nn.Linear
+      init_args:
+        in_features: 512
+        out_features: 1
+    criterion: torch.nn.functional.binary_cross_entropy_with_logits
+    optimizer:
+      class_path: torch.optim.AdamW
+      init_args:
+        lr: 0.001
+data:
+  class_path: eva.DataModule
+  init_args:
+    datasets:
+      train:{dataset.format(root=root, split="train")}
+      val:{dataset.format(root=root, split="test")}
+    dataloaders:
+      train:
+        batch_size: 64
+        shuffle: true
+      val:
+        batch_size: 64
+""")
 
 
 def fixtures_yolov5(work: Path) -> None:
@@ -1210,6 +1332,11 @@ PROGRAMS: list[Program] = [
     # coqui-tts: its trainer script on an LJSpeech-layout folder, Glow-TTS and VITS
     *(Program(f"coqui-{name}", "coqui-tts", ("python", "-m", "TTS.bin.train_tts", "--config_path",
                                              "{work}/" + name + ".json")) for name in ("glow_tts", "vits")),
+    # torchgeo: its CLI (a LightningCLI: `torchgeo fit --config`) on UC Merced's layout, a ResNet-18 classifier
+    Program("torchgeo-classification", "torchgeo", ("torchgeo", "fit", "--config", "{work}/classification.yaml",
+                                                    "--trainer.default_root_dir", "{out}")),
+    # kaiko-eva: its CLI (`eva fit --config`) on MHIST's layout, a classification head on a frozen backbone
+    Program("eva-mhist", "kaiko-eva", ("eva", "fit", "--config", "{work}/mhist.yaml")),
     # piper-tts: its VITS trainer, a LightningCLI program, on espeak-ng's phonemes of the sentences
     Program("piper-vits", "piper-tts", piper_args()),
     # LeRobot: its trainer on a local data set, a diffusion policy and ACT (no pretrained backbone: no hub)
@@ -1251,7 +1378,8 @@ FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactor
                                                "schnetpack": fixtures_schnetpack, "coqui-tts": fixtures_coqui,
                                                "cellpose": fixtures_cellpose, "nequip-allegro": fixtures_allegro,
                                                "piper-tts": spoken_tones, "lerobot": fixtures_lerobot,
-                                               "sevenn": fixtures_sevenn}
+                                               "sevenn": fixtures_sevenn, "torchgeo": fixtures_torchgeo,
+                                               "kaiko-eva": fixtures_eva}
 
 
 # --- running ----------------------------------------------------------------------------------------------------
