@@ -104,7 +104,7 @@ def stepped_bytes(params: Iterable[torch.Tensor], device_type: str = "cuda") -> 
     """Per device, the bytes of the parameters that have a gradient (the ones an optimizer step makes state
     for), each counted at its own size (a view of a flat buffer by its elements, not the whole storage)."""
     found: dict[int, int] = {}
-    for param in params:
+    for param in {id(p): p for p in params}.values():  # a parameter listed twice has one state (upstream's keyed)
         if param.grad is None:
             continue
         for part in plain_tensors(param):

@@ -322,6 +322,19 @@ class StandIns:
         torch.Tensor.numpy = numpy
         torch.Tensor.tolist = FakeTensor.tolist = tolist  # FakeTensor's own goes element by element
         torch.Tensor.__format__ = format_
+        FakeTensor.data_ptr = fake_data_ptr
+
+
+def fake_data_ptr(tensor: torch.Tensor) -> int:
+    """A fake tensor's address, distinct per storage as a GPU's: upstream's is 0 for every fake (its meta storage),
+    and programs key tensors by it. accelerate's FSDP2 preparation maps each optimizer parameter to its sharded
+    one by `data_ptr()`: with one key for all, every parameter of a fake-loaded model became the last one, and the
+    optimizer stepped (and kept state for) one parameter. The storage's own identity (its StorageImpl's address,
+    shared by its views) stands in for its base; an empty storage has none (0), as a freed or unallocated one."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return 0
+    return storage._cdata + tensor.storage_offset() * tensor.element_size()
 
 
 def _lengths_on_the_host(lengths: torch.Tensor) -> None:
