@@ -9,6 +9,7 @@ import pickle
 import sys
 
 import pytest
+import torch
 
 from tests.torch_builds import SCRIPTS
 from tests.trace.child.live_storages import by_category, walk
@@ -28,9 +29,9 @@ def command(mode: str) -> list[str]:
     return ["torchrun", "--nproc_per_node=4", SCRIPT, "--mode", mode]
 
 
-def line_of(text: str) -> int:
+def line_of(text: str, path=SCRIPT) -> int:
     """The script's line that holds `text`."""
-    with open(SCRIPT) as script:
+    with open(path) as script:
         return next(number for number, line in enumerate(script, 1) if text in line)
 
 
@@ -71,6 +72,19 @@ def test_rank_zero_only_work_on_the_rank_read_from_the_environment_makes_rank_ze
     assert answer.fullest_rank == 0
 
 
+def test_a_main_process_flag_read_by_the_program_traces_the_last_rank_of_lightnings_own_launch():
+    """`fabric.is_global_zero` in the program's file; Fabric launches its ranks itself (`python script.py`), the
+    traced process becoming rank 3 as Lightning's launcher would start it. Rank 0's EMA copy of the 2048 x 2048
+    fp32 weights is 16 MiB, in a segment of its own (over 10 MiB, a multiple of 2 MiB), held all along."""
+    script = SCRIPTS / "fabric_rank_zero.py"
+    answer = estimate([sys.executable, str(script)], gpus=["H100"], iterations=2, python=sys.executable,
+                      gpus_per_node=4)
+    assert sorted(answer.rank_peaks) == [0, 3]
+    assert answer.rank_peaks[0] - answer.rank_peaks[3] == 16 * MIB
+    assert answer.fullest_rank == 0
+    assert f"fabric_rank_zero.py:{line_of('if fabric.is_global_zero', script)}" in answer.warnings[0]
+
+
 def held_at_end(trace) -> dict[str, list[int]]:
     live: dict = {}
     for _, live in walk(trace):
@@ -104,6 +118,35 @@ def test_a_rank_number_notes_the_programs_tests_and_stays_a_plain_int_elsewhere(
     assert here in rank_reads.tested_at()
     assert type(pickle.loads(pickle.dumps(rank))) is int and hash(rank) == hash(3)
     assert f"{rank}" == "3" and list(range(5))[rank] == 3
+
+
+class Framework:
+    """A training framework's rank answers, as accelerate's Accelerator and Lightning's Fabric have them."""
+
+    @property
+    def process_index(self) -> int:
+        return 3
+
+    @property
+    def is_main_process(self) -> bool:
+        return False
+
+
+rank_reads.note_property_reads(Framework)
+
+
+def test_a_frameworks_rank_answers_read_by_the_program_are_noted_and_by_a_library_are_not():
+    framework = Framework()
+    flag_read = f"{__file__}:{sys._getframe().f_lineno + 1}"
+    assert framework.is_main_process is False
+    assert flag_read in rank_reads.tested_at()
+    assert type(framework.process_index) is RankNumber and framework.process_index == 3
+    library_file = os.path.join(os.path.dirname(torch.__file__), "library_code.py")  # never run: only its name
+    read_by_library = {}
+    exec(compile("rank = framework.process_index\nflag = framework.is_main_process", library_file, "exec"),
+         {"framework": framework}, read_by_library)
+    assert type(read_by_library["rank"]) is int
+    assert not any(test.startswith(library_file) for test in rank_reads.tested_at())
 
 
 def test_a_read_rank_counts_as_tested_only_where_its_name_is_tested(tmp_path):

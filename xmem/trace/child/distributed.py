@@ -583,7 +583,8 @@ def _patch_lightning_launchers() -> None:
     """Lightning with devices=N, started as `python train.py`, starts ranks 1..N-1 as copies of the script
     (`_SubprocessScriptLauncher._call_children_scripts`: subprocess.Popen). They would run without fake CUDA and take
     the CPU from rank 0's trace: rank 0 runs alone, as under mp.spawn, with the environment upstream sets for it
-    there (MASTER_ADDR/PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE), and no child for the launcher to watch."""
+    there (MASTER_ADDR/PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE), and no child for the launcher to watch; or the rank
+    the estimate asks for (`_become_traced_rank`)."""
 
     def patch(module: Any) -> None:
         launcher = module._SubprocessScriptLauncher
@@ -596,11 +597,23 @@ def _patch_lightning_launchers() -> None:
             finally:
                 module.subprocess = real
             self.procs = []
+            _become_traced_rank(self.num_processes)
 
         launcher._call_children_scripts = rank_zero_alone
 
     for name in _LIGHTNING_LAUNCHERS:
         patch_on_import(name, patch)
+
+
+def _become_traced_rank(processes_per_node: int) -> None:
+    """The process Lightning's launcher left (rank 0) runs as the rank the estimate asks for (`TRACED_RANK_ENV`),
+    as the launcher would have started it: its LOCAL_RANK and NODE_RANK, which Lightning's cluster environment
+    reads when the strategy sets the world's ranks, after the launch."""
+    from xmem.launchers import traced_rank
+    rank = traced_rank(os.environ)
+    if rank:
+        os.environ["LOCAL_RANK"] = str(rank % processes_per_node)
+        os.environ["NODE_RANK"] = str(rank // processes_per_node)
 
 
 def _patch_data_parallel_transfers() -> None:

@@ -6,7 +6,10 @@ logging, a remainder of work handed to the last rank. This module owns noticing 
 `torch.distributed.get_rank()`, called by the program's own files, answers a `RankNumber` (an int that notes where
 it, or a number computed from it, is compared or tested for truth in the program's files); a read of the
 launcher's `RANK` / `LOCAL_RANK` variables by the program's file counts where the name it is assigned to is tested
-in that file's source. The estimate (`xmem.rank_traces`) then traces the last rank too and answers the fuller one.
+in that file's source. So do the training frameworks' answers (accelerate's `process_index` and
+`is_main_process`, Lightning's `global_rank` and `is_global_zero`, ...) read there: a rank number is a RankNumber,
+a main-process flag (a bool, which no class can extend) counts as tested where it is read. The estimate
+(`xmem.rank_traces`) then traces the last rank too and answers the fuller one.
 
 What does not count, and why. A library's own tests of the rank (its reads stay plain ints, and a RankNumber the
 program hands it is noted only in the program's files): upstream's rank-dependent work gives rank 0 the extra
@@ -29,6 +32,7 @@ import sys
 from typing import Any
 
 from xmem.trace.child.attribution import _is_users
+from xmem.trace.child.on_import import patch_on_import
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK")  # what torchrun's agent (and accelerate's, deepspeed's) set per rank
 
@@ -108,6 +112,52 @@ def install() -> None:
 
     dist.get_rank = c10d.get_rank = get_rank_noted
     _note_environment_reads()
+    for module_name, class_name in _FRAMEWORK_CLASSES:
+        patch_on_import(module_name, functools.partial(_note_framework_reads, class_name=class_name))
+
+
+# The training frameworks' answers to "which rank am I", where a program reads them: (module, class); the
+# properties each has of RANK_PROPERTIES (ints: a RankNumber to the program) and MAIN_PROPERTIES (bools, which
+# cannot be subclassed: reading one in the program's file is its test)
+_FRAMEWORK_CLASSES = (
+    ("accelerate.accelerator", "Accelerator"), ("accelerate.state", "PartialState"),
+    ("accelerate.state", "AcceleratorState"),
+    ("lightning.fabric.fabric", "Fabric"), ("lightning_fabric.fabric", "Fabric"),
+    ("lightning.pytorch.trainer.trainer", "Trainer"), ("pytorch_lightning.trainer.trainer", "Trainer"),
+    ("lightning.pytorch.core.module", "LightningModule"), ("pytorch_lightning.core.module", "LightningModule"),
+)
+RANK_PROPERTIES = ("process_index", "local_process_index", "global_rank", "local_rank")
+MAIN_PROPERTIES = ("is_main_process", "is_local_main_process", "is_last_process", "is_global_zero")
+
+
+def _note_framework_reads(module: Any, class_name: str) -> None:
+    owner = getattr(module, class_name, None)
+    if isinstance(owner, type):
+        note_property_reads(owner)
+
+
+def note_property_reads(owner: type) -> None:
+    """`owner`'s rank properties, read by the program's files, answer a RankNumber; its main-process flags, read
+    there, count as a test of the rank where they are read."""
+    for name in (*RANK_PROPERTIES, *MAIN_PROPERTIES):
+        found = vars(owner).get(name)
+        if isinstance(found, property) and found.fget is not None and not hasattr(found.fget, "_notes_rank"):
+            setattr(owner, name, property(_noting(found.fget, name in MAIN_PROPERTIES), found.fset, found.fdel,
+                                          found.__doc__))
+
+
+def _noting(read: Any, is_flag: bool) -> Any:
+    def noted(self: Any) -> Any:
+        value = read(self)
+        frame = _programs_frame(sys._getframe(1))
+        if frame is None:
+            return value
+        if is_flag:
+            _tested_at.setdefault(f"{frame.f_code.co_filename}:{frame.f_lineno}", None)
+            return value
+        return RankNumber(value) if type(value) is int else value
+    noted._notes_rank = True  # type: ignore[attr-defined]
+    return noted
 
 
 def _note_environment_reads() -> None:
