@@ -121,7 +121,7 @@ def test_an_internal_error_of_the_filter_goes_to_the_sites_log_file(tmp_path, mo
     log, config = tmp_path / "filter.log", tmp_path / "xmem.toml"
     config.write_text(f'[filter]\nlog = "{log}"\n')
 
-    def broken(request, site):
+    def broken(request, site, **_):  # run_filter also takes when sbatch started
         raise RuntimeError("a bug of ours\nover two lines")
 
     monkeypatch.setattr(slurm_filter, "run_filter", broken)
