@@ -99,7 +99,9 @@ def use_trace_cache(directory: Path) -> None:
 
     def cached_trace(command, **kwargs):
         env = kwargs.get("env") or {}
-        key = json.dumps([command, kwargs.get("iterations"), list(kwargs.get("capability", ())),
+        gpu = kwargs.get("gpu")  # the fake GPU the program is shown (its capability picks the kernels)
+        shown = [gpu.name, gpu.total_bytes, list(gpu.capability)] if gpu is not None else []
+        key = json.dumps([command, kwargs.get("iterations"), shown,
                           {k: v for k, v in env.items() if k.startswith(("PYTORCH_", "CUDA", "CUBLAS", "PYTHONPATH"))}])
         path = directory / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
         if path.is_file():
