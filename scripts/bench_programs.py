@@ -68,7 +68,8 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 "sample-factory": ("sample-factory==2.1.1",),
                 # cleanrl 1.2.0 requires pygame 2.1.0, which has no wheel for Python 3.11 (only its renderer
                 # uses it): its own package without dependencies, then what its agents import
-                "cleanrl": ("gym==0.23.1", "pygame==2.6.1", "gymnasium==1.2.0", "tyro", "tensorboard", "stable-baselines3"),
+                "cleanrl": ("gym==0.23.1", "pygame==2.6.1", "gymnasium==1.2.0", "tyro", "tensorboard",
+                            "stable-baselines3==1.2.0"),  # its own pin: current releases refuse gym 0.23 spaces
                 "lerobot": ("lerobot==0.3.2",), "piper-tts": ("piper-tts[train]==1.8.0",),
                 "sevenn": ("sevenn==0.13.0",),
                 # the third wave (kinds the corpus covered least: Lightning-CLI programs, medical imaging). f5-tts
