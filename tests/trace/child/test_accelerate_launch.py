@@ -6,7 +6,9 @@ GPU, and a 7B ZeRO-3 offload job 'did not fit' an 80 GB GPU (exit 14)."""
 
 import json
 
+from tests.torch_builds import SCRIPTS
 from xmem.launchers import ACCELERATE_LAUNCH_ENV, parse_launch
+from xmem.trace import run_trace
 from xmem.trace.child.accelerate_launch import apply_launcher_environment
 
 ZERO3_OFFLOAD = ["--num_processes", "2", "--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "cpu",
@@ -47,3 +49,15 @@ def test_nothing_handed_down_changes_nothing():
     environ = {"RANK": "0"}
     apply_launcher_environment(environ)
     assert environ == {"RANK": "0"}
+
+
+def test_a_program_launched_with_zero3_flags_is_partitioned_by_zero3():
+    # tests/scripts/accelerate_zero.py's MLP (Linear(256, 512), Linear(512, 16)) with the Accelerator its launcher's
+    # flags make: ZeRO-3 over 2 keeps exp_avg and exp_avg_sq of rank 0's fp32 partition, NUMEL / 2 elements each
+    # (as test_deepspeed_ops pins for the plugin made in code); without the flags it would be DDP, whole moments
+    numel = 256 * 512 + 512 + 512 * 16 + 16
+    trace = run_trace(["accelerate", "launch", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3",
+                       "--gradient_accumulation_steps", "1", "--mixed_precision", "bf16",
+                       str(SCRIPTS / "accelerate_zero.py"), "--from-launcher"], iterations=2)
+    state = sorted(e.nbytes for e in trace.events if e.action == "alloc" and e.category == "optimizer_state")
+    assert state == [numel // 2 * 4] * 2
