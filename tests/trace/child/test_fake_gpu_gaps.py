@@ -2,12 +2,13 @@
 what a GPU run would give it, so a gap ends the trace with the program's own error."""
 
 import signal
+import sys
 
 import pytest
 
 from tests.trace.child.test_host import trace_source
 from xmem.trace import TraceError
-from xmem.trace.runner import ChildRun, _no_result
+from xmem.trace.runner import ChildRun, _no_result, run_trace
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")  # traces fork from a warm server: tests/conftest.py
 
@@ -216,3 +217,30 @@ def test_a_silent_fault_still_names_its_signal_and_whose_it_is():
                              "ended (last progress: running the program), in native code running under the fake "
                              "GPU: a gap of xmem's, not the program's error")
     assert _no_result({"signal": signal.SIGTERM}, ChildRun("", -15), 0).kind == "crashed"  # sent from outside
+
+
+CURRENT_DEVICE = """import torch
+torch.cuda.set_device(3)  # a rank's own GPU, as torchrun programs pick it
+assert torch.empty(4).cuda().device == torch.device("cuda", 3)
+assert torch.empty(4).to("cuda").device == torch.device("cuda", 3)
+assert torch.empty(4).to(device="cuda", dtype=torch.half).device == torch.device("cuda", 3)
+assert torch.empty(4).cuda(1).device == torch.device("cuda", 1) and torch.empty(4).to("cuda:2").device.index == 2
+with torch.cuda.device(2):
+    assert torch.empty(4).cuda().device.index == 2
+model = torch.nn.Linear(4, 3).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    loss = model(torch.randn(2, 4, device="cuda")).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_a_bare_cuda_move_lands_on_the_current_device_as_factories_do(tmp_path):
+    """After torch.cuda.set_device(3), `.cuda()`, `.to("cuda")` and Module.cuda() land on cuda:3, as `device="cuda"`
+    factories do (before: on cuda:0, so every traced rank but 0 failed on a device mismatch, blamed on the user)."""
+    script = tmp_path / "current.py"
+    script.write_text(CURRENT_DEVICE)
+    trace = run_trace([sys.executable, str(script)], iterations=2, device_count=4)
+    assert {e.device for e in trace.events if e.action == "alloc" and e.category == "parameter"} == {3}

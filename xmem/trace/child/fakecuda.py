@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import struct
 import sys
@@ -301,6 +302,38 @@ def _device_index(device: Any) -> int:
     return torch.device(device).index or 0
 
 
+def _resolve_bare_cuda_to_current(fake: FakeCuda) -> None:
+    """A "cuda" without an index in `Tensor.to` / `Tensor.cuda` (and so `Module.to` / `Module.cuda`) lands on the
+    current device, as on a GPU. ATen resolves that index in C++ (TensorConversions' ensure_has_index asks the
+    device guard, i.e. the runtime's current device), which never hears of the fake's `set_device`: after
+    `torch.cuda.set_device(3)` a `.cuda()` landed on cuda:0 while `device="cuda"` factories (FakeTensor asks
+    torch.cuda.current_device()) went to cuda:3, and a rank's trace failed on the mismatch. Installed on the first
+    move away from device 0, so a program that never leaves it keeps torch's own methods."""
+    if fake.current_device == 0 or getattr(torch.Tensor.to, "_xmem_current_device", False):
+        return
+    tensor_to, tensor_cuda = torch.Tensor.to, torch.Tensor.cuda
+
+    def indexed(device: Any) -> Any:
+        if isinstance(device, (str, torch.device)) and torch.device(device) == torch.device("cuda"):
+            return torch.device("cuda", fake.current_device)
+        return device
+
+    @functools.wraps(tensor_to)
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            args = (indexed(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = indexed(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    @functools.wraps(tensor_cuda)
+    def cuda(self: torch.Tensor, device: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor_cuda(self, fake.current_device if device is None else indexed(device), *args, **kwargs)
+
+    to._xmem_current_device = True  # type: ignore[attr-defined]
+    torch.Tensor.to, torch.Tensor.cuda = to, cuda
+
+
 def _patch_torch_cuda(fake: FakeCuda) -> None:
     """torch.cuda answers as a GPU would, surface by surface (each answer's maker below says what it covers)."""
     answers = {**_device_answers(fake), **_stream_answers(fake), **_memory_answers(fake)}
@@ -320,9 +353,11 @@ def _device_answers(fake: FakeCuda) -> dict[str, Any]:
 
     def set_device(device: Any) -> None:
         fake.current_device = _device_index(device)
+        _resolve_bare_cuda_to_current(fake)
 
     def exchange_device(device: int) -> int:
         previous, fake.current_device = fake.current_device, device if device >= 0 else fake.current_device
+        _resolve_bare_cuda_to_current(fake)
         return previous
 
     def get_device_properties(device: Any = None) -> FakeDeviceProperties:
