@@ -330,11 +330,18 @@ def fake_data_ptr(tensor: torch.Tensor) -> int:
     and programs key tensors by it. accelerate's FSDP2 preparation maps each optimizer parameter to its sharded
     one by `data_ptr()`: with one key for all, every parameter of a fake-loaded model became the last one, and the
     optimizer stepped (and kept state for) one parameter. The storage's own identity (its StorageImpl's address,
-    shared by its views) stands in for its base; an empty storage has none (0), as a freed or unallocated one."""
+    shared by its views) stands in for its base; an empty storage has none (0), as a freed or unallocated one.
+    The address is never one the host can read: a native extension handed it (ctypes, a C library given a GPU
+    tensor's pointer) faults, as on a GPU where device memory is not the host's, instead of reading or writing the
+    tracer's heap. So it lies above the canonical 47-bit user space (bit 62 set; still a positive int64), one
+    256 KiB slot per storage (its StorageImpl's 16-byte-aligned address, shifted), a view's offset inside it."""
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return 0
-    return storage._cdata + tensor.storage_offset() * tensor.element_size()
+    return FAKE_ADDRESS_BASE + ((storage._cdata >> 4) << 18) + tensor.storage_offset() * tensor.element_size()
+
+
+FAKE_ADDRESS_BASE = 1 << 62
 
 
 def _lengths_on_the_host(lengths: torch.Tensor) -> None:
