@@ -19,10 +19,10 @@ local function notice(msg)
 end
 
 -- What the user is told once Slurm has accepted the job (post-submit), so that "submitted unchanged" is never
--- printed for a job Slurm then refuses. The deferred-mode token, and whether the user asked for --hold
--- (post-submit must not release such a job), travel in the same store: "token\nhold\nmessage".
-local function keep_for_post_submit(message, token, user_hold)
-  slurm.cli_store(0, (token or "") .. "\n" .. (user_hold and "hold" or "") .. "\n" .. (message or ""))
+-- printed for a job Slurm then refuses. The deferred-mode spool, and whether the user asked for --hold
+-- (post-submit must not release such a job), travel in the same store: "spool\nhold\nmessage".
+local function keep_for_post_submit(message, spool, user_hold)
+  slurm.cli_store(0, (spool or "") .. "\n" .. (user_hold and "hold" or "") .. "\n" .. (message or ""))
 end
 
 -- The exit code of a finished os.execute: Lua 5.1 returns the wait status, later versions (ok, how, code).
@@ -92,7 +92,6 @@ end
 -- (xmem.slurm.contract.drop_user_settings): a user's $XMEM_CONFIG pointing at a FIFO held sbatch for minutes.
 local SITE_CONFIG = XMEM_CONFIG ~= "" and (" --config " .. shquote(XMEM_CONFIG)) or ""
 local FILTER = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.filter" .. SITE_CONFIG
-local DEFERRED = shquote(XMEM_PYTHON) .. " -I -m xmem.slurm.deferred" .. SITE_CONFIG
 
 -- The site's failure mode when the filter gave no usable answer; the config says, the install-time default
 -- stands in if even that fails.
@@ -255,25 +254,26 @@ function slurm_cli_pre_submit(options, pack_offset)
     keep_for_post_submit("sbatch refused the request xmem chose (" .. refused .. "); submitted as written")
     return slurm.SUCCESS
   end
-  local token = reply.defer
-  if token ~= nil and not string.match(token, "^%x+$") then token = nil end
-  keep_for_post_submit(reply.message, token, user_hold)
+  keep_for_post_submit(reply.message, reply.defer, user_hold)
   return slurm.SUCCESS
 end
 
 -- Once Slurm has the job: the user's line, and in deferred mode the estimation job (and the watchdog that
--- releases or cancels the held job if the estimation job dies). `submit` exits 0 when queued, 2 when it could
--- not queue and has already released (or, fail-closed, cancelled) the job and said why; anything else (a crash,
--- a timeout) leaves that to this side, so that no job stays held for xmem.
+-- releases or cancels the held job if the estimation job dies), queued by the spool's submit.sh, which the filter
+-- wrote (no Python starts here, in sbatch's time: xmem.slurm.deferred.submit_script). It exits 0 when queued, 2
+-- when it could not queue and has already released (or, fail-closed, cancelled) the job and said why; anything
+-- else (a crash, a timeout, a spool that is not one) leaves that to this side, so that no job stays held for xmem.
 function slurm_cli_post_submit(offset, job_id, step_id)
   local stored = offset == 0 and slurm.cli_retrieve(0)
   if not stored then return slurm.SUCCESS end
-  local token, user_hold, message = string.match(stored, "^(%x*)\n(%a*)\n(.*)$")
+  local spool, user_hold, message = string.match(stored, "^([^\n]*)\n(%a*)\n(.*)$")
   if message ~= nil and message ~= "" then notice(message) end
-  if token == nil or token == "" then return slurm.SUCCESS end
+  if spool == nil or spool == "" then return slurm.SUCCESS end
   local job = tostring(job_id)
-  local status = exit_code(os.execute("timeout 60 " .. DEFERRED .. " submit " .. token ..
-                                      " " .. job .. " >/dev/null"))
+  local status = 1
+  if string.match(spool, "^/[^%c]*/spool/%x+$") and string.match(job, "^%d+$") then
+    status = exit_code(os.execute("timeout 60 sh " .. shquote(spool .. "/submit.sh") .. " " .. job .. " >/dev/null"))
+  end
   if status == 0 or status == 2 then return slurm.SUCCESS end
   if failure_mode() == "closed" then
     os.execute("timeout 30 scancel " .. job .. " >/dev/null 2>&1")

@@ -12,8 +12,9 @@ from xmem.text import comment_value
 
 
 def site(tmp_path, mode="partition", cpu_partition="cpu"):
-    return SimpleNamespace(estimate=SimpleNamespace(cache_dir=str(tmp_path / "cache")),
-                           deferred=SimpleNamespace(mode=mode, cpu_partition=cpu_partition))
+    return SimpleNamespace(estimate=SimpleNamespace(cache_dir=str(tmp_path / "cache")), source=None, failure="open",
+                           deferred=SimpleNamespace(mode=mode, cpu_partition=cpu_partition, time_limit="00:15:00",
+                                                    mem="2G"))
 
 
 def test_deferring_needs_partition_mode_and_a_cpu_partition(tmp_path):
@@ -39,6 +40,7 @@ def test_defer_snapshots_the_script_and_holds_the_job(tmp_path):
     assert (snapshot.argv, snapshot.options, snapshot.env, snapshot.cwd) == (
         (str(script), "x"), request.options, {"A": "1"}, str(tmp_path))
     assert json.loads((spool / "request.json").read_text())["user"] == "ann"
+    assert reply.defer == str(spool) and (spool / "submit.sh").is_file()  # what post-submit runs
 
 
 def test_comment_states_keep_the_users_text_and_the_stamp():
@@ -58,12 +60,25 @@ def test_requests_in_scontrol_form():
     assert user_request({}) is None
 
 
-def test_xmems_own_sbatch_calls_leave_the_users_sbatch_variables_out():
-    from xmem.slurm.deferred import own_sbatch_env
+def test_the_submit_script_is_sh_and_queues_nothing_for_a_job_id_that_is_not_a_number(tmp_path):
+    """post-submit's submit.sh (its queuing on the real Slurm: tests/integration/test_deferred.py, a space in the
+    cache folder and the user's SBATCH_* variables included)."""
+    import subprocess
 
-    env = own_sbatch_env({"SBATCH_GRES": "gpu:abc", "SBATCH_PARTITION": "x", "SLURM_CONF": "/etc/s.conf",
-                          "HOME": "/home/ann"})
-    assert env == {"SLURM_CONF": "/etc/s.conf", "HOME": "/home/ann", "XMEM_NO_FILTER": "1"}
+    from xmem.slurm.deferred import submit_script
+
+    spool = tmp_path / "it's a spool" / "spool" / "ab12"
+    spool.mkdir(parents=True)
+    (spool / "submit.sh").write_text(submit_script(spool, site(tmp_path)))
+    assert subprocess.run(["sh", "-n", str(spool / "submit.sh")]).returncode == 0
+    bin_dir, ran = tmp_path / "bin", tmp_path / "sbatch-ran"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch '{ran}'\nexit 1\n")  # only says whether sbatch was started
+    (bin_dir / "sbatch").chmod(0o755)
+    for job in ("", "12;rm", "$(id)", "12 13"):
+        done = subprocess.run(["/bin/sh", str(spool / "submit.sh"), job], env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+        assert done.returncode == 1 and not ran.exists()
+    assert not (spool / "jobs.json").exists()
 
 
 def test_an_export_post_submit_could_not_hand_on_is_not_deferred():

@@ -84,7 +84,7 @@ def test_an_estimate_not_ready_is_handed_off_held_with_one_line_and_cancelled(tm
     assert "\n" not in reply.message and reply.reject is None
     assert reply.set["comment"].startswith("my run xmem:")
     assert comment_fields(reply.set["comment"])["state"] == "pending"
-    assert [s.name for s in spools(tmp_path)] == [reply.defer]  # the snapshot post-submit queues
+    assert [str(s) for s in spools(tmp_path)] == [reply.defer]  # the snapshot post-submit queues
     assert not list((tmp_path / "cache").rglob("analyses/*.json"))  # a cancelled estimate is no answer
 
 
@@ -131,7 +131,7 @@ def test_with_the_users_estimates_all_running_a_submission_is_handed_off_without
     with estimate_slot(own_slots, 2, wait_s=1), estimate_slot(own_slots, 2, wait_s=1):
         reply, seconds = timed(submission(tmp_path), config, slow)
     assert seconds < 1.0 and called == []
-    assert reply.set["hold"] == "set" and reply.defer and [s.name for s in spools(tmp_path)] == [reply.defer]
+    assert reply.set["hold"] == "set" and reply.defer and [str(s) for s in spools(tmp_path)] == [reply.defer]
     assert reply.message.startswith("GPU memory estimate not started (2 of your estimates already running on this "
                                     "host), queued on partition cpu: the job is held")
 

@@ -107,7 +107,7 @@ class FilterReply:
     message: str | None = None
     reject: str | None = None
     fault: str | None = None
-    defer: str | None = None  # deferred mode: the token post-submit hands to `python -m xmem.slurm.deferred`
+    defer: str | None = None  # deferred mode: the spool whose submit.sh post-submit runs (xmem.slurm.deferred)
 
     def to_json(self) -> dict[str, Any]:
         lines = {"message": self.message, "reject": self.reject, "fault": self.fault, "defer": self.defer}
