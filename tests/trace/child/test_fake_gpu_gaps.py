@@ -227,14 +227,7 @@ assert torch.empty(4).to(device="cuda", dtype=torch.half).device == torch.device
 assert torch.empty(4).cuda(1).device == torch.device("cuda", 1) and torch.empty(4).to("cuda:2").device.index == 2
 with torch.cuda.device(2):
     assert torch.empty(4).cuda().device.index == 2
-model = torch.nn.Linear(4, 3).cuda()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(2):
-    loss = model(torch.randn(2, 4, device="cuda")).sum()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-"""
+""" + TRAIN  # its Module.cuda() and device="cuda" batches, on cuda:3
 
 
 def test_a_bare_cuda_move_lands_on_the_current_device_as_factories_do(tmp_path):
