@@ -21,8 +21,20 @@ limits), `sandbox`, `warm` (the client of the pre-loaded tracer, whose server is
 the warm tracer's frames) are what both sides share. `xmem.trace.child` is what runs inside the traced program (see its docstring).
 """
 
+from typing import Any
+
 from xmem.trace.errors import TraceError
 from xmem.trace.events import MemEvent, Trace
-from xmem.trace.runner import TraceCancelled, run_trace
+
+
+def __getattr__(name: str) -> Any:
+    """The runner (and the GPU catalog it reads) only when asked for: the traced child imports this package for
+    `wire`, `events` and `errors` alone, and would otherwise load the estimator's side at every start."""
+    if name in ("run_trace", "TraceCancelled"):
+        from xmem.trace import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["MemEvent", "Trace", "TraceCancelled", "TraceError", "run_trace"]
