@@ -3,6 +3,7 @@
 unless the job sets them itself, and the sandbox gives the program only the loopback interface. A download attempt
 then ends at once with the library's own offline error instead of waiting on a connection."""
 
+import os
 import time
 
 from xmem.launchers import Target
@@ -23,17 +24,34 @@ def test_the_jobs_own_setting_stays():
     assert (env["HF_HUB_OFFLINE"], env["USE_HUB_KERNELS"]) == ("0", "1")
 
 
-def test_a_hub_download_ends_at_once_with_the_librarys_own_error(tmp_path):
+DOWNLOAD = ("import torch\nfrom huggingface_hub import hf_hub_download\n"
+            "torch.zeros(1, device='cuda')\n"
+            "hf_hub_download('xmem-tests/not-on-this-machine', 'config.json')\n")
+
+
+def _download_fails(tmp_path, env=None) -> TraceError:
     script = tmp_path / "download.py"
-    script.write_text("import torch\nfrom huggingface_hub import hf_hub_download\n"
-                      "torch.zeros(1, device='cuda')\n"
-                      "hf_hub_download('xmem-tests/not-on-this-machine', 'config.json')\n")
-    started = time.monotonic()
+    script.write_text(DOWNLOAD)
     try:
-        run_trace(["python", str(script)], iterations=1, timeout=300)
+        run_trace(["python", str(script)], iterations=1, timeout=300, env=env)
     except TraceError as error:
-        message = error.message
-    else:
-        raise AssertionError("a download on an offline node cannot succeed")
-    assert message.startswith("LocalEntryNotFoundError")  # huggingface_hub's own: neither cached nor fetched
+        return error
+    raise AssertionError("a download on an offline node cannot succeed")
+
+
+def test_a_hub_download_ends_at_once_as_the_traces_lack_of_network(tmp_path):
+    """The trace made the node offline: the download's failure is ours (exit 11), with huggingface_hub's own
+    error and what to do, never the program's; and it ends at once."""
+    started = time.monotonic()
+    error = _download_fails(tmp_path)
     assert time.monotonic() - started < 120  # the trace's start-up only: no connection waited on
+    assert error.kind == "not_modelled", error.message
+    assert "the trace has no network" in error.message and "LocalEntryNotFoundError" in error.message
+    assert "hf download" in error.message
+
+
+def test_a_job_that_is_offline_itself_gets_its_own_error(tmp_path):
+    """HF_HUB_OFFLINE=1 is the job's own (its nodes have no network): the same failure is the program's (exit 5),
+    as it would be on the node."""
+    error = _download_fails(tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert error.kind == "user_error" and error.message.startswith("LocalEntryNotFoundError"), error.message

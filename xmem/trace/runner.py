@@ -36,7 +36,8 @@ from xmem.trace.command import console_script_interpreter, is_binary, job_interp
     starts_programs
 from xmem.trace.errors import REAL_CUDA_SIGNS, TraceError
 from xmem.trace.events import ARCH_SENSITIVE_PROGRESS, Trace
-from xmem.trace.wire import FakeGpu, Note, NoteKind, TraceRequest, alive, notes_from_json, with_option
+from xmem.trace.wire import (OFFLINE_BY_THE_TRACE_ENV, FakeGpu, Note, NoteKind, TraceRequest, alive, notes_from_json,
+                             with_option)
 from xmem.trace.child.follow import BOOT_DIR
 from xmem.text import one_line
 from xmem.units import GIB, gib_words
@@ -242,6 +243,8 @@ def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict
     paths = [BOOT_DIR] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    if "HF_HUB_OFFLINE" not in child_env:  # -- issue 31: a download that fails then is ours, not the program's
+        child_env[OFFLINE_BY_THE_TRACE_ENV] = "1"
     for name, value in OFFLINE_NODE.items():  # -- issue 31: the job's own setting, where it has one, stays
         child_env.setdefault(name, value)
     child_env[shim.DIR_ENV] = str(shim.cache_dir())  # -- issue 21: ours, never the job's (it could name /dev/shm)

@@ -226,6 +226,13 @@ def notes_from_json(payload: dict[str, Any], warnings: Sequence[str]) -> list[st
     return list(warnings) if notes is None else [Note.from_json(note) for note in notes]
 
 
+# ---- the network ---------------------------------------------------------------------------------------------------
+# Set in the program's environment where the trace, not the job, made the node offline (runner.OFFLINE_NODE: the
+# job set no HF_HUB_OFFLINE of its own). A model-hub download that then fails is the trace's lack of network, not
+# the program's error: on a node with network it would have fetched (attribution._hub_offline).
+OFFLINE_BY_THE_TRACE_ENV = "XMEM_OFFLINE_BY_THE_TRACE"
+
+
 # ---- the warm tracer's socket ------------------------------------------------------------------------------------
 # One connection is one job. The client sends FRAME_HEADER (the request's length) with two descriptors (the program's
 # output, the progress pipe), then the WarmRequest's JSON. The server answers JSON lines (WarmReply): `declined`

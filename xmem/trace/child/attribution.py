@@ -39,6 +39,7 @@ from types import CodeType
 from typing import Collection, Iterator, Mapping
 
 from xmem.trace.errors import REAL_CUDA_SIGNS, NotModelled, raised_as_on_a_gpu
+from xmem.trace.wire import OFFLINE_BY_THE_TRACE_ENV
 
 XMEM_DIR = str(Path(__file__).resolve().parents[2]) + os.sep  # the xmem package directory
 # The sandbox's copy-on-write file APIs stand in for Python's own: a missing file, an existing one, a directory
@@ -97,6 +98,23 @@ def attribute(error: BaseException, stand_in_askers: Collection[CodeType] = (),
     return Attribution("user_error", f"{type(error).__name__}: {first_line(error)}{where}", text)
 
 
+# huggingface_hub's words for "not in the cache, and offline": a file (LocalEntryNotFoundError, which
+# transformers and datasets raise their own errors from) or any call to the hub (OfflineModeIsEnabled).
+HUB_OFFLINE_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+
+
+def _hub_offline(error: BaseException) -> str | None:
+    """A model-hub download refused because the trace made the node offline (the job asked for no offline mode of
+    its own: wire.OFFLINE_BY_THE_TRACE_ENV): the trace's lack of network, with what to do; None otherwise."""
+    if os.environ.get(OFFLINE_BY_THE_TRACE_ENV) != "1":
+        return None
+    if not (type(error).__module__.startswith("huggingface_hub") and type(error).__name__ in HUB_OFFLINE_ERRORS):
+        return None
+    return (f"the trace has no network, and this would be downloaded from the model hub ({type(error).__name__}: "
+            f"{first_line(error)}); download it once into the job's Hugging Face cache (hf download ...) so that "
+            "the trace finds it, or set HF_HUB_OFFLINE=1 in the job if its nodes have no network either")
+
+
 def _attribute_exit(error: SystemExit, stand_in_askers: Collection[CodeType],
                     stand_in_sizes: Mapping[CodeType, str] | None) -> Attribution:
     """sys.exit(N) while handling an exception (a CLI that prints the error and exits): that exception decides."""
@@ -112,6 +130,9 @@ def _what_we_lack(error: BaseException) -> str | None:
     """What the fake GPU lacks, if `error` (one exception of the chain) comes from it; else None."""
     if isinstance(error, NotModelled):
         return first_line(error)
+    offline = _hub_offline(error)
+    if offline is not None:
+        return offline
     if raised_as_on_a_gpu(error):
         return None
     said = f"{type(error).__name__}: {first_line(error)}"
