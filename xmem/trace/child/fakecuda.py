@@ -242,6 +242,7 @@ def install(fake: FakeCuda) -> None:
     meta_kernels.install()  # ops with only a CUDA kernel upstream (SyncBatchNorm's): sized, not run
     _patch_optimizer_defaults(fake)
     _patch_torch_cuda(fake)
+    _ask_triton_again()
     _patch_tensor_and_data(fake)
     _data_assignment_takes_its_device()
     _patch_grad_scaler(fake)
@@ -332,6 +333,14 @@ def _resolve_bare_cuda_to_current(fake: FakeCuda) -> None:
 
     to._xmem_current_device = True  # type: ignore[attr-defined]
     torch.Tensor.to, torch.Tensor.cuda = to, cuda
+
+
+def _ask_triton_again() -> None:
+    """torch.utils._triton.has_triton caches its answer for the process's life: one asked before the fake GPU was
+    there (a warm server's imports: warm_server.triton_as_with_a_gpu) is asked again now, of this job's GPU."""
+    triton_checks = sys.modules.get("torch.utils._triton")
+    if triton_checks is not None:
+        triton_checks.has_triton.cache_clear()
 
 
 def _patch_torch_cuda(fake: FakeCuda) -> None:

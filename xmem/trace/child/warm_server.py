@@ -32,7 +32,7 @@ from typing import Any
 
 import xmem.trace.sandbox as sandbox
 from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP_GRACE_S, WarmReply, WarmRequest, \
-    alive, peer_ids, with_option
+    alive, parse_gpu, peer_ids, with_option
 
 SERVER_NICE = 10  # the server's imports must not slow the cold estimate that started it
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
@@ -46,6 +46,10 @@ TRAINING_LIBRARIES = ("numpy", "torchvision", "transformers", "transformers.mode
 # a preloaded library would run every job on its CPU code (a paged optimizer said "not available in CPU-only
 # version" instead of reaching the real CUDA runtime): the server then declines every job, which runs cold.
 CHOOSE_BY_CUDA_AT_IMPORT = ("bitsandbytes",)
+# Libraries that define kernels at import only where a GPU of at least a capability is there (torchao's MX formats:
+# torchao.prototype.mx_formats.kernels asks is_sm_at_least_100(); transformers.modeling_utils pulls it in). The
+# server imported them with no GPU, as if below it: a job whose GPU reaches it runs cold, its fake GPU there first.
+KERNELS_BY_CAPABILITY_AT_IMPORT = {"torchao": (10, 0)}
 
 
 def serve(path: Path, idle_s: float, after: Path | None = None, caller: int = 0) -> None:
@@ -101,6 +105,7 @@ def preload() -> Loaded:
     """Load what every trace loads, then the training libraries that import cleanly."""
     import xmem.trace.child.main as child
     child.preload()
+    triton_as_with_a_gpu()
     before = _data_bytes()
     with child.loading_for_good():  # frozen too: a job's collections walk its own objects only
         for name in TRAINING_LIBRARIES:
@@ -113,6 +118,32 @@ def preload() -> Loaded:
                _origin(sys.modules[name]) and sys.modules[name].__spec__.name == name}  # not aliases (__main__)
     return Loaded(origins, code_signature(origins), [p for p in sys.path if p not in _pythonpath(os.environ)],
                   max(_data_bytes() - before, 0))
+
+
+def triton_as_with_a_gpu() -> None:
+    """Libraries decide at import whether Triton kernels exist by torch.utils._triton.has_triton(), which asks
+    whether a Triton-capable device is there and caches the answer; the server has no fake GPU yet, so it would
+    answer no, for good, in every job (torchao's MX casts, pulled in by transformers.modeling_utils, were defined as
+    'needs triton' stubs, where a cold trace, whose fake GPU is there first, traces them). Every job runs with a
+    GPU: the cache is filled with a capable device's answer (Triton installed with its NVIDIA backend built); each
+    job asks again of its own GPU once it has one (fakecuda._ask_triton_again)."""
+    try:
+        from torch._dynamo.device_interface import CudaInterface
+        from torch.utils import _triton
+    except Exception:  # noqa: BLE001 - an older torch: nothing cached to correct
+        return
+    if not _triton.has_triton_package():
+        return
+    asked = CudaInterface.is_available, CudaInterface.is_triton_capable
+    CudaInterface.is_available = staticmethod(lambda: True)
+    CudaInterface.is_triton_capable = staticmethod(lambda device=None: True)
+    try:
+        _triton.has_triton.cache_clear()
+        _triton.has_triton()
+    except Exception:  # noqa: BLE001 - the backend's own check failed: imports decide as torch would
+        _triton.has_triton.cache_clear()
+    finally:
+        CudaInterface.is_available, CudaInterface.is_triton_capable = asked
 
 
 HUGE_PAGE = 2 << 20
@@ -266,6 +297,11 @@ def _declined(request: WarmRequest, loaded: Loaded) -> str:
     loaded_early = [name for name in CHOOSE_BY_CUDA_AT_IMPORT if name in loaded.origins]
     if loaded_early:
         return f"{loaded_early[0]} was imported before the job's fake GPU (it picks its native library by CUDA then)"
+    capability = _job_capability(request.argv)
+    for name, at_least in KERNELS_BY_CAPABILITY_AT_IMPORT.items():
+        if name in loaded.origins and capability >= at_least:
+            return (f"{name} was imported before the job's fake GPU (it defines its kernels for sm{at_least[0]}"
+                    f"{at_least[1]} and up at import, where such a GPU is there)")
     env, cwd = request.env, request.cwd
     if _user_site(env) and os.path.isdir(_user_site(env)):
         return "a user site-packages exists (the warm tracer imports from the installation's alone)"
@@ -274,6 +310,15 @@ def _declined(request: WarmRequest, loaded: Loaded) -> str:
         if hard != resource.RLIM_INFINITY and (value[1] == resource.RLIM_INFINITY or value[1] > hard):
             return f"the estimate's {name} is above the warm tracer's"
     return _shadowed(loaded.origins, _job_path(cwd, env, loaded.base_path))
+
+
+def _job_capability(argv: tuple[str, ...]) -> tuple[int, int]:
+    """The capability of the fake GPU the job's tracer is asked for (its `--gpu`, the first one: the program's
+    own arguments come after it)."""
+    try:
+        return parse_gpu(argv[argv.index("--gpu") + 1]).capability
+    except (ValueError, IndexError, KeyError, TypeError):
+        return (0, 0)
 
 
 def _user_site(env: dict[str, str]) -> str:
