@@ -213,13 +213,29 @@ def test_a_server_that_loaded_a_library_choosing_its_code_by_cuda_runs_no_job(tm
     # it in (transformers.trainer -> peft -> bitsandbytes, before it left the preload) would trace every job on it
     from xmem.trace.child import warm_server
 
-    request = WarmRequest((), {"HOME": str(tmp_path)}, str(tmp_path), 0o022, {})
+    request = WarmRequest((), {"HOME": str(tmp_path)}, str(tmp_path), 0o022, {}, runner.fake_gpu())
     clean = warm_server.Loaded(origins={}, signature=[], base_path=[], library_bytes=0)
     assert warm_server._declined(request, clean) == ""
     tainted = warm_server.Loaded(origins={"bitsandbytes": "/x/bitsandbytes/__init__.py"}, signature=[], base_path=[],
                                  library_bytes=0)
     assert "bitsandbytes was imported before the job's fake GPU" in warm_server._declined(request, tainted)
     assert not set(warm_server.CHOOSE_BY_CUDA_AT_IMPORT) & set(warm_server.TRAINING_LIBRARIES)
+
+
+def test_a_job_whose_gpu_reaches_a_librarys_import_time_kernels_runs_cold(tmp_path):
+    # torchao defines its MX kernels at import only for sm100+: a server that imported it without a GPU cannot serve
+    # a Blackwell job; the decision reads the request's own GPU field, whatever the command line holds
+    from xmem.gpus import load_catalog
+    from xmem.trace.child import warm_server
+
+    catalog = load_catalog(calibration_path=None)
+    blackwell = next(gpu for gpu in catalog.values() if gpu.capability >= (10, 0))
+    ampere = next(gpu for gpu in catalog.values() if gpu.capability == (8, 0))
+    loaded = warm_server.Loaded(origins={"torchao": "/x/torchao/__init__.py"}, signature=[], base_path=[],
+                                library_bytes=0)
+    for gpu, declined in ((ampere, False), (blackwell, True)):
+        request = WarmRequest((), {"HOME": str(tmp_path)}, str(tmp_path), 0o022, {}, runner.fake_gpu(gpu))
+        assert ("torchao was imported before the job's fake GPU" in warm_server._declined(request, loaded)) == declined
 
 
 def test_stale_socket_falls_back_to_cold(monkeypatch, tmp_path):

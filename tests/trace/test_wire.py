@@ -145,8 +145,9 @@ def test_a_request_without_a_program_is_refused():
 
 def test_a_warm_request_and_the_servers_replies_read_back_as_they_were_made():
     request = WarmRequest(("python", "-I", "sandbox.py", "--progress-fd", "-1", "--"), {"HOME": "/home/u"}, "/work",
-                          0o027, {"RLIMIT_NOFILE": (1024, 4096)})
+                          0o027, {"RLIMIT_NOFILE": (1024, 4096)}, A10)
     assert WarmRequest.decode(request.encode()) == request
+    assert WarmRequest.decode(request.encode()).gpu.capability == (8, 6)  # a tuple again, as the server compares it
     for reply in (WarmReply(started=41), WarmReply(declined="a user site-packages exists"), WarmReply(status=-9)):
         line = reply.line()
         assert line.endswith(b"\n") and line.count(b"\n") == 1 and WarmReply.from_line(line) == reply

@@ -114,7 +114,8 @@ def run_trace(command: list[str], *, iterations: int = 3, gpu: GpuType | None = 
                                progress_fd=-1)  # the descriptor: set when started
         child_env = _with_srun_shim(_child_env(env, target, gpus), Path(scratch))
         argv = [*helper, interpreter, "-m", module, *request.argv()]
-        warm_run = _run_warm(argv, interpreter, child_env, cwd, timeout, on_progress, Path(scratch), cancel) \
+        warm_run = _run_warm(argv, request.gpu, interpreter, child_env, cwd, timeout, on_progress, Path(scratch),
+                             cancel) \
             if warm.enabled(warm_tracer) else None
         run = warm_run or _run_child(_cold_start(argv, child_env, cwd), timeout, on_progress, cancel)
         ended = sandbox.read_result(Path(scratch))
@@ -284,8 +285,8 @@ def _cold_start(argv: list[str], env: dict[str, str], cwd: str | None) -> Start:
     return start
 
 
-def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str | None, timeout: float | None,
-              on_progress: Callable[[str], None] | None, scratch: Path,
+def _run_warm(argv: list[str], gpu: FakeGpu, interpreter: str, env: dict[str, str], cwd: str | None,
+              timeout: float | None, on_progress: Callable[[str], None] | None, scratch: Path,
               cancel: threading.Event | None = None) -> ChildRun | None:
     """The child run by the warm tracer (`xmem.trace.warm`), when it can serve this job; None: go cold (and, where
     no server answers, one is started in the background for the next estimates)."""
@@ -301,7 +302,7 @@ def _run_warm(argv: list[str], interpreter: str, env: dict[str, str], cwd: str |
     # server still runs after we gave up on it (a late reply from a busy server, a dying handler) made the cold
     # run's sandbox folders first (`[Errno 17] File exists`) and merged its result into the cold one's.
     own = Path(tempfile.mkdtemp(prefix=f"{scratch.name}-warm-", dir=scratch.parent))
-    request = warm.job_request(_in_scratch(argv, scratch, own), env, cwd)
+    request = warm.job_request(_in_scratch(argv, scratch, own), env, cwd, gpu)
 
     def start(log: Any, progress_fd: int) -> warm.WarmJob | None:
         return warm.WarmJob.submit(connection, request, [log.fileno(), progress_fd])

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP, STOP_GRACE_S, WarmReply, \
-    WarmRequest, peer_ids
+from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP, STOP_GRACE_S, FakeGpu, \
+    WarmReply, WarmRequest, peer_ids
 from xmem.userfiles import private_dir
 
 ENABLE_ENV = "XMEM_WARM_TRACER"  # "1": estimates go through the warm tracer
@@ -266,12 +266,12 @@ def connect(path: Path) -> socket.socket | None:
     return connection
 
 
-def job_request(argv: list[str], env: dict[str, str], cwd: str | None) -> WarmRequest:
-    """What the cold child would inherit from this process, beside its command line and environment."""
+def job_request(argv: list[str], env: dict[str, str], cwd: str | None, gpu: FakeGpu) -> WarmRequest:
+    """What the cold child would inherit from this process, beside its command line, environment and fake GPU."""
     umask = os.umask(0o022)
     os.umask(umask)
     return WarmRequest(tuple(argv), dict(env), os.path.abspath(cwd or os.getcwd()), umask,
-                       {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS})
+                       {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}, gpu)
 
 
 class WarmJob:

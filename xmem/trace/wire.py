@@ -254,6 +254,7 @@ class WarmRequest:
     cwd: str
     umask: int
     limits: dict[str, tuple[int, int]]  # resource limits by RLIMIT_ name: (soft, hard)
+    gpu: FakeGpu  # the job's fake GPU (also in argv's --gpu): the server decides by it before any job code runs
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -262,7 +263,7 @@ class WarmRequest:
     def decode(cls, body: bytes) -> WarmRequest:
         data = json.loads(body)
         return cls(tuple(data["argv"]), data["env"], data["cwd"], data["umask"],
-                   {name: (soft, hard) for name, (soft, hard) in data["limits"].items()})
+                   {name: (soft, hard) for name, (soft, hard) in data["limits"].items()}, FakeGpu.from_json(data["gpu"]))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 import xmem.trace.sandbox as sandbox
 from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP_GRACE_S, WarmReply, WarmRequest, \
-    alive, parse_gpu, peer_ids, with_option
+    alive, peer_ids, with_option
 
 SERVER_NICE = 10  # the server's imports must not slow the cold estimate that started it
 # Imported by the server after torch when installed (their import runs no user code: only site-packages are on the
@@ -297,9 +297,8 @@ def _declined(request: WarmRequest, loaded: Loaded) -> str:
     loaded_early = [name for name in CHOOSE_BY_CUDA_AT_IMPORT if name in loaded.origins]
     if loaded_early:
         return f"{loaded_early[0]} was imported before the job's fake GPU (it picks its native library by CUDA then)"
-    capability = _job_capability(request.argv)
     for name, at_least in KERNELS_BY_CAPABILITY_AT_IMPORT.items():
-        if name in loaded.origins and capability >= at_least:
+        if name in loaded.origins and request.gpu.capability >= at_least:
             return (f"{name} was imported before the job's fake GPU (it defines its kernels for sm{at_least[0]}"
                     f"{at_least[1]} and up at import, where such a GPU is there)")
     env, cwd = request.env, request.cwd
@@ -310,15 +309,6 @@ def _declined(request: WarmRequest, loaded: Loaded) -> str:
         if hard != resource.RLIM_INFINITY and (value[1] == resource.RLIM_INFINITY or value[1] > hard):
             return f"the estimate's {name} is above the warm tracer's"
     return _shadowed(loaded.origins, _job_path(cwd, env, loaded.base_path))
-
-
-def _job_capability(argv: tuple[str, ...]) -> tuple[int, int]:
-    """The capability of the fake GPU the job's tracer is asked for (its `--gpu`, the first one: the program's
-    own arguments come after it)."""
-    try:
-        return parse_gpu(argv[argv.index("--gpu") + 1]).capability
-    except (ValueError, IndexError, KeyError, TypeError):
-        return (0, 0)
 
 
 def _user_site(env: dict[str, str]) -> str:
