@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._pytree import tree_leaves
 
 from xmem.trace.events import (FACT_BATCH, FACT_FSDP_GRADIENTS, FACT_FSDP_PARAMETERS, FACT_FULLEST_RANK_STATE,
@@ -43,8 +44,14 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors a traceable wrapper subclass holds, one level down (upstream protocol: __tensor_flatten__)."""
-    names, _ = tensor.__tensor_flatten__()
+    """The tensors a traceable wrapper subclass holds, one level down (upstream protocol: __tensor_flatten__). A
+    flatten that reads a GPU value cannot answer on fake tensors (torchao's WeightWithDynamicFloat8CastTensor lists
+    its precomputed float8 scale `if` that scale is truthy: a sync on a GPU, where nobody flattens it in eager);
+    the wrapper's tensor attributes are then what it holds."""
+    try:
+        names, _ = tensor.__tensor_flatten__()
+    except DataDependentOutputException:
+        return [value for value in vars(tensor).values() if isinstance(value, torch.Tensor)]
     return [inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor)]
 
 

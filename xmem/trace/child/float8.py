@@ -15,8 +15,13 @@ compiled graph holds the casts and `_scaled_mm` itself (xmem.trace.child.compile
 torchao's MX training (torchao.prototype.moe_training: MXFP8TrainingOpConfig, its weights wrapped so that F.linear
 runs its mx_mm) casts each operand by torchao's custom ops (their fake kernels run here) into an `MXTensor`, whose mm
 handler (mx_tensor._addmm_mx_dispatch) swizzles both scales (`to_blocked`: copies) and calls `_scaled_mm`: the
-same rule lets it dispatch first. Not followed yet: FSDP2's float8 all-gather weight
-(`WeightWithDynamicFloat8CastTensor`), taken by the recorder as any other tensor.
+same rule lets it dispatch first.
+
+FSDP2's float8 all-gather (`enable_fsdp_float8_all_gather`: each weight a torchao `WeightWithDynamicFloat8CastTensor`)
+needs nothing of its own here: its `fsdp_pre_all_gather` casts the fp32 shard by plain ops, FSDP2 allocates the flat
+float8 all-gather output and the float8 unsharded weights itself, and the wrapper's own ops (FSDP's copies and views,
+AdamW's moments) are the recorder's as any tensor's, recorded by their inner storages (tests/trace/child/
+test_float8_fsdp.py). Its `__tensor_flatten__` reads the precomputed scale's value: see facts.inner_tensors.
 
 Whether the GPU can run the float8 matmul is said as upstream's CUDA kernel says it (`refuse_where_the_gpu_cannot`:
 aten's `_scaled_mm_out_cuda` checks the device's compute capability, which its meta kernel, run here, does not);
