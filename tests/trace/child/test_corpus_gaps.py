@@ -77,3 +77,36 @@ def test_memory_stats_has_upstreams_cumulative_counters(tmp_path):
     the program (exit 5)."""
     trace = trace_source(tmp_path, "memory_stats.py", MEMORY_STATS, iterations=3)
     assert trace.iterations == 2
+
+
+# coqui-tts's VITS flows (rational-quadratic splines): the values inside the tail bound are selected by a mask, and
+# the spline checks that the selection's extremes lie inside the bound before transforming them
+SPLINE_DOMAIN_CHECK = """import torch
+model = torch.nn.Linear(16, 16).cuda()
+
+def spline(inputs, left=-1.0, right=1.0):
+    if torch.min(inputs) < left or torch.max(inputs) > right:
+        raise ValueError("Input to a transform is not within its domain")
+    return inputs * 0.5
+
+def assert_positive(scale):
+    assert torch.all(scale > 0), "scale must be positive"
+    return scale
+
+for _ in range(2):
+    x = model(torch.randn(8, 16, device="cuda"))
+    inside = (x >= -1.0) & (x <= 1.0)
+    out = torch.zeros_like(x)
+    out[~inside] = x[~inside]
+    out[inside] = spline(x[inside])
+    assert_positive(x.exp())
+    out.sum().backward()
+"""
+
+
+def test_a_check_that_guards_a_raise_passes_on_stand_in_values(tmp_path):
+    """A test on GPU values whose True side raises at once (a transform's domain check on the values a mask
+    selected) was answered True, the default stand-in, and the program raised where a real run cannot (exit 11
+    before); it is answered the way that goes on, as the program's own data would pass its own check."""
+    trace = trace_source(tmp_path, "spline_domain_check.py", SPLINE_DOMAIN_CHECK)
+    assert trace.iterations == 2

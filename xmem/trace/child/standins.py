@@ -8,7 +8,9 @@ plausibly and is reported once as a warning, so an estimate says which of the pr
 The rules, chosen so that a memory estimate errs on the large side and loops end:
 - numbers: 1 (1.0 for floats), so `loss.item() < 1e-3` never stops a loop early and divisions stay finite;
 - truth: what the op that made the boolean most plausibly holds (`isnan` -> False, `isfinite` -> True, kept through
-  `any`/`all`/views, flipped by `logical_not`); otherwise True. A test asked inside a `while` loop of the function
+  `any`/`all`/views, flipped by `logical_not`); else, for a test whose one side raises at once (a library's check
+  `if x.min() < left: raise ...` on values a mask selected, an `assert`), the other side: a program that runs on a
+  GPU passes its own checks on its own data; otherwise True. A test asked inside a `while` loop of the function
   that asks it (the loop's condition, an `if ...: break` in its body) turns False after `MAX_TRUE_STAND_INS`
   answers at one place in one (iteration, phase), so `while mask.any():` ends; every other test (a library's
   argument validation, `constraint.check(value)` on every torch.distributions object, run anew in each call) keeps
@@ -143,6 +145,9 @@ class StandIns:
         frame = _caller_frame()
         if frame is not None and frame.f_code is _TRUNC_NORMAL_CODE:
             return self._redraw_truth(frame)
+        raising = None if frame is None else _truth_that_raises(frame.f_code, frame.f_lasti)
+        if raising is not None:
+            return not raising  # a program that runs on a GPU passes its own checks on its own data
         if frame is None or not _in_while_loop(frame.f_code, frame.f_lasti):
             return True  # no loop waits on it here: the same answer every time
         key = (frame.f_code.co_filename, frame.f_lineno, *self.where())
@@ -421,3 +426,46 @@ def _while_loops(code: CodeType) -> tuple[tuple[int, int], ...]:
 
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
 _NOT_WHILE = ("FOR_ITER", "SEND")
+
+
+def _truth_that_raises(code: CodeType, offset: int) -> bool | None:
+    """The answer to the test at `offset` after which the code raises at once (`if x.min() < left: raise ...`,
+    the `assert`'s False), where only one answer does; else None. The side an answer takes is read from the
+    conditional jump that asks (a `TO_BOOL` before it, from Python 3.13): the jump's target for the truth it jumps
+    on, the next instruction for the other; that side raises when a RAISE_VARARGS comes before any other jump or
+    return."""
+    instructions = _instructions(code)
+    at = next((i for i, instruction in enumerate(instructions) if instruction.offset == offset), None)
+    if at is not None and instructions[at].opname == "TO_BOOL" and at + 1 < len(instructions):
+        at += 1
+    if at is None or at + 1 >= len(instructions):
+        return None
+    jump = instructions[at]
+    jumps_on = _JUMPS_ON.get(jump.opname.replace("FORWARD_", "").replace("BACKWARD_", ""))
+    if jumps_on is None:
+        return None
+    target = next((i for i, instruction in enumerate(instructions) if instruction.offset == jump.argval), None)
+    jumped_raises = target is not None and _raises_at_once(instructions, target)
+    if jumped_raises == _raises_at_once(instructions, at + 1):
+        return None
+    return jumps_on if jumped_raises else not jumps_on
+
+
+def _raises_at_once(instructions: tuple, start: int) -> bool:
+    """Whether the straight-line code from the `start`-th instruction reaches a `raise` before it can go elsewhere."""
+    for instruction in instructions[start:]:
+        if instruction.opname == "RAISE_VARARGS":
+            return True
+        if instruction.opcode in _JUMPS or instruction.opname.startswith(("RETURN", "YIELD", "RERAISE")):
+            return False
+    return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _instructions(code: CodeType) -> tuple:
+    return tuple(dis.get_instructions(code))
+
+
+# a conditional jump's opcode (Python 3.11's with FORWARD_/BACKWARD_ taken out) -> the truth it jumps on
+_JUMPS_ON = {"POP_JUMP_IF_TRUE": True, "POP_JUMP_IF_FALSE": False, "JUMP_IF_TRUE_OR_POP": True,
+             "JUMP_IF_FALSE_OR_POP": False}
