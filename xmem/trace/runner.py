@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from xmem.gpus import GpuType, find_gpu, load_catalog
 from xmem.launchers import Target, gpus_per_node, is_python, launcher_env, named_interpreter, srun_shim
+import xmem.trace.bytecode as bytecode
 import xmem.trace.privileges as privileges  # -- issue 21
 import xmem.trace.sandbox as sandbox
 import xmem.trace.shim as shim
@@ -104,15 +105,19 @@ def run_trace(command: list[str], *, iterations: int = 3, gpu: GpuType | None = 
     remove_stale_scratch()
     if shim_python:
         shim.prepare(shim_python)  # -- issue 21: built outside the sandbox, where its cache is read-only
+    compiled = _bytecode_cache()  # -- issue 31: the libraries' bytecode, kept from one trace to the next
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
                                         _cpu_seconds(timeout), _shim_dirs(),
-                                        interpreter_binaries([interpreter, shim_python or ""], job_env))
+                                        interpreter_binaries([interpreter, shim_python or ""], job_env),
+                                        shared=[str(compiled)] if compiled else [])
         request = TraceRequest(tuple(program), str(out), fake_gpu(gpu), iterations, gpus,
                                time.monotonic() + DEADLINE_SHARE * (timeout or MAX_TRACE_SECONDS),
                                progress_fd=-1)  # the descriptor: set when started
         child_env = _with_srun_shim(_child_env(env, target, gpus), Path(scratch))
+        if compiled:
+            child_env[bytecode.ENV] = str(compiled)
         argv = [*helper, interpreter, "-m", module, *request.argv()]
         warm_run = _run_warm(argv, request.gpu, interpreter, child_env, cwd, timeout, on_progress, Path(scratch),
                              cancel) \
@@ -236,6 +241,15 @@ def _shim_dirs() -> list[str]:
     except OSError:
         pass
     return [str(cache), str(shim.temporary_cache_dir())]
+
+
+def _bytecode_cache() -> Path | None:
+    """This user's bytecode cache (`xmem.trace.bytecode`: where it lives is the estimator's setting, never the
+    job's), pruned to its bound; None where there is none (root)."""
+    cache = bytecode.directory(os.environ)
+    if cache is not None:
+        bytecode.prune(cache)
+    return cache
 
 
 def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict[str, str]:

@@ -14,7 +14,8 @@ user namespaces; works here as root and as an ordinary user):
   refuses is bound back read-only (its writes fail rather than land). The tmpfs lives only as long as the
   namespace: the copy-on-write view is gone when the estimate ends, also when everything is killed with SIGKILL;
 - the scratch directory (where the tracer writes its result) is bound back writable, the shim cache read-only (the
-  warm tracer loads the shim outside the sandbox); an empty tmpfs covers /run (services' unix sockets: munge,
+  warm tracer loads the shim outside the sandbox), the user's bytecode cache writable (`--shared`: kept between
+  traces, never root's; why that is safe: `xmem.trace.bytecode`); an empty tmpfs covers /run (services' unix sockets: munge,
   databases, the session bus; sockets elsewhere sit behind an overlay, through which a connect is refused);
 - a network namespace with loopback only (up: a fake process group's 127.0.0.1 store), no route anywhere else; an
   IPC namespace and a private /dev/shm (the user's running jobs' shared memory is out of reach);
@@ -351,9 +352,10 @@ def unreadable_notice(identity: Identity, path: str) -> str:
 # ---- namespaces -------------------------------------------------------------------------------------------------
 
 def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int,
-                     identity: Identity | None = None) -> tuple[str, list[str]]:
+                     identity: Identity | None = None, shared: list[str] = ()) -> tuple[str, list[str]]:
     """Move this process into new user, mount, pid and network namespaces and cover the filesystems with overlays;
-    `protected` (the shim cache: what runs outside the sandbox later) is bound back read-only, the scratch writable.
+    `protected` (the shim cache: what runs outside the sandbox later) is bound back read-only, the scratch and
+    `shared` (the user's bytecode cache, `xmem.trace.bytecode`: kept from one trace to the next) writable.
     With `identity` (root started the helper), no user namespace: root makes the mounts itself, every overlay's
     lower layer is `RootViews`' idmapped view (root's files show the identity as owner), and the tracer will run as
     the identity (`become_identity`).
@@ -383,7 +385,7 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int,
     # Handles on the real directories, taken before any overlay hides them (fds from after the unshare: a mount of
     # the host's namespace cannot be the source of one in ours).
     # A mount point may be a file (a container's /etc/hosts): overlayfs refuses it, so it is made read-only.
-    real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *protected]}
+    real = {path: os.open(path, os.O_PATH) for path in [*targets, str(scratch), *shared, *protected]}
     trees = {path: views.tree(path) for path in [*targets, *protected]} if views else {}
     owners = {path: views.owner_of(path) for path in targets} if views else {}
     cow = scratch / COW_DIR
@@ -400,10 +402,10 @@ def enter_namespaces(scratch: Path, protected: list[str], cow_bytes: int,
             _bind_view(path, real[path], trees.get(path))
             read_only.append(path)
     services = _hide_services(uid, cow_bytes, identity)
-    for path in [str(scratch), *protected]:
+    for path in [str(scratch), *shared, *protected]:
         if _under(path, (SERVICES_DIR,)):  # a TMPDIR under /run/user: its mount point, in the new tmpfs
             os.makedirs(path, exist_ok=True)
-        if path == str(scratch):
+        if path == str(scratch) or path in shared:
             _bind(real[path], path, read_only=False)
         else:
             _bind_view(path, real[path], trees.get(path))
@@ -674,18 +676,19 @@ def run_init(argv: list[str], limits: Limits, scratch: Path, env: dict, guard: l
 # ---- fallback -------------------------------------------------------------------------------------------------
 
 def run_fallback(argv: list[str], limits: Limits, scratch: Path, protected: list[str], refused: str,
-                 program_env: dict) -> dict:
+                 program_env: dict, shared: list[str] = ()) -> dict:
     """No namespaces: redirect Python's writes in the tracer, Landlock the rest, reap and kill every descendant.
-    `protected` (the shim cache) is passed through unredirected, so that Landlock refuses a write there."""
+    `protected` (the shim cache) is passed through unredirected, so that Landlock refuses a write there; `shared`
+    (the bytecode cache) too, and Landlock lets the tracer write there as in the scratch."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     views = _root_views(scratch, protected, _identity) if _identity is not None else ""
     cow = scratch / COW_DIR
     cow.mkdir(mode=0o700)
     give_to_tracer(cow)
-    env = _redirecting_env(program_env, cow, scratch, protected, only_under=None)
+    env = _redirecting_env(program_env, cow, scratch, [*shared, *protected], only_under=None)
     refuse_if_unreadable(argv, env, scratch)
     landlock = landlock_abi()
-    tracer = _start_tracer(_redirected(argv), limits, env, writable=[str(scratch)] if landlock else None)
+    tracer = _start_tracer(_redirected(argv), limits, env, writable=[str(scratch), *shared] if landlock else None)
     _stop_descendants_on_signal()
     status = _wait_for(tracer, limits.memory_bytes)
     kill_descendants()
@@ -1026,7 +1029,7 @@ HELPER_ENV = {"PATH": os.defpath, "LC_ALL": "C.UTF-8"}
 
 
 def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: int,
-                   protected: list[str], guarded: list[str] = ()) -> list[str]:
+                   protected: list[str], guarded: list[str] = (), shared: list[str] = ()) -> list[str]:
     """The command line that runs `sandbox.py` (isolated from the user's PYTHONPATH) in front of the tracer; start
     it with HELPER_ENV, after `write_program_env`. `protected` directories are read-only in the sandbox; every
     start of a `guarded` interpreter binary passes the guard (`guard_interpreters`)."""
@@ -1037,6 +1040,8 @@ def helper_command(python: str, scratch: Path, memory_bytes: int, cpu_seconds: i
         command += ["--run-as", trace_identity().option()]
     for path in protected:
         command += ["--protect", path]
+    for path in shared:
+        command += ["--shared", path]
     for binary in guarded:
         command += ["--guard", binary]
     return [*command, "--"]
@@ -1068,6 +1073,8 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
     parser.add_argument("--memory-bytes", type=int, default=0)
     parser.add_argument("--cpu-seconds", type=int, default=0)
     parser.add_argument("--protect", action="append", default=[], help="a directory read-only in the sandbox")
+    parser.add_argument("--shared", action="append", default=[],
+                        help="a directory of the user's, writable in the sandbox and kept (the bytecode cache)")
     parser.add_argument("--guard", action="append", default=[], help="an interpreter binary to guard")
     parser.add_argument("--mode", default="", help=f"as ${MODE_ENV}")
     parser.add_argument("--program-env", type=Path, help="JSON file of the program's environment (then removed)")
@@ -1084,6 +1091,8 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
         program_env = _read_program_env(args.program_env)
     limits = Limits(args.memory_bytes, args.cpu_seconds)
     keep = [path for path in args.protect if os.path.isdir(path)]
+    # never root's: root's trace runs as an identity whose writes root must not read back (xmem.trace.bytecode)
+    shared = [path for path in args.shared if os.path.isdir(path)] if os.geteuid() != 0 else []
     try:
         # -- issue 35: no trace runs as uid 0; root's runs as the identity, which owns what the tracer writes
         _identity = (args.run_as or trace_identity({})) if os.geteuid() == 0 else None
@@ -1092,10 +1101,10 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
         if _mode == "fallback":
             raise NamespacesRefused(errno.EPERM, f"{MODE_ENV}=fallback is set")
         protection, read_only = enter_namespaces(args.scratch, keep, cow_bytes=max(limits.memory_bytes, 1 << 30),
-                                                 identity=_identity)
+                                                 identity=_identity, shared=shared)
     except NamespacesRefused as refused:
         _write_result(args.scratch, run_fallback(command, limits, args.scratch, keep, f"no namespaces: {refused}",
-                                                 program_env))
+                                                 program_env, shared))
         os._exit(0)
     except OSError as error:  # half-way into the namespaces: the user's files cannot be promised safe
         _write_result(args.scratch, {"failed": f"the sandbox could not be set up: {error}"})
@@ -1106,7 +1115,7 @@ def main(argv: list[str], program_env: dict[str, str] | None = None) -> None:
         cow = args.scratch / COW_DIR / "python"
         cow.mkdir()
         give_to_tracer(cow)
-        env = _redirecting_env(program_env, cow, args.scratch, keep, only_under=read_only)
+        env = _redirecting_env(program_env, cow, args.scratch, [*shared, *keep], only_under=read_only)
         command = _redirected(command)
     init = os.fork()
     if init == 0:

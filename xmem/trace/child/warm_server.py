@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xmem.trace.bytecode as bytecode
 import xmem.trace.sandbox as sandbox
 from xmem.trace.wire import DEFAULT_IDLE_S, FRAME_HEADER, REQUEST_TIMEOUT_S, STOP_GRACE_S, WarmReply, WarmRequest, \
     alive, peer_ids, with_option
@@ -407,6 +408,7 @@ def _trace_in_process(argv: list[str], env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     sandbox.install_in_child()
+    bytecode.use_in_this_process()  # what the job imports beyond the server's libraries: the user's cache
     importlib.invalidate_caches()  # a package installed since the server listed its directories
     _fresh_random_state()
     import xmem.trace.child.main as child

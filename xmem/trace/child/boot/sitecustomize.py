@@ -33,6 +33,9 @@ def _run_shadowed() -> None:
 
 
 _register_xmem()
+from xmem.trace import bytecode  # noqa: E402
+
+bytecode.use_in_this_process()  # before the imports below: the tracer's own modules' bytecode is kept too
 from xmem.trace import sandbox  # noqa: E402
 from xmem.trace.child import follow  # noqa: E402 - xmem is importable from here on
 
