@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.throwaway_users import SYSTEM_PYTHON, User, users_fixture, visible_dir
-from xmem.trace import bytecode, runner, sandbox
+from xmem.trace import bytecode, runner, sandbox, warm
 from xmem.trace.child.follow import BOOT_DIR
 
 REPO = str(Path(bytecode.__file__).resolve().parents[2])
@@ -163,3 +163,48 @@ def test_the_cache_is_pruned_oldest_first_without_following_links(tmp_path):
     assert not (cache / "work" / "pkg0").exists()  # its emptied folders went too
     assert outside.read_bytes() == b"u" * 4000 and (cache / "work" / "link.pyc").is_symlink()
     assert (elsewhere / "old.pyc").exists()  # the oldest file, but behind a link: not the cache's
+
+
+WRITES_BOTH = textwrap.dedent("""
+    import sys
+    for folder in sys.argv[1:]:
+        try:
+            open(folder + "/planted.pyc", "wb").write(b"x")
+            print("wrote", folder, flush=True)
+        except OSError as error:
+            print("refused", folder, error.errno, flush=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes throw-away users")
+@pytest.mark.parametrize("mode", ["", "fallback"])
+def test_the_warm_servers_cache_is_read_only_to_traces(users, mode):
+    """The warm tracer's server runs outside the sandbox: its own cache (beside the traces') is protected as the
+    runner protects it, so that nothing a traced program writes is run outside a sandbox."""
+    owner, _ = users
+    if mode == "fallback" and not sandbox.landlock_abi():
+        pytest.skip("this kernel has no Landlock: the fallback cannot refuse a write there")
+    traces = cache_of(owner)
+    done = owner.run(SYSTEM_PYTHON, "-I", "-c", f"import sys; sys.path.insert(0, {REPO!r}); "
+                     "from xmem.trace import bytecode; print(bytecode.directory(warm=True))")
+    server = Path(done.stdout.strip())
+    assert server == traces.with_name("bytecode-warm") and server.stat().st_mode & 0o777 == 0o700
+    with visible_dir() as shared:
+        scratch = shared / "scratch"
+        scratch.mkdir()
+        os.chown(scratch, owner.uid, owner.gid)
+        (shared / "program.py").write_text(WRITES_BOTH)
+        ran = owner.run(SYSTEM_PYTHON, sandbox.__file__, "--scratch", str(scratch), "--parent", str(os.getpid()),
+                        "--mode", mode, f"--shared={traces}", f"--protect={server}", "--", SYSTEM_PYTHON,
+                        str(shared / "program.py"), str(traces), str(server), check=False, timeout=60)
+        assert sandbox.read_result(scratch).get("status") == {"exit": 0}, ran.stdout + ran.stderr
+    assert f"wrote {traces}" in ran.stdout and f"refused {server}" in ran.stdout, ran.stdout
+    assert (traces / "planted.pyc").exists() and not (server / "planted.pyc").exists()
+
+
+def test_the_warm_server_is_handed_its_own_cache_never_the_traces():
+    """The job's environment (which names the traces' cache) shapes the server's only by what decides its imports."""
+    job = {bytecode.ENV: "/home/u/.cache/xmem-slurm/bytecode", "PATH": "/usr/bin"}
+    assert bytecode.ENV not in warm.server_env(job, "/opt/xmem")
+    server = Path("/home/u/.cache/xmem-slurm/bytecode-warm")
+    assert warm.server_env(job, "/opt/xmem", server)[bytecode.ENV] == str(server)

@@ -23,8 +23,10 @@ Why it is safe (each rule is kept here or where named):
 - The traced program can write into it (it is bound writable): a program that planted bytecode there would run it in
   a later trace of the same user, in that trace's sandbox, as that user, which is no more than the program can do
   when it runs for real. Nothing outside a sandbox reads it: the estimator never imports from it, and the warm
-  tracer's server (outside the sandbox) is not handed the variable (`warm.server_env` keeps no XMEM_ setting but the
-  shim's); only its jobs, forked into their sandboxes, use it.
+  tracer's server (outside the sandbox) is handed its own (`directory(warm=True)`, beside it): written by the server
+  alone, which imports the installation's libraries and no code of the job's, and read-only in every trace (the
+  runner protects it as it does the shim cache; in the fallback without Landlock, as the shim cache, it is not).
+  Each job the server forks points its prefix to the traces' cache before it imports anything of the job's.
 - The user's PYTHONDONTWRITEBYTECODE keeps bytecode out of the user's folders; the cache is not one of them, so a
   trace writes it all the same.
 - It is bounded: before each trace, the runner removes the least recently used files beyond MAX_BYTES (`prune`),
@@ -51,14 +53,16 @@ ENV = "XMEM_BYTECODE_CACHE"  # in the tracer's environment: the directory every 
 DIR_ENV = "XMEM_BYTECODE_DIR"  # in the estimator's: where this user's cache lives (a site's or a test's choice)
 HOME_DIR = "~/.cache/xmem-slurm/bytecode"
 MAX_BYTES = 512 << 20  # one venv's torch + transformers + accelerate imports took 74 MiB
+WARM_SUFFIX = "-warm"  # the warm tracer's server's own cache: the traces' one's name with this added
 
 
-def directory(estimator_env: dict[str, str] | os._Environ = os.environ) -> Path | None:
-    """This user's bytecode cache, made private if it is new; None for root, and where none of the user's own can be
-    had (the configured one is someone else's): traces then compile as before."""
+def directory(estimator_env: dict[str, str] | os._Environ = os.environ, warm: bool = False) -> Path | None:
+    """This user's bytecode cache of traces (`warm`: of the warm tracer's server), made private if it is new; None
+    for root, and where none of the user's own can be had (the configured one is someone else's): they then compile
+    as before."""
     if os.geteuid() == 0:
         return None
-    return user_dir(estimator_env.get(DIR_ENV) or HOME_DIR)
+    return user_dir((estimator_env.get(DIR_ENV) or HOME_DIR).rstrip("/") + (WARM_SUFFIX if warm else ""))
 
 
 def use_in_this_process() -> None:

@@ -109,7 +109,7 @@ def run_trace(command: list[str], *, iterations: int = 3, gpu: GpuType | None = 
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         out = Path(scratch) / "trace.json"
         helper = sandbox.helper_command(sys.executable, Path(scratch), memory_limit_bytes,
-                                        _cpu_seconds(timeout), _shim_dirs(),
+                                        _cpu_seconds(timeout), [*_shim_dirs(), *_warm_bytecode_dirs()],
                                         interpreter_binaries([interpreter, shim_python or ""], job_env),
                                         shared=[str(compiled)] if compiled else [])
         request = TraceRequest(tuple(program), str(out), fake_gpu(gpu), iterations, gpus,
@@ -243,13 +243,19 @@ def _shim_dirs() -> list[str]:
     return [str(cache), str(shim.temporary_cache_dir())]
 
 
-def _bytecode_cache() -> Path | None:
-    """This user's bytecode cache (`xmem.trace.bytecode`: where it lives is the estimator's setting, never the
-    job's), pruned to its bound; None where there is none (root)."""
-    cache = bytecode.directory(os.environ)
+def _bytecode_cache(warm: bool = False) -> Path | None:
+    """This user's bytecode cache of traces (`warm`: the warm tracer's server's, `xmem.trace.bytecode`: where it
+    lives is the estimator's setting, never the job's), pruned to its bound; None where there is none (root)."""
+    cache = bytecode.directory(os.environ, warm=warm)
     if cache is not None:
         bytecode.prune(cache)
     return cache
+
+
+def _warm_bytecode_dirs() -> list[str]:
+    """The warm tracer's server's bytecode cache: read-only inside the sandbox (the server runs outside it)."""
+    cache = _bytecode_cache(warm=True)
+    return [str(cache)] if cache else []
 
 
 def _child_env(env: Mapping[str, str] | None, target: Target, gpus: int) -> dict[str, str]:
@@ -309,7 +315,8 @@ def _run_warm(argv: list[str], gpu: FakeGpu, interpreter: str, env: dict[str, st
         return None
     connection = warm.connect(path)
     if connection is None:
-        warm.start_server(interpreter, path, warm.server_env(env, BOOT_DIR), after=scratch)
+        warm.start_server(interpreter, path, warm.server_env(env, BOOT_DIR, bytecode.directory(os.environ, warm=True)),
+                          after=scratch)
         return None
 
     # -- issue 32: the warm job writes into a scratch of its own, handed over only when it ran to its end: a job the

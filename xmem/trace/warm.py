@@ -124,14 +124,16 @@ def _runs_code_at_start(name: str) -> bool:
     return name.startswith("LD_") or (name.startswith("PYTHON") and name not in SERVER_PYTHON_ENV)
 
 
-def server_env(env: dict[str, str], xmem_parent: str) -> dict[str, str]:
+def server_env(env: dict[str, str], xmem_parent: str, compiled: Path | None = None) -> dict[str, str]:
     """The server's environment (it runs outside the sandbox): of the job's, only what shapes its imports (the key
-    of its socket), nothing that runs code at start, the shim cache the runner chose, and xmem alone on
-    PYTHONPATH. The job's whole environment is applied inside its sandbox (`_trace_in_process`)."""
+    of its socket), nothing that runs code at start, the shim cache the runner chose, the server's own bytecode cache
+    `compiled` (never the traces' one: `xmem.trace.bytecode`), and xmem alone on PYTHONPATH. The job's whole
+    environment is applied inside its sandbox (`_trace_in_process`)."""
+    import xmem.trace.bytecode as bytecode
     import xmem.trace.shim as shim
     kept = {k: v for k, v in env.items() if _shapes_imports(k) and not _runs_code_at_start(k)}
     return {"PATH": os.defpath, **kept, **{k: env[k] for k in (shim.DIR_ENV,) if k in env},
-            "PYTHONPATH": xmem_parent}
+            **({bytecode.ENV: str(compiled)} if compiled else {}), "PYTHONPATH": xmem_parent}
 
 
 def start_server(interpreter: str, path: Path, env: dict[str, str],
