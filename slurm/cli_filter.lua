@@ -19,10 +19,11 @@ local function notice(msg)
 end
 
 -- What the user is told once Slurm has accepted the job (post-submit), so that "submitted unchanged" is never
--- printed for a job Slurm then refuses. The deferred-mode spool, and whether the user asked for --hold
--- (post-submit must not release such a job), travel in the same store: "spool\nhold\nmessage".
-local function keep_for_post_submit(message, spool, user_hold)
-  slurm.cli_store(0, (spool or "") .. "\n" .. (user_hold and "hold" or "") .. "\n" .. (message or ""))
+-- printed for a job Slurm then refuses. The deferred-mode spool, and how the job waits for it travel in the same
+-- store: "spool\nwaits\nmessage", where waits is "hold" (the user's own --hold: post-submit must not release such
+-- a job), "begin" (not held: its start put off, xmem.slurm.putoff; nothing to release) or "".
+local function keep_for_post_submit(message, spool, waits)
+  slurm.cli_store(0, (spool or "") .. "\n" .. (waits or "") .. "\n" .. (message or ""))
 end
 
 -- The exit code of a finished os.execute: Lua 5.1 returns the wait status, later versions (ok, how, code).
@@ -248,13 +249,14 @@ function slurm_cli_pre_submit(options, pack_offset)
     notice(reply.reject)
     return slurm.ERROR
   end
-  local user_hold = options["hold"] ~= nil  -- read before the reply's own hold is set
+  local waits = options["hold"] ~= nil and "hold" or ""  -- read before the reply's own hold is set
+  if reply.defer ~= nil and reply.set.hold == nil then waits = "begin" end  -- put off, not held
   local refused = apply(options, reply.set)
   if refused then
     keep_for_post_submit("sbatch refused the request xmem chose (" .. refused .. "); submitted as written")
     return slurm.SUCCESS
   end
-  keep_for_post_submit(reply.message, reply.defer, user_hold)
+  keep_for_post_submit(reply.message, reply.defer, waits)
   return slurm.SUCCESS
 end
 
@@ -263,10 +265,12 @@ end
 -- wrote (no Python starts here, in sbatch's time: xmem.slurm.deferred.submit_script). It exits 0 when queued, 2
 -- when it could not queue and has already released (or, fail-closed, cancelled) the job and said why; anything
 -- else (a crash, a timeout, a spool that is not one) leaves that to this side, so that no job stays held for xmem.
+-- A job put off (xmem.slurm.putoff) is not held: its submit.sh starts the estimate detached, and if that fails
+-- Slurm starts the job unchanged at its put-off time.
 function slurm_cli_post_submit(offset, job_id, step_id)
   local stored = offset == 0 and slurm.cli_retrieve(0)
   if not stored then return slurm.SUCCESS end
-  local spool, user_hold, message = string.match(stored, "^([^\n]*)\n(%a*)\n(.*)$")
+  local spool, waits, message = string.match(stored, "^([^\n]*)\n(%a*)\n(.*)$")
   if message ~= nil and message ~= "" then notice(message) end
   if spool == nil or spool == "" then return slurm.SUCCESS end
   local job = tostring(job_id)
@@ -275,11 +279,14 @@ function slurm_cli_post_submit(offset, job_id, step_id)
     status = exit_code(os.execute("timeout 60 sh " .. shquote(spool .. "/submit.sh") .. " " .. job .. " >/dev/null"))
   end
   if status == 0 or status == 2 then return slurm.SUCCESS end
-  if failure_mode() == "closed" then
+  if waits == "begin" then
+    notice("the estimate could not be started (exit " .. status .. "): job " .. job ..
+           " starts unchanged at its put-off time")
+  elseif failure_mode() == "closed" then
     os.execute("timeout 30 scancel " .. job .. " >/dev/null 2>&1")
     notice("the estimate could not be queued (exit " .. status .. "); the site requires one: job " .. job ..
            " cancelled")
-  elseif user_hold ~= "hold" then
+  elseif waits ~= "hold" then
     os.execute("timeout 30 scontrol release " .. job .. " >/dev/null 2>&1")
     notice("the estimate could not be queued (exit " .. status .. "): job " .. job .. " released unchanged")
   end

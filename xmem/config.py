@@ -136,9 +136,12 @@ class DeferredConfig:
 @dataclass(frozen=True)
 class FilterConfig:
     """sbatch's side (xmem.slurm.filter): how long a submission waits for an estimate that is not cached before the
-    job is handed to deferred estimation (only where [deferred] cpu_partition names a partition to hand it to)."""
+    job is handed to deferred estimation (where [deferred] cpu_partition names a partition to hand it to), or, at a
+    fail-open site without one, goes with its start put off while the estimate goes on detached (`put_off`)."""
 
     wait_s: float = 4.0
+    # Fail-open sites without a CPU partition: put a slow estimate's job off (xmem.slurm.putoff); false: sbatch waits
+    put_off: bool = True
     # Where the filter's own faults go (xmem.slurm.site_log): "syslog", an absolute path of a file, or "none".
     log: str = "syslog"
 
@@ -357,7 +360,8 @@ def _filter(table: Mapping[str, Any]) -> FilterConfig:
     log = _get(table, "log", FilterConfig)
     if not isinstance(log, str) or not (log in ("syslog", "none") or os.path.isabs(log)):
         raise ConfigError(f"filter.log: \"syslog\", \"none\" or an absolute path of a file (got {log!r})")
-    return FilterConfig(wait_s=float(wait), log=log)
+    return FilterConfig(wait_s=float(wait), log=log,
+                        put_off=_bool(_get(table, "put_off", FilterConfig), "filter.put_off"))
 
 
 def _check_gpu_types(config: SiteConfig) -> None:

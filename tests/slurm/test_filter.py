@@ -154,7 +154,7 @@ def test_one_deadline_bounds_the_wait_for_a_slot_and_the_estimate(tmp_path):
     site = config_from_dict({"estimate": {"timeout_s": 30, "cache_dir": str(tmp_path / "cache")}})
     left = []
 
-    def analyzer(path, req, config, *, deadline):
+    def analyzer(path, req, config, *, deadline, **cancel):  # cancel: run in the handoff's thread (put-off default)
         left.append(deadline - time.monotonic())
         return Verdict(decision(), PEAKS)
 
@@ -186,7 +186,7 @@ def test_a_cached_rewrite_the_policy_would_not_make_is_a_miss(tmp_path):
                         cwd=str(tmp_path))
     calls = []
 
-    def analyzer(path, r, config, *, deadline):  # the real policy on fixed peaks
+    def analyzer(path, r, config, *, deadline, **cancel):  # the real policy on fixed peaks
         calls.append(path)
         return Verdict(decide_on_peaks(parse_job(path, r), PEAKS, config), PEAKS)
 

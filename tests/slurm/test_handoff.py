@@ -1,6 +1,6 @@
 """sbatch within a wait (issue 35 item 5): an estimate ready within `[filter] wait_s` answers inline; one that is
 not is handed to the CPU partition (held, one line), cancelled, and never answers inline afterwards (its result,
-when it comes, reaches the cache); without a CPU partition the filter waits for the estimate as before.
+when it comes, reaches the cache); without a CPU partition a fail-closed site waits for the estimate as before.
 (The flow on the real Slurm: tests/integration/test_deferred.py.)"""
 
 import threading
@@ -26,13 +26,14 @@ def own_slots(tmp_path, monkeypatch):
     return tmp_path / "slots"
 
 
-def site(tmp_path, cpu_partition="cpu", wait_s=WAIT_S, mode="inline"):
+def site(tmp_path, cpu_partition="cpu", wait_s=WAIT_S, mode="inline", failure="open", put_off=True):
     return config_from_dict({"partitions": {"default": "debug", "from_cluster": False,
                                             "gpu_types": {"debug": ["a100"]}},
                              "mps": {"enabled": True, "gpu_types": ["a100"]},
+                             "policy": {"failure": failure},
                              "estimate": {"cache_dir": str(tmp_path / "cache")},
                              "deferred": {"mode": mode, "cpu_partition": cpu_partition},
-                             "filter": {"wait_s": wait_s}})
+                             "filter": {"wait_s": wait_s, "put_off": put_off}})
 
 
 def submission(tmp_path, **options) -> FilterRequest:
@@ -227,10 +228,12 @@ def test_an_estimates_own_error_reaches_the_filter_as_before(tmp_path):
     assert reply.message.startswith("cannot estimate this job's GPU memory (cannot read train.py")
 
 
-@pytest.mark.parametrize("setting", [{"cpu_partition": None}, {"mode": "partition"}])
+@pytest.mark.parametrize("setting", [{"cpu_partition": None, "failure": "closed"},
+                                     {"cpu_partition": None, "put_off": False}, {"mode": "partition"}])
 def test_without_a_cpu_partition_sbatch_waits_for_the_estimate_as_before(tmp_path, setting):
-    """No CPU partition: nowhere Slurm watches to hand the job to, so the estimate answers inline however long
-    it takes (at most [estimate] timeout_s, then the failure mode). Partition mode defers every miss at once."""
+    """No CPU partition at a fail-closed site (a put-off job would run unestimated), or one that chose no put-off
+    starts: the estimate answers inline however long it takes (at most [estimate] timeout_s, then the failure mode).
+    Partition mode defers every miss at once. (A fail-open site puts the job off: tests/slurm/test_putoff.py.)"""
     def slow(path, req, config, *, deadline, **cancel):
         time.sleep(WAIT_S + 0.5)
         return Verdict(decision(), PEAKS)

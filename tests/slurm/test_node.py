@@ -235,6 +235,13 @@ def test_epilog_records_the_outcome_of_a_deferred_estimate(tmp_path):
     assert (record.deferred_state, record.estimate_bytes) == ("failed", None)
 
 
+def test_epilog_records_a_put_off_job_whose_estimate_never_came_back_as_failed(tmp_path):
+    """A job that ran with its comment still pending (xmem.slurm.putoff: the detached estimate died) ran unchanged."""
+    env = {"SLURM_JOB_ID": "14", "SLURM_JOB_COMMENT": "xmem:state=pending;was=gpu:1;why=goes+on+in+the+background"}
+    record = epilog_record(env, measure_dir=str(tmp_path), nvml=lambda g, s: None)
+    assert (record.deferred_state, record.request_before, record.estimate_bytes) == ("failed", "gpu:1", None)
+
+
 def test_scontrol_record_keeps_spaces_inside_a_value():
     from xmem.slurm.scontrol import parse_scontrol_record
     line = ("JobId=42 JobName=train job UserId=alice(1000) JobState=PENDING Reason=JobHeldUser "

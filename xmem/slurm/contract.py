@@ -11,7 +11,8 @@ Contract, in:  {"script": abs path | null, "argv": [...], "options": {long optio
                 slurm.json_cli_options gives them}, "user": str | null, "env": {name: value},
                 "cwd": optional, default the filter's own working directory (sbatch's)}
          out:  {"set": {option: string}, "message": str | null, "reject": str | null, "fault": str | null,
-                "defer": token | null (deferred mode: post-submit queues the estimation job, xmem.slurm.deferred)}
+                "defer": spool | null (post-submit runs its submit.sh: deferred mode queues the estimation job,
+                xmem.slurm.deferred; a put-off job's estimate starts detached, xmem.slurm.putoff)}
 `fault` is set only when the filter could not even learn the site's failure mode (the Lua side then applies
 its install-time default). Option values in `set` are exact (what the user wrote passes unchanged: quotes,
 backslashes); the Lua side decodes JSON strings. The lines for people (`message`, `reject`, `fault`) are one line

@@ -110,6 +110,19 @@ def defer(script: str, request: FilterRequest, config: SiteConfig,
     """Snapshot the submission and answer sbatch: hold the job, mark it pending, and name the spool (the reply's
     `defer`), whose submit.sh post-submit runs. Returns the reply and the spool's token. `why`: why the inline
     estimate was not used (its line says so)."""
+    token, spool = snapshot(script, request, config)
+    (spool / SUBMIT_SCRIPT).write_text(submit_script(spool, config))
+    was = user_request(request.options) or "none"
+    not_used = f" {why}," if why else ""
+    message = (f"GPU memory estimate{not_used} queued on partition {config.deferred.cpu_partition}: the job is held "
+               f"until it is done (xmem-slurm status JOBID)")
+    comment = _with_state(request.options.get("comment"), state_pairs("pending", was, why=message))
+    return FilterReply(set={"hold": "set", "comment": comment}, message=message, defer=str(spool)), token
+
+
+def snapshot(script: str, request: FilterRequest, config: SiteConfig) -> tuple[str, Path]:
+    """A new spool holding the submission as the filter saw it (load_request reads it back): its token and path.
+    The spool's SUBMIT_SCRIPT, which post-submit runs, is the caller's to write."""
     token = uuid.uuid4().hex
     _sweep_unqueued(spool_root(config))
     spool = spool_root(config) / token
@@ -119,13 +132,7 @@ def defer(script: str, request: FilterRequest, config: SiteConfig,
                     "options": dict(request.options), "user": request.user, "env": dict(request.env),
                     "cwd": request.cwd}
     (spool / "request.json").write_text(json.dumps(request_json))
-    (spool / SUBMIT_SCRIPT).write_text(submit_script(spool, config))
-    was = user_request(request.options) or "none"
-    not_used = f" {why}," if why else ""
-    message = (f"GPU memory estimate{not_used} queued on partition {config.deferred.cpu_partition}: the job is held "
-               f"until it is done (xmem-slurm status JOBID)")
-    comment = _with_state(request.options.get("comment"), state_pairs("pending", was, why=message))
-    return FilterReply(set={"hold": "set", "comment": comment}, message=message, defer=str(spool)), token
+    return token, spool
 
 
 def _sweep_unqueued(root: Path) -> None:
@@ -228,8 +235,11 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
     return outcome
 
 
-def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: SiteConfig) -> str:
-    """Carry the filter's reply over to the held job, then release it (or cancel it on a refusal)."""
+def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: SiteConfig | None,
+          start_at: str | None = None) -> str:
+    """Carry the filter's reply over to the held job, then release it (or cancel it on a refusal). `start_at`: the
+    job is not held but its start put off (xmem.slurm.putoff): its StartTime is set to this instead (a Slurm time:
+    the user's own --begin, or "now"); "" leaves the start as it is (the user's own later --begin)."""
     was = user_request(request.options) or "none"
     user_comment = request.options.get("comment")
     if reply.reject:
@@ -246,6 +256,8 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: SiteC
         try:
             refused = retype(job_id, field, _tres(option, value), old)
         except RequestLost as e:  # never released without its GPU request: held, with the fix in the comment
+            if start_at is not None:  # a put-off job is not held yet: it would start GPU-less at its put-off time
+                _scontrol("hold", job_id)
             fix = f"scontrol update JobId={job_id} {field}={old} && scontrol release {job_id}"
             _scontrol("update", f"JobId={job_id}", "Comment=" + _with_state(
                 user_comment, state_pairs("stuck", was, why=str(e), fix=fix)))
@@ -258,6 +270,11 @@ def apply(job_id: str, reply: FilterReply, request: FilterRequest, config: SiteC
     why = {"why": note} if note else {}  # the line the user would have seen inline, whatever the outcome
     comment = _with_state(user_comment, state_pairs(state, was, **why), stamp)
     _scontrol("update", f"JobId={job_id}", f"Comment={comment}")
+    if start_at is not None:  # the start last: the job must not start before its new request is set
+        if not start_at:
+            return f"job {job_id} keeps its own start ({state}): {note}"
+        _scontrol("update", f"JobId={job_id}", f"StartTime={start_at}")
+        return f"job {job_id} may start {'now' if start_at == 'now' else 'at ' + start_at} ({state}): {note}"
     if request.options.get("hold"):  # the user's own --hold: theirs to release
         return f"job {job_id} left held, as submitted ({state}): {note}"
     _scontrol("release", job_id)

@@ -3,8 +3,9 @@
 Owns the entry point (`python -m xmem.slurm.filter`, also `xmem-slurm filter`), the `--wrap` script, and which
 path a submission takes: none (no script, a CPU job, a hetjob), inline (xmem.slurm.inline: estimated now, or
 from the cache), deferred (xmem.slurm.deferred: held and estimated as a CPU job), or inline unless not ready
-within `[filter] wait_s`, then deferred (xmem.slurm.handoff: where the site has a CPU partition). The JSON
-exchanged with the Lua side and the reply are xmem.slurm.contract's; parsing the script, the estimate and the
+within `[filter] wait_s` (xmem.slurm.handoff), then deferred where the site has a CPU partition, or put off
+(xmem.slurm.putoff: the job's start put off while the estimate goes on detached) where it fails open without one.
+The JSON exchanged with the Lua side and the reply are xmem.slurm.contract's; parsing the script, the estimate and the
 policy belong to xmem.jobscript, xmem.analyze and xmem.policy, and nothing here second-guesses them.
 """
 
@@ -31,6 +32,7 @@ from xmem.slurm.cluster import test_only_refusal
 from xmem.slurm.contract import (HETJOB_NOTICE, FilterReply, FilterRequest, Verdict, drop_user_settings, failure_reply,
                                  key_for, recorded, reply_for)
 from xmem.slurm.handoff import hands_off, inline_or_handed_off
+from xmem.slurm.putoff import put_off_reply, puts_off
 from xmem.slurm.site_log import log_fault
 from xmem.slurm.inline import (analysis_cache, analyze_submission, cache_hit, cached_analysis, command_files,
                                config_digest, estimate_slots, parse_job)
@@ -107,17 +109,30 @@ def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config:
 
     if deferred.deferring(config) and missed():
         return deferred.defer_reply(script, request, config)
-    if handoff_at is not None and hands_off(config, request) and missed():
+    hand_off = None if handoff_at is None else _hand_off(script, request, config, handoff_at)
+    if hand_off is not None and missed():
         # No waiting for a slot: with the user's estimates all running, the host is busy and the job goes at once
-        verdict = inline_or_handed_off(lambda cancel: analysis(cancel, slot_wait_s=0.0), handoff_at,
-                                       lambda why: deferred.handoff_reply(script, request, config, why),
+        verdict = inline_or_handed_off(lambda cancel: analysis(cancel, slot_wait_s=0.0), handoff_at, hand_off,
                                        waited_s=config.filter.wait_s)
-        if isinstance(verdict, FilterReply):  # not ready in time: held, estimated on the CPU partition
+        if isinstance(verdict, FilterReply):  # not ready in time: held for the CPU partition, or its start put off
             return verdict
     else:
         verdict = analysis()
     reply = reply_for(verdict, request, config.failure)
     return refused_rewrite(reply, job, request) or reply
+
+
+def _hand_off(script: str, request: FilterRequest, config: SiteConfig,
+              handoff_at: float) -> Callable[[str], tuple[FilterReply, Callable[[], None]]] | None:
+    """Where a job whose estimate is not ready by `handoff_at` goes (the reply's maker, given why): held and
+    estimated on the CPU partition (xmem.slurm.deferred), its start put off while the estimate goes on detached
+    (xmem.slurm.putoff: a fail-open site without one); None: nowhere, the estimate is waited for."""
+    if hands_off(config, request):
+        return lambda why: deferred.handoff_reply(script, request, config, why)
+    if puts_off(config, request):
+        sbatch_started = time.time() - (time.monotonic() - (handoff_at - config.filter.wait_s))  # as epoch seconds
+        return lambda why: put_off_reply(script, request, config, why, sbatch_started)
+    return None
 
 
 # The options that decide where a job may run: with its new GPU request, what Slurm is asked to check.

@@ -1,6 +1,7 @@
 """sbatch within a wait (issue 35 item 5): an estimate that is not ready within the site's `[filter] wait_s` is
 handed to deferred estimation (xmem.slurm.deferred: the job held, estimated on the CPU partition, then released with
-the rewritten request) instead of holding sbatch for up to `[estimate] timeout_s`.
+the rewritten request), or at a fail-open site without a CPU partition goes on detached with the job's start put
+off (xmem.slurm.putoff), instead of holding sbatch for up to `[estimate] timeout_s`.
 
 Owns the race between the inline estimate and the wait. The estimate runs in a thread of its own; exactly one of the
 two answers the submission. Ready within the wait: the inline answer, as before. Not ready: the job's snapshot for
@@ -16,15 +17,15 @@ from the filter's, which may start seconds later. An estimate that would first h
 (admission: a slot's estimate takes seconds, and more estimates started would slow every submission's own start).
 
 Where the site names no CPU partition (`hands_off` is false) there is nowhere to hand a job to that Slurm watches
-over, and the filter waits for the estimate as before, at most `[estimate] timeout_s`, the failure mode applying as
-before: so "sbatch returns within the wait, always" holds only where a CPU partition is configured. Considered for
-the rest: (1) the job held while the estimate goes on on the login node, detached: a login-node process that dies
-(the OOM killer, a reboot, the user's session limits) would leave the job held for good, with nothing Slurm runs to
-release it; rejected. (2) the job's start put off instead of held (`begin=now+[estimate] timeout_s`, brought back
-to now with the rewritten request once the detached estimate is done): Slurm itself then starts a job nothing came
-back for, unchanged, so it is fail-open by construction; but a fail-closed site's job would run unestimated, it
-must keep the user's own `--begin`, and the detached estimate needs its own cancel (scancel) and progress report.
-Not built: (2) is the way for fail-open sites without a CPU partition.
+over. Considered: (1) the job held while the estimate goes on on the login node, detached: a login-node process that
+dies (the OOM killer, a reboot, the user's session limits) would leave the job held for good, with nothing Slurm runs
+to release it; rejected. (2) the job's start put off instead of held: Slurm itself then starts a job nothing came
+back for, unchanged, so it is fail-open by construction. Built as (2), xmem.slurm.putoff, which this race serves the
+same way (the filter picks which reply a handoff makes): `begin` past the estimate's deadline, the user's own later
+`--begin` kept, the detached estimate cancelled by the job's scancel and reporting through the job's comment. A
+fail-closed site's put-off job would run unestimated: there the filter waits for the estimate as before, at most
+`[estimate] timeout_s`, so "sbatch returns within the wait, always" holds where a CPU partition is configured or the
+site fails open (and keeps `[filter] put_off` on).
 """
 
 from __future__ import annotations

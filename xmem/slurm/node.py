@@ -409,8 +409,11 @@ def epilog_record(env: Mapping[str, str], *, measure_dir: str | None,
     deferred = comment_fields(env.get("SLURM_JOB_COMMENT"))
     if stamp.is_empty() and measured is None and "state" not in deferred:
         return None
+    state = deferred.get("state")
+    if state == "pending":  # never held for xmem, so a put-off job whose estimate never came back: ran unchanged
+        state = "failed"
     return JobRecord(job_id=job_id, user=env.get("SLURM_JOB_USER"), gpu_type=stamp.gpu_type,
                      gres=stamp.request, estimate_bytes=stamp.peak_bytes, needed_bytes=stamp.needed_bytes,
                      exit_code=exit_code_of(env), measured_bytes=measured, measured_by=measured_by,
-                     ended_at=now(), deferred_state=deferred.get("state"),
+                     ended_at=now(), deferred_state=state,
                      request_before=comment_text(deferred.get("was", "")) or None)

@@ -35,7 +35,8 @@ class JobRecord:
     measured_by: str | None = None  # "nvml" or "file"
     ended_at: float | None = None  # Unix time the epilog ran
     # the comment's `state=`: deferred mode's outcome (done, kept, unchanged, failed); inline, only a job submitted
-    # unchanged has one (failed: no estimate; unchanged: nothing fits, or Slurm would refuse the rewrite)
+    # unchanged has one (failed: no estimate, also a put-off job whose estimate never came back, xmem.slurm.putoff;
+    # unchanged: nothing fits, or Slurm would refuse the rewrite)
     deferred_state: str | None = None
     request_before: str | None = None  # the request as submitted, before the estimate (any job the filter saw)
 
