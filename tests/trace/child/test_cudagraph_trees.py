@@ -91,3 +91,61 @@ def test_the_pool_holds_the_hand_derived_segments_for_the_programs_life(reduce_o
     ops = pool_only(events)
     result = simulate(ops, timeline_points=len(ops) + 3)
     assert result.peak_reserved == result.final_reserved == (4 * 64 + 16 + 2) * MiB
+
+
+# ---- a second batch size: tests/scripts/cudagraph_shapes.py ---------------------------------------------------------
+# Linear(256 -> 1024), swish, Linear(1024 -> 256), fp32, batches of 4096 and 8192 rows in the order below. At 4096 rows
+# the forward allocates h (16 MiB), y (16 MiB) and the output (4 MiB), the backward W_down's gradient (1 MiB: small),
+# dy (16), dh (16) and W_up's gradient (1 MiB); at 8192 rows 32, 32, 8 and 1, 32, 32, 1. The recording copies the
+# batch (4 or 8 MiB) and the backward's tangent (the same) into the pool and holds them.
+SHAPES = [4096, 4096, 8192, 8192, 4096, 8192, 4096, 4096]
+
+
+@pytest.fixture(scope="module")
+def two_shapes():
+    script = Path(__file__).resolve().parents[2] / "scripts" / "cudagraph_shapes.py"
+    result = run_trace([sys.executable, str(script), "--batches", ",".join(map(str, SHAPES))], iterations=7)
+    assert result.iterations == 7
+    return result
+
+
+def test_each_batch_size_is_its_own_function_of_the_tree_warmed_up_recorded_then_replayed(two_shapes):
+    # dynamo compiles 4096 statically (graph S), recompiles at 8192 with a symbolic batch (graph D) and, D's guard
+    # matching every size, runs 4096 through D too; D is one tree function per batch size (cudagraphify_impl's
+    # fn_cache keyed by its int inputs): S warms up in step 0, records in 1; D at 8192 warms up in 2, records in 3,
+    # replays in 5; D at 4096 warms up in 4 and records in 6 (before, 8192 was replayed into the 4096-row copy of
+    # the batch and the trace ended on the program: a size mismatch, exit 5)
+    assert two_shapes.warnings == []
+    warm_up = [("allocate", "allocate")]  # forward, backward: each run in the pool
+    record = [("allocate", "capture", "allocate", "capture")]  # each: its input copy, then its capture
+    by_step: dict[int, list[str]] = {}
+    for step, what in pool_windows(two_shapes)[1:]:  # after the keeper's empty capture
+        by_step.setdefault(step, []).append(what)
+    assert [tuple(by_step[step]) for step in range(7)] == (warm_up + record + warm_up + record + warm_up + warm_up
+                                                           + record)
+
+
+def test_the_pool_grows_for_the_second_size_once_and_holds_both_recordings(two_shapes):
+    # through the caching allocator's best fit (large blocks of 10 MiB or more rounded to 2 MiB, smaller ones cut
+    # from a 20 MiB segment, 1 MiB from a 2 MiB small one):
+    # - step 0 (S warms up): h, y take a 16 MiB segment each, the output a 20 MiB one; backward's gradients a 2 MiB
+    #   small segment, dy y's freed block, dh 16 of the 20 (the output freed): 16 + 16 + 20 + 2 = 54 MiB;
+    # - step 1 (S records): the batch's copy cuts 4 from a 16 (12 left), the captured h and y take the other 16 and
+    #   the 20's first 16, the output the 20's last 4; the tangent's copy that 4 again (the output freed), dy y's
+    #   block, and dh finds no free 16 MiB run: a fifth segment, 70 MiB;
+    # - step 2 (D warms up at 8192): h, y and dh (32 MiB each) find no free 32 MiB run in segments of 16 and 20:
+    #   three new segments; the 8 MiB output and the gradients fit freed blocks: 70 + 3 x 32 = 166 MiB;
+    # - the recordings of 8192 and 4096 and the warm-up of 4096 fit the pool as it is (the held copies of 8 MiB in
+    #   freed 16 MiB blocks): it stays at 166 MiB for the program's life.
+    events = two_shapes.events
+    before = [next(i for i, e in enumerate(events) if e.iteration >= step) for step in (1, 2, 3)]
+    assert [pool_reserved(events[:cut]) for cut in before] == [54 * MiB, 70 * MiB, 166 * MiB]
+    ops = pool_only(events)
+    result = simulate(ops, timeline_points=len(ops) + 3)
+    assert result.peak_reserved == result.final_reserved == 166 * MiB
+    held = [e.nbytes for e in events if e.action == "alloc" and e.stream != 0 and e.op == "empty_strided"
+            and e.iteration in (1, 3, 6) and e.nbytes in (4 * MiB, 8 * MiB)]
+    assert held == [4 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 4 * MiB, 4 * MiB]  # batch, tangent: one pair per recording
+    freed = {e.block for e in events if e.action == "free"}
+    assert not any(e.block in freed for e in events if e.action == "alloc" and e.stream != 0
+                   and e.op == "empty_strided" and e.iteration in (1, 3, 6) and e.nbytes in (4 * MiB, 8 * MiB))

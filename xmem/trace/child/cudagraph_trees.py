@@ -18,13 +18,21 @@ loop takes, over the fake CUDA graphs and pool events of xmem.trace.child.cuda_g
   outputs, already in the pool). Then torch.cuda.graph captures it into the pool (the cache emptied first);
 - later calls replay: the new inputs are copied into the held ones and the graph runs again in the pool, where it
   finds the blocks its recording freed. On a GPU a replay reuses the recording's addresses and allocates nothing:
-  the pool ends as large either way.
+  the pool ends as large either way;
+- a new input shape is a new function of the same tree, in the same pool: a static recompilation is a new compiled
+  graph (a new `CudagraphedGraph`), and a graph with symbolic sizes (dynamo's automatic dynamic recompilation, or
+  dynamic=True) is one function per distinct value of its int inputs (cudagraphify_impl's `fn_cache`), each warmed
+  up at its first call, recorded at its second and replayed after, its recording's input copies held for its life.
 
-Not modelled: the allocator checkpoints by which a tree branches (a second path from one node, as a recompiled graph
-or graphs called in another order make: upstream's apply_checkpoint_execution_state_in_allocator), re-recording when
-a static input moves, a program that keeps a graph's outputs alive into the next step (upstream frees them at the
-step's start and makes their access an error), and the graphs upstream leaves uncaptured (CPU inputs, mutated
-inputs that are not static): each of these is traced as if captured.
+Not modelled: the allocator checkpoints by which a tree branches (a second path from one node, as graphs called in
+another order make: upstream's apply_checkpoint_execution_state_in_allocator restores the pool to its state after
+the parent's recording before recording the child; here the child allocates from the pool as it is), the generations
+(`cudagraph_mark_step_begin`, or a new torch.compile invocation with no backward pending, ends the current path and
+frees its outputs: here they are freed when the program drops them), re-recording when a static input moves, a
+program that keeps a graph's outputs alive into the next step (an error upstream), upstream's warm-up of every graph
+that follows a warm-up in the same path (`in_warmup`: here a recorded graph replays after a new one's warm-up), and
+the graphs upstream leaves uncaptured (CPU inputs, mutated inputs that are not static, more re-recordings than
+cudagraph_unexpected_rerecord_limit): each of these is traced as if captured.
 """
 
 from __future__ import annotations
@@ -103,19 +111,37 @@ def _device_of(inputs: list) -> int:
 
 
 class CudagraphedGraph:
-    """One compiled graph under its device's tree (module docstring): warmed up, recorded, then replayed. Called in the
-    boxed convention: the caller's input list is emptied."""
+    """One compiled graph under its device's tree, called in the boxed convention (the caller's input list is
+    emptied). A graph with symbolic sizes is one function of the tree per distinct value of its int inputs, each
+    warmed up, recorded and replayed on its own (upstream's cudagraphify_impl: `fn_cache` keyed by `get_ints`)."""
 
     def __init__(self, run: Callable, static: frozenset[int]) -> None:
         self._boxed_call = True  # an instance attribute: the wrappers AOTAutograd puts around it copy __dict__
+        self.run = run
+        self.static = static
+        self.int_positions: tuple[int, ...] | None = None  # where the int inputs are, as its first call gives them
+        self.functions: dict[tuple, TreeFunction] = {}
+
+    def __call__(self, inputs: list) -> Any:
+        if self.int_positions is None:
+            self.int_positions = tuple(index for index, value in enumerate(inputs) if isinstance(value, int))
+        key = tuple(inputs[index] for index in self.int_positions)
+        if key not in self.functions:
+            self.functions[key] = TreeFunction(self.run, self.static)
+        return self.functions[key](_tree_for(_device_of(inputs)), inputs)
+
+
+class TreeFunction:
+    """One function of a tree (module docstring): warmed up, recorded, then replayed."""
+
+    def __init__(self, run: Callable, static: frozenset[int]) -> None:
         self.run = run
         self.static = static
         self.calls = 0
         self.held_inputs: dict[int, torch.Tensor] = {}  # the recording's copies of the inputs that are not static
         self.graph: Any = None  # the captured graph: its use of the pool
 
-    def __call__(self, inputs: list) -> Any:
-        tree = _tree_for(_device_of(inputs))
+    def __call__(self, tree: _Tree, inputs: list) -> Any:
         self.calls += 1
         if self.calls == 1:
             with tree.allocating():
