@@ -132,7 +132,10 @@ def canonical(events):
     ("optimizer_loop.py", ("--optimizer", "RMSprop", "--dtype", "float32")),
     ("layer_caches.py", ()),  # empty GPU tensors made directly; bf16 autocast, SDPA, views, in-place ops
     ("cnn_bn_sgd.py", ()),  # convolutions, batch norm (never cached upstream), pooling
-], ids=["AdamW", "SGD", "NAdam-bf16", "RMSprop", "layer-caches", "cnn-bn"])
+    # rollouts under no_grad before learning starts: `.item()` of each step's action (a data-dependent op), values
+    # known from the weights, tiny storages made and freed every step
+    ("rl_rollouts.py", ("--learning-starts", "70", "--steps", "90")),
+], ids=["AdamW", "SGD", "NAdam-bf16", "RMSprop", "layer-caches", "cnn-bn", "rl-rollouts"])
 def test_a_trace_is_the_same_event_for_event_without_the_shortcuts(script, args, monkeypatch):
     monkeypatch.setenv(shortcuts.SWITCH_ENV, "1")
     fast = trace(sys.executable, script, *args, iterations=3)
@@ -306,3 +309,24 @@ def test_calls_that_miss_the_quick_key_are_counted_by_reason():
     assert misses["an op upstream does not cache: CompositeImplicitAutograd"] == 3
     assert misses[shortcuts._MISS_HOST_TENSOR] == 3
     assert shortcuts.quick_key_misses(FakeTensorMode()) == {}
+
+
+def test_a_data_dependent_op_skips_upstreams_key_and_raises_as_the_fake_mode_does(monkeypatch):
+    """`.item()` of a fake GPU tensor (`_local_scalar_dense`, once per environment step in a rollout) is never cached
+    upstream: the quick key sends it straight to the fake mode's dispatch, which raises what a plain fake mode
+    raises, without building upstream's key for it."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(DataDependentOutputException):
+            torch.empty(3).sum().item()
+    with shortcuts.fake_mode(allow_non_fake_inputs=True) as mode:
+        keyed = []
+        cache_key = mode._cache_key
+        monkeypatch.setattr(mode, "_cache_key", lambda state, func, *rest: keyed.append(func) or
+                            cache_key(state, func, *rest))
+        total = torch.empty(3).sum()
+        for _ in range(3):
+            with pytest.raises(DataDependentOutputException):
+                total.item()
+    assert aten._local_scalar_dense.default not in keyed
+    assert shortcuts.quick_key_misses(mode)[shortcuts._MISS_DATA_DEPENDENT] == 3

@@ -124,6 +124,7 @@ _MISS_CONSTANT = "a fake tensor holding a constant"
 _MISS_OTHER_MODE = "a fake tensor of another fake mode"
 _MISS_NO_RECIPE = "a host copy whose first result is not a plain new tensor"
 _MISS_NOT_CACHED = "an op upstream does not cache"
+_MISS_DATA_DEPENDENT = "a data-dependent op (`.item()`): never cached upstream, dispatched without its key"
 _HOST_COPY = torch.ops.aten._to_copy.default
 _HOST_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -193,6 +194,8 @@ class QuickKeyCache:
         known = self.known.get(quick, _NO_QUICK_KEY)
         if known is _NO_QUICK_KEY:
             return self._learn(quick, func, types, args, kwargs)
+        if known is _MISS_DATA_DEPENDENT:
+            return self._data_dependent(func, types, args, kwargs)
         if type(known) is str:
             self.misses[known] += 1
             return self.upstream(func, types, args, kwargs)
@@ -241,7 +244,22 @@ class QuickKeyCache:
             if recipe is None:
                 self.misses[_MISS_NO_RECIPE] += 1
             return output
+        if torch.Tag.data_dependent_output in getattr(func, "tags", ()):
+            self.known[quick] = _MISS_DATA_DEPENDENT
+            return self._data_dependent(func, types, args, kwargs)
         return self._upstream_once(quick, func, types, args, kwargs)
+
+    def _data_dependent(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """An op tagged data_dependent_output (`_local_scalar_dense`, which `.item()` reaches once per environment
+        step in a rollout): upstream's `_validate_cache_key` refuses to cache one, so upstream builds its full key,
+        finds no entry and dispatches (`_dispatch_impl`), which without a shape env raises
+        DataDependentOutputException before anything is cached, or else stores a bypass entry and counts it. The
+        output is `_dispatch_impl`'s either way; the key, half the call's cost, is skipped. Upstream's count of the
+        bypass is kept."""
+        self.misses[_MISS_DATA_DEPENDENT] += 1
+        output = self.mode._dispatch_impl(func, types, args, kwargs)
+        FakeTensorMode.cache_bypasses["data dependent output"] += 1
+        return output
 
     def _upstream_once(self, quick: tuple, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """Upstream's `_cached_dispatch_impl` without a shape env (the quick key needs none), restated step for step
