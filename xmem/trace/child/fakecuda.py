@@ -33,6 +33,7 @@ import xmem.trace.child.deepspeed_ops as deepspeed_ops
 import xmem.trace.child.distributed as distributed
 import xmem.trace.child.managed_memory as managed_memory
 import xmem.trace.child.meta_kernels as meta_kernels
+import xmem.trace.child.transformer_engine_refusal as transformer_engine_refusal
 import xmem.trace.child.triton_launch as triton_launch
 from xmem.trace.errors import as_on_a_gpu
 from xmem.trace.events import Category
@@ -260,6 +261,7 @@ def install(fake: FakeCuda) -> None:
     _patch_recurrent_layers()
     _patch_nvml(fake)
     cuda_driver.install()  # a library's own load of libcuda: not modelled, named
+    transformer_engine_refusal.install()  # NVIDIA's kernels in its own extension: not modelled, named
     managed_memory.install(fake)  # bitsandbytes' paged optimizer state: managed memory, beside the allocator's
     patch_on_import("triton", lambda triton: triton_launch.install(fake))  # launches checked and skipped
     patch_on_import("deepspeed.ops.op_builder.builder", deepspeed_ops.install)  # compiled ops: no compiling
