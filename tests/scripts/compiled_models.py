@@ -7,6 +7,7 @@
   forward and loss) | backend (torch.compile(model, backend=<a function of the program's>)).
 --mode: torch.compile's mode for --compile module (reduce-overhead: CUDA graph trees).
 --graph-break: the block's forward breaks the graph between attention and MLP (torch._dynamo.graph_break()).
+--batches: the batch's first dimension at each step, comma-separated (instead of --steps steps of the default).
 """
 
 import argparse
@@ -21,6 +22,7 @@ parser.add_argument("--compile", choices=("none", "module", "method", "function"
 parser.add_argument("--graph-break", action="store_true")
 parser.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: Inductor's CUDA graph trees)")
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--batches", default=None)
 args = parser.parse_args()
 
 
@@ -88,7 +90,8 @@ elif args.compile == "backend":
     run = torch.compile(model, backend=backend_of_the_program)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 shape = (16384, 256) if args.model == "swish" else (8, 512, 256)
-for _ in range(args.steps):
+shapes = [(int(rows), *shape[1:]) for rows in args.batches.split(",")] if args.batches else [shape] * args.steps
+for shape in shapes:
     batch = torch.randn(*shape, device="cuda")
     loss_fn(run, batch).backward()
     optimizer.step()

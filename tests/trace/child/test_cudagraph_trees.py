@@ -93,8 +93,8 @@ def test_the_pool_holds_the_hand_derived_segments_for_the_programs_life(reduce_o
     assert result.peak_reserved == result.final_reserved == (4 * 64 + 16 + 2) * MiB
 
 
-# ---- a second batch size: tests/scripts/cudagraph_shapes.py ---------------------------------------------------------
-# Linear(256 -> 1024), swish, Linear(1024 -> 256), fp32, batches of 4096 and 8192 rows in the order below. At 4096 rows
+# ---- a second batch size: compiled_models.py --model swish --batches ... ---------------------------------------------
+# the swish model above with batches of 4096 and 8192 rows in the order below (dynamo's automatic dynamic). At 4096 rows
 # the forward allocates h (16 MiB), y (16 MiB) and the output (4 MiB), the backward W_down's gradient (1 MiB: small),
 # dy (16), dh (16) and W_up's gradient (1 MiB); at 8192 rows 32, 32, 8 and 1, 32, 32, 1. The recording copies the
 # batch (4 or 8 MiB) and the backward's tangent (the same) into the pool and holds them.
@@ -103,8 +103,8 @@ SHAPES = [4096, 4096, 8192, 8192, 4096, 8192, 4096, 4096]
 
 @pytest.fixture(scope="module")
 def two_shapes():
-    script = Path(__file__).resolve().parents[2] / "scripts" / "cudagraph_shapes.py"
-    result = run_trace([sys.executable, str(script), "--batches", ",".join(map(str, SHAPES))], iterations=7)
+    result = run_trace([sys.executable, str(SCRIPT), "--model", "swish", "--compile", "module", "--mode",
+                        "reduce-overhead", "--batches", ",".join(map(str, SHAPES))], iterations=7)
     assert result.iterations == 7
     return result
 
