@@ -111,6 +111,7 @@ def test_bad_toml_is_an_error_naming_the_file(tmp_path):
     ("[margin]\nrelative = -0.1\n", "margin.relative"),
     ("[margin]\nabsolute_mib = 1\nabsolute_bytes = 1\n", "not both"),
     ("[estimate]\ntimeout_s = 0\n", "estimate.timeout_s"),
+    ("[filter]\nput_off_margin_s = 0\n", "filter.put_off_margin_s: must be more than 0 seconds"),
     ("[partitions.gpu_types]\ndebug = 'a100'\n", "partitions.gpu_types.debug: must be a list"),
     ("[partitions]\ndefault = 'x'\nfrom_cluster = false\n[partitions.gpu_types]\ndebug = ['a100']\n",
      "partitions.default: 'x' is not one of the partitions"),

@@ -142,6 +142,9 @@ class FilterConfig:
     wait_s: float = 4.0
     # Fail-open sites without a CPU partition: put a slow estimate's job off (xmem.slurm.putoff); false: sbatch waits
     put_off: bool = True
+    # A put-off job's begin comes this long after the estimate's deadline: the time to write its answer to the job (a
+    # few scontrol calls on a busy controller) before Slurm starts the job unchanged.
+    put_off_margin_s: float = 30.0
     # Where the filter's own faults go (xmem.slurm.site_log): "syslog", an absolute path of a file, or "none".
     log: str = "syslog"
 
@@ -360,8 +363,12 @@ def _filter(table: Mapping[str, Any]) -> FilterConfig:
     log = _get(table, "log", FilterConfig)
     if not isinstance(log, str) or not (log in ("syslog", "none") or os.path.isabs(log)):
         raise ConfigError(f"filter.log: \"syslog\", \"none\" or an absolute path of a file (got {log!r})")
+    margin = _non_negative_number(_get(table, "put_off_margin_s", FilterConfig), "filter.put_off_margin_s")
+    if not 0 < margin <= MAX_TIMEOUT_S:
+        raise ConfigError(f"filter.put_off_margin_s: must be more than 0 seconds and at most {MAX_TIMEOUT_S} (a week)")
     return FilterConfig(wait_s=float(wait), log=log,
-                        put_off=_bool(_get(table, "put_off", FilterConfig), "filter.put_off"))
+                        put_off=_bool(_get(table, "put_off", FilterConfig), "filter.put_off"),
+                        put_off_margin_s=float(margin))
 
 
 def _check_gpu_types(config: SiteConfig) -> None:

@@ -20,7 +20,7 @@ from tests.integration.test_deferred import xmem_state as state
 from xmem.config import load_site_config
 from xmem.jobscript import parse_jobscript
 from xmem.policy import decide
-from xmem.slurm.putoff import PUT_OFF_MARGIN_S, RUNNER_FILE, SLURM_TIME
+from xmem.slurm.putoff import RUNNER_FILE, SLURM_TIME
 from xmem.slurm.stamp import comment_fields
 from xmem.slurm.store import read_records
 from xmem.text import comment_text
@@ -28,6 +28,8 @@ from xmem.text import comment_text
 pytestmark = pytest.mark.slurm
 
 WAIT_S = 3
+SLOW_S = WAIT_S + 2  # a slow start of the program: its estimate cannot be ready within the wait
+PUT_OFF_MARGIN_S = 5  # the site's [filter] put_off_margin_s: a killed estimate's job starts 5 s after its deadline
 MARGIN_S = 6  # the filter's start, the snapshot and post-submit's submit.sh, on a loaded 2-core machine
 TIMEOUT_S = 180  # the estimate's: a cold trace on a loaded machine finishes well within it
 PUT_OFF = re.compile(rf"xmem-slurm: GPU memory estimate (not ready within {WAIT_S} s|not started \([^)]*\)), goes on "
@@ -61,7 +63,7 @@ def put_off_config(cluster, *, timeout_s: int = TIMEOUT_S, failure: str = "open"
     """The inline cluster's config (no CPU partition) with put-off starts on."""
     text = cluster.config.read_text()
     for key, value in {"put_off": "true", "wait_s": str(WAIT_S), "timeout_s": str(timeout_s),
-                       "failure": f'"{failure}"'}.items():
+                       "put_off_margin_s": str(PUT_OFF_MARGIN_S), "failure": f'"{failure}"'}.items():
         text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
         assert n == 1, f"the cluster's config has no {key}"
     assert 'cpu_partition = ""' in text
@@ -120,7 +122,7 @@ def submitted_put_off(cluster, user, path: Path, *options: str, timeout_s: int =
 
 def test_a_slow_estimate_puts_the_start_off_then_the_job_gets_its_request_and_its_start_back(cluster, submitter,
                                                                                            mine):
-    path = users_job(submitter, mine, "slow", slow(15))
+    path = users_job(submitter, mine, "slow", slow(SLOW_S))
     before = cluster.analyses(submitter.name)
     with cluster.site_config_text(put_off_config(cluster)):
         sub, waiting = submitted_put_off(cluster, submitter, path)
@@ -136,7 +138,7 @@ def test_a_slow_estimate_puts_the_start_off_then_the_job_gets_its_request_and_it
 
 
 def test_a_killed_estimate_leaves_the_job_to_start_unchanged_at_its_put_off_time(cluster, submitter, mine):
-    short = 15  # the estimate's timeout: the job starts 45 s after sbatch however the estimate ends
+    short = 15  # the estimate's timeout: the job starts 20 s after sbatch however the estimate ends
     path = users_job(submitter, mine, "killed", "import time\nwhile True:\n    time.sleep(1)\n")
     with cluster.site_config_text(put_off_config(cluster, timeout_s=short)):
         sub, waiting = submitted_put_off(cluster, submitter, path, timeout_s=short)
@@ -144,6 +146,7 @@ def test_a_killed_estimate_leaves_the_job_to_start_unchanged_at_its_put_off_time
         runner = wait_for(lambda: (spool / RUNNER_FILE).exists() and json.loads((spool / RUNNER_FILE).read_text()), 30)
         assert runner["job"] == sub.job_id
         os.kill(runner["pid"], signal.SIGKILL)  # the OOM killer, a reboot, the user's session limits
+        assert time.time() < at(waiting["StartTime"])  # killed while the job waits: Slurm alone starts it
         started = wait_for(lambda: (info := cluster.job(sub.job_id))["JobState"] != "PENDING" and info,
                            short + PUT_OFF_MARGIN_S + 60)
     assert at(started["StartTime"]) >= at(waiting["StartTime"])  # at its put-off time, not before
@@ -154,7 +157,8 @@ def test_a_killed_estimate_leaves_the_job_to_start_unchanged_at_its_put_off_time
 
 
 def test_an_estimate_that_fails_gives_the_job_its_start_back_unchanged(cluster, submitter, mine):
-    path = users_job(submitter, mine, "fails", "import time\ntime.sleep(10)\nraise RuntimeError('no /data here')\n")
+    fails = f"import time\ntime.sleep({SLOW_S})\nraise RuntimeError('no /data here')\n"
+    path = users_job(submitter, mine, "fails", fails)
     with cluster.site_config_text(put_off_config(cluster)):
         sub, waiting = submitted_put_off(cluster, submitter, path, "--begin=now+120")  # pending, brought back
         info = estimated(cluster, sub.job_id, TIMEOUT_S + PUT_OFF_MARGIN_S)
@@ -165,7 +169,7 @@ def test_an_estimate_that_fails_gives_the_job_its_start_back_unchanged(cluster, 
 
 
 def test_the_users_own_later_begin_is_kept(cluster, submitter, mine):
-    path = users_job(submitter, mine, "later", slow(10))
+    path = users_job(submitter, mine, "later", slow(SLOW_S))
     before = cluster.analyses(submitter.name)
     with cluster.site_config_text(put_off_config(cluster)):
         sub, waiting = submitted_put_off(cluster, submitter, path, "--begin=now+3600")
@@ -180,12 +184,12 @@ def test_the_users_own_later_begin_is_kept(cluster, submitter, mine):
 
 
 def test_a_fail_closed_site_waits_for_the_estimate_as_before(cluster, submitter, mine):
-    path = users_job(submitter, mine, "closed", slow(8))
+    path = users_job(submitter, mine, "closed", slow(SLOW_S))
     before = spools(cluster, submitter)  # a killed estimate's is left for the sweep (an hour on)
     with cluster.site_config_text(put_off_config(cluster, failure="closed")):
         sub = cluster.sbatch(path, "--begin=now+3600", user=submitter)  # released, it stays pending
     assert sub.returncode == 0, sub.stderr
-    assert sub.seconds >= 8 and not PUT_OFF.search(sub.stderr), sub.stderr
+    assert sub.seconds >= SLOW_S and not PUT_OFF.search(sub.stderr), sub.stderr
     info = cluster.job(sub.job_id)
     assert info["TresPerNode"] != "gres:gpu:1" and state(info) is None  # rewritten inline, as before
     assert at(info["StartTime"]) >= time.time() + 3500 and spools(cluster, submitter) == before

@@ -15,15 +15,17 @@ import pytest
 
 from tests.slurm.test_handoff import WAIT_S, own_slots, site, spools, submission, timed  # noqa: F401 - the fixture
 from xmem.slurm.contract import Verdict
-from xmem.slurm.putoff import PUT_OFF_MARGIN_S, SLURM_TIME, START_FILE, puts_off
+from xmem.slurm.putoff import SLURM_TIME, START_FILE, puts_off
 from xmem.slurm.stamp import comment_fields
 
 TIMEOUT_S = 60.0
+PUT_OFF_MARGIN_S = 7.0  # the site's [filter] put_off_margin_s (not the default: the begin follows the site's)
 
 
 def no_partition(tmp_path, **kw):
     config = site(tmp_path, cpu_partition=None, **kw)
-    return dataclasses.replace(config, estimate=dataclasses.replace(config.estimate, timeout_s=TIMEOUT_S))
+    return dataclasses.replace(config, estimate=dataclasses.replace(config.estimate, timeout_s=TIMEOUT_S),
+                               filter=dataclasses.replace(config.filter, put_off_margin_s=PUT_OFF_MARGIN_S))
 
 
 def never_ready(path, req, config, *, deadline, cancel):

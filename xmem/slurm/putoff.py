@@ -1,7 +1,7 @@
 """Put-off starts (issue 35 item 5): sbatch within `[filter] wait_s` where the site fails open and names no CPU
 partition. An inline estimate not ready within the wait goes on detached on the submit host, as the user, while the
-job waits in Slurm with its start put off (`begin` = the estimate's deadline plus PUT_OFF_MARGIN_S); once done it
-rewrites the pending job (the GPU request, the comment's stamp) and brings its start back to the user's own
+job waits in Slurm with its start put off (`begin` = the estimate's deadline plus `[filter] put_off_margin_s`); once
+done it rewrites the pending job (the GPU request, the comment's stamp) and brings its start back to the user's own
 `--begin`, or now.
 
 Owns which submissions are put off (`puts_off`), the filter's reply for them (`put_off_reply`: the spool, the start,
@@ -36,9 +36,6 @@ from xmem.slurm.scontrol import scontrol_show_job
 from xmem.slurm.stamp import JobStamp, add_to_comment
 from xmem.text import one_line
 
-# After the estimate's own deadline, the time to write its answer to the job (a few scontrol calls on a busy
-# controller) before Slurm starts the job unchanged.
-PUT_OFF_MARGIN_S = 30
 # How often the detached estimate asks whether its job still waits (the job's scancel is the estimate's cancel); it
 # also touches the spool, so that the sweep of spools nobody uses (an hour old) never takes a running one.
 WATCH_S = 5.0
@@ -61,7 +58,7 @@ class Start:
     @classmethod
     def of(cls, request: FilterRequest, config: SiteConfig, sbatch_started: float) -> Start:
         until = sbatch_started + config.estimate.timeout_s
-        put_off = until + PUT_OFF_MARGIN_S
+        put_off = until + config.filter.put_off_margin_s
         own = users_begin(request)
         if own is not None and own >= put_off:
             return cls(until, None, "")
