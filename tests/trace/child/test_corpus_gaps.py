@@ -110,3 +110,31 @@ def test_a_check_that_guards_a_raise_passes_on_stand_in_values(tmp_path):
     before); it is answered the way that goes on, as the program's own data would pass its own check."""
     trace = trace_source(tmp_path, "spline_domain_check.py", SPLINE_DOMAIN_CHECK)
     assert trace.iterations == 2
+
+
+# coqui-tts's VITS trains its decoder on random segments: a start drawn on the GPU for each sample, its end the start
+# plus the segment's size, both read back as slice bounds
+RANDOM_SEGMENTS = """import torch
+model = torch.nn.Conv1d(8, 8, 3, padding=1).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+size = 32
+for _ in range(2):
+    x = model(torch.randn(4, 8, 100, device="cuda"))
+    lengths = torch.full((4,), 100, device="cuda")
+    starts = (torch.rand(4, device="cuda") * (lengths - size + 1)).long()
+    segments = torch.zeros_like(x[:, :, :size])
+    for i in range(4):
+        start = starts[i]
+        end = start + size
+        segments[i] = x[i, :, start:end]
+    optimizer.zero_grad()
+    segments.sum().backward()
+    optimizer.step()
+"""
+
+
+def test_a_slice_between_a_stand_in_start_and_its_end_keeps_its_size(tmp_path):
+    """`end = start + size` of a start drawn on the GPU: both bounds were stand-ins of 1, the slice empty and its
+    copy into the segment refused (exit 11 before); the end's stand-in is the start's plus the size."""
+    trace = trace_source(tmp_path, "random_segments.py", RANDOM_SEGMENTS)
+    assert trace.iterations == 2

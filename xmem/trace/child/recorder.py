@@ -36,7 +36,7 @@ from xmem.trace.child.facts import fsdp1_flat_parameter, fsdp2_sharded_parameter
 from xmem.trace.errors import NotModelled
 from xmem.trace.child.fakecuda import FakeCuda
 from xmem.trace.child.known_values import KnownValues
-from xmem.trace.child.standins import StandIns, guess_truth
+from xmem.trace.child.standins import OFFSET_OPS, StandIns, guess_truth, note_offset
 from xmem.trace.child.value_bounds import ValueBounds
 
 aten = torch.ops.aten
@@ -475,6 +475,8 @@ class AllocationRecorder(TorchDispatchMode):
             return
         if tensor.dtype == torch.bool:
             guess_truth(tensor, op, args)
+        elif op in OFFSET_OPS:
+            note_offset(tensor, op, args)
         key = _storage_key(tensor)
         known = key is not None and self._known(key)  # a view, an in-place result: on CUDA, as all known storages
         if not known and tensor.device.type != "cuda":

@@ -6,7 +6,8 @@ one needs an answer: `.item()` and the number protocols (`int`, `float`, `bool`,
 plausibly and is reported once as a warning, so an estimate says which of the program's values were made up.
 
 The rules, chosen so that a memory estimate errs on the large side and loops end:
-- numbers: 1 (1.0 for floats), so `loss.item() < 1e-3` never stops a loop early and divisions stay finite;
+- numbers: 1 (1.0 for floats), so `loss.item() < 1e-3` never stops a loop early and divisions stay finite; an
+  integer made from another by adding or subtracting a Python integer (`end = start + size`) keeps that difference;
 - truth: what the op that made the boolean most plausibly holds (`isnan` -> False, `isfinite` -> True, kept through
   `any`/`all`/views, flipped by `logical_not`); else, for a test whose one side raises at once (a library's check
   `if x.min() < left: raise ...` on values a mask selected, an `assert`), the other side: a program that runs on a
@@ -139,7 +140,8 @@ class StandIns:
             return 1.0
         if tensor.dtype.is_complex:
             return complex(1.0)
-        return 1
+        offset = getattr(tensor, "_xmem_offset", None)
+        return 1 if offset is None else self.scalar(offset[0]) + offset[1]
 
     def unknown_truth(self) -> bool:
         frame = _caller_frame()
@@ -373,6 +375,22 @@ def guess_truth(tensor: torch.Tensor, op: str, args: tuple) -> None:
             tensor._xmem_truth = args[0]._xmem_truth
         elif op in _BOOL_FLIP:
             tensor._xmem_truth = not args[0]._xmem_truth
+
+
+def note_offset(tensor: torch.Tensor, op: str, args: tuple) -> None:
+    """Remember that a 0-d integer tensor is another one plus or minus a Python integer (`end = start + size`), so
+    that its stand-in keeps that difference from the other's: coqui-tts's VITS slices `x[:, start:start + size]`
+    with a random start on the GPU, and stand-ins of 1 for both ends made the slice empty."""
+    sign = OFFSET_OPS[op]
+    if len(args) < 2 or tensor.dim() != 0 or tensor.dtype.is_floating_point or tensor.dtype.is_complex \
+            or tensor.dtype == torch.bool:
+        return
+    base, number = args[0], args[1]
+    if isinstance(base, torch.Tensor) and base.dim() == 0 and type(number) is int:
+        tensor._xmem_offset = (base, sign * number)
+
+
+OFFSET_OPS = {"add": 1, "sub": -1}  # (note_offset) the ops, and the sign each gives its number
 
 
 def _unique_upper_bound(name: str, x: torch.Tensor, args: tuple, kwargs: dict,
