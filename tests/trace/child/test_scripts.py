@@ -154,11 +154,16 @@ def test_sdpa_fp16_on_ampere_uses_flash(python):
     assert result.arch_sensitive  # a V100 (efficient) or an H100 (cuDNN attention first) would choose differently
 
 
-def test_sdpa_fp32_uses_memory_efficient_everywhere(python=sys.executable):  # this build only: keeps the suite short
-    result = trace(python, "transformer_sdpa.py", iterations=1, gpu=H100)
-    assert attention_ops(result) == {"_scaled_dot_product_efficient_attention": 2,
-                                     "_scaled_dot_product_efficient_attention_backward": 2}
-    assert not result.arch_sensitive
+@pytest.fixture(scope="module")
+def sdpa_fp32():
+    """The fp32 transformer on an H100 (the default GPU), this build only: keeps the suite short."""
+    return trace(sys.executable, "transformer_sdpa.py", iterations=1, gpu=H100)
+
+
+def test_sdpa_fp32_uses_memory_efficient_everywhere(sdpa_fp32):
+    assert attention_ops(sdpa_fp32) == {"_scaled_dot_product_efficient_attention": 2,
+                                        "_scaled_dot_product_efficient_attention_backward": 2}
+    assert not sdpa_fp32.arch_sensitive
 
 
 def test_sdpa_fp16_on_volta_uses_memory_efficient():
@@ -174,11 +179,10 @@ def test_sdpa_bf16_on_volta_falls_back_to_math():
     assert result.op_counts["bmm"] >= 4 and result.op_counts["_safe_softmax"] == 2
 
 
-def test_tied_weights_stay_one_parameter():
-    result = trace(sys.executable, "transformer_sdpa.py", iterations=1)
+def test_tied_weights_stay_one_parameter(sdpa_fp32):
     # embedding (tied to the head) + 2 blocks x (2 LayerNorms x 2 + 4 Linears x 2) = 1 + 2 * 12
-    assert len(allocs(result, "parameter")) == 25
-    assert len(allocs(result, "gradient")) == 25
+    assert len(allocs(sdpa_fp32, "parameter")) == 25
+    assert len(allocs(sdpa_fp32, "gradient")) == 25
 
 
 # ---- AMP, accumulation, two optimizers ---------------------------------------------------------------------------
