@@ -14,7 +14,9 @@ user's or the repository's files): tokenizers trained on generated text, models 
 package's checkpoint format, small generated data sets. The programs' packages live in their own venvs
 (`.venv-programs`, and `.venv-programs-PKG` for a package whose pins the others exclude; gitignored; `--setup` makes
 them with the pins below and the product's torch), so they never constrain the product's; the estimate runs the
-program on its venv's interpreter (`estimate --python`).
+program on its venv's interpreter (`estimate --python`). The audio programs (coqui-tts, f5-tts) need FFmpeg's shared
+libraries on the machine (Debian: `apt-get install ffmpeg`), as a GPU node that runs them would: torchaudio 2.11 reads
+clips through torchcodec, which loads them.
 
 Each answer (`estimate --json --gpu h100`) is checked against a plausible range: at least the model state of the
 same model built on the CPU (its parameters and buffers at the dtype the program trains in; computed in the
@@ -70,17 +72,22 @@ PACKAGE_PINS = {"": ("accelerate==1.15.0", "trl==1.16.0", "deepspeed==0.19.8", "
                 # uses it): its own package without dependencies, then what its agents import
                 "cleanrl": ("gym==0.23.1", "pygame==2.6.1", "gymnasium==1.2.0", "tyro", "tensorboard",
                             "stable-baselines3==1.2.0"),  # its own pin: current releases refuse gym 0.23 spaces
+                # ...but its dqn, moved to gymnasium before the rest, refuses stable-baselines3 below 2.0 and tells
+                # its user to install 2.0.0a1 ("Ongoing migration"): that user's venv, apart (Program.venv)
+                "cleanrl-gymnasium": ("gym==0.23.1", "pygame==2.6.1", "tyro", "tensorboard",
+                                      "stable-baselines3==2.0.0a1"),
                 "lerobot": ("lerobot==0.3.2",), "piper-tts": ("piper-tts[train]==1.8.0",),
                 "sevenn": ("sevenn==0.13.0",),
-                # the third wave (kinds the corpus covered least: Lightning-CLI programs, medical imaging). f5-tts
-                # (audio) is not run: its data set reads audio through torchaudio 2.11, which needs torchcodec and
-                # FFmpeg's libraries, absent from this machine
+                # the third wave (kinds the corpus covered least: Lightning-CLI programs, medical imaging, audio)
                 "torchgeo": ("torchgeo==0.8.1", "requests"),  # its OpenStreetMap data set imports requests undeclared
-                "kaiko-eva": ("kaiko-eva[vision]==0.4.5",)}
+                "kaiko-eva": ("kaiko-eva[vision]==0.4.5",),
+                # audio (as coqui-tts): needs FFmpeg on the machine (the module's docstring)
+                "f5-tts": ("f5-tts==1.1.22", "torchaudio==2.11.1")}
 PACKAGE_PYTHON = {"schnetpack": "3.12"}  # schnetpack's current release requires Python 3.12 (uv finds it by version)
 # installed after PACKAGE_PINS, without their dependencies. ludwig pins bitsandbytes<0.41, whose libraries stop at
 # CUDA 12.2: on the product's torch (CUDA 13) it fails on a real GPU node as well, so its users take a newer one
-NO_DEPS = {"cleanrl": ("cleanrl==1.2.0",), "ludwig": ("bitsandbytes==0.50.2",)}
+NO_DEPS = {"cleanrl": ("cleanrl==1.2.0",), "cleanrl-gymnasium": ("cleanrl==1.2.0",),
+           "ludwig": ("bitsandbytes==0.50.2",)}
 # Settings of an offline cluster, and caches kept in the work folder (never the user's home).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "YOLO_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -97,6 +104,7 @@ class Program:
     argv: tuple[str, ...]
     model: Callable[[Path], Any] | None = None
     env: tuple[tuple[str, str], ...] = ()
+    venv: str = ""  # the PACKAGE_PINS key of its venv where not its package's
 
 
 @dataclass
@@ -1065,6 +1073,36 @@ def fixtures_coqui(work: Path) -> None:
     VitsConfig(**common).save_json(str(work / "vits.json"))
 
 
+def f5_data_folder(name: str) -> Path:
+    """Where F5-TTS reads a data set and its vocabulary (`load_dataset`, `get_tokenizer`): NAME_TOKENIZER under the
+    `data` folder two levels above its package (its repository's, or the venv's lib folder for a wheel)."""
+    from importlib.resources import files
+
+    return Path(str(files("f5_tts").joinpath(f"../../data/{name}"))).resolve()
+
+
+def fixtures_f5(work: Path) -> None:
+    """`spoken_tones` listed in F5-TTS's CSV layout (audio_file|text, absolute paths) and prepared by its own
+    script (`prepare_csv_wavs --pretrain`: an Arrow table, durations, a character vocabulary) into its data folder
+    as the data set "toy" with the char tokenizer."""
+    spoken_tones(work)
+    rows = [line.split("|") for line in (work / "metadata.csv").read_text().splitlines()]
+    (work / "f5.csv").write_text("audio_file|text\n" + "".join(f"{work / 'wavs' / (key + '.wav')}|{text}\n"
+                                                                for key, text, _ in rows))
+    subprocess.run([sys.executable, "-m", "f5_tts.train.datasets.prepare_csv_wavs", str(work / "f5.csv"),
+                    str(f5_data_folder("toy_char")), "--pretrain", "--workers", "1"], check=True)
+
+
+def f5_model(work: Path) -> Any:
+    """F5TTS_v1_Base as finetune_cli builds it (a DiT in a CFM) on the data set's vocabulary."""
+    from f5_tts.model import CFM, DiT
+    from f5_tts.model.utils import get_tokenizer
+
+    vocab, size = get_tokenizer("toy", "char")
+    return CFM(transformer=DiT(dim=1024, depth=22, heads=16, ff_mult=2, text_dim=512, conv_layers=4,
+                               text_num_embeds=size, mel_dim=100), vocab_char_map=vocab)
+
+
 def piper_args(*options: str) -> tuple[str, ...]:
     """piper's trainer (a LightningCLI: `python -m piper.train fit`) on `spoken_tones`, espeak-ng's phonemes."""
     return ("python", "-m", "piper.train", "fit", "--data.voice_name", "toy", "--data.csv_path", "{work}/metadata.csv",
@@ -1338,6 +1376,11 @@ PROGRAMS: list[Program] = [
                                                     "--trainer.default_root_dir", "{out}")),
     # kaiko-eva: its CLI (`eva fit --config`) on MHIST's layout, a classification head on a frozen backbone
     Program("eva-mhist", "kaiko-eva", ("eva", "fit", "--config", "{work}/mhist.yaml")),
+    # F5-TTS: its training CLI (F5TTS_v1_Base from scratch, a flow-matching DiT) on a data set its own script prepared
+    Program("f5-tts-v1-base", "f5-tts", ("f5-tts_finetune-cli", "--exp_name", "F5TTS_v1_Base", "--dataset_name",
+                                         "toy", "--tokenizer", "char", "--epochs", "1", "--batch_size_per_gpu", "400",
+                                         "--num_warmup_updates", "2", "--save_per_updates", "1000",
+                                         "--last_per_updates", "1000"), f5_model),
     # piper-tts: its VITS trainer, a LightningCLI program, on espeak-ng's phonemes of the sentences
     Program("piper-vits", "piper-tts", piper_args()),
     # LeRobot: its trainer on a local data set, a diffusion policy and ACT (no pretrained backbone: no hub)
@@ -1352,11 +1395,14 @@ PROGRAMS: list[Program] = [
     # CleanRL: its single-file agents as `python -m cleanrl.NAME` (tyro flags; CUDA by default)
     *(Program(f"cleanrl-{name}", "cleanrl", ("python", "-m", f"cleanrl.{name}", *flags)) for name, flags in (
         ("ppo", ("--total-timesteps", "2048")),
-        ("dqn", ("--total-timesteps", "12000", "--learning-starts", "10000")),
         ("c51", ("--total-timesteps", "12000", "--learning-starts", "10000")),
         ("sac_continuous_action", ("--env-id", "Pendulum-v1", "--total-timesteps", "5100", "--learning-starts",
                                    "5000")),
         ("td3_continuous_action", ("--env-id", "Pendulum-v1", "--total-timesteps", "25100")))),
+    # CleanRL's dqn in the venv its "Ongoing migration" message asks for (gymnasium, stable-baselines3 2.0.0a1);
+    # 1000 environment steps before it learns, where 10000 took longer than the trace's limit for c51
+    Program("cleanrl-dqn", "cleanrl", ("python", "-m", "cleanrl.dqn", "--total-timesteps", "1100", "--learning-starts",
+                                       "1000"), venv="cleanrl-gymnasium"),
     # Sample Factory: its gym example's trainer (asynchronous PPO), as its docs start it
     Program("sample-factory-cartpole", "sample-factory", (
         "python", "-m", "sf_examples.train_gym_env", "--env=CartPole-v1", "--experiment=cartpole",
@@ -1380,7 +1426,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {"trl": fixtures_trl, "llamafactor
                                                "cellpose": fixtures_cellpose, "nequip-allegro": fixtures_allegro,
                                                "piper-tts": spoken_tones, "lerobot": fixtures_lerobot,
                                                "sevenn": fixtures_sevenn, "torchgeo": fixtures_torchgeo,
-                                               "kaiko-eva": fixtures_eva}
+                                               "kaiko-eva": fixtures_eva, "f5-tts": fixtures_f5}
 
 
 # --- running ----------------------------------------------------------------------------------------------------
@@ -1590,7 +1636,7 @@ def main() -> int:
         work = Path(tmp)
         unmade: dict[str, str] = {}  # package -> why its fixtures failed
         for program in programs:
-            venv = venv_of(program.package, args.venv)
+            venv = venv_of(program.venv or program.package, args.venv)
             if program.package in FIXTURES and not (work / program.package).exists():
                 made = in_venv(venv, work / program.package, "--fixtures", program.package)
                 if made.returncode != 0:
