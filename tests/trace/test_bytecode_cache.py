@@ -15,6 +15,7 @@ import os
 import secrets
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,27 @@ def test_the_warm_server_is_handed_its_own_cache_never_the_traces():
     assert bytecode.ENV not in warm.server_env(job, "/opt/xmem")
     server = Path("/home/u/.cache/xmem-slurm/bytecode-warm")
     assert warm.server_env(job, "/opt/xmem", server)[bytecode.ENV] == str(server)
+
+
+def test_the_cache_is_pruned_at_most_once_an_interval_by_a_stamp_that_is_not_followed(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "work").mkdir(parents=True)
+    old = cache / "work" / "a.pyc"
+    old.write_bytes(b"b" * 1000)
+    os.utime(old, (1, 1))
+    assert bytecode.prune_now_and_then(cache, max_bytes=0) == 1000  # no stamp yet: pruned, and stamped
+    old.parent.mkdir()
+    old.write_bytes(b"b" * 1000)
+    assert bytecode.prune_now_and_then(cache, max_bytes=0) == 0 and old.exists()  # stamped a moment ago
+    stamp = cache / bytecode.PRUNE_STAMP
+    future = time.time() + 10 * bytecode.PRUNE_EVERY_S
+    os.utime(stamp, (future, future))  # a stamp a traced program set ahead: not believed
+    assert bytecode.prune_now_and_then(cache, max_bytes=0) == 1000
+    users_file = tmp_path / "users_file"
+    users_file.write_text("theirs")
+    os.utime(users_file, (1, 1))
+    stamp.unlink()
+    stamp.symlink_to(users_file)  # a link the program put in place of the stamp: removed, never touched through
+    os.utime(stamp, (1, 1), follow_symlinks=False)
+    bytecode.prune_now_and_then(cache, max_bytes=0)
+    assert users_file.stat().st_mtime == 1 and users_file.read_text() == "theirs" and not stamp.is_symlink()

@@ -248,7 +248,7 @@ def _bytecode_cache(warm: bool = False) -> Path | None:
     lives is the estimator's setting, never the job's), pruned to its bound; None where there is none (root)."""
     cache = bytecode.directory(os.environ, warm=warm)
     if cache is not None:
-        bytecode.prune(cache)
+        bytecode.prune_now_and_then(cache)
     return cache
 
 
