@@ -196,7 +196,8 @@ MARGIN_S = 6  # the filter's start, the snapshot and post-submit's two sbatch ca
 # whatever else runs as root here) not started, the slots all taken (xmem.slurm.handoff's admission)
 HANDED_OFF = re.compile(rf"GPU memory estimate (not ready within {WAIT_S} s|not started \(2 of your estimates "
                         r"already running on this host\)), queued on partition cpu")
-SLOW = "import time\ntime.sleep(15)  # a slow start: data loading, say\n"
+# a slow start (data loading, say): the estimate cannot be ready within the wait
+SLOW = f"import time\ntime.sleep({WAIT_S + 2})\n"
 
 
 def test_a_slow_estimate_is_handed_off_and_the_job_released_with_its_estimate(deferred_cluster, work):
