@@ -266,7 +266,8 @@ end
 -- when it could not queue and has already released (or, fail-closed, cancelled) the job and said why; anything
 -- else (a crash, a timeout, a spool that is not one) leaves that to this side, so that no job stays held for xmem.
 -- A job put off (xmem.slurm.putoff) is not held: its submit.sh starts the estimate detached, and if that fails
--- Slurm starts the job unchanged at its put-off time.
+-- Slurm starts the job unchanged at its put-off time. One held for such an estimate (a fail-closed site) is
+-- cancelled here when it could not be started, as a deferred one.
 function slurm_cli_post_submit(offset, job_id, step_id)
   local stored = offset == 0 and slurm.cli_retrieve(0)
   if not stored then return slurm.SUCCESS end

@@ -1,7 +1,8 @@
 """Put-off starts (issue 35 item 5) on the real dev cluster, inline mode without a CPU partition, as an ordinary
 user: an estimate not ready within `[filter] wait_s` goes on detached while the job waits with its start put off;
 done, it rewrites the pending job and brings its start back; killed, Slurm starts the job unchanged at the put-off
-time; a user's own later --begin is kept; a fail-closed site waits for the estimate as before."""
+time; a user's own later --begin is kept; a fail-closed site holds the job instead and releases it with the estimate's
+request."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_deferred import TRAIN
+from tests.integration.test_deferred import TRAIN, wait_settled
 from tests.integration.test_deferred import xmem_state as state
 from xmem.config import load_site_config
 from xmem.jobscript import parse_jobscript
@@ -183,14 +184,21 @@ def test_the_users_own_later_begin_is_kept(cluster, submitter, mine):
     cluster.run("scancel", sub.job_id)
 
 
-def test_a_fail_closed_site_waits_for_the_estimate_as_before(cluster, submitter, mine):
+def test_a_fail_closed_site_holds_the_job_then_its_estimate_releases_it_with_its_request(cluster, submitter, mine):
     path = users_job(submitter, mine, "closed", slow(SLOW_S))
-    before = spools(cluster, submitter)  # a killed estimate's is left for the sweep (an hour on)
+    before, left = cluster.analyses(submitter.name), set(spools(cluster, submitter))  # a killed estimate's stays
     with cluster.site_config_text(put_off_config(cluster, failure="closed")):
-        sub = cluster.sbatch(path, "--begin=now+3600", user=submitter)  # released, it stays pending
-    assert sub.returncode == 0, sub.stderr
-    assert sub.seconds >= SLOW_S and not PUT_OFF.search(sub.stderr), sub.stderr
-    info = cluster.job(sub.job_id)
-    assert info["TresPerNode"] != "gres:gpu:1" and state(info) is None  # rewritten inline, as before
-    assert at(info["StartTime"]) >= time.time() + 3500 and spools(cluster, submitter) == before
+        sub = cluster.sbatch(path, "--begin=now+3600", user=submitter)  # released, it stays pending: its begin kept
+        assert sub.returncode == 0, sub.stderr
+        print(f"\nfigure: sbatch of a slow estimate (fail-closed, held) returned in {sub.seconds:.2f} s "
+              f"(wait {WAIT_S} s)")
+        assert sub.seconds < WAIT_S + MARGIN_S and PUT_OFF.search(sub.stderr), sub.stderr
+        assert "the job is held until it is done; this site requires an estimate" in sub.stderr
+        held = cluster.job(sub.job_id)
+        assert (state(held), held["TresPerNode"], held["Reason"]) == ("pending", "gres:gpu:1", "JobHeldUser")
+        info = wait_settled(cluster, sub.job_id, TIMEOUT_S)  # its outcome written, then released
+    assert (state(info), info["JobState"]) == ("done", "PENDING"), info["Comment"]
+    assert info["TresPerNode"] == f"gres:{expected_gres(cluster, submitter, path, before)}"
+    assert at(info["StartTime"]) >= time.time() + 3500  # released to its own begin
+    assert wait_for(lambda: set(spools(cluster, submitter)) <= left, 10)
     cluster.run("scancel", sub.job_id)

@@ -228,12 +228,11 @@ def test_an_estimates_own_error_reaches_the_filter_as_before(tmp_path):
     assert reply.message.startswith("cannot estimate this job's GPU memory (cannot read train.py")
 
 
-@pytest.mark.parametrize("setting", [{"cpu_partition": None, "failure": "closed"},
-                                     {"cpu_partition": None, "put_off": False}, {"mode": "partition"}])
+@pytest.mark.parametrize("setting", [{"cpu_partition": None, "put_off": False}, {"mode": "partition"}])
 def test_without_a_cpu_partition_sbatch_waits_for_the_estimate_as_before(tmp_path, setting):
-    """No CPU partition at a fail-closed site (a put-off job would run unestimated), or one that chose no put-off
-    starts: the estimate answers inline however long it takes (at most [estimate] timeout_s, then the failure mode).
-    Partition mode defers every miss at once. (A fail-open site puts the job off: tests/slurm/test_putoff.py.)"""
+    """No CPU partition at a site that chose no put-off starts: the estimate answers inline however long it takes
+    (at most [estimate] timeout_s, then the failure mode). Partition mode defers every miss at once. (Without a CPU
+    partition the job is put off, or fail-closed held: tests/slurm/test_putoff.py.)"""
     def slow(path, req, config, *, deadline, **cancel):
         time.sleep(WAIT_S + 0.5)
         return Verdict(decision(), PEAKS)

@@ -1,6 +1,7 @@
 """Put-off starts (issue 35 item 5), the filter's side: at a fail-open site without a CPU partition, an estimate not
 ready within `[filter] wait_s` answers with the job's start put off past the estimate's deadline (unless the user's
-own --begin is later), its comment pending, and a spool whose submit.sh starts the estimate detached. (The flow on the
+own --begin is later), at a fail-closed one with the job held; its comment pending, and a spool whose submit.sh
+starts the estimate detached. (The flow on the
 real Slurm, the detached estimate included: tests/integration/test_putoff.py.)"""
 
 import dataclasses
@@ -15,7 +16,7 @@ import pytest
 
 from tests.slurm.test_handoff import WAIT_S, own_slots, site, spools, submission, timed  # noqa: F401 - the fixture
 from xmem.slurm.contract import Verdict
-from xmem.slurm.putoff import SLURM_TIME, START_FILE, puts_off
+from xmem.slurm.putoff import SLURM_TIME, START_FILE, Start, puts_off
 from xmem.slurm.stamp import comment_fields
 
 TIMEOUT_S = 60.0
@@ -66,13 +67,32 @@ def test_the_users_own_later_begin_is_kept_an_earlier_one_brought_back(tmp_path)
     assert json.loads((Path(reply.defer) / START_FILE).read_text())["start_at"] == earlier
 
 
-@pytest.mark.parametrize("setting, options", [({"failure": "closed"}, {}), ({"put_off": False}, {}),
-                                              ({}, {"begin": "Tomorrow 10:00"})])
-def test_no_put_off_where_the_job_would_run_unestimated_or_its_begin_cannot_be_read(tmp_path, setting, options):
-    """Fail-closed, put_off = false, or a --begin in a form set by the user's SLURM_TIME_FORMAT: waited for."""
+@pytest.mark.parametrize("setting, options", [({"put_off": False}, {}), ({}, {"begin": "Tomorrow 10:00"})])
+def test_no_put_off_where_the_site_says_so_or_the_begin_cannot_be_read(tmp_path, setting, options):
+    """put_off = false, or a --begin in a form set by the user's SLURM_TIME_FORMAT: waited for."""
     config, request = no_partition(tmp_path, **setting), submission(tmp_path, **options)
     assert not puts_off(config, request)
     assert puts_off(no_partition(tmp_path), submission(tmp_path))
+
+
+@pytest.mark.parametrize("options", [{}, {"begin": "Tomorrow 10:00"}])
+def test_a_fail_closed_site_holds_the_job_instead_whatever_its_begin(tmp_path, options):
+    """A put-off job would run unestimated: held, its own --begin (read or not) left as it is; the detached estimate
+    answers under the site's fail-closed rule and releases the job (Start.resume None), or cancels it."""
+    closed = no_partition(tmp_path, failure="closed")
+    reply, seconds = timed(submission(tmp_path, comment="my run", **options), closed, never_ready)
+    assert WAIT_S <= seconds < WAIT_S + 1.5
+    assert reply.set["hold"] == "set" and "begin" not in reply.set and "gres" not in reply.set and reply.defer
+    assert reply.message.startswith(f"GPU memory estimate not ready within {WAIT_S:g} s, goes on in the background")
+    assert reply.message.endswith("the job is held until it is done; this site requires an estimate: without one "
+                                  "the job is cancelled (xmem-slurm status JOBID)")
+    assert comment_fields(reply.set["comment"])["state"] == "pending"
+    start = Start(**json.loads((Path(reply.defer) / START_FILE).read_text()))
+    assert start.held and start.put_off is None and (start.failure, start.resume) == ("closed", None)
+    assert start.estimate_until <= time.time() + TIMEOUT_S
+    opened = Start(**json.loads((Path(timed(submission(tmp_path), no_partition(tmp_path), never_ready)[0].defer)
+                                 / START_FILE).read_text()))
+    assert not opened.held and (opened.failure, opened.resume) == ("open", "now")
 
 
 def test_the_spools_submit_script_starts_the_estimate_detached_and_returns(tmp_path):

@@ -4,7 +4,8 @@ Owns the entry point (`python -m xmem.slurm.filter`, also `xmem-slurm filter`), 
 path a submission takes: none (no script, a CPU job, a hetjob), inline (xmem.slurm.inline: estimated now, or
 from the cache), deferred (xmem.slurm.deferred: held and estimated as a CPU job), or inline unless not ready
 within `[filter] wait_s` (xmem.slurm.handoff), then deferred where the site has a CPU partition, or put off
-(xmem.slurm.putoff: the job's start put off while the estimate goes on detached) where it fails open without one.
+(xmem.slurm.putoff: the job's start put off, or fail-closed the job held, while the estimate goes on detached) where
+it has none.
 The JSON exchanged with the Lua side and the reply are xmem.slurm.contract's; parsing the script, the estimate and the
 policy belong to xmem.jobscript, xmem.analyze and xmem.policy, and nothing here second-guesses them.
 """
@@ -125,8 +126,9 @@ def gpu_job_reply(script: str, files: list[str], request: FilterRequest, config:
 def _hand_off(script: str, request: FilterRequest, config: SiteConfig,
               handoff_at: float) -> Callable[[str], tuple[FilterReply, Callable[[], None]]] | None:
     """Where a job whose estimate is not ready by `handoff_at` goes (the reply's maker, given why): held and
-    estimated on the CPU partition (xmem.slurm.deferred), its start put off while the estimate goes on detached
-    (xmem.slurm.putoff: a fail-open site without one); None: nowhere, the estimate is waited for."""
+    estimated on the CPU partition (xmem.slurm.deferred), its start put off (fail-open) or the job held
+    (fail-closed) while the estimate goes on detached (xmem.slurm.putoff: a site without one); None: nowhere, the
+    estimate is waited for."""
     if hands_off(config, request):
         return lambda why: deferred.handoff_reply(script, request, config, why)
     if puts_off(config, request):

@@ -1,7 +1,7 @@
 """sbatch within a wait (issue 35 item 5): an estimate that is not ready within the site's `[filter] wait_s` is
 handed to deferred estimation (xmem.slurm.deferred: the job held, estimated on the CPU partition, then released with
-the rewritten request), or at a fail-open site without a CPU partition goes on detached with the job's start put
-off (xmem.slurm.putoff), instead of holding sbatch for up to `[estimate] timeout_s`.
+the rewritten request), or without a CPU partition goes on detached, the job's start put off (fail-open) or the
+job held (fail-closed; xmem.slurm.putoff), instead of holding sbatch for up to `[estimate] timeout_s`.
 
 Owns the race between the inline estimate and the wait. The estimate runs in a thread of its own; exactly one of the
 two answers the submission. Ready within the wait: the inline answer, as before. Not ready: the job's snapshot for
@@ -23,9 +23,11 @@ to release it; rejected. (2) the job's start put off instead of held: Slurm itse
 back for, unchanged, so it is fail-open by construction. Built as (2), xmem.slurm.putoff, which this race serves the
 same way (the filter picks which reply a handoff makes): `begin` past the estimate's deadline, the user's own later
 `--begin` kept, the detached estimate cancelled by the job's scancel and reporting through the job's comment. A
-fail-closed site's put-off job would run unestimated: there the filter waits for the estimate as before, at most
-`[estimate] timeout_s`, so "sbatch returns within the wait, always" holds where a CPU partition is configured or the
-site fails open (and keeps `[filter] put_off` on).
+fail-closed site's put-off job would run unestimated: there the job is held as in (1), by the same module, and the
+site's rule makes (1)'s flaw its choice: an estimate that fails or passes its deadline cancels the job (the refusal
+inline), and one that dies leaves it held, blocked but not lost (`xmem-slurm status JOBID` says it is pending; the
+hold is the user's to release, and the job then runs as submitted). So "sbatch returns within the wait, always"
+holds wherever `[filter] put_off` is on (the default) or a CPU partition is configured.
 """
 
 from __future__ import annotations

@@ -1,17 +1,25 @@
-"""Put-off starts (issue 35 item 5): sbatch within `[filter] wait_s` where the site fails open and names no CPU
-partition. An inline estimate not ready within the wait goes on detached on the submit host, as the user, while the
-job waits in Slurm with its start put off (`begin` = the estimate's deadline plus `[filter] put_off_margin_s`); once
-done it rewrites the pending job (the GPU request, the comment's stamp) and brings its start back to the user's own
-`--begin`, or now.
+"""Put-off starts (issue 35 item 5): sbatch within `[filter] wait_s` where the site names no CPU partition. An
+inline estimate not ready within the wait goes on detached on the submit host, as the user, while the job waits in
+Slurm: at a fail-open site with its start put off (`begin` = the estimate's deadline plus `[filter]
+put_off_margin_s`), at a fail-closed site held (Start.held). Once done the estimate rewrites the pending job (the GPU
+request, the comment's stamp) and brings its start back to the user's own `--begin`, or now; a held job is released
+instead (left held where the user gave --hold).
 
 Owns which submissions are put off (`puts_off`), the filter's reply for them (`put_off_reply`: the spool, the start,
-the user's line), and the detached estimate (`run`, started by the spool's submit.sh from post-submit). Fail-open by
-construction: Slurm itself starts a job nothing came back for (the estimate failed, died, or was killed), unchanged,
-at its put-off time; its comment still says `state=pending`, which the Epilog records as a failed estimate. Not for a
-fail-closed site (its job would run unestimated: the filter waits for the estimate there, as before), nor where a
-user's own `--begin` cannot be read (SLURM_TIME_FORMAT set to another format). A user's own `--begin` later than the
-put-off time is kept as it is. The detached estimate's cancel is the job's: once the job is no longer pending
-(scancel, or started at its put-off time) the estimate stops; its progress is the comment's (`xmem-slurm status`).
+the user's line), and the detached estimate (`run`, started by the spool's submit.sh from post-submit). A put-off
+job is fail-open by construction: Slurm itself starts a job nothing came back for (the estimate failed, died, or was
+killed), unchanged, at its put-off time; its comment still says `state=pending`, which the Epilog records as a
+failed estimate. Not where a user's own `--begin` cannot be read (SLURM_TIME_FORMAT set to another format) at a
+fail-open site. A user's own `--begin` later than the put-off time is kept as it is. The detached estimate's cancel
+is the job's: once the job is no longer pending (scancel, or started) the estimate stops; its progress is the
+comment's (`xmem-slurm status`).
+
+Fail-closed (a put-off job would run unestimated): the job is held, not put off, and the site's rule for an inline
+failure applies once the estimate fails or its deadline passes: where the filter would have refused the submission,
+the held job is cancelled, the reason in its comment (`xmem-slurm status JOBID`). A detached estimate that dies (the
+OOM killer, a reboot) leaves the job held, its comment `state=pending`: blocked, not lost, as the site chose. The hold
+is sbatch's --hold, a user hold: its owner may `scontrol release` it, and it then runs as submitted, unestimated (its
+comment still pending, which the Epilog records as a failed estimate).
 """
 
 from __future__ import annotations
@@ -49,20 +57,34 @@ RUNNER_FILE = "runner.json"  # in the spool: the detached estimate's pid, while 
 @dataclasses.dataclass(frozen=True)
 class Start:
     """A put-off job's timing: the estimate's deadline (epoch seconds), the put-off begin it got (None: the user's
-    own later --begin was kept), and the start to bring back once the estimate is done (the user's own, or now)."""
+    own later --begin was kept, or the job is held), the start to bring back once the estimate is done (the user's
+    own, or now), and whether the job is held instead (a fail-closed site: released, or cancelled, when done)."""
 
     estimate_until: float
     put_off: str | None
     start_at: str
+    held: bool = False
 
     @classmethod
     def of(cls, request: FilterRequest, config: SiteConfig, sbatch_started: float) -> Start:
         until = sbatch_started + config.estimate.timeout_s
+        if config.failure == "closed":
+            return cls(until, None, "", held=True)
         put_off = until + config.filter.put_off_margin_s
         own = users_begin(request)
         if own is not None and own >= put_off:
             return cls(until, None, "")
         return cls(until, _slurm_time(put_off), request.options["begin"] if own is not None else "now")
+
+    @property
+    def failure(self) -> str:
+        """The site's rule the detached estimate's answer is read under (the filter's, for an inline answer)."""
+        return "closed" if self.held else "open"
+
+    @property
+    def resume(self) -> str | None:
+        """deferred.apply's start_at: None releases a held job; else the start to bring back ("" keeps it)."""
+        return None if self.held else self.start_at
 
 
 class UnreadableBegin(ValueError):
@@ -87,16 +109,16 @@ def _slurm_time(epoch: float) -> str:
 
 
 def puts_off(config: SiteConfig, request: FilterRequest) -> bool:
-    """Whether an estimate not ready within `[filter] wait_s` goes on detached with the job's start put off: the
-    site's `[filter] put_off`, inline mode, no CPU partition, a fail-open site, and a submission whose --begin (if
-    any) can be read and post-submit can start the estimate for (deferred.cannot_defer)."""
-    if not config.filter.put_off or config.deferred.mode != "inline" or config.deferred.cpu_partition \
-            or config.failure != "open":
+    """Whether an estimate not ready within `[filter] wait_s` goes on detached, the job's start put off (fail-open)
+    or the job held (fail-closed): the site's `[filter] put_off`, inline mode, no CPU partition, and a submission
+    post-submit can start the estimate for (deferred.cannot_defer) whose --begin, if put off, can be read."""
+    if not config.filter.put_off or config.deferred.mode != "inline" or config.deferred.cpu_partition:
         return False
-    try:
-        users_begin(request)
-    except UnreadableBegin:
-        return False
+    if config.failure == "open":
+        try:
+            users_begin(request)
+        except UnreadableBegin:
+            return False
     return deferred.cannot_defer(request) is None
 
 
@@ -105,7 +127,8 @@ def puts_off(config: SiteConfig, request: FilterRequest) -> bool:
 def put_off_reply(script: str, request: FilterRequest, config: SiteConfig, why: str,
                   sbatch_started: float) -> tuple[FilterReply, Callable[[], None]]:
     """The reply for a submission whose inline estimate was not ready in time (`why`: "not ready within 4 s", ...):
-    its start put off (unless its own --begin is later), its comment pending, the spool for post-submit; and the
+    its start put off (unless its own --begin is later) or, fail-closed, held; its comment pending, the spool for
+    post-submit; and the
     function that removes the spool again, should the estimate answer inline after all. `sbatch_started`: epoch
     seconds (the estimate's deadline counts from there, as inline)."""
     token, spool = deferred.snapshot(script, request, config)
@@ -113,28 +136,36 @@ def put_off_reply(script: str, request: FilterRequest, config: SiteConfig, why: 
     (spool / START_FILE).write_text(json.dumps(dataclasses.asdict(start)))
     (spool / deferred.SUBMIT_SCRIPT).write_text(submit_script(spool, config))
     until = datetime.fromtimestamp(start.estimate_until).strftime("%H:%M:%S")
-    when = f"the job's start is put off to {start.put_off[11:]} until it is done" if start.put_off else \
-        "the job keeps its own later start"
-    message = (f"GPU memory estimate {why}, goes on in the background until {until}: {when}; "
-               f"without one it starts unchanged (xmem-slurm status JOBID)")
+    message = f"GPU memory estimate {why}, goes on in the background until {until}: {_waits(start)}"
     was = user_request(request.options) or "none"
     pairs = deferred.state_pairs("pending", was, why=message)
     comment = add_to_comment(request.options.get("comment"), JobStamp(), pairs)
-    options = {"comment": comment, **({"begin": start.put_off} if start.put_off else {})}
-    return FilterReply(set=options, message=message, defer=str(spool)), lambda: deferred.remove_spool(spool)
+    waits = {"hold": "set"} if start.held else {"begin": start.put_off} if start.put_off else {}
+    return FilterReply(set={"comment": comment, **waits}, message=message, defer=str(spool)), \
+        lambda: deferred.remove_spool(spool)
+
+
+def _waits(start: Start) -> str:
+    """How the job waits for its detached estimate, and what happens without one (the user's line)."""
+    if start.held:
+        return ("the job is held until it is done; this site requires an estimate: without one the job is cancelled "
+                "(xmem-slurm status JOBID)")
+    when = f"the job's start is put off to {start.put_off[11:]} until it is done" if start.put_off else \
+        "the job keeps its own later start"
+    return f"{when}; without one it starts unchanged (xmem-slurm status JOBID)"
 
 
 def submit_script(spool: Path, config: SiteConfig, python: str = sys.executable) -> str:
     """The script post-submit runs (cli_filter.lua: `sh SPOOL/submit.sh JOBID`): the detached estimate started in
     a session of its own (setsid: no terminal's hangup, no signal to sbatch's process group reaches it; nothing ties
-    it to sbatch, which returns at once), its output in the spool. It exits 0 once started: a put-off job needs
-    nothing from the Lua side whatever happens next."""
+    it to sbatch, which returns at once), its output in the spool. It exits 0 once started: the job needs nothing
+    from the Lua side whatever happens next (any other exit: post-submit applies the site's rule, cli_filter.lua)."""
     site = ["--config", config.source] if config.source else []
     command = shlex.join([python, "-I", "-m", "xmem.slurm.putoff", *site, str(spool)])
     log = shlex.quote(str(spool / "estimate.out"))
     return "\n".join([
         "#!/bin/sh",
-        "# xmem-slurm: the estimate of job $1 goes on detached, its start put off meanwhile (cli_filter.lua)",
+        "# xmem-slurm: the estimate of job $1 goes on detached, the job put off or held meanwhile (cli_filter.lua)",
         "job=$1",
         "case $job in ''|*[!0-9]*) exit 1 ;; esac",
         "detach=; command -v setsid >/dev/null 2>&1 && detach=setsid",
@@ -146,9 +177,10 @@ def submit_script(spool: Path, config: SiteConfig, python: str = sys.executable)
 # --- the detached estimate -----------------------------------------------------------------------------------------
 
 def run(spool: Path, job_id: str, config: SiteConfig) -> str:
-    """The detached estimate of a put-off job: the cached analysis, bounded by the deadline of the submission's, in
-    one of the user's estimate slots; then its answer written to the pending job and its start brought back. Stops
-    when the job no longer waits (cancelled, or started at its put-off time). Returns what happened, one line."""
+    """The detached estimate of a put-off or held job: the cached analysis, bounded by the deadline of the
+    submission's, in one of the user's estimate slots; then its answer, read under the site's rule, written to the
+    pending job and its start brought back (held: released, or cancelled on a refusal). Stops when the job no longer
+    waits (cancelled, or started at its put-off time). Returns what happened, one line."""
     from xmem.slurm.cache_check import still_offered
     from xmem.slurm.inline import analysis_cache, analyze_submission, cached_analysis, command_files, config_digest, \
         estimate_slots, parse_job
@@ -169,7 +201,8 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
     if cancel.is_set() or not _pending(job_id):
         return f"job {job_id} no longer waits: its estimate is not used"
-    return deferred.apply(job_id, reply_for(analysis, request, "open"), request, config, start_at=start.start_at)
+    return deferred.apply(job_id, reply_for(analysis, request, start.failure), request, config,
+                          start_at=start.resume)
 
 
 def _watch_job(job_id: str, spool: Path, cancel: threading.Event) -> None:
@@ -193,15 +226,16 @@ def _pending(job_id: str) -> bool:
         return True
 
 
-def fail_open(spool: Path, job_id: str, why: str) -> str:
-    """A detached estimate that failed in a way it can say: the job gets its start back unchanged, the failure in
-    its comment (what it would have got at its put-off time anyway, sooner)."""
+def settle(spool: Path, job_id: str, why: str) -> str:
+    """A detached estimate that failed in a way it can say: the site's rule for an inline failure, the failure in
+    the job's comment. Fail-open: the job gets its start back unchanged (what it would have got at its put-off time
+    anyway, sooner); fail-closed: the held job is cancelled (where the filter would have refused it)."""
     request, original = deferred.load_request(spool)
     start = Start(**json.loads((spool / START_FILE).read_text()))
     if not _pending(job_id):
         return f"job {job_id} no longer waits: nothing to do"
-    reply = failure_reply(why, dataclasses.replace(request, script=original), "open")
-    return deferred.apply(job_id, reply, request, None, start_at=start.start_at)
+    reply = failure_reply(why, dataclasses.replace(request, script=original), start.failure)
+    return deferred.apply(job_id, reply, request, None, start_at=start.resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         why = f"xmem failed ({type(e).__name__}: {e})"
         print(one_line(f"xmem-slurm put-off estimate: {why}", MESSAGE_MAX_CHARS), file=sys.stderr)
         try:
-            print(fail_open(spool, args.job_id, why))
-        except Exception as again:  # the job starts unchanged at its put-off time all the same
-            print(one_line(f"xmem-slurm: job {args.job_id} starts at its put-off time ({again})", MESSAGE_MAX_CHARS),
-                  file=sys.stderr)
+            print(settle(spool, args.job_id, why))
+        except Exception as again:  # put off: it starts unchanged all the same; held: it stays held (fail-closed)
+            print(one_line(f"xmem-slurm: job {args.job_id} is left as it waits, put off or held ({again})",
+                           MESSAGE_MAX_CHARS), file=sys.stderr)
         return 1
     finally:
         deferred.remove_spool(spool)
