@@ -201,8 +201,8 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
     if cancel.is_set() or not _pending(job_id):
         return f"job {job_id} no longer waits: its estimate is not used"
-    return deferred.apply(job_id, reply_for(analysis, request, start.failure), request, config,
-                          start_at=start.resume)
+    users = dataclasses.replace(request, script=original)  # a refusal names the user's script, not the spool's copy
+    return deferred.apply(job_id, reply_for(analysis, users, start.failure), request, config, start_at=start.resume)
 
 
 def _watch_job(job_id: str, spool: Path, cancel: threading.Event) -> None:
