@@ -228,8 +228,8 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
         request.script, request, cold, cache=analysis_cache(config), config_digest=config_digest(config),
         files=command_files(job, request, original), slots=lambda: estimate_slots(config),
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
-    reply = reply_for(analysis, request, config.failure)
-    outcome = apply(job_id, reply, request, config)
+    users = dataclasses.replace(request, script=original)  # a refusal names the user's script, not the spool's copy
+    outcome = apply(job_id, reply_for(analysis, users, config.failure), request, config)
     _cancel_watchdog(spool)
     remove_spool(spool)
     return outcome
