@@ -153,6 +153,20 @@ def test_a_preloaded_library_that_bound_torchs_ddp_gets_the_stand_in(warm_on, tm
     assert cpu < COLD_CPU_S, "the trace was not run warm"
 
 
+def test_a_preloaded_library_that_bound_safe_open_reads_no_weights(warm_on, tmp_path):
+    """transformers.modeling_utils takes `safe_open` by name when the server imports it, before the job's
+    checkpoint patch: a warm from_pretrained then read every weight (a 70B FSDP estimate read 8.3 GiB of its
+    checkpoint warm, 0.5 MiB cold). The name it holds must be the patched one, as in a cold trace."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    script = tmp_path / "bound_safe_open.py"
+    script.write_text("import safetensors, transformers.modeling_utils as modeling\n"
+                      "assert modeling.safe_open is safetensors.safe_open, 'the unpatched safe_open kept'\n"
+                      + (SCRIPTS / "mlp_adam.py").read_text())
+    _, cpu = traced(["python", str(script), "--steps", "4"], cwd=str(tmp_path))
+    assert cpu < COLD_CPU_S, "the trace was not run warm"
+
+
 def test_a_program_reaching_the_real_cuda_runtime_is_not_modelled_warm_too(warm_on, tmp_path):
     """In a warm child (a fork of a process that loaded CUDA) torch's own init asserts `is_device_in_bad_fork` before
     the runtime can say it has no device: the same gap of ours as cold, exit 11, never the program's error."""

@@ -196,6 +196,17 @@ def _patch_safetensors() -> None:
 
     safetensors.safe_open = safe_open
     safetensors.torch.safe_open = safe_open  # load_file opens through the name it imported
+    _rebind_imported(original, safe_open)
+
+
+def _rebind_imported(original: Any, patched: Any) -> None:
+    """Modules imported before the patch that took `safe_open` by name (`from safetensors import safe_open`:
+    transformers.modeling_utils) get the patched one: in the warm tracer the server imported them before any job
+    (a cold trace imports them after), and through the name they hold a from_pretrained read every weight."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict) and names.get("safe_open") is original:
+            names["safe_open"] = patched
 
 
 # ---- torch.load -----------------------------------------------------------------------------------------------------
