@@ -16,9 +16,14 @@ each shard's header, and its data a hole of the right size (no disk, nothing to 
 `torchrun --nnodes=2 --nproc_per_node=8` on a fine-tune under accelerate's FSDP2 (the HF Trainer's `--fsdp` path:
 from_pretrained on the host, fp32 master shards, bf16 compute, activation checkpointing, AdamW). The trace runs
 cold (no warm tracer, whose forked process is outside the measured tree): imports included. Targets: <= 60 s,
-<= 8 GiB peak RSS of the process tree. Its checkpoint folder is `xmem-bench-llama70b`.
+<= 8 GiB peak RSS of the process tree. Its checkpoint folder is `xmem-bench-llama70b`. With `--warm`, the 70B
+estimate goes through the warm tracer, the product's default path (a server of its own, in a temporary socket
+directory; the estimate is made twice, the first
+finding no server for the launcher's environment and starting one): the peak RSS is then the larger of the estimating process's tree and
+the warm server's (the traced job is the server's forked child), the CPU seconds the estimating tree's and the
+server's together.
 
-    .venv/bin/python scripts/bench_checkpoint.py [--dir /tmp] [--keep] [--case device_map|cuda|fsdp70b]
+    .venv/bin/python scripts/bench_checkpoint.py [--dir /tmp] [--keep] [--case device_map|cuda|fsdp70b] [--warm]
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_estimate import tree_rss, xmem_slurm_command  # noqa: E402  (one sampler for both benchmarks)
+from bench_estimate import WARM_START_S, stop_servers, tree_rss, warm_env, xmem_slurm_command  # noqa: E402
 
 from xmem.bench.page_cache import cached_bytes, evict  # noqa: E402
+from xmem.trace import warm  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 SHARD_BYTES = 5 * 10**9  # what save_pretrained's max_shard_size="5GB" makes
@@ -153,17 +159,33 @@ def read_bytes_by_pid() -> dict[int, int]:
     return found
 
 
-def run_estimate(script: Path, checkpoint: Path, placement: str) -> dict:
-    if placement == "fsdp70b":  # cold: the warm tracer's forked trace would be outside the measured tree
+def server_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of the warm servers and their reaped children so far (/proc/PID/stat: utime, stime, cutime,
+    cstime), for the job they forked."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(fields[i]) for i in (11, 12, 13, 14))
+    return total / ticks
+
+
+def run_estimate(script: Path, checkpoint: Path, placement: str, sockets: Path | None = None) -> dict:
+    servers = warm.server_pids(sockets) if sockets else []
+    if placement == "fsdp70b":  # cold unless --warm: the warm tracer's forked trace is outside the estimate's tree
         program = [str(Path(sys.executable).with_name("torchrun")), *FSDP_LAUNCH, str(FINETUNE_FSDP),
                    str(checkpoint), *FINETUNE_FSDP_ARGS]
-        env = {**os.environ, "XMEM_WARM_TRACER": "0"}
+        env = warm_env(sockets) if sockets else {**os.environ, "XMEM_WARM_TRACER": "0"}
     else:
         program, env = [sys.executable, str(script), str(checkpoint), placement], None
     command = [*xmem_slurm_command(), "estimate", "--json", "--gpu", "h200", "--iterations", "2", "--",
                *program]
     before = read_bytes_by_pid()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_cpu_before = server_cpu_seconds(servers)
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     peak_tree, reads, done = 0, {}, threading.Event()
@@ -171,7 +193,7 @@ def run_estimate(script: Path, checkpoint: Path, placement: str) -> dict:
     def sample() -> None:
         nonlocal peak_tree
         while not done.is_set():
-            peak_tree = max(peak_tree, tree_rss(process.pid))
+            peak_tree = max(peak_tree, tree_rss(process.pid), *(tree_rss(pid) for pid in servers))
             for pid, count in read_bytes_by_pid().items():
                 reads[pid] = max(reads.get(pid, 0), count - before.get(pid, 0))
             done.wait(0.05)
@@ -182,6 +204,7 @@ def run_estimate(script: Path, checkpoint: Path, placement: str) -> dict:
     seconds = time.perf_counter() - started
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the waited-for tree: the sandboxed trace included
     cpu_seconds = sum(getattr(cpu_after, f) - getattr(cpu_before, f) for f in ("ru_utime", "ru_stime"))
+    cpu_seconds += server_cpu_seconds(servers) - server_cpu_before
     done.set()
     sampler.join()
     try:
@@ -197,17 +220,38 @@ def main() -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the ~13.5 GB checkpoint is written")
     parser.add_argument("--case", choices=["device_map", "cuda", "fsdp70b"], action="append")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse one left there)")
+    parser.add_argument("--warm", action="store_true", help="the 70B estimate through the warm tracer")
     args = parser.parse_args()
     cases = args.case or ["device_map", "cuda"]
     for placement in ("fsdp70b",) if "fsdp70b" in cases else ():
-        bench_case(Path(args.dir) / "xmem-bench-llama70b", [placement], args.keep, LLAMA_70B, "")
+        if not args.warm:
+            bench_case(Path(args.dir) / "xmem-bench-llama70b", [placement], args.keep, LLAMA_70B, "")
+            continue
+        with tempfile.TemporaryDirectory(prefix="xmem-bench-warm-") as name:
+            sockets, folder = Path(name), Path(args.dir) / "xmem-bench-llama70b"
+            try:  # the first finds no server for the launcher's environment: it runs cold and starts one
+                print("first estimate (starts the warm server for the job's environment):")
+                bench_case(folder, [placement], True, LLAMA_70B, "", sockets)
+                wait_for_server(sockets)
+                print("second estimate (through the warm server):")
+                bench_case(folder, [placement], args.keep, LLAMA_70B, "", sockets)
+            finally:
+                stop_servers(sockets)
     seven_b = [c for c in cases if c != "fsdp70b"]
     if seven_b:
         bench_case(Path(args.dir) / "xmem-bench-llama7b", seven_b, args.keep, LLAMA_7B, FINETUNE)
     return 0
 
 
-def bench_case(folder: Path, placements: list[str], keep: bool, shape: dict, finetune: str) -> None:
+def wait_for_server(sockets: Path) -> None:
+    """Until a warm server listens in `sockets` (it loads once the estimate that started it has ended)."""
+    deadline = time.monotonic() + WARM_START_S
+    while time.monotonic() < deadline and not list(sockets.glob("*.sock")):
+        time.sleep(0.5)
+
+
+def bench_case(folder: Path, placements: list[str], keep: bool, shape: dict, finetune: str,
+               sockets: Path | None = None) -> None:
     """Write the checkpoint of `shape` in `folder` (sparse for the 70B), estimate each placement with the fine-tune
     `finetune` (its source; "" for the 70B's, a file of its own), delete the checkpoint."""
     sparse = shape is LLAMA_70B
@@ -225,7 +269,7 @@ def bench_case(folder: Path, placements: list[str], keep: bool, shape: dict, fin
             script.write_text(textwrap.dedent(finetune))
         for placement in placements:
             evict(shards)
-            run = run_estimate(script, folder, placement)
+            run = run_estimate(script, folder, placement, sockets)
             weight_read = cached_bytes(shards)
             ok = (run["returncode"] == 0 and run["seconds"] <= target_s and run["peak_tree_rss"] <= target_rss)
             print(f"{placement:<10} {run['seconds']:6.1f} s ({run['cpu_seconds']:.1f} s of CPU; load "
