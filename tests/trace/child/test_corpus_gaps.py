@@ -138,3 +138,27 @@ def test_a_slice_between_a_stand_in_start_and_its_end_keeps_its_size(tmp_path):
     copy into the segment refused (exit 11 before); the end's stand-in is the start's plus the size."""
     trace = trace_source(tmp_path, "random_segments.py", RANDOM_SEGMENTS)
     assert trace.iterations == 2
+
+
+# A counter kept on the GPU and stepped by a Python integer: each new value is remembered as the old one plus 1
+COUNTER = """import torch
+model = torch.nn.Linear(8, 8).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    seen = torch.zeros((), dtype=torch.long, device="cuda")
+    for _ in range(200):
+        seen = seen + 1
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_an_integer_remembered_as_another_plus_one_lets_the_other_be_freed(tmp_path):
+    """The offset a stand-in keeps refers to its base weakly: a counter stepped 200 times holds one block at a
+    time, as on a GPU, not a chain of 200 (each new value keeping the one it was made from alive)."""
+    trace = trace_source(tmp_path, "counter.py", COUNTER)
+    live = peak = 0
+    for event in trace.events:
+        live += {"alloc": 1, "free": -1}.get(event.action, 0)
+        peak = max(peak, live)
+    assert trace.iterations == 2 and peak < 30

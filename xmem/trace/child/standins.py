@@ -141,7 +141,10 @@ class StandIns:
         if tensor.dtype.is_complex:
             return complex(1.0)
         offset = getattr(tensor, "_xmem_offset", None)
-        return 1 if offset is None else self.scalar(offset[0]) + offset[1]
+        if offset is None:
+            return 1
+        base = offset[0]()
+        return (1 if base is None else self.scalar(base)) + offset[1]
 
     def unknown_truth(self) -> bool:
         frame = _caller_frame()
@@ -387,7 +390,9 @@ def note_offset(tensor: torch.Tensor, op: str, args: tuple) -> None:
         return
     base, number = args[0], args[1]
     if isinstance(base, torch.Tensor) and base.dim() == 0 and type(number) is int:
-        tensor._xmem_offset = (base, sign * number)
+        # weakly: the base's block is freed when the program drops it, as on a GPU (a counter `i = i + 1` would
+        # otherwise keep every earlier one alive); a base gone by then counts as its own stand-in, 1
+        tensor._xmem_offset = (weakref.ref(base), sign * number)
 
 
 OFFSET_OPS = {"add": 1, "sub": -1}  # (note_offset) the ops, and the sign each gives its number
