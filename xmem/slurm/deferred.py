@@ -211,6 +211,12 @@ def load_request(spool: Path) -> tuple[FilterRequest, str]:
     return request, data["original_script"]
 
 
+def as_submitted(request: FilterRequest, original: str) -> FilterRequest:
+    """The snapshot's request naming the script as the user submitted it: what a refusal tells them to check
+    (`xmem-slurm check PATH`), not the spool's copy, removed when the estimate ends."""
+    return dataclasses.replace(request, script=original)
+
+
 def run(spool: Path, job_id: str, config: SiteConfig) -> str:
     """Runs as the estimation job. Returns what happened, one line (also in the job's comment). Always cold: a
     warm tracer started here would outlive the job on the estimation node (0.7 GiB for its idle time), and no
@@ -228,8 +234,7 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
         request.script, request, cold, cache=analysis_cache(config), config_digest=config_digest(config),
         files=command_files(job, request, original), slots=lambda: estimate_slots(config),
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
-    users = dataclasses.replace(request, script=original)  # a refusal names the user's script, not the spool's copy
-    outcome = apply(job_id, reply_for(analysis, users, config.failure), request, config)
+    outcome = apply(job_id, reply_for(analysis, as_submitted(request, original), config.failure), request, config)
     _cancel_watchdog(spool)
     remove_spool(spool)
     return outcome
@@ -346,7 +351,7 @@ def rescue(spool: Path, job_id: str, config: SiteConfig) -> str:
     """Runs when the estimation job failed, timed out or was cancelled: apply the site's failure mode, so the
     GPU job is never left held."""
     request, original = load_request(spool)
-    request = dataclasses.replace(request, script=original)  # named as the user knows it, in the refusal
+    request = as_submitted(request, original)
     if _current(job_id, "JobState") != "PENDING":
         remove_spool(spool)
         return f"job {job_id} is no longer pending: nothing to do"
@@ -418,7 +423,7 @@ def settle(spool: Path, job_id: str, why: str, failure: str) -> bool:
     cancelled), its watchdog cancelled and its spool removed. False when even that failed (said on stderr)."""
     try:
         request, original = load_request(spool)
-        reply = failure_reply(why, dataclasses.replace(request, script=original), failure)
+        reply = failure_reply(why, as_submitted(request, original), failure)
         print(apply(job_id, reply, request, None))
     except Exception as again:
         print(one_line(f"xmem-slurm: job {job_id} may be held: release it with `scontrol release {job_id}` "

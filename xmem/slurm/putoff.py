@@ -201,7 +201,7 @@ def run(spool: Path, job_id: str, config: SiteConfig) -> str:
         usable=lambda verdict: still_offered(verdict, job, config, request.user))
     if cancel.is_set() or not _pending(job_id):
         return f"job {job_id} no longer waits: its estimate is not used"
-    users = dataclasses.replace(request, script=original)  # a refusal names the user's script, not the spool's copy
+    users = deferred.as_submitted(request, original)
     return deferred.apply(job_id, reply_for(analysis, users, start.failure), request, config, start_at=start.resume)
 
 
@@ -234,7 +234,7 @@ def settle(spool: Path, job_id: str, why: str) -> str:
     start = Start(**json.loads((spool / START_FILE).read_text()))
     if not _pending(job_id):
         return f"job {job_id} no longer waits: nothing to do"
-    reply = failure_reply(why, dataclasses.replace(request, script=original), start.failure)
+    reply = failure_reply(why, deferred.as_submitted(request, original), start.failure)
     return deferred.apply(job_id, reply, request, None, start_at=start.resume)
 
 
